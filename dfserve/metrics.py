@@ -1,0 +1,180 @@
+"""Prometheus metric names and buckets: defined here once, used by the simulator, the gateway and the load tester.
+
+Dashboards and alert rules query exactly these names. Every family is built on an injected `CollectorRegistry`
+(never the global one), so each app instance and each test has its own.
+
+Two vocabularies live here:
+- `SGLangMetrics`: the names SGLang's server emits (``python/sglang/srt/observability/metrics_collector.py``),
+  used by dfserve's simulated engine so that dashboards built for SGLang work against it unchanged;
+- `DfserveMetrics`: dfserve's own per-arm families, labelled `arm`, `replica`, `route`, shared by gateway and tester.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latency buckets in seconds: fine at the low end (a token every few ms), reaching minutes for long generations.
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
+# Acceptance length is between 1 and the block size (16 for z-lab's drafters); half-token steps resolve a 3% change.
+ACCEPT_LENGTH_BUCKETS = tuple(x / 2 for x in range(2, 33))
+TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# --- SGLang's names (the server's, with the colon) -------------------------------------------------------------
+SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens"  # counter; exposed with _total
+SGLANG_GENERATION_TOKENS = "sglang:generation_tokens"
+SGLANG_SPEC_VERIFY_CALLS = "sglang:spec_verify_calls"
+SGLANG_CACHED_TOKENS = "sglang:cached_tokens"
+SGLANG_NUM_REQUESTS = "sglang:num_requests"
+SGLANG_NUM_ABORTED_REQUESTS = "sglang:num_aborted_requests"
+SGLANG_TTFT = "sglang:time_to_first_token_seconds"
+SGLANG_ITL = "sglang:inter_token_latency_seconds"
+SGLANG_E2E = "sglang:e2e_request_latency_seconds"
+SGLANG_QUEUE_TIME = "sglang:queue_time_seconds"
+SGLANG_NUM_RUNNING_REQS = "sglang:num_running_reqs"
+SGLANG_NUM_QUEUE_REQS = "sglang:num_queue_reqs"
+SGLANG_GEN_THROUGHPUT = "sglang:gen_throughput"
+SGLANG_TOKEN_USAGE = "sglang:token_usage"
+SGLANG_CACHE_HIT_RATE = "sglang:cache_hit_rate"
+SGLANG_SPEC_ACCEPT_LENGTH = "sglang:spec_accept_length"
+SGLANG_SPEC_ACCEPT_RATE = "sglang:spec_accept_rate"
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank")
+
+# --- dfserve's names -------------------------------------------------------------------------------------------
+REQUESTS = "dfserve_requests"  # counter; exposed with _total
+REQUESTS_IN_FLIGHT = "dfserve_requests_in_flight"
+TTFT = "dfserve_time_to_first_token_seconds"
+ITL_PER_TOKEN = "dfserve_inter_token_latency_per_token_seconds"
+ITL_PER_CHUNK = "dfserve_inter_chunk_latency_seconds"
+E2E = "dfserve_e2e_request_latency_seconds"
+OUTPUT_TOKENS = "dfserve_output_tokens"
+SPEC_VERIFY_ROUNDS = "dfserve_spec_verify_rounds"
+ACCEPT_LENGTH = "dfserve_accept_length"
+UPSTREAM_ERRORS = "dfserve_upstream_errors"
+RETRIES = "dfserve_retries"
+EJECTIONS = "dfserve_replica_ejections"
+REPLICA_HEALTHY = "dfserve_replica_healthy"
+SHADOW_REQUESTS = "dfserve_shadow_requests"
+ARM_WEIGHT = "dfserve_arm_weight"
+ARM_WINDOWED_ACCEPT_LENGTH = "dfserve_arm_windowed_accept_length"
+
+ARM_LABELS = ("arm", "route")
+MEASURES = ("exact", "estimated")
+"""Values of the `measure` label on acceptance: exact from meta_info, estimated from chunk counts."""
+
+
+@dataclass(frozen=True)
+class SGLangMetrics:
+    """The families an SGLang server exports with `--enable-metrics`, labelled like SGLang's."""
+
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    spec_verify_calls: Counter
+    cached_tokens: Counter
+    num_requests: Counter
+    num_aborted_requests: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    num_running_reqs: Gauge
+    num_queue_reqs: Gauge
+    gen_throughput: Gauge
+    token_usage: Gauge
+    cache_hit_rate: Gauge
+    spec_accept_length: Gauge
+    spec_accept_rate: Gauge
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> SGLangMetrics:
+        labels = SGLANG_LABELS
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        return cls(
+            prompt_tokens=counter(SGLANG_PROMPT_TOKENS, "Number of prefill tokens processed."),
+            generation_tokens=counter(SGLANG_GENERATION_TOKENS, "Number of generation tokens processed."),
+            spec_verify_calls=counter(SGLANG_SPEC_VERIFY_CALLS, "Number of speculative verify rounds."),
+            cached_tokens=counter(SGLANG_CACHED_TOKENS, "Number of cached prompt tokens."),
+            num_requests=counter(SGLANG_NUM_REQUESTS, "Number of requests processed."),
+            num_aborted_requests=counter(SGLANG_NUM_ABORTED_REQUESTS, "Number of requests aborted."),
+            ttft=histogram(SGLANG_TTFT, "Histogram of time to first token in seconds.", TTFT_BUCKETS_S),
+            itl=histogram(SGLANG_ITL, "Histogram of inter-token latency in seconds.", ITL_BUCKETS_S),
+            e2e=histogram(SGLANG_E2E, "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS_S),
+            queue_time=histogram(SGLANG_QUEUE_TIME, "Histogram of queueing time in seconds.", TTFT_BUCKETS_S),
+            num_running_reqs=gauge(SGLANG_NUM_RUNNING_REQS, "The number of running requests."),
+            num_queue_reqs=gauge(SGLANG_NUM_QUEUE_REQS, "The number of requests in the waiting queue."),
+            gen_throughput=gauge(SGLANG_GEN_THROUGHPUT, "The generation throughput (token/s)."),
+            token_usage=gauge(SGLANG_TOKEN_USAGE, "The token usage of the KV cache."),
+            cache_hit_rate=gauge(SGLANG_CACHE_HIT_RATE, "The prefix cache hit rate."),
+            spec_accept_length=gauge(SGLANG_SPEC_ACCEPT_LENGTH, "The average acceptance length of speculative decoding."),
+            spec_accept_rate=gauge(SGLANG_SPEC_ACCEPT_RATE, "The average acceptance rate of speculative decoding."),
+        )
+
+
+@dataclass(frozen=True)
+class DfserveMetrics:
+    """dfserve's per-arm families, measured at the client side of each arm (gateway relay or load tester)."""
+
+    requests: Counter
+    in_flight: Gauge
+    ttft: Histogram
+    itl_per_token: Histogram
+    itl_per_chunk: Histogram
+    e2e: Histogram
+    output_tokens: Counter
+    spec_verify_rounds: Counter
+    accept_length: Histogram
+    upstream_errors: Counter
+    retries: Counter
+    ejections: Counter
+    replica_healthy: Gauge
+    shadow_requests: Counter
+    arm_weight: Gauge
+    arm_windowed_accept_length: Gauge
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> DfserveMetrics:
+        arm = ARM_LABELS
+        return cls(
+            requests=Counter(REQUESTS, "Requests finished, by HTTP status class and outcome.",
+                             (*arm, "replica", "status"), registry=registry),
+            in_flight=Gauge(REQUESTS_IN_FLIGHT, "Requests in flight.", arm, registry=registry),
+            ttft=Histogram(TTFT, "Time to first token seen by the client side, seconds.", arm,
+                           buckets=TTFT_BUCKETS_S, registry=registry),
+            itl_per_token=Histogram(ITL_PER_TOKEN, "Gap between chunks divided over the tokens the chunk carried, "
+                                    "one sample per token, seconds.", arm, buckets=ITL_BUCKETS_S, registry=registry),
+            itl_per_chunk=Histogram(ITL_PER_CHUNK, "Gap between successive stream chunks, one sample per chunk, "
+                                    "seconds.", arm, buckets=ITL_BUCKETS_S, registry=registry),
+            e2e=Histogram(E2E, "End-to-end request latency, seconds.", arm, buckets=E2E_BUCKETS_S, registry=registry),
+            output_tokens=Counter(OUTPUT_TOKENS, "Completion tokens received.", arm, registry=registry),
+            spec_verify_rounds=Counter(SPEC_VERIFY_ROUNDS, "Speculative verify rounds reported by meta_info.", arm,
+                                       registry=registry),
+            accept_length=Histogram(ACCEPT_LENGTH, "Per-request acceptance length (tokens per verify round, bonus "
+                                    "included); measure=exact from meta_info, estimated from chunk counts.",
+                                    (*arm, "measure"), buckets=ACCEPT_LENGTH_BUCKETS, registry=registry),
+            upstream_errors=Counter(UPSTREAM_ERRORS, "Upstream failures by kind.", ("arm", "replica", "kind"),
+                                    registry=registry),
+            retries=Counter(RETRIES, "Requests retried on another replica of the same arm.", ("arm", "replica"),
+                            registry=registry),
+            ejections=Counter(EJECTIONS, "Replicas ejected as unhealthy.", ("arm", "replica"), registry=registry),
+            replica_healthy=Gauge(REPLICA_HEALTHY, "1 when the replica is admitted, 0 when ejected.",
+                                  ("arm", "replica"), registry=registry),
+            shadow_requests=Counter(SHADOW_REQUESTS, "Mirrored requests by outcome.", ("arm", "outcome"),
+                                    registry=registry),
+            arm_weight=Gauge(ARM_WEIGHT, "Configured traffic weight of an arm.", ("arm",), registry=registry),
+            arm_windowed_accept_length=Gauge(
+                ARM_WINDOWED_ACCEPT_LENGTH,
+                "Acceptance length of an arm over the last scrape window, from its replicas' SGLang counters "
+                "(Δ generation_tokens / Δ spec_verify_calls).", ("arm",), registry=registry),
+        )

@@ -1,0 +1,72 @@
+"""Start real servers on loopback for integration tests: free port, subprocess, wait for health, always stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before {url} answered")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serve(argv: Sequence[str], health_url: str, log: Path | None = None, timeout_s: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `argv` until the block ends; SIGTERM, then SIGKILL after 5 s."""
+    out = log.open("wb") if log else subprocess.DEVNULL
+    process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(health_url, process, timeout_s)
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def dfserve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dfserve", *args]
+
+
+@contextlib.contextmanager
+def sim_server(profile: str = "zlab", time_scale: float = 0.02, seed: int = 0, *extra: str) -> Iterator[str]:
+    """A simulated SGLang engine on a free loopback port; yields its base URL."""
+    port = free_port()
+    argv = dfserve_argv(
+        "sim", "--host", LOOPBACK, "--port", str(port), "--profile", profile,
+        "--time-scale", str(time_scale), "--seed", str(seed), *extra,
+    )
+    base = f"http://{LOOPBACK}:{port}"
+    with serve(argv, f"{base}/health"):
+        yield base
