@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from dfserve.errors import UserError
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_atomic, write_model
+
+
+class Row(BaseModel):
+    n: int
+
+
+def test_run_dirs_are_unique_and_never_reused(tmp_path: Path) -> None:
+    first = create_run_dir(tmp_path)
+    second = create_run_dir(tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
+    named = create_run_dir(tmp_path, "baseline")
+    with pytest.raises(UserError, match="already exists"):
+        create_run_dir(tmp_path, "baseline")
+    assert named.exists()
+
+
+def test_write_atomic_refuses_to_replace_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = tmp_path / "summary.json"
+    write_atomic(target, "{}\n")
+    with pytest.raises(FileExistsError):
+        write_atomic(target, "other")
+    assert target.read_text() == "{}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_jsonl_appender_flushes_each_record_and_refuses_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    with JsonlAppender(path) as out:
+        out.append(Row(n=1))
+        assert path.read_text() == '{"n":1}\n'  # visible before close: a crash keeps it
+        out.append(Row(n=2))
+    assert path.read_text().splitlines() == ['{"n":1}', '{"n":2}']
+    with pytest.raises(FileExistsError):
+        JsonlAppender(path)
+
+
+def test_provenance_records_versions(tmp_path: Path) -> None:
+    prov = Provenance.here()
+    assert prov.versions["dfserve"] != "not installed"
+    write_model(tmp_path / "p.json", prov)
+    assert Provenance.model_validate_json((tmp_path / "p.json").read_text()) == prov
