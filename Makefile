@@ -22,5 +22,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: $(STAMP) lint
+# Debian packages the tests start: Prometheus (with promtool) and its Pushgateway; installed only where missing.
+system-deps:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v prometheus-pushgateway >/dev/null \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			prometheus prometheus-pushgateway; }
+
+test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -q

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "promote": ("loadtest.cli:promote", "Make a PASSed candidate the new baseline (history kept)."),
     "baseline": ("loadtest.cli:baseline", "Show the current baseline and its history."),
     "demo": ("dfserve.demo:demo", "Run a whole A/B judgement on simulated engines, end to end."),
+    "dashboards": ("dashboards.cli:dashboards", "Write the Grafana dashboards, Prometheus rules and their k8s objects."),
 }
 
 

@@ -42,6 +42,9 @@ SGLANG_CACHE_HIT_RATE = "sglang:cache_hit_rate"
 SGLANG_SPEC_ACCEPT_LENGTH = "sglang:spec_accept_length"
 SGLANG_SPEC_ACCEPT_RATE = "sglang:spec_accept_rate"
 SGLANG_LABELS = ("model_name", "engine_type", "tp_rank")
+DEPLOYMENT_LABEL = "deployment"
+"""Target label Prometheus attaches to every engine it scrapes (static config or PodMonitor relabeling), naming the
+deployment; SGLang's own labels cannot tell two deployments of the same model apart."""
 
 # --- dfserve's names -------------------------------------------------------------------------------------------
 REQUESTS = "dfserve_requests"  # counter; exposed with _total

@@ -1,0 +1,157 @@
+"""The "dfserve A/B" dashboard: every arm side by side, as measured by the gateway or the load tester.
+
+Every query is scoped to the selected jobs (`$job`: the gateway and the load tester both export the same families,
+so summing across them would count a request twice) and arms (`$arm`). The ratio row compares `$candidate` to
+`$baseline` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dfserve import metrics as m
+
+from .grafana import RATE_INTERVAL, Dashboard, Panel, Row, Target, Variable
+from .promql import (
+    QUANTILES,
+    counter,
+    histogram_mean,
+    increase_sum,
+    quantile,
+    rate_sum,
+    ratio,
+    selector,
+    tokens_per_round,
+)
+
+W = RATE_INTERVAL
+SCOPE = ('job=~"$job"', 'arm=~"$arm"')
+ERROR_STATUS = 'status!~"2.."'
+"""`dfserve_requests_total` counts every finished request by status; anything but 2xx is an error to the client."""
+
+
+def _one_arm(variable: str) -> tuple[str, ...]:
+    return ('job=~"$job"', f'arm="${variable}"')
+
+
+def _quantile_targets(histogram: str) -> tuple[Target, ...]:
+    return tuple(Target(quantile(q, histogram, W, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}")
+                 for q in QUANTILES)
+
+
+def _candidate_over_baseline(expr_for: Callable[[tuple[str, ...]], str]) -> str:
+    """`expr_for(matchers)` for the candidate arm divided by the same for the baseline arm."""
+    return ratio(expr_for(_one_arm("candidate")), expr_for(_one_arm("baseline")))
+
+
+def _traffic() -> Row:
+    return Row("Traffic", (
+        Panel("Request rate", "Finished requests per second, per arm.",
+              (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps"),
+        Panel("Error ratio", "Share of finished requests that did not end in a 2xx status.",
+              (Target(ratio(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
+                            rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)), "{{arm}}"),),
+              unit="percentunit", no_value="0"),
+        Panel("Output tokens per second", "Completion tokens streamed back to clients, per arm.",
+              (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], SCOPE), "{{arm}}"),)),
+        Panel("Requests in flight", "Requests sent to an arm and not yet finished.",
+              (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, SCOPE)})", "{{arm}}"),)),
+        Panel("Arm weight", "Configured share of live traffic per arm (gateway).",
+              (Target(f"max by (arm) ({selector(m.ARM_WEIGHT, SCOPE)})", "{{arm}}"),)),
+        Panel("Shadow requests", "Mirrored requests per second by outcome; a shadow answer never reaches a client.",
+              (Target(rate_sum(counter(m.SHADOW_REQUESTS), W, ["arm", "outcome"], SCOPE), "{{arm}} {{outcome}}"),),
+              unit="reqps", no_value="0"),
+    ))
+
+
+def _latency() -> Row:
+    return Row("Latency", (
+        Panel("Time to first token", "p50/p95/p99 per arm, from request sent to first content chunk.",
+              _quantile_targets(m.TTFT), unit="s", width=12),
+        Panel("End-to-end latency", "p50/p95/p99 per arm, from request sent to the last byte.",
+              _quantile_targets(m.E2E), unit="s", width=12),
+        Panel("Inter-token latency (per token)",
+              "Gap between chunks divided over the tokens each chunk carried: one sample per token.",
+              _quantile_targets(m.ITL_PER_TOKEN), unit="s", width=12),
+        Panel("Inter-chunk latency (per chunk)",
+              "Gap between successive chunks, one sample per chunk; with speculative decoding a chunk carries "
+              "a whole verify round.", _quantile_targets(m.ITL_PER_CHUNK), unit="s", width=12),
+    ))
+
+
+def _acceptance() -> Row:
+    exact = (*SCOPE, 'measure="exact"')
+    estimated = (*SCOPE, 'measure="estimated"')
+    return Row("Acceptance", (
+        Panel("Acceptance length (pooled, exact)",
+              "Σ completion tokens / Σ verify rounds from meta_info over the window: tokens per target forward "
+              "pass, bonus token included.",
+              (Target(tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, W, ["arm"], SCOPE), "{{arm}}"),)),
+        Panel("Acceptance length (mean per request)",
+              "Mean of per-request acceptance lengths: exact from meta_info, estimated from chunk counts where "
+              "meta_info is not visible.",
+              (Target(histogram_mean(m.ACCEPT_LENGTH, W, ["arm"], exact), "{{arm}} exact"),
+               Target(histogram_mean(m.ACCEPT_LENGTH, W, ["arm"], estimated), "{{arm}} estimated"))),
+        Panel("Acceptance length (engine counters)",
+              "Δ sglang:generation_tokens / Δ sglang:spec_verify_calls over each arm's replicas, as the gateway "
+              "reads them.",
+              (Target(f"max by (arm) ({selector(m.ARM_WINDOWED_ACCEPT_LENGTH, SCOPE)})", "{{arm}}"),)),
+        Panel("Acceptance length distribution ($arm)", "Per-request exact acceptance lengths counted per bucket.",
+              (Target(increase_sum(f"{m.ACCEPT_LENGTH}_bucket", W, ["le"],
+                                   ('job=~"$job"', 'arm=~"$arm"', 'measure="exact"')), "{{le}}", heatmap=True),),
+              kind="heatmap", width=12, repeat="arm"),
+    ))
+
+
+def _comparison() -> Row:
+    def quantile_ratio(q: float, histogram: str) -> str:
+        return _candidate_over_baseline(lambda arm: quantile(q, histogram, W, [], arm))
+
+    return Row("Candidate / baseline", (
+        Panel("Acceptance length ratio", "Pooled exact acceptance length of $candidate over $baseline; above 1 the "
+              "candidate drafts better.",
+              (Target(_candidate_over_baseline(
+                  lambda arm: tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, W, [], arm)), "acceptance"),),
+              kind="stat", width=6),
+        Panel("TTFT ratio", "Time to first token of $candidate over $baseline (p50 and p99).",
+              (Target(quantile_ratio(0.5, m.TTFT), "p50"), Target(quantile_ratio(0.99, m.TTFT), "p99")), kind="stat", width=6),
+        Panel("Inter-token latency ratio", "Per-token ITL of $candidate over $baseline (p50 and p99).",
+              (Target(quantile_ratio(0.5, m.ITL_PER_TOKEN), "p50"),
+               Target(quantile_ratio(0.99, m.ITL_PER_TOKEN), "p99")), kind="stat", width=6),
+        Panel("Output tokens/s ratio", "Output token rate of $candidate over $baseline; read with the arm weights.",
+              (Target(_candidate_over_baseline(lambda arm: rate_sum(counter(m.OUTPUT_TOKENS), W, [], arm)),
+                      "tokens/s"),), kind="stat", width=6),
+    ))
+
+
+def _replicas() -> Row:
+    replica = ('job=~"$job"', 'arm=~"$arm"')
+    return Row("Replicas", (
+        Panel("Replica admitted", "1 while the gateway sends traffic to a replica, 0 while it is ejected.",
+              (Target(f"max by (arm, replica) ({selector(m.REPLICA_HEALTHY, replica)})", "{{arm}} {{replica}}"),)),
+        Panel("Ejections", "Replicas ejected as unhealthy in the window.",
+              (Target(increase_sum(counter(m.EJECTIONS), W, ["arm", "replica"], replica), "{{arm}} {{replica}}"),),
+              no_value="0"),
+        Panel("Upstream errors and retries", "Upstream failures by kind, and requests retried on another replica.",
+              (Target(rate_sum(counter(m.UPSTREAM_ERRORS), W, ["arm", "kind"], replica), "{{arm}} {{kind}}"),
+               Target(rate_sum(counter(m.RETRIES), W, ["arm"], replica), "{{arm}} retries")),
+              unit="reqps", no_value="0"),
+    ))
+
+
+def build(baseline: str = "baseline", candidate: str = "candidate") -> Dashboard:
+    """The A/B dashboard; `baseline` and `candidate` are the arm names the ratio row starts on."""
+    requests = counter(m.REQUESTS)
+    return Dashboard(
+        uid="dfserve-ab",
+        title="dfserve A/B",
+        description="Drafter arms side by side: traffic, latency, acceptance, candidate/baseline ratios, replicas.",
+        variables=(
+            Variable("datasource", "Data source"),
+            Variable("job", "Source", requests, "job"),
+            Variable("arm", "Arm", f'{requests}{{job=~"$job"}}', "arm"),
+            Variable("baseline", "Baseline", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=baseline),
+            Variable("candidate", "Candidate", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=candidate),
+        ),
+        rows=(_traffic(), _latency(), _acceptance(), _comparison(), _replicas()),
+    )

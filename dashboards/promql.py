@@ -1,0 +1,61 @@
+"""PromQL building blocks shared by the dashboards and the rules: pure string functions, no I/O.
+
+Counters are named without their `_total` suffix in `dfserve.metrics` (prometheus_client adds it on exposition),
+so `counter()` adds it here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def counter(name: str) -> str:
+    """The exposed series name of a counter family."""
+    return f"{name}_total"
+
+
+def selector(name: str, matchers: Sequence[str] = ()) -> str:
+    """`name{m1, m2}`, or the bare name without matchers."""
+    return f"{name}{{{', '.join(matchers)}}}" if matchers else name
+
+
+def by(labels: Sequence[str]) -> str:
+    return f"by ({', '.join(labels)}) " if labels else ""
+
+
+def rate_sum(series: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """Per-second rate of a counter series, summed by `labels`."""
+    return f"sum {by(labels)}(rate({selector(series, matchers)}[{window}]))"
+
+
+def increase_sum(series: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    return f"sum {by(labels)}(increase({selector(series, matchers)}[{window}]))"
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """`numerator / denominator`; an operand that is itself a ratio is parenthesised (PromQL's `/` binds left)."""
+    return f"{_operand(numerator)}\n/\n{_operand(denominator)}"
+
+
+def _operand(expr: str) -> str:
+    return f"(\n{expr}\n)" if "\n" in expr else expr
+
+
+def quantile(q: float, histogram: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """`q` quantile of a histogram family over `window`, aggregated over everything but `labels`."""
+    return f"histogram_quantile({q}, {rate_sum(f'{histogram}_bucket', window, [*labels, 'le'], matchers)})"
+
+
+def histogram_mean(histogram: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """Mean of the observations of a histogram over `window` (sum / count)."""
+    return ratio(rate_sum(f"{histogram}_sum", window, labels, matchers),
+                 rate_sum(f"{histogram}_count", window, labels, matchers))
+
+
+def tokens_per_round(tokens: str, rounds: str, window: str, labels: Sequence[str],
+                     matchers: Sequence[str] = ()) -> str:
+    """Windowed acceptance length: Σ tokens / Σ verify rounds, the pooled figure (never a mean of ratios)."""
+    return ratio(rate_sum(counter(tokens), window, labels, matchers),
+                 rate_sum(counter(rounds), window, labels, matchers))
