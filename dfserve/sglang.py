@@ -22,6 +22,9 @@ from dfserve.errors import ProtocolError
 SIM_CHUNK_SENT_KEY = "dfserve_sim_chunk_sent_unix_s"
 """meta_info key, written only by dfserve's simulator, with the wall-clock time it sent each chunk of a stream."""
 
+SIM_CHUNK_DUE_KEY = "dfserve_sim_chunk_due_unix_s"
+"""Beside SIM_CHUNK_SENT_KEY: when the simulator's model scheduled each chunk; sent minus due is its own lateness."""
+
 SIM_MARKER_KEY = "dfserve_simulated"
 """Key in `/server_info` (and every simulated `meta_info`) that marks an engine as dfserve's simulator."""
 
@@ -108,6 +111,35 @@ def completions_body(
     return body
 
 
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a proxy reads from a client's request body before routing it."""
+
+    body: dict[str, Any]
+    stream: bool
+    user: str | None
+    return_meta_info: bool
+
+
+def inspect_request(body: bytes) -> RequestInfo:
+    """Read `stream`, the OpenAI `user` field and `return_meta_info` from a request body (any of the three APIs)."""
+    data = _json(body, "request body")
+    if not isinstance(data, dict):
+        raise ProtocolError("request body: expected a JSON object")
+    user = data.get("user")
+    return RequestInfo(
+        body=data,
+        stream=data.get("stream") is True,
+        user=user if isinstance(user, str) and user else None,
+        return_meta_info=data.get("return_meta_info") is True,
+    )
+
+
+def with_return_meta_info(request: dict[str, Any]) -> bytes:
+    """A non-streamed chat request body that also asks SGLang for `meta_info` (the only way to its spec fields)."""
+    return json.dumps({**request, "return_meta_info": True}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # meta_info
 
@@ -148,6 +180,7 @@ class MetaInfo:
     spec: SpecStats | None = None
     simulated: bool = False
     sim_chunk_sent_unix_s: tuple[float, ...] | None = None
+    sim_chunk_due_unix_s: tuple[float, ...] | None = None
 
     @property
     def accept_length(self) -> float | None:
@@ -218,6 +251,7 @@ def parse_meta_info(meta: Any) -> MetaInfo:
     if not isinstance(meta, dict):
         raise ProtocolError(f"meta_info: expected an object, got {type(meta).__name__}")
     sent = meta.get(SIM_CHUNK_SENT_KEY)
+    due = meta.get(SIM_CHUNK_DUE_KEY)
     raw_id = meta.get("id")
     weight_version = meta.get("weight_version")
     return MetaInfo(
@@ -232,6 +266,7 @@ def parse_meta_info(meta: Any) -> MetaInfo:
         spec=_parse_spec(meta),
         simulated=bool(meta.get(SIM_MARKER_KEY, False)),
         sim_chunk_sent_unix_s=tuple(float(x) for x in sent) if isinstance(sent, list) else None,
+        sim_chunk_due_unix_s=tuple(float(x) for x in due) if isinstance(due, list) else None,
     )
 
 
@@ -349,6 +384,53 @@ def parse_error_message(body: bytes | str) -> str:
         if isinstance(data.get("message"), str):
             return data["message"]
     return text.strip()[:500]
+
+
+def error_body(message: str, kind: str, code: int) -> bytes:
+    """An OpenAI-style error object, `{"error": {"message", "type", "param", "code"}}`, as SGLang's clients read it."""
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    return json.dumps({"error": error}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def stream_error_events(message: str, kind: str, code: int) -> bytes:
+    """The well-formed end of a stream that failed after its first byte: an error event, then `[DONE]`."""
+    return b"data: " + error_body(message, kind, code) + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The `/server_info` fields that shape a run's numbers (the whole document is recorded verbatim beside it)."""
+
+    model_path: str | None
+    speculative_algorithm: str | None
+    draft_model_path: str | None
+    max_running_requests: int | None
+    version: str | None
+    simulated: bool
+
+
+def parse_server_info(info: dict[str, Any]) -> ServerInfo:
+    def text(key: str) -> str | None:
+        value = info.get(key)
+        return str(value) if value is not None else None
+
+    running = info.get("max_running_requests")
+    return ServerInfo(
+        model_path=text("model_path"),
+        speculative_algorithm=text("speculative_algorithm"),
+        draft_model_path=text("speculative_draft_model_path"),
+        max_running_requests=running if isinstance(running, int) and not isinstance(running, bool) else None,
+        version=text("version"),
+        simulated=bool(info.get(SIM_MARKER_KEY, False)),
+    )
+
+
+def first_model_id(models: Any) -> str | None:
+    """The first `id` of a `GET /v1/models` list: the name an OpenAI body must carry."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return str(data[0]["id"])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -522,3 +604,359 @@ class ChatAcceptanceEstimate:
     @property
     def accept_length(self) -> float | None:
         return accept_length(self.completion_tokens, self.content_chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine side: requests as an SGLang server reads them and the bodies it answers (used by dfserve's simulator).
+# Shapes follow python/sglang/srt/managers/io_struct.py (GenerateReqInput), sampling_params.py (verify),
+# entrypoints/http_server.py and entrypoints/openai/{protocol,serving_chat,serving_completions}.py.
+
+
+class RequestError(ProtocolError):
+    """A request an SGLang server refuses with 400; the message is worded like SGLang's."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One prompt as an engine sees it, from any of the three APIs."""
+
+    api: Api
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None
+    input_ids: tuple[int, ...] | None
+    max_new_tokens: int | None
+    temperature: float
+    sampling_key: str
+    """The parameters that change sampled tokens, canonical JSON; empty at temperature 0 (greedy)."""
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    no_stop_trim: bool
+    stream: bool
+    rid: str | None
+    model: str | None
+    return_meta_info: bool = False
+    include_usage: bool = False
+
+
+_TOKEN_SHAPING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "sampling_seed", "seed", "n")
+
+
+def _request_json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"Invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError("The request body must be a JSON object")
+    return data
+
+
+def _number(params: dict[str, Any], key: str, default: float) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _string_list(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise RequestError(f"{key} must be a string or a list of strings")
+
+
+def _sampling(params: dict[str, Any], max_tokens_key: str) -> dict[str, Any]:
+    """Checks of SGLang's `SamplingParams.verify`, shared by every API."""
+    max_new = params.get(max_tokens_key)
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
+        raise RequestError(f"{max_tokens_key} must be an integer, got {max_new!r}")
+    if max_new is not None and max_new < 0:
+        raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+    temperature = _number(params, "temperature", 1.0)
+    if temperature < 0:
+        raise RequestError(f"temperature must be non-negative, got {temperature}.")
+    top_p = _number(params, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+    stop_ids = params.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids)):
+        raise RequestError("stop_token_ids must be a list of integers")
+    shaping = {k: params[k] for k in _TOKEN_SHAPING if params.get(k) is not None}
+    return {
+        "max_new_tokens": max_new,
+        "temperature": temperature,
+        "sampling_key": "" if temperature == 0 else json.dumps(shaping, sort_keys=True),
+        "stop": _string_list(params.get("stop"), "stop"),
+        "stop_token_ids": tuple(stop_ids),
+        "ignore_eos": params.get("ignore_eos") is True,
+        "no_stop_trim": params.get("no_stop_trim") is True,
+    }
+
+
+def parse_generate_request(body: bytes) -> EngineRequest:
+    """Native `POST /generate` with one prompt (`text` or `input_ids`); batched input is refused."""
+    data = _request_json(body)
+    text, ids = data.get("text"), data.get("input_ids")
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise RequestError("Batched requests (a list of prompts) are not supported by this server")
+    if text is None and ids is None:
+        raise RequestError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None and not isinstance(text, str):
+        raise RequestError("text must be a string")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise RequestError("input_ids must be a list of integers")
+    params = data.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise RequestError("sampling_params must be an object")
+    rid = data.get("rid")
+    return EngineRequest(
+        api="native", prompt=text, messages=None, input_ids=tuple(ids) if ids is not None else None,
+        stream=data.get("stream") is True, rid=str(rid) if rid is not None else None, model=None,
+        **_sampling(params, "max_new_tokens"),
+    )
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "".join(p for p in parts if isinstance(p, str))
+    raise RequestError("messages: content must be a string or a list of content parts")
+
+
+def _openai_common(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("n", 1) != 1:
+        raise RequestError("n > 1 is not supported by this server")
+    options = data.get("stream_options")
+    stream = data.get("stream") is True
+    max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    return {
+        "stream": stream,
+        "model": data.get("model") if isinstance(data.get("model"), str) else None,
+        "rid": str(data["rid"]) if data.get("rid") is not None else None,
+        "include_usage": stream and isinstance(options, dict) and options.get("include_usage") is True,
+        **_sampling(data, max_key),
+    }
+
+
+def parse_chat_request(body: bytes) -> EngineRequest:
+    """`POST /v1/chat/completions`; `return_meta_info` with streaming is refused, as SGLang does."""
+    data = _request_json(body)
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: Field required (a non-empty list)")
+    turns = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError("messages: each message needs a 'role'")
+        turns.append((message["role"], _content_text(message.get("content"))))
+    common = _openai_common(data)
+    return_meta = data.get("return_meta_info") is True
+    if return_meta and common["stream"]:
+        raise RequestError("return_meta_info is not supported with streaming")
+    return EngineRequest(api="chat", prompt=None, messages=tuple(turns), input_ids=None,
+                         return_meta_info=return_meta, **common)
+
+
+def parse_completions_request(body: bytes) -> EngineRequest:
+    """`POST /v1/completions` with one string prompt."""
+    data = _request_json(body)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError("prompt: Field required (one string)")
+    return EngineRequest(api="completions", prompt=prompt, messages=None, input_ids=None, **_openai_common(data))
+
+
+def finish_reason_body(finish: FinishReason | None) -> dict[str, Any] | None:
+    """Native `finish_reason`: `{"type": "stop", "matched": ...}`, `{"type": "length", "length": N}`, abort."""
+    if finish is None:
+        return None
+    body: dict[str, Any] = {"type": finish.kind}
+    if finish.kind == "length":
+        body["length"] = finish.length
+    elif finish.kind == "abort":
+        body["message"] = finish.message
+    else:
+        body["matched"] = finish.matched
+    return body
+
+
+def meta_info_body(
+    *,
+    rid: str,
+    finish: FinishReason | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    weight_version: str = "default",
+    queue_time_s: float | None = None,
+    e2e_latency_s: float | None = None,
+    spec: SpecStats | None = None,
+    simulated: bool = False,
+) -> dict[str, Any]:
+    """A native `meta_info`; `spec` and `e2e_latency_s` belong on the final chunk only, as SGLang sends them."""
+    meta: dict[str, Any] = {
+        "id": rid, "finish_reason": finish_reason_body(finish), "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "weight_version": weight_version,
+        "num_retractions": 0, "reasoning_tokens": 0,
+    }
+    if queue_time_s is not None:
+        meta["queue_time"] = queue_time_s
+    if e2e_latency_s is not None:
+        meta["e2e_latency"] = e2e_latency_s
+    if spec is not None:
+        length = accept_length(completion_tokens, spec.verify_ct)
+        meta.update({
+            "spec_verify_ct": spec.verify_ct, "spec_accept_length": length or 0,
+            "spec_accept_rate": spec.accept_rate or 0.0,
+            "spec_num_correct_drafts": spec.num_correct_drafts, "spec_num_proposed_drafts": spec.num_proposed_drafts,
+            "spec_correct_drafts_histogram": list(spec.correct_drafts_histogram or ()),
+            "spec_accepted_drafts": spec.num_correct_drafts, "spec_proposed_drafts": spec.num_proposed_drafts,
+            "spec_accept_histogram": list(spec.correct_drafts_histogram or ()),
+        })
+    if simulated:
+        meta[SIM_MARKER_KEY] = True
+    return meta
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact UTF-8 JSON, as SGLang sends it."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object, as SGLang frames it."""
+    return b"data: " + json_bytes(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def generate_response_body(text: str, output_ids: Sequence[int], meta: dict[str, Any]) -> dict[str, Any]:
+    """Native `/generate` answer for one prompt; also the shape of each streamed chunk."""
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def openai_finish_reason(finish: FinishReason | None) -> tuple[str | None, str | int | None]:
+    """OpenAI `finish_reason` and SGLang's `matched_stop` for a native finish reason."""
+    if finish is None:
+        return None, None
+    return finish.kind, finish.matched
+
+
+def _usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None, "reasoning_tokens": 0}
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """The fields every OpenAI response and chunk of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+
+    def fields(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def chat_completion_body(
+    head: ResponseHead, *, text: str, finish: FinishReason | None, prompt_tokens: int,
+    completion_tokens: int, meta: dict[str, Any] | None = None, weight_version: str = "default",
+) -> dict[str, Any]:
+    """Whole `/v1/chat/completions` answer; `meta` (the native meta_info) only when the client set return_meta_info."""
+    reason, matched = openai_finish_reason(finish)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
+        "logprobs": None, "finish_reason": reason, "matched_stop": matched,
+    }
+    if meta is not None:
+        choice["meta_info"] = meta
+    return {**head.fields("chat.completion"), "choices": [choice],
+            "usage": _usage_body(prompt_tokens, completion_tokens), "metadata": {"weight_version": weight_version}}
+
+
+def chat_chunk_body(
+    head: ResponseHead, *, content: str | None, finish: FinishReason | None = None,
+    first: bool = False,
+) -> dict[str, Any]:
+    """One streamed chat chunk: the first carries the role, the last the finish reason."""
+    reason, matched = openai_finish_reason(finish)
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if content is not None:
+        delta["content"] = content
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+    return {**head.fields("chat.completion.chunk"), "choices": [choice], "usage": None}
+
+
+def completion_body(
+    head: ResponseHead, *, text: str, finish: FinishReason | None, prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """Whole `/v1/completions` answer."""
+    reason, matched = openai_finish_reason(finish)
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+    return {**head.fields("text_completion"), "choices": [choice],
+            "usage": _usage_body(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk_body(head: ResponseHead, *, text: str, finish: FinishReason | None = None) -> dict[str, Any]:
+    """One streamed `/v1/completions` chunk."""
+    reason, matched = openai_finish_reason(finish)
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+    return {**head.fields("text_completion"), "choices": [choice], "usage": None}
+
+
+def usage_chunk_body(head: ResponseHead, *, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, only usage."""
+    return {**head.fields(obj), "choices": [], "usage": _usage_body(prompt_tokens, completion_tokens)}
+
+
+def models_body(served_model_name: str, model_path: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """`GET /v1/models`."""
+    card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "sglang",
+            "root": model_path, "parent": None, "max_model_len": max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+def model_info_body(model_path: str, model_type: str, architectures: Sequence[str]) -> dict[str, Any]:
+    """`GET /model_info`."""
+    return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": model_type, "architectures": list(architectures)}
+
+
+def server_info_body(
+    server_args: dict[str, Any], *, avg_spec_accept_length: float | None, last_gen_throughput: float,
+    version: str, simulated: bool = False,
+) -> dict[str, Any]:
+    """`GET /server_info`: resolved server args, one `internal_states` entry (DP rank 0), version, status."""
+    state: dict[str, Any] = {"last_gen_throughput": last_gen_throughput}
+    if avg_spec_accept_length is not None:
+        state["avg_spec_accept_length"] = avg_spec_accept_length
+    info = {**server_args, "internal_states": [state], "version": version, "status": "ready"}
+    if simulated:
+        info[SIM_MARKER_KEY] = True
+    return info
+
+
+def engine_error_body(api: Api, message: str, status: int) -> dict[str, Any]:
+    """What SGLang answers a refused request: native `{"error": {"message"}}`, OpenAI routes an ErrorResponse."""
+    if api == "native":
+        return {"error": {"message": message}}
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}

@@ -70,3 +70,13 @@ def sim_server(profile: str = "zlab", time_scale: float = 0.02, seed: int = 0, *
     base = f"http://{LOOPBACK}:{port}"
     with serve(argv, f"{base}/health"):
         yield base
+
+
+@contextlib.contextmanager
+def gateway_server(config: Path, *extra: str, log: Path | None = None) -> Iterator[str]:
+    """`dfserve gateway --config CONFIG` on a free loopback port; yields its base URL."""
+    port = free_port()
+    argv = dfserve_argv("gateway", "--config", str(config), "--host", LOOPBACK, "--port", str(port), *extra)
+    base = f"http://{LOOPBACK}:{port}"
+    with serve(argv, f"{base}/health", log=log):
+        yield base

@@ -1,0 +1,85 @@
+"""The admin API, on its own listener (127.0.0.1 unless configured): `GET /admin/arms` and `PUT /admin/arms`.
+
+Every request needs `Authorization: Bearer <token>`, the token read from the environment variable named by
+`admin.token_env`. A PUT body is a whole routing document (mode, arms, weights, replicas); it is validated in full
+before anything changes, so a bad one is answered 400/422 and the running config stays::
+
+    curl -X PUT -H "Authorization: Bearer $DFSERVE_ADMIN_TOKEN" 127.0.0.1:9001/admin/arms \\
+         -d '{"mode": "split", "arms": {"baseline": {"weight": 50, "replicas": ["http://10.0.0.1:30000"]},
+                                       "candidate": {"weight": 50, "replicas": ["http://10.0.0.3:30000"]}}}'
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from dfserve.errors import UserError
+from gateway.app import BodyTooLarge, Gateway, Receive, read_body, send_error, send_json
+from gateway.config import parse_routing
+from gateway.relay import Send
+
+MAX_ADMIN_BODY_BYTES = 1024 * 1024
+
+
+class AdminApp:
+    """The admin listener's ASGI app."""
+
+    def __init__(self, gateway: Gateway, token: str) -> None:
+        self.gateway = gateway
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self._expected)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if not self._authorized(scope):
+            await send_error(send, 401, "admin API: missing or wrong bearer token", "authentication_error",
+                             [(b"www-authenticate", b"Bearer")])
+            return
+        path, method = scope["path"], scope["method"]
+        if path != "/admin/arms":
+            await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
+        elif method == "GET":
+            await send_json(send, 200, self.describe())
+        elif method == "PUT":
+            await self.put(receive, send)
+        else:
+            await send_error(send, 405, f"{method} {path}: use GET or PUT", "invalid_request_error")
+
+    def describe(self) -> bytes:
+        """The routing in force and each replica's state."""
+        gateway = self.gateway
+        replicas = {
+            name: [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "failures": r.failures}
+                   for r in arm.replicas]
+            for name, arm in gateway.upstream.arms.items()
+        }
+        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas}).encode()
+
+    async def put(self, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
+        except BodyTooLarge:
+            await send_error(send, 413, f"body over {MAX_ADMIN_BODY_BYTES} bytes", "invalid_request_error")
+            return
+        except ConnectionResetError:
+            return
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            await send_error(send, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
+            return
+        try:
+            routing = parse_routing(raw, "body")
+            self.gateway.apply(routing)
+        except (UserError, ValueError) as exc:
+            await send_error(send, 422, str(exc), "invalid_request_error")
+            return
+        await send_json(send, 200, self.describe())

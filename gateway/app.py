@@ -1,0 +1,350 @@
+"""The gateway's ASGI app: routes, request limits, arm choice, shadow mirrors, client disconnects.
+
+A plain ASGI callable rather than a framework router: the proxy path is the hot path, and every microsecond per
+request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
+`POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
+and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from dfserve import sglang
+from dfserve.errors import ProtocolError
+from dfserve.metrics import DfserveMetrics
+from gateway.config import GatewayConfig, RoutingConfig
+from gateway.relay import (
+    ARM_HEADER,
+    HOP_BY_HOP,
+    Exchange,
+    NativeStream,
+    OpenAIStream,
+    Send,
+    measure_whole,
+    record,
+    relay_stream,
+    response_headers,
+)
+from gateway.routing import Router
+from gateway.scrape import Scraper
+from gateway.upstream import Opened, Upstream, UpstreamFailure
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+
+
+def build_router(routing: RoutingConfig) -> Router:
+    weights = {name: arm.weight for name, arm in routing.arms.items()}
+    return Router(routing.mode, weights, primary=routing.primary, shadow_fraction=routing.shadow_fraction,
+                  shed=routing.shed)
+
+
+class Gateway:
+    """The live state behind both listeners: routing (swapped atomically by `apply`), upstream, metrics."""
+
+    def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = DfserveMetrics.build(self.registry)
+        self.rng = random.Random(config.seed)
+        self.routing = config.routing
+        self.router = build_router(config.routing)
+        self._upstream: Upstream | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._set_weights(config.routing)
+
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("Gateway.start() has not run")
+        return self._upstream
+
+    def _set_weights(self, routing: RoutingConfig) -> None:
+        for name, arm in routing.arms.items():
+            self.metrics.arm_weight.labels(name).set(arm.weight)
+        for name in self.routing.arms.keys() - routing.arms.keys():
+            self.metrics.arm_weight.remove(name)
+
+    def apply(self, routing: RoutingConfig) -> None:
+        """Replace the routing config: everything is built first, then swapped, so a failure changes nothing."""
+        router = build_router(routing)
+        if self._upstream is not None:
+            self._upstream.set_arms(routing.arms)
+        self._set_weights(routing)
+        self.routing, self.router = routing, router
+
+    async def start(self) -> None:
+        limits = self.config.limits
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s,
+                                          sock_read=limits.read_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        self._upstream = Upstream(session, self.routing.arms, limits, self.config.health, self.metrics)
+        self.spawn(self._upstream.health_loop())
+        scrape = self.config.scrape
+        if scrape.enabled:
+            scraper = Scraper(session, lambda: {n: a.replicas for n, a in self.routing.arms.items()}, self.metrics,
+                              scrape.interval_s, scrape.window_s, scrape.timeout_s)
+            self.spawn(scraper.run())
+
+    def spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._upstream is not None:
+            await self._upstream.session.close()
+
+
+async def send_json(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, status: int, message: str, kind: str,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_json(send, status, sglang.error_body(message, kind, status), extra)
+
+
+async def _discard(message: dict[str, Any]) -> None:
+    """The client side of a shadow request: nobody is listening."""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client went away while sending its body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+class GatewayApp:
+    """The client-facing listener."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        api = PROXIED.get(path)
+        if api is not None and method == "POST":
+            await self.proxy(api, scope, receive, send)
+        elif path == "/v1/models" and method == "GET":
+            exchange = Exchange(arm=self.gateway.router.decide(self.gateway.rng).arm, route="models")
+            await self.forward(exchange, "GET", path, b"", self._headers(scope), send, receive)
+        elif path == "/health" and method == "GET":
+            await self.health(send)
+        elif path == "/metrics" and method == "GET":
+            body = generate_latest(self.gateway.registry)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
+            await send({"type": "http.response.body", "body": body})
+        elif api is not None or path in ("/v1/models", "/health", "/metrics"):
+            await send_error(send, 405, f"{method} {path}: method not allowed", "invalid_request_error")
+        else:
+            await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.gateway.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.gateway.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def health(self, send: Send) -> None:
+        down = self.gateway.upstream.down()
+        arms = {name: name not in down for name in self.gateway.routing.arms}
+        status = 200 if any(arms.values()) else 503
+        await send_json(send, status, json.dumps({"status": "ok" if status == 200 else "unavailable",
+                                                  "arms": arms}).encode())
+
+    @staticmethod
+    def _headers(scope: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+
+    async def proxy(self, api: str, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        gateway = self.gateway
+        start = time.perf_counter()
+        limit = gateway.config.limits.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await send_error(send, 413, f"request body over the {limit}-byte limit", "invalid_request_error")
+                return
+        try:
+            body = await read_body(receive, limit)
+        except BodyTooLarge:
+            await send_error(send, 413, f"request body over the {limit}-byte limit", "invalid_request_error")
+            return
+        except ConnectionResetError:
+            return
+        try:
+            request = sglang.inspect_request(body)
+        except ProtocolError as exc:
+            await send_error(send, 400, str(exc), "invalid_request_error")
+            return
+        routing = gateway.routing
+        key = request.user
+        header = routing.sticky_header.lower().encode()
+        for name, value in scope["headers"]:
+            if name == header:
+                key = value.decode("latin-1")
+        decision = gateway.router.decide(gateway.rng, key, gateway.upstream.down())
+        headers = self._headers(scope)
+        path = scope["path"]
+        upstream_body = body
+        if api == "chat" and not request.stream and not request.return_meta_info:
+            upstream_body = sglang.with_return_meta_info(request.body)
+        for mirror in decision.mirrors:
+            gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
+        exchange = Exchange(arm=decision.arm, route=api, start=start)
+        await self.forward(exchange, "POST", path, upstream_body, headers, send, receive,
+                           strip_meta=upstream_body is not body)
+
+    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: list[tuple[str, str]]) -> None:
+        """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
+        try:
+            await self.forward(exchange, "POST", path, body, headers, _discard, None, strip_meta=False)
+            outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
+        except Exception:
+            outcome = "error"
+        if exchange.error == "overloaded":
+            outcome = "dropped"
+        self.gateway.metrics.shadow_requests.labels(exchange.arm, outcome).inc()
+
+    async def forward(
+        self,
+        exchange: Exchange,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        send: Send,
+        receive: Receive | None,
+        strip_meta: bool = False,
+    ) -> None:
+        """Send one request to `exchange.arm` and relay the answer, cancelling upstream if the client leaves."""
+        gateway = self.gateway
+        in_flight = gateway.metrics.in_flight.labels(exchange.arm, exchange.route)
+        in_flight.inc()
+        opened: Opened | None = None
+        task = asyncio.current_task()
+        watcher = None
+        if receive is not None and task is not None:
+            watch = _DisconnectWatch(send, task)
+            send = watch.send
+            watcher = asyncio.ensure_future(watch.run(receive))
+        try:
+            try:
+                opened = await gateway.upstream.open(exchange.arm, method, path, body, headers)
+            except UpstreamFailure as failure:
+                exchange.status, exchange.error = failure.status, failure.kind
+                await send_error(send, failure.status, str(failure), "upstream_error",
+                                 [(ARM_HEADER, exchange.arm.encode())])
+                return
+            await self._relay(opened, exchange, send, strip_meta)
+        except asyncio.CancelledError:
+            if watcher is None or not watcher.done() or task is None:
+                raise
+            task.uncancel()
+            exchange.error = "client_disconnect"
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            exchange.end = time.perf_counter()
+            if opened is not None:
+                failed = exchange.error in ("stream_cut", "timeout")
+                gateway.upstream.release(opened, clean=exchange.error is None, failure=exchange.error if failed else None)
+            in_flight.dec()
+            record(gateway.metrics, exchange)
+
+    async def _relay(self, opened: Opened, exchange: Exchange, send: Send, strip_meta: bool) -> None:
+        response = opened.response
+        exchange.replica, exchange.status = opened.replica.url, response.status
+        arm, replica = opened.arm.name, opened.replica.url
+        if response.content_type == "text/event-stream":
+            headers = response_headers(response.raw_headers, arm, replica, drop_length=True)
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            observer = NativeStream() if exchange.route == "native" else OpenAIStream()
+            await relay_stream(response, send, observer, exchange)
+            return
+        try:
+            payload = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            exchange.error = "timeout" if isinstance(exc, TimeoutError) else "stream_cut"
+            await send_error(send, 502, f"upstream replica failed mid-response ({type(exc).__name__})",
+                             "upstream_error", [(ARM_HEADER, arm.encode())])
+            return
+        if response.status == 200 and exchange.route in PROXIED.values():
+            try:
+                exchange.acceptance = measure_whole(exchange.route, payload)
+                if strip_meta:
+                    payload = sglang.strip_meta_info(payload)
+            except ProtocolError as exc:
+                exchange.unparsed = str(exc)
+        headers = response_headers(response.raw_headers, arm, replica, drop_length=True)
+        headers.append((b"content-length", str(len(payload)).encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+class _DisconnectWatch:
+    """Cancels a request's task when its client goes away mid-response, so the upstream request is cancelled too.
+
+    The server also reports a disconnect once the response is complete; that one must not cancel anything, hence
+    the wrapped `send` that notes when the last body message goes out.
+    """
+
+    def __init__(self, send: Send, task: asyncio.Task[Any]) -> None:
+        self._send = send
+        self._task = task
+        self._complete = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self._complete = True
+        await self._send(message)
+
+    async def run(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._complete:
+            self._task.cancel()

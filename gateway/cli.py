@@ -1,0 +1,81 @@
+"""`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+
+from gateway.config import GatewayConfig, load_config, parse_arm_flag
+
+
+class _Server:
+    """A uvicorn server that leaves signal handling to the caller, so two can share one event loop."""
+
+    def __init__(self, app: Any, host: str, port: int, lifespan: Literal["on", "off"]) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan=lifespan,
+                                access_log=False, server_header=False, date_header=False, log_level="warning",
+                                timeout_keep_alive=75)
+        self.server = Quiet(config)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway listener and, when configured, the admin listener, until a signal asks to stop."""
+    from gateway.admin import AdminApp
+    from gateway.app import Gateway, GatewayApp
+
+    token = config.admin_token()
+    gateway = Gateway(config)
+    servers = [_Server(GatewayApp(gateway), config.host, config.port, "on").server]
+    if config.admin.port is not None and token is not None:
+        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port, "off").server)
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop)
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Gateway YAML (arms, mode, limits, health, scrape, admin); flags override it.")
+@click.option("--host", help="Listen address [127.0.0.1].")
+@click.option("--port", type=int, help="Listen port [8080].")
+@click.option("--arm", "arms", multiple=True, metavar="NAME=WEIGHT@URL[,URL...]",
+              help="An arm and its replicas; repeat per arm. Replaces the config file's arms.")
+@click.option("--mode", type=click.Choice(["split", "sticky", "shadow"]), help="Routing mode [split].")
+@click.option("--primary", help="shadow mode: the arm whose answers clients get.")
+@click.option("--shed/--no-shed", default=None, help="Send a down arm's share to the others instead of 503.")
+@click.option("--admin-host", help="Admin listener address [127.0.0.1].")
+@click.option("--admin-port", type=int, help="Admin listener port; the token comes from $DFSERVE_ADMIN_TOKEN.")
+@click.option("--seed", type=int, help="Seed of the weighted split.")
+@click.option("--health-interval", type=float, help="Seconds between active health checks [2].")
+@click.option("--scrape-interval", type=float, help="Seconds between replica /metrics scrapes [15].")
+def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
+    """Split, stick or mirror OpenAI/SGLang traffic between drafter arms and measure each arm."""
+    keys = {"host": "host", "port": "port", "mode": "routing.mode", "primary": "routing.primary",
+            "shed": "routing.shed", "admin_host": "admin.host", "admin_port": "admin.port", "seed": "seed",
+            "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s"}
+    overrides = {keys[name]: value for name, value in flags.items() if value is not None}
+    if arms:
+        overrides["routing.arms"] = dict(parse_arm_flag(text) for text in arms)
+    config = load_config(config_path, overrides)
+    config.admin_token()
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401  (uvicorn's loop="uvloop" needs it)
+    asyncio.run(serve(config))

@@ -1,0 +1,203 @@
+"""The gateway's configuration: arms, routing mode, limits, health checks, scraping and the admin listener.
+
+Loaded from YAML (`dfserve gateway --config gateway.yaml`), overridden by flags, and validated when built, so a bad
+file or a bad `PUT /admin/arms` body is refused before it can touch live traffic::
+
+    schema_version: 1
+    mode: split            # split | sticky | shadow
+    arms:
+      baseline: {weight: 90, replicas: ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]}
+      candidate: {weight: 10, replicas: ["http://10.0.0.3:30000"]}
+    admin: {port: 9001, token_env: DFSERVE_ADMIN_TOKEN}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dfserve.errors import UserError
+
+Mode = Literal["split", "sticky", "shadow"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ArmConfig(_Model):
+    """One deployment under test: its replicas (SGLang servers or routers) and its share of traffic."""
+
+    replicas: tuple[str, ...] = Field(min_length=1, description="Base URLs, e.g. http://10.0.0.1:30000.")
+    weight: float = Field(ge=0, description="Relative share of traffic in split and sticky modes.")
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, replicas: tuple[str, ...]) -> tuple[str, ...]:
+        cleaned = []
+        for url in replicas:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"{url!r} is not a base URL like http://host:port")
+            cleaned.append(url.rstrip("/"))
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError("a replica is listed twice")
+        return tuple(cleaned)
+
+
+class RoutingConfig(_Model):
+    """What `PUT /admin/arms` replaces atomically: the arms and how traffic is divided between them."""
+
+    mode: Mode = "split"
+    arms: dict[str, ArmConfig] = Field(min_length=1)
+    primary: str | None = Field(None, description="shadow mode: the arm whose answer clients get.")
+    shadow_fraction: float = Field(1.0, ge=0, le=1, description="shadow mode: share of requests mirrored.")
+    sticky_header: str = Field("x-dfserve-route-key", description="sticky mode: header holding the routing key; "
+                               "the OpenAI `user` field is used when the header is absent.")
+    shed: bool = Field(False, description="An arm with no healthy replica sends its share to the other arms "
+                       "instead of answering 503.")
+
+    @field_validator("arms")
+    @classmethod
+    def _names(cls, arms: dict[str, ArmConfig]) -> dict[str, ArmConfig]:
+        for name in arms:
+            if not name or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"arm name {name!r}: use letters, digits, '-' and '_'")
+        return arms
+
+    @model_validator(mode="after")
+    def _mode(self) -> RoutingConfig:
+        if self.mode == "shadow":
+            if self.primary not in self.arms:
+                raise ValueError(f"shadow mode needs primary: one of {sorted(self.arms)}")
+            if len(self.arms) < 2:
+                raise ValueError("shadow mode needs a second arm to mirror to")
+        elif self.primary is not None:
+            raise ValueError("primary is only used in shadow mode")
+        elif sum(arm.weight for arm in self.arms.values()) <= 0:
+            raise ValueError("at least one arm needs a positive weight")
+        return self
+
+
+class Limits(_Model):
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
+    connect_timeout_s: float = Field(3.0, gt=0)
+    read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk.")
+    max_retries: int = Field(2, ge=0, description="Other replicas of the same arm tried before the first byte.")
+
+
+class HealthConfig(_Model):
+    interval_s: float = Field(2.0, gt=0, description="Active GET /health per replica.")
+    timeout_s: float = Field(1.0, gt=0)
+    eject_after_failures: int = Field(3, gt=0, description="Consecutive failures (active or passive) that eject.")
+    path: str = "/health"
+
+
+class ScrapeConfig(_Model):
+    interval_s: float = Field(15.0, gt=0, description="How often each replica's /metrics is read; 0 disables.")
+    window_s: float = Field(300.0, gt=0, description="Window of the per-arm acceptance figure.")
+    timeout_s: float = Field(5.0, gt=0)
+    enabled: bool = True
+
+
+class AdminConfig(_Model):
+    host: str = Field("127.0.0.1", description="Bind address of the admin listener.")
+    port: int | None = Field(None, ge=0, le=65535, description="Admin listener port; no admin API when unset.")
+    token_env: str = Field("DFSERVE_ADMIN_TOKEN", description="Environment variable holding the bearer token.")
+
+
+class GatewayConfig(_Model):
+    """Everything `dfserve gateway` needs; `routing` is the part the admin API can replace at runtime."""
+
+    schema_version: Literal[1] = 1
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    routing: RoutingConfig
+    limits: Limits = Limits()
+    health: HealthConfig = HealthConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    admin: AdminConfig = AdminConfig()
+    seed: int | None = Field(None, description="Seed of the split's random choice; None draws one.")
+
+    def admin_token(self, environ: dict[str, str] | None = None) -> str | None:
+        """The admin bearer token, read from the environment so it never sits in a config file."""
+        token = (os.environ if environ is None else environ).get(self.admin.token_env, "")
+        if self.admin.port is not None and len(token) < 16:
+            raise UserError(f"admin.token_env: set {self.admin.token_env} to a token of at least 16 characters, "
+                            "or leave admin.port unset")
+        return token or None
+
+
+_ROUTING_KEYS = set(RoutingConfig.model_fields)
+
+
+def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
+    """Accept routing keys (mode, arms, ...) at the top level of the YAML file as well as under `routing:`."""
+    routing = dict(raw.get("routing") or {})
+    rest = {}
+    for key, value in raw.items():
+        if key in _ROUTING_KEYS:
+            routing[key] = value
+        elif key != "routing":
+            rest[key] = value
+    return {**rest, "routing": routing}
+
+
+def describe(exc: ValidationError, where: str) -> str:
+    """One line naming the first bad field, the way `UserError` wants it."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {field}: {first['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
+
+
+def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
+    """Validate a routing document (the admin API's PUT body); a `UserError` names the bad field."""
+    try:
+        return RoutingConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(describe(exc, where)) from None
+
+
+def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
+    """`--arm NAME=WEIGHT@URL[,URL...]`, e.g. `baseline=90@http://127.0.0.1:30000`."""
+    name, sep, rest = text.partition("=")
+    weight, sep2, urls = rest.partition("@")
+    if not sep or not sep2 or not name:
+        raise UserError(f"--arm {text!r}: expected NAME=WEIGHT@URL[,URL...]")
+    try:
+        return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
+    except (ValueError, ValidationError) as exc:
+        detail = describe(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
+        raise UserError(detail) from None
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
+    """The config file (if any) with flag overrides applied; dotted keys (`admin.port`) reach nested fields."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise UserError(f"--config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise UserError(f"--config {path}: invalid YAML ({exc})") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"--config {path}: expected a mapping at the top level")
+        raw = _flatten(loaded)
+    raw.setdefault("routing", {})
+    for dotted, value in overrides.items():
+        target = raw
+        *parents, leaf = dotted.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(describe(exc, f"--config {path}" if path else "gateway config")) from None

@@ -1,0 +1,233 @@
+"""Relay one upstream response to the client, byte for byte, while timing it and reading acceptance as it passes.
+
+Streams go out as they arrive (no buffering of whole streams), cut only at event boundaries so that a stream that
+fails after its first byte can still end with a well-formed error event. Whole responses are read, measured and
+sent; for non-streamed chat the gateway asked SGLang for `meta_info` itself and strips it again here.
+
+Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
+- native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
+- non-streamed chat: the same, from the `meta_info` the gateway asked for (exact);
+- streamed chat and completions: usage tokens over content chunks (estimated; needs `include_usage`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from dfserve import sglang
+from dfserve.errors import ProtocolError
+from dfserve.metrics import DfserveMetrics
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Measure = Literal["exact", "estimated"]
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade",
+})
+ARM_HEADER = b"x-dfserve-arm"
+REPLICA_HEADER = b"x-dfserve-replica"
+
+
+def event_boundary(buffer: bytes) -> int:
+    """Length of the longest prefix of `buffer` that ends with a complete server-sent event (0 if none)."""
+    lf = buffer.rfind(b"\n\n")
+    crlf = buffer.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+def response_headers(raw: Any, arm: str, replica: str, drop_length: bool) -> list[tuple[bytes, bytes]]:
+    """Upstream headers minus hop-by-hop ones (and Content-Length when the body changes), plus arm and replica."""
+    headers = [
+        (name.lower(), value) for name, value in raw
+        if name.lower() not in HOP_BY_HOP and not (drop_length and name.lower() == b"content-length")
+    ]
+    headers.append((ARM_HEADER, arm.encode()))
+    headers.append((REPLICA_HEADER, replica.encode()))
+    return headers
+
+
+@dataclass
+class Acceptance:
+    """One request's output tokens and acceptance length; None where the protocol did not show it."""
+
+    output_tokens: int | None = None
+    verify_ct: int | None = None
+    accept_length: float | None = None
+    measure: Measure | None = None
+
+
+@dataclass
+class Exchange:
+    """Raw facts about one relayed request (perf_counter seconds), turned into metrics by `record`."""
+
+    arm: str
+    route: str
+    replica: str = ""
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    end: float | None = None
+    status: int = 0
+    chunk_gaps: list[float] = field(default_factory=list)
+    token_gaps: list[tuple[float, int]] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    error: str | None = None
+    unparsed: str | None = None
+
+
+class NativeStream:
+    """Reads native `/generate` events: cumulative `completion_tokens` per chunk and the final spec fields."""
+
+    exact_tokens = True
+
+    def __init__(self) -> None:
+        self.decoder = sglang.SSEDecoder()
+        self.tokens = 0
+        self.meta: sglang.MetaInfo | None = None
+
+    def feed(self, data: bytes) -> int:
+        """Tokens this read added."""
+        before = self.tokens
+        for event in self.decoder.feed(data):
+            if event == sglang.DONE:
+                continue
+            parsed = sglang.parse_native_event(event)
+            if isinstance(parsed, sglang.NativeChunk):
+                self.meta = parsed.meta
+                self.tokens = max(self.tokens, parsed.meta.completion_tokens)
+        return self.tokens - before
+
+    def acceptance(self) -> Acceptance:
+        meta = self.meta
+        if meta is None:
+            return Acceptance()
+        if meta.spec is None:
+            return Acceptance(output_tokens=meta.completion_tokens)
+        return Acceptance(meta.completion_tokens, meta.spec.verify_ct, meta.accept_length, "exact")
+
+
+class OpenAIStream:
+    """Reads streamed chat/completions events: content chunks, and usage when the client asked for it."""
+
+    exact_tokens = False
+
+    def __init__(self) -> None:
+        self.decoder = sglang.SSEDecoder()
+        self.chunks = 0
+        self.usage: sglang.Usage | None = None
+
+    def feed(self, data: bytes) -> int:
+        """Content chunks this read carried."""
+        before = self.chunks
+        for event in self.decoder.feed(data):
+            if event == sglang.DONE:
+                continue
+            parsed = sglang.parse_openai_event(event)
+            if isinstance(parsed, sglang.OpenAIChunk):
+                if parsed.text:
+                    self.chunks += 1
+                if parsed.usage is not None:
+                    self.usage = parsed.usage
+        return self.chunks - before
+
+    def acceptance(self) -> Acceptance:
+        if self.usage is None:
+            return Acceptance()
+        estimate = sglang.ChatAcceptanceEstimate(self.usage.completion_tokens, self.chunks)
+        length = estimate.accept_length
+        return Acceptance(self.usage.completion_tokens, None, length, "estimated" if length is not None else None)
+
+
+Observer = NativeStream | OpenAIStream
+
+
+async def relay_stream(
+    response: aiohttp.ClientResponse, send: Send, observer: Observer, exchange: Exchange
+) -> None:
+    """Pass an SSE body through as it arrives; a failure after the first byte ends it with an error event."""
+    pending = b""
+    previous: float | None = None
+    watching = True
+    try:
+        async for data in response.content.iter_any():
+            if watching:
+                try:
+                    produced = observer.feed(data)
+                except ProtocolError as exc:
+                    exchange.unparsed, watching, produced = str(exc), False, 0
+                if produced > 0:
+                    now = time.perf_counter()
+                    if previous is None:
+                        exchange.first = now
+                    else:
+                        exchange.chunk_gaps.append(now - previous)
+                        if observer.exact_tokens:
+                            exchange.token_gaps.append((now - previous, produced))
+                    previous = now
+            if pending or not data.endswith(b"\n\n"):
+                pending += data
+                cut = event_boundary(pending)
+                if not cut:
+                    continue
+                data, pending = pending[:cut], pending[cut:]
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        exchange.error = "timeout" if isinstance(exc, TimeoutError) else "stream_cut"
+        message = f"upstream replica failed mid-stream ({type(exc).__name__})"
+        await send({"type": "http.response.body", "body": sglang.stream_error_events(message, "upstream_error", 502),
+                    "more_body": False})
+        return
+    if watching:
+        exchange.acceptance = observer.acceptance()
+    await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+
+def measure_whole(api: str, body: bytes) -> Acceptance:
+    """Acceptance of a whole (non-streamed) response body; `ProtocolError` when it is not what SGLang sends."""
+    if api == "native":
+        results = sglang.parse_generate_response(body)
+        total = sum(r.meta.completion_tokens for r in results)
+        specs = [r.meta.spec for r in results if r.meta.spec is not None]
+        if len(specs) == len(results):
+            verify = sum(spec.verify_ct for spec in specs)
+            return Acceptance(total, verify, sglang.accept_length(total, verify), "exact")
+        return Acceptance(output_tokens=total)
+    result = sglang.parse_openai_response(body)
+    meta = result.meta
+    if meta is not None and meta.spec is not None:
+        return Acceptance(meta.completion_tokens, meta.spec.verify_ct, meta.accept_length, "exact")
+    return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
+
+
+def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
+    """Turn one exchange's raw facts into the per-arm metrics."""
+    arm, route = exchange.arm, exchange.route
+    status = "499" if exchange.error == "client_disconnect" else str(exchange.status)
+    metrics.requests.labels(arm, route, exchange.replica, status).inc()
+    if exchange.first is not None:
+        metrics.ttft.labels(arm, route).observe(exchange.first - exchange.start)
+    if exchange.end is not None and exchange.status < 400 and exchange.error is None:
+        metrics.e2e.labels(arm, route).observe(exchange.end - exchange.start)
+    if exchange.chunk_gaps:
+        per_chunk = metrics.itl_per_chunk.labels(arm, route)
+        for gap in exchange.chunk_gaps:
+            per_chunk.observe(gap)
+    if exchange.token_gaps:
+        per_token = metrics.itl_per_token.labels(arm, route)
+        for gap, tokens in exchange.token_gaps:
+            for _ in range(tokens):
+                per_token.observe(gap / tokens)
+    if exchange.unparsed is not None:
+        metrics.upstream_errors.labels(arm, exchange.replica, "protocol").inc()
+    acceptance = exchange.acceptance
+    if acceptance.output_tokens:
+        metrics.output_tokens.labels(arm, route).inc(acceptance.output_tokens)
+    if acceptance.verify_ct:
+        metrics.spec_verify_rounds.labels(arm, route).inc(acceptance.verify_ct)
+    if acceptance.accept_length is not None and acceptance.measure is not None:
+        metrics.accept_length.labels(arm, route, acceptance.measure).observe(acceptance.accept_length)
