@@ -1,0 +1,1 @@
+"""Getting a drafter onto an engine: SGLang, the simulated engine, or Kubernetes."""

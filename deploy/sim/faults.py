@@ -1,0 +1,55 @@
+"""Fault injection: HTTP errors, stalls and disconnects mid-stream, drawn per request from a seeded generator.
+
+The `lossy` fault lives in `text.py`, because it is a property of the output (a drafter that changes the text),
+decided per prompt; these are properties of one request's delivery, decided per arrival.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FIRST_FAULT_CHUNK = 1
+LAST_FAULT_CHUNK = 3
+"""Stalls and disconnects strike after one of these chunks (mid-stream: at least one chunk got through)."""
+
+
+class FaultConfig(BaseModel):
+    """Fractions of requests that fail each way; all zero by default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="Answered with HTTP 500 before any token.")
+    stall_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Pause mid-stream for stall_s.")
+    stall_s: float = Field(5.0, ge=0.0, description="Length of a stall, seconds at time scale 1.")
+    disconnect_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Connection dropped mid-stream.")
+
+
+class SimulatedDisconnect(Exception):
+    """Raised inside a response to make the server drop the connection, as a crashed engine would."""
+
+
+@dataclass(frozen=True)
+class RequestFaults:
+    error: bool = False
+    stall_after_chunk: int | None = None
+    disconnect_after_chunk: int | None = None
+
+
+class FaultPlan:
+    """Draws each arriving request's faults; the generator is injected so a seed replays the same faults."""
+
+    def __init__(self, config: FaultConfig, rng: random.Random) -> None:
+        self.config = config
+        self._rng = rng
+
+    def draw(self) -> RequestFaults:
+        config, rng = self.config, self._rng
+        if not (config.error_rate or config.stall_fraction or config.disconnect_fraction):
+            return RequestFaults()
+        error = rng.random() < config.error_rate
+        stall = rng.randint(FIRST_FAULT_CHUNK, LAST_FAULT_CHUNK) if rng.random() < config.stall_fraction else None
+        drop = rng.randint(FIRST_FAULT_CHUNK, LAST_FAULT_CHUNK) if rng.random() < config.disconnect_fraction else None
+        return RequestFaults(error=error, stall_after_chunk=stall, disconnect_after_chunk=drop)
