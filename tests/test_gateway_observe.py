@@ -1,0 +1,66 @@
+"""What the relay reads from bytes as they pass, without sockets: event boundaries, observers, whole bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dfserve.errors import ProtocolError
+from gateway.relay import NativeStream, OpenAIStream, event_boundary, measure_whole, response_headers
+
+
+def test_event_boundary() -> None:
+    assert event_boundary(b"data: {}\n\ndata: {") == 10
+    assert event_boundary(b"data: {}\r\n\r\n") == 12
+    assert event_boundary(b"data: {") == 0
+    assert event_boundary(b"") == 0
+
+
+def test_response_headers_drop_hop_by_hop_and_name_the_arm() -> None:
+    raw = [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked"), (b"Content-Length", b"9"),
+           (b"Connection", b"keep-alive")]
+    assert response_headers(raw, "cand", "http://h:1", drop_length=True) == [
+        (b"content-type", b"text/event-stream"), (b"x-dfserve-arm", b"cand"), (b"x-dfserve-replica", b"http://h:1")]
+
+
+def native(tokens: int, final: bool = False) -> bytes:
+    meta = {"id": "r", "finish_reason": {"type": "stop"} if final else None, "prompt_tokens": 3,
+            "completion_tokens": tokens}
+    if final:
+        meta["spec_verify_ct"] = 4
+    return b"data: " + json.dumps({"text": "t", "meta_info": meta}).encode() + b"\n\n"
+
+
+def test_native_stream_counts_tokens_per_read_even_when_events_split() -> None:
+    observer = NativeStream()
+    wire = native(1) + native(4) + native(10, final=True) + b"data: [DONE]\n\n"
+    cut = len(native(1)) + 5
+    assert observer.feed(wire[:cut]) == 1
+    assert observer.feed(wire[cut:]) == 9
+    acceptance = observer.acceptance()
+    assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
+        10, 4, 2.5, "exact")
+
+
+def test_openai_stream_estimates_only_with_usage() -> None:
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
+    observer = OpenAIStream()
+    assert observer.feed(b": ping\n\n" + chunk + chunk) == 2
+    assert observer.acceptance().accept_length is None
+    assert observer.feed(chunk + usage + b"data: [DONE]\n\n") == 1
+    assert observer.acceptance().accept_length == 3.0 and observer.acceptance().measure == "estimated"
+
+
+def test_measure_whole() -> None:
+    meta = {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 12, "spec_verify_ct": 3}
+    batch = json.dumps([{"text": "a", "meta_info": meta}, {"text": "b", "meta_info": dict(meta, spec_verify_ct=1)}])
+    assert measure_whole("native", batch.encode()).accept_length == 24 / 4
+    chat = {"choices": [{"message": {"content": "x"}, "meta_info": meta}], "usage": {"completion_tokens": 12}}
+    assert measure_whole("chat", json.dumps(chat).encode()).measure == "exact"
+    del chat["choices"][0]["meta_info"]
+    plain = measure_whole("completions", json.dumps(chat).encode())
+    assert plain.output_tokens == 12 and plain.accept_length is None
+    with pytest.raises(ProtocolError):
+        measure_whole("chat", b"{}")

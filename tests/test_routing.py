@@ -1,0 +1,86 @@
+"""Routing choices: weighted split within binomial bounds, sticky keys stable and weighted, shadow pairing, shedding."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gateway.routing import Decision, Router, WeightedChoice, pick_replica, sticky_choice
+
+
+def within_binomial(count: int, n: int, p: float, z: float = 4.0) -> bool:
+    return abs(count - n * p) <= z * math.sqrt(n * p * (1 - p))
+
+
+def test_weighted_choice_follows_weights() -> None:
+    rng = random.Random(1)
+    choice = WeightedChoice({"baseline": 90, "candidate": 10, "off": 0})
+    picks = [choice.choose(rng) for _ in range(20_000)]
+    assert "off" not in picks
+    assert within_binomial(picks.count("candidate"), len(picks), 0.1)
+
+
+def test_weighted_choice_is_reproducible_with_a_seed() -> None:
+    choice = WeightedChoice({"a": 1, "b": 1})
+    assert [choice.choose(random.Random(7)) for _ in range(5)] == [choice.choose(random.Random(7)) for _ in range(5)]
+
+
+def test_no_positive_weight_is_refused() -> None:
+    with pytest.raises(ValueError):
+        WeightedChoice({"a": 0})
+
+
+def test_sticky_keys_are_stable_and_shares_follow_weights() -> None:
+    weights = {"baseline": 75, "candidate": 25}
+    keys = [f"user-{i}" for i in range(8000)]
+    first = [sticky_choice(k, weights) for k in keys]
+    assert first == [sticky_choice(k, dict(reversed(weights.items()))) for k in keys]
+    assert within_binomial(first.count("candidate"), len(keys), 0.25)
+
+
+def test_sticky_weight_change_moves_only_the_keys_it_must() -> None:
+    keys = [f"conv-{i}" for i in range(5000)]
+    before = {k: sticky_choice(k, {"a": 50, "b": 50}) for k in keys}
+    after = {k: sticky_choice(k, {"a": 50, "b": 50, "c": 25}) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "c" for k in moved), "keys only move to the new arm"
+    assert within_binomial(len(moved), len(keys), 0.2)
+
+
+def test_router_sticky_uses_key_and_falls_back_to_split_without_one() -> None:
+    router = Router("sticky", {"a": 1, "b": 1})
+    rng = random.Random(3)
+    assert {router.decide(rng, "k1").arm for _ in range(50)} == {sticky_choice("k1", {"a": 1, "b": 1})}
+    assert {router.decide(rng).arm for _ in range(200)} == {"a", "b"}
+
+
+def test_shadow_serves_primary_and_mirrors_the_rest() -> None:
+    router = Router("shadow", {"baseline": 1, "candidate": 1, "other": 1}, primary="baseline")
+    assert router.decide(random.Random(0)) == Decision("baseline", ("candidate", "other"))
+    assert router.decide(random.Random(0), down=frozenset({"other"})) == Decision("baseline", ("candidate",))
+    sampled = Router("shadow", {"baseline": 1, "candidate": 1}, primary="baseline", shadow_fraction=0.25)
+    rng = random.Random(5)
+    mirrored = sum(bool(sampled.decide(rng).mirrors) for _ in range(4000))
+    assert within_binomial(mirrored, 4000, 0.25)
+
+
+def test_down_arm_keeps_its_share_unless_shedding() -> None:
+    rng = random.Random(2)
+    down = frozenset({"candidate"})
+    strict = Router("split", {"baseline": 90, "candidate": 10})
+    assert "candidate" in {strict.decide(rng, down=down).arm for _ in range(500)}
+    shed = Router("split", {"baseline": 90, "candidate": 10}, shed=True)
+    assert {shed.decide(rng, down=down).arm for _ in range(500)} == {"baseline"}
+    sticky = Router("sticky", {"baseline": 90, "candidate": 10}, shed=True)
+    assert {sticky.decide(rng, f"k{i}", down=down).arm for i in range(500)} == {"baseline"}
+    everything_down = frozenset({"baseline", "candidate"})
+    assert {shed.decide(rng, down=everything_down).arm for _ in range(500)} == {"baseline", "candidate"}
+
+
+def test_pick_replica_least_loaded_healthy_untried() -> None:
+    assert pick_replica([3, 1, 1], [True, True, True], frozenset(), 0) == 1
+    assert pick_replica([3, 1, 1], [True, True, True], frozenset(), 2) == 2
+    assert pick_replica([0, 1, 1], [False, True, True], frozenset({1}), 0) == 2
+    assert pick_replica([0, 0], [False, True], frozenset({1}), 0) is None
