@@ -227,14 +227,18 @@ class GatewayApp:
         for name, value in scope["headers"]:
             if name == header:
                 key = value.decode("latin-1")
-        decision = gateway.router.decide(gateway.rng, key, gateway.upstream.down())
+        down = gateway.upstream.down()
+        decision = gateway.router.decide(gateway.rng, key, down)
         headers = self._headers(scope)
         path = scope["path"]
         upstream_body = body
         if api == "chat" and not request.stream and not request.return_meta_info:
             upstream_body = sglang.with_return_meta_info(request.body)
         for mirror in decision.mirrors:
-            gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
+            if mirror in down:
+                gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
+            else:
+                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
         exchange = Exchange(arm=decision.arm, route=api, start=start)
         await self.forward(exchange, "POST", path, upstream_body, headers, send, receive,
                            strip_meta=upstream_body is not body)

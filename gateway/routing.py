@@ -2,8 +2,10 @@
 
 - split: a weighted random choice with an injected, seeded `random.Random`;
 - sticky: weighted rendezvous hashing of a routing key, so one conversation always lands on one arm, the shares
-  still follow the weights, and changing a weight moves only the keys it must;
-- shadow: the primary arm serves, the others receive a mirrored copy.
+  still follow the weights, and changing a weight moves only the keys it must; a request without a key has no
+  conversation to keep and is split at random by weight;
+- shadow: the primary arm serves, the others receive a mirrored copy (the caller skips, and counts, mirrors to arms
+  that are down).
 
 An arm with no healthy replica is "down": with `shed` its share goes to the arms that are up, otherwise the request
 is still routed to it and answered 503, so an outage is visible instead of silently skewing the split.
@@ -90,7 +92,7 @@ class Router:
         if self.mode == "shadow":
             assert self.primary is not None
             mirror = rng.random() < self.shadow_fraction
-            others = tuple(name for name in self.weights if name != self.primary and name not in down)
+            others = tuple(name for name in self.weights if name != self.primary)
             return Decision(self.primary, others if mirror else ())
         weights = self.weights
         if self.shed and down:
