@@ -199,6 +199,14 @@ def _int(obj: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
+def _times(value: Any, key: str) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
+        raise ProtocolError(f"meta_info.{key}: expected a list of numbers, got {value!r}")
+    return tuple(float(x) for x in value)
+
+
 def _opt_float(obj: dict[str, Any], key: str) -> float | None:
     value = obj.get(key)
     if value is None:
@@ -265,8 +273,8 @@ def parse_meta_info(meta: Any) -> MetaInfo:
         weight_version=str(weight_version) if weight_version is not None else None,
         spec=_parse_spec(meta),
         simulated=bool(meta.get(SIM_MARKER_KEY, False)),
-        sim_chunk_sent_unix_s=tuple(float(x) for x in sent) if isinstance(sent, list) else None,
-        sim_chunk_due_unix_s=tuple(float(x) for x in due) if isinstance(due, list) else None,
+        sim_chunk_sent_unix_s=_times(sent, SIM_CHUNK_SENT_KEY),
+        sim_chunk_due_unix_s=_times(due, SIM_CHUNK_DUE_KEY),
     )
 
 
