@@ -1,0 +1,100 @@
+"""The baseline registry: which drafter is the current baseline for each target, with every change kept.
+
+One small JSON file beside the runs (`baselines.json`), rewritten atomically (temp file, fsync, rename) under an
+exclusive lock, so readers never see half a file and two promotions cannot interleave. Entries are only appended:
+the current baseline of a target is its latest entry, and the history is the list. `dfserve promote` appends;
+`dfserve baseline show|history` and `dfserve deploy --drafter baseline` read.
+
+    registry = BaselineRegistry(Path("runs"))
+    current = registry.current("Qwen/Qwen3.6-27B")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dfserve.errors import UserError
+from dfserve.runs import utc_now_iso
+
+FILENAME = "baselines.json"
+
+
+class BaselineEntry(BaseModel):
+    """One change of a target's baseline."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(description="the target model the drafter serves")
+    drafter: str = Field(description="drafter identity: HF id or checkpoint path, as the engine reported it")
+    run_id: str
+    arm: str
+    verdict: str | None = Field(None, description="path of the verdict.json that justified it; None for the first")
+    recorded_at: str
+    forced: bool = False
+    reason: str | None = None
+
+
+class Registry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    entries: list[BaselineEntry] = Field(default_factory=list)
+
+
+class BaselineRegistry:
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / FILENAME
+
+    def read(self) -> Registry:
+        try:
+            return Registry.model_validate_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return Registry()
+        except ValidationError as exc:
+            raise UserError(f"{self.path}: not a baseline registry ({exc.errors()[0]['msg']})") from None
+
+    def current(self, target: str) -> BaselineEntry | None:
+        return next((e for e in reversed(self.read().entries) if e.target == target), None)
+
+    def history(self, target: str | None = None) -> list[BaselineEntry]:
+        return [e for e in self.read().entries if target is None or e.target == target]
+
+    def append(self, *entries: BaselineEntry) -> None:
+        with self._locked():
+            registry = self.read()
+            registry.entries.extend(entries)
+            self._write(registry)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _write(self, registry: Registry) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{FILENAME}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(registry.model_dump_json(indent=2) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+def entry(target: str, drafter: str, run_id: str, arm: str, verdict: str | None = None, *, forced: bool = False,
+          reason: str | None = None) -> BaselineEntry:
+    return BaselineEntry(target=target, drafter=drafter, run_id=run_id, arm=arm, verdict=verdict,
+                         recorded_at=utc_now_iso(), forced=forced, reason=reason)

@@ -1,0 +1,146 @@
+"""One `RequestRecord` per request (a line of requests.jsonl) and the pure functions that derive figures from it.
+
+The client records raw timestamps only (`time.perf_counter()` seconds since the run's start, taken as bytes
+arrive); TTFT, ITL, TPOT, E2E and acceptance are derived here, so every figure has one definition:
+
+- TTFT = first token-bearing chunk - request sent;  E2E = stream end - request sent;
+- TPOT = (last token chunk - first token chunk) / (completion tokens - 1);
+- ITL per chunk: one sample per gap between token-bearing chunks;
+- ITL per token: each gap divided over the tokens the later chunk carried, one sample per token (a chunk of a
+  speculative round carries several tokens, so the two differ; both are reported, by name);
+- acceptance: exact (`completion_tokens / spec_verify_ct` from meta_info), estimated (tokens per content chunk,
+  streamed chat) or unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dfserve.errors import UserError
+from dfserve.sglang import accept_length
+
+ErrorKind = Literal["connect", "timeout", "http_status", "protocol", "disconnect", "cancelled"]
+Acceptance = Literal["exact", "estimated", "unknown"]
+
+
+class RequestRecord(BaseModel):
+    """Raw observations of one request; times are seconds since the run's start on `time.perf_counter()`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    arm: str
+    index: int = Field(description="position in the schedule; equal indexes of two arms replayed the same task")
+    task_id: str
+    warmup: bool = False
+    scheduled_s: float | None = Field(None, description="when the schedule wanted it sent; None in closed loop")
+    dispatched_s: float = Field(description="when it got a concurrency slot (wait = dispatched - scheduled)")
+    sent_s: float | None = Field(None, description="just before the request bytes were written")
+    first_token_s: float | None = None
+    end_s: float | None = Field(None, description="stream finished, failed or was cancelled")
+    chunk_times_s: list[float] = Field(default_factory=list, description="arrival of each token-bearing chunk")
+    chunk_tokens: list[int] | None = Field(None, description="tokens each chunk added; None when not visible")
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    spec_verify_ct: int | None = None
+    acceptance: Acceptance = "unknown"
+    finish_reason: str | None = None
+    output_sha256: str | None = None
+    http_status: int | None = None
+    error_kind: ErrorKind | None = None
+    error_message: str | None = None
+    simulated: bool = False
+    sim_chunk_sent_unix_s: list[float] | None = Field(
+        None, description="simulator only: wall-clock send time of each chunk, to measure this client's error")
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+
+def ttft_s(r: RequestRecord) -> float | None:
+    if r.sent_s is None or r.first_token_s is None:
+        return None
+    return r.first_token_s - r.sent_s
+
+
+def e2e_s(r: RequestRecord) -> float | None:
+    if not r.ok or r.sent_s is None or r.end_s is None:
+        return None
+    return r.end_s - r.sent_s
+
+
+def wait_s(r: RequestRecord) -> float:
+    """Time a due request waited for a concurrency slot (open loop with a cap); 0 in closed loop."""
+    return 0.0 if r.scheduled_s is None else max(0.0, r.dispatched_s - r.scheduled_s)
+
+
+def tpot_s(r: RequestRecord) -> float | None:
+    if not r.ok or r.completion_tokens is None or r.completion_tokens < 2 or len(r.chunk_times_s) < 2:
+        return None
+    return (r.chunk_times_s[-1] - r.chunk_times_s[0]) / (r.completion_tokens - 1)
+
+
+def itl_per_chunk_s(r: RequestRecord) -> list[float]:
+    times = r.chunk_times_s
+    return [later - earlier for earlier, later in pairwise(times)]
+
+
+def itl_per_token_s(r: RequestRecord) -> list[float]:
+    """Each gap split evenly over the tokens of the chunk that ended it; empty when per-chunk tokens are unknown."""
+    if r.chunk_tokens is None or len(r.chunk_tokens) != len(r.chunk_times_s):
+        return []
+    samples: list[float] = []
+    for gap, tokens in zip(itl_per_chunk_s(r), r.chunk_tokens[1:], strict=True):
+        samples.extend([gap / tokens] * tokens)
+    return samples
+
+
+def request_accept_length(r: RequestRecord) -> float | None:
+    """Exact from meta_info or estimated from chunks, as `r.acceptance` says; None when unknown."""
+    if not r.ok or r.completion_tokens is None or r.acceptance == "unknown":
+        return None
+    if r.acceptance == "exact":
+        return None if r.spec_verify_ct is None else accept_length(r.completion_tokens, r.spec_verify_ct)
+    return accept_length(r.completion_tokens, len(r.chunk_times_s))
+
+
+def verify_rounds(r: RequestRecord) -> int | None:
+    """Verify rounds of a finished request: exact from meta_info, else the count of token-bearing chunks."""
+    if not r.ok or r.acceptance == "unknown":
+        return None
+    return r.spec_verify_ct if r.acceptance == "exact" else len(r.chunk_times_s)
+
+
+def round_tokens(r: RequestRecord) -> list[int]:
+    """Tokens accepted per verify round (bonus included), from native chunk deltas; the prefill token is dropped."""
+    if not r.ok or r.chunk_tokens is None or r.acceptance != "exact":
+        return []
+    return r.chunk_tokens[1:]
+
+
+def measured_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    """The records that count: warm-up excluded."""
+    return [r for r in records if not r.warmup]
+
+
+def read_records(path: Path) -> Iterator[RequestRecord]:
+    """Read requests.jsonl; a torn last line (a crash mid-write) is skipped, anything else malformed is an error."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield RequestRecord.model_validate_json(line)
+        except ValidationError as exc:
+            if number == len(lines):
+                return
+            raise UserError(f"{path}:{number}: not a request record ({exc.errors()[0]['msg']})") from None

