@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -11,6 +11,8 @@ from dfserve.errors import UserError
 from dfserve.runs import Provenance
 from dfserve.sglang import SamplingParams
 from loadtest.schedule import LoadShape
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Model(BaseModel):
@@ -77,12 +79,16 @@ class RunConfig(_Model):
         raise UserError(f"run {self.run_id}: no arm named {name!r} (arms: {', '.join(a.name for a in self.arms)})")
 
 
-def read_config(run_dir: Path) -> RunConfig:
-    path = run_dir / "config.json"
+def read_model(path: Path, model: type[M], missing: str) -> M:
+    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field."""
     try:
-        return RunConfig.model_validate_json(path.read_bytes())
+        return model.model_validate_json(path.read_bytes())
     except FileNotFoundError:
-        raise UserError(f"{run_dir}: not a run directory (no config.json)") from None
+        raise UserError(missing) from None
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UserError(f"{path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def read_config(run_dir: Path) -> RunConfig:
+    return read_model(run_dir / "config.json", RunConfig, f"{run_dir}: not a run directory (no config.json)")

@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from dfserve.errors import UserError
 from dfserve.runs import Provenance
 from dfserve.sglang import parse_server_info
-from loadtest.config import RunConfig
+from loadtest.config import RunConfig, read_model
 from loadtest.judge import Gate, Judgement
 
 FILENAME = "verdict.json"
@@ -63,10 +62,4 @@ class Verdict(BaseModel):
 def read_verdict(path: Path) -> Verdict:
     """A verdict directory or its verdict.json."""
     file = path / FILENAME if path.is_dir() else path
-    try:
-        return Verdict.model_validate_json(file.read_bytes())
-    except FileNotFoundError:
-        raise UserError(f"VERDICT: {file} does not exist") from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UserError(f"VERDICT: {file}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    return read_model(file, Verdict, f"VERDICT: {file} does not exist")
