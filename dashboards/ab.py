@@ -1,8 +1,9 @@
 """The "dfserve A/B" dashboard: every arm side by side, as measured by the gateway or the load tester.
 
-Every query is scoped to the selected jobs (`$job`: the gateway and the load tester both export the same families,
-so summing across them would count a request twice) and arms (`$arm`). The ratio row compares `$candidate` to
-`$baseline` directly.
+Every query is scoped to the selected jobs (`$job`: the gateway and the load tester export the same families, so
+summing across them would count a request twice) and arms (`$arm`). Rate panels follow live sources (the gateway,
+a running load tester); the last row reads whole-run totals, which is what a load test pushed to a Pushgateway at
+its end offers. The ratio row compares `$candidate` to `$baseline` directly.
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ from dfserve import metrics as m
 
 from .grafana import RATE_INTERVAL, Dashboard, Panel, Row, Target, Variable
 from .promql import (
+    ERROR_STATUS,
     QUANTILES,
     counter,
     histogram_mean,
     increase_sum,
     quantile,
+    quantile_total,
     rate_sum,
     ratio,
     selector,
     tokens_per_round,
+    total,
 )
 
 W = RATE_INTERVAL
 SCOPE = ('job=~"$job"', 'arm=~"$arm"')
-ERROR_STATUS = 'status!~"2.."'
-"""`dfserve_requests_total` counts every finished request by status; anything but 2xx is an error to the client."""
 
 
 def _one_arm(variable: str) -> tuple[str, ...]:
@@ -139,6 +141,30 @@ def _replicas() -> Row:
     ))
 
 
+def _totals() -> Row:
+    return Row("Whole run (pushed load tests; since start for live sources)", (
+        Panel("Requests", "Finished requests per arm: all of them, and those that did not end in 2xx.", (
+            Target(total(counter(m.REQUESTS), ["arm"], SCOPE), "{{arm}}"),
+            Target(total(counter(m.REQUESTS), ["arm"], (*SCOPE, ERROR_STATUS)), "{{arm}} errors"),
+        ), kind="stat", width=6, no_value="0"),
+        Panel("Acceptance length (whole run)",
+              "Σ completion tokens / Σ verify rounds over the run, and the mean per request (exact from "
+              "meta_info, estimated from chunk counts).", (
+                  Target(ratio(total(counter(m.OUTPUT_TOKENS), ["arm"], SCOPE),
+                               total(counter(m.SPEC_VERIFY_ROUNDS), ["arm"], SCOPE)), "{{arm}} pooled"),
+                  Target(ratio(total(f"{m.ACCEPT_LENGTH}_sum", ["arm", "measure"], SCOPE),
+                               total(f"{m.ACCEPT_LENGTH}_count", ["arm", "measure"], SCOPE)),
+                         "{{arm}} mean per request ({{measure}})"),
+              ), kind="stat", width=6),
+        Panel("Time to first token (whole run)", "p50 and p99 over every request of the run.", tuple(
+            Target(quantile_total(q, m.TTFT, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
+        ), kind="stat", unit="s", width=6),
+        Panel("End-to-end latency (whole run)", "p50 and p99 over every request of the run.", tuple(
+            Target(quantile_total(q, m.E2E, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
+        ), kind="stat", unit="s", width=6),
+    ))
+
+
 def build(baseline: str = "baseline", candidate: str = "candidate") -> Dashboard:
     """The A/B dashboard; `baseline` and `candidate` are the arm names the ratio row starts on."""
     requests = counter(m.REQUESTS)
@@ -153,5 +179,5 @@ def build(baseline: str = "baseline", candidate: str = "candidate") -> Dashboard
             Variable("baseline", "Baseline", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=baseline),
             Variable("candidate", "Candidate", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=candidate),
         ),
-        rows=(_traffic(), _latency(), _acceptance(), _comparison(), _replicas()),
+        rows=(_traffic(), _latency(), _acceptance(), _comparison(), _replicas(), _totals()),
     )

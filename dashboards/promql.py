@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 QUANTILES = (0.5, 0.95, 0.99)
+ERROR_STATUS = 'status!~"2..|ok"'
+"""Matcher of failed requests in `dfserve_requests_total`: the gateway labels `status` with the HTTP code, the load
+tester with `ok` or its error kind."""
 
 
 def counter(name: str) -> str:
@@ -30,6 +33,11 @@ def rate_sum(series: str, window: str, labels: Sequence[str], matchers: Sequence
     return f"sum {by(labels)}(rate({selector(series, matchers)}[{window}]))"
 
 
+def total(series: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """A counter's value summed by `labels`: everything since the process started (or a pushed run's final count)."""
+    return f"sum {by(labels)}({selector(series, matchers)})"
+
+
 def increase_sum(series: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
     return f"sum {by(labels)}(increase({selector(series, matchers)}[{window}]))"
 
@@ -46,6 +54,11 @@ def _operand(expr: str) -> str:
 def quantile(q: float, histogram: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
     """`q` quantile of a histogram family over `window`, aggregated over everything but `labels`."""
     return f"histogram_quantile({q}, {rate_sum(f'{histogram}_bucket', window, [*labels, 'le'], matchers)})"
+
+
+def quantile_total(q: float, histogram: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """`q` quantile of every observation a histogram holds (a whole pushed run), aggregated like `quantile`."""
+    return f"histogram_quantile({q}, {total(f'{histogram}_bucket', [*labels, 'le'], matchers)})"
 
 
 def histogram_mean(histogram: str, window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:

@@ -56,7 +56,7 @@ def _json(obj: Any) -> str:
 def render(settings: Settings) -> dict[str, str]:
     """Relative path -> file text, for everything under a `dfserve dashboards --out` folder."""
     boards = {f"{board.uid}.json": _json(board.to_json()) for board in dashboards(settings)}
-    groups = rule_groups(settings.rules)
+    groups = rule_groups(settings.rules, settings.sglang_names)
     config_map = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": "dfserve-grafana-dashboards", "labels": {**NAMESPACE_LABELS, GRAFANA_SIDECAR_LABEL: "1"},

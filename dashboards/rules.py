@@ -12,7 +12,8 @@ from typing import Any
 
 from dfserve import metrics as m
 
-from .promql import counter, quantile, rate_sum, ratio, selector, tokens_per_round
+from .engine import NameStyle, sglang_name
+from .promql import ERROR_STATUS, counter, quantile, rate_sum, ratio, selector, tokens_per_round
 
 ARM = ("job", "arm")
 ACCEPT_LENGTH_5M = "arm:dfserve_accept_length:ratio_rate5m"
@@ -20,7 +21,6 @@ ERROR_RATIO_5M = "arm:dfserve_requests_error:ratio_rate5m"
 ERROR_RATIO_1H = "arm:dfserve_requests_error:ratio_rate1h"
 TTFT_P99_5M = "arm:dfserve_time_to_first_token_seconds:p99_rate5m"
 ENGINE_ACCEPT_LENGTH_5M = "deployment:sglang_spec_accept_length:ratio_rate5m"
-ERROR_STATUS = 'status!~"2.."'
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class Alert:
                 "annotations": {"summary": self.summary, "description": self.description}}
 
 
-def recording_rules() -> tuple[Recording, ...]:
+def recording_rules(names: NameStyle = "colon") -> tuple[Recording, ...]:
+    """The recording rules for a Prometheus that stores SGLang's names in `names` style."""
     requests = counter(m.REQUESTS)
     return (
         Recording(ACCEPT_LENGTH_5M, tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, "5m", ARM)),
@@ -69,7 +70,8 @@ def recording_rules() -> tuple[Recording, ...]:
           for record, window in ((ERROR_RATIO_5M, "5m"), (ERROR_RATIO_1H, "1h"))),
         Recording(TTFT_P99_5M, quantile(0.99, m.TTFT, "5m", ARM)),
         Recording(ENGINE_ACCEPT_LENGTH_5M, tokens_per_round(
-            m.SGLANG_GENERATION_TOKENS, m.SGLANG_SPEC_VERIFY_CALLS, "5m", [m.DEPLOYMENT_LABEL])),
+            sglang_name(m.SGLANG_GENERATION_TOKENS, names), sglang_name(m.SGLANG_SPEC_VERIFY_CALLS, names), "5m",
+            [m.DEPLOYMENT_LABEL])),
     )
 
 
@@ -104,9 +106,9 @@ def alerts(settings: RuleSettings) -> tuple[Alert, ...]:
     )
 
 
-def rule_groups(settings: RuleSettings) -> list[dict[str, Any]]:
+def rule_groups(settings: RuleSettings, names: NameStyle = "colon") -> list[dict[str, Any]]:
     """The `groups:` of a Prometheus rule file (and of a PrometheusRule's spec)."""
     return [
-        {"name": "dfserve.recording", "rules": [rule.to_json() for rule in recording_rules()]},
+        {"name": "dfserve.recording", "rules": [rule.to_json() for rule in recording_rules(names)]},
         {"name": "dfserve.alerts", "rules": [alert.to_json() for alert in alerts(settings)]},
     ]

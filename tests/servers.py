@@ -80,3 +80,23 @@ def gateway_server(config: Path, *extra: str, log: Path | None = None) -> Iterat
     base = f"http://{LOOPBACK}:{port}"
     with serve(argv, f"{base}/health", log=log):
         yield base
+
+
+@contextlib.contextmanager
+def prometheus_server(config: Path, data: Path, log: Path | None = None) -> Iterator[str]:
+    """Debian's `prometheus` with `config`, storing into `data`, on a free loopback port; yields its base URL."""
+    port = free_port()
+    argv = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address={LOOPBACK}:{port}", "--log.level=warn"]
+    base = f"http://{LOOPBACK}:{port}"
+    with serve(argv, f"{base}/-/ready", log=log):
+        yield base
+
+
+@contextlib.contextmanager
+def pushgateway_server(log: Path | None = None) -> Iterator[str]:
+    """Debian's `prometheus-pushgateway` on a free loopback port; yields its base URL."""
+    port = free_port()
+    base = f"http://{LOOPBACK}:{port}"
+    with serve(["prometheus-pushgateway", f"--web.listen-address={LOOPBACK}:{port}"], f"{base}/-/ready", log=log):
+        yield base

@@ -118,7 +118,8 @@ def test_cli_writes_every_file_and_rejects_bad_arms(tmp_path: Path, capsys: pyte
           "--baseline-arm", "zlab", "--candidate-arm", "inhouse"])
     board = json.loads((tmp_path / "grafana" / "dfserve-engine-underscore.json").read_text())
     assert "sglang_num_running_reqs" in json.dumps(board)
-    assert 'arm="inhouse"' in (tmp_path / "prometheus" / "dfserve-rules.yml").read_text()
+    rule_file = (tmp_path / "prometheus" / "dfserve-rules.yml").read_text()
+    assert 'arm="inhouse"' in rule_file and "sglang_generation_tokens_total" in rule_file and "sglang:" not in rule_file
     with pytest.raises(SystemExit) as exit_info:
         main(["dashboards", "--out", str(tmp_path), "--candidate-arm", 'x"y'])
     assert exit_info.value.code == 2

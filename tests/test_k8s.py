@@ -21,8 +21,10 @@ from cloudcoil.models.prometheus_operator import v1 as operator
 
 from dashboards.render import Settings, render
 from deploy.drafters import Drafter, resolve_target
+from deploy.k8s import render as emit_k8s
 from deploy.profiles import load_profile
-from deploy.spec import build_spec, server_args
+from deploy.spec import build_spec
+from dfserve import metrics as m
 from gateway.config import load_config
 from loadtest.cli import loadtest
 
@@ -107,27 +109,34 @@ def test_pods_run_unprivileged_with_resources(where: str) -> None:
 
 
 @pytest.mark.parametrize("drafter", sorted(ENGINES))
-def test_engine_agrees_with_the_deployment_spec(drafter: str) -> None:
+def test_engine_agrees_with_deploy_emit_k8s(drafter: str) -> None:
+    """Where the overlays and `dfserve deploy --emit k8s` overlap (argv, env, labels, ports, GPUs), they agree."""
     docs = rendered(f"overlays/{drafter}")
     deployment = one(docs, "Deployment", f"sglang-{drafter}")
-    pod = deployment["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    template = deployment["spec"]["template"]
+    (container,) = template["spec"]["containers"]
     profile = load_profile("pro6000")
-    target = resolve_target(None, profile, None)
     source = Drafter(drafter, "zlab" if drafter == "zlab" else "folder", ENGINES[drafter], dict(profile.zlab.config),
                      16, None, None, "zlab" if drafter == "zlab" else "inhouse")
-    spec = build_spec(profile, target, source, engine="sglang", port=30000, host="0.0.0.0", name=f"sglang-{drafter}")
-    assert container["command"] == ["python3", "-m", "sglang.launch_server"]
-    assert expanded_args(container) == server_args(spec)
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert spec.env.items() <= env.items()
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    spec = build_spec(profile, resolve_target(None, profile, None), source, engine="sglang", port=30000, name=drafter)
+    emitted_deployment, emitted_service = emit_k8s(spec, image=container["image"])
+    emitted_template = emitted_deployment["spec"]["template"]
+    (emitted,) = emitted_template["spec"]["containers"]
+    assert container["command"] == emitted["command"]
+    assert expanded_args(container) == emitted["args"]
+    assert {(e["name"], e["value"]) for e in emitted["env"]} <= {(e["name"], e.get("value")) for e in container["env"]}
+    assert container["ports"] == [{k: v for k, v in emitted["ports"][0].items() if k != "protocol"}]
+    for kind in ("requests", "limits"):
+        assert container["resources"][kind]["nvidia.com/gpu"] == emitted["resources"][kind]["nvidia.com/gpu"]
+    assert emitted_template["metadata"]["labels"].items() <= template["metadata"]["labels"].items()
+    assert deployment["spec"]["strategy"] == emitted_deployment["spec"]["strategy"]
+    service = one(docs, "Service", f"sglang-{drafter}")
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        (p["port"], p["targetPort"]) for p in emitted_service["spec"]["ports"]]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
     assert container["readinessProbe"]["httpGet"]["path"] == "/health_generate"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert pod["nodeSelector"] and pod["tolerations"]
-    assert deployment["spec"]["template"]["metadata"]["labels"]["dfserve.io/deployment"] == drafter
-    service = one(docs, "Service", f"sglang-{drafter}")
-    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert template["spec"]["nodeSelector"] and template["spec"]["tolerations"]
 
 
 def test_gateway_config_parses_and_points_at_the_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,9 +183,10 @@ def test_monitoring_selects_the_engines_and_gateway_and_ships_the_generated_file
         assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
         ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
         assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
-    relabel = pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
-    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_dfserve_io_deployment"]
-    assert relabel["targetLabel"] == "deployment"
+        relabel = pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
+        label = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
+        pod_label = next(k for k in template["metadata"]["labels"] if re.sub(r"[^A-Za-z0-9]", "_", k) == label)
+        assert template["metadata"]["labels"][pod_label] == drafter and relabel["targetLabel"] == m.DEPLOYMENT_LABEL
     service_monitor = one(monitoring, "ServiceMonitor", "dfserve-gateway")
     service = one(fleet, "Service", "dfserve-gateway")
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
