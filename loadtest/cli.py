@@ -223,10 +223,10 @@ def _print_verdict(verdict: Verdict) -> None:
                   + ("" if loss.applicable else " (temperature > 0: not judged)")
                   + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
     for rule in j.rules:
-        needed = f" (about {rule.samples_needed} paired requests needed)" if rule.samples_needed else ""
+        needed = f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else ""
         console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
     console.print(f"[bold]verdict: {verdict.verdict}[/]" +
-                  (f" (about {j.samples_needed} paired requests would decide it)" if j.samples_needed else ""))
+                  (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
 
 
 @click.command()

@@ -3,7 +3,7 @@
 Requests are paired by schedule index (the same task at the same place in the run for both arms); intervals come
 from one bootstrap over tasks shared by both arms, so task difficulty cancels out of every difference. Each gate
 rule is PASS when its whole 95% interval is on the good side of the limit, FAIL when the whole interval is on the
-bad side, and INCONCLUSIVE otherwise, with the number of paired requests that would shrink the interval enough.
+bad side, and INCONCLUSIVE otherwise, with the number of distinct tasks that would shrink the interval enough.
 
     verdict = judge(baseline_records, candidate_records, load_gate(None), temperature=0.0)
 """
@@ -140,7 +140,7 @@ class RuleResult(_Model):
     limit: float
     status: RuleStatus
     detail: str
-    samples_needed: int | None = None
+    tasks_needed: int | None = None
 
 
 class Lossless(_Model):
@@ -160,7 +160,7 @@ class Judgement(_Model):
     metrics: tuple[MetricResult, ...]
     rules: tuple[RuleResult, ...]
     lossless: Lossless
-    samples_needed: int | None
+    tasks_needed: int | None
 
 
 @dataclass(frozen=True)
@@ -265,14 +265,15 @@ def _lossless(pairs: _Pairs, temperature: float) -> Lossless:
                     high=interval.high if interval else None, differing_tasks=differing)
 
 
-def samples_needed(n: int, half_width: float, margin: float) -> int | None:
-    """Paired requests for an interval of this spread to clear the limit: width shrinks as 1/sqrt(n)."""
+def tasks_needed(n: int, half_width: float, margin: float) -> int | None:
+    """Distinct tasks for an interval of this spread to clear the limit: its width shrinks as 1/sqrt(tasks). Not
+    requests: at temperature 0 a repeated task repeats its output and its rounds, so repeats add no evidence."""
     if n == 0 or margin <= 0 or not math.isfinite(half_width):
         return None
     return max(n + 1, math.ceil(n * (half_width / margin) ** 2))
 
 
-def _rule(rule: Rule, metrics: dict[str, MetricResult], lossless: Lossless, n: int) -> RuleResult:
+def _rule(rule: Rule, metrics: dict[str, MetricResult], lossless: Lossless, tasks: int) -> RuleResult:
     if rule.metric == LOSSLESS:
         assert rule.at_least is not None
         limit = rule.at_least
@@ -289,8 +290,8 @@ def _rule(rule: Rule, metrics: dict[str, MetricResult], lossless: Lossless, n: i
         if lossless.fraction >= limit:
             return RuleResult(metric=rule.metric, limit=limit, status="PASS", detail=detail)
         return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE", detail=detail,
-                          samples_needed=samples_needed(lossless.pairs, (lossless.high - lossless.low) / 2,
-                                                        lossless.high - limit))
+                          tasks_needed=tasks_needed(tasks, (lossless.high - lossless.low) / 2,
+                                                    lossless.high - limit))
     assert rule.max_worse is not None
     result = metrics[rule.metric]
     if result.change is None or result.change_low is None or result.change_high is None or math.isnan(result.change_low):
@@ -306,7 +307,7 @@ def _rule(rule: Rule, metrics: dict[str, MetricResult], lossless: Lossless, n: i
     if worse_low > rule.max_worse:
         return RuleResult(metric=rule.metric, limit=rule.max_worse, status="FAIL", detail=detail)
     return RuleResult(metric=rule.metric, limit=rule.max_worse, status="INCONCLUSIVE", detail=detail,
-                      samples_needed=samples_needed(n, (worse_high - worse_low) / 2, abs(worse - rule.max_worse)))
+                      tasks_needed=tasks_needed(tasks, (worse_high - worse_low) / 2, abs(worse - rule.max_worse)))
 
 
 def judge(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord], gate: Gate, temperature: float) -> Judgement:
@@ -317,13 +318,13 @@ def judge(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord],
     weights = stats.cluster_weights(pairs.tasks, gate.bootstrap_draws, np.random.default_rng(gate.seed))
     metrics = {name: _compare(name, spec, pairs, weights) for name, spec in METRICS.items()}
     lossless = _lossless(pairs, temperature)
-    rules = tuple(_rule(rule, metrics, lossless, len(pairs.base)) for rule in gate.rules)
+    rules = tuple(_rule(rule, metrics, lossless, pairs.tasks) for rule in gate.rules)
     statuses = {r.status for r in rules}
     verdict: Status = "FAIL" if "FAIL" in statuses else "INCONCLUSIVE" if "INCONCLUSIVE" in statuses else "PASS"
-    needed = [r.samples_needed for r in rules if r.status == "INCONCLUSIVE" and r.samples_needed is not None]
+    needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
     return Judgement(verdict=verdict, paired_requests=len(pairs.base), tasks=pairs.tasks,
                      metrics=tuple(metrics.values()), rules=rules, lossless=lossless,
-                     samples_needed=max(needed) if needed else None)
+                     tasks_needed=max(needed) if needed else None)
 
 
 def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand_arm: str) -> list[str]:

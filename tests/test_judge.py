@@ -12,7 +12,7 @@ from dfserve.errors import UserError
 from dfserve.runs import Provenance
 from loadtest import stats
 from loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
-from loadtest.judge import DEFAULT_GATE, Gate, Rule, comparability, judge, load_gate, samples_needed
+from loadtest.judge import DEFAULT_GATE, Gate, Rule, comparability, judge, load_gate, tasks_needed
 from loadtest.records import RequestRecord
 from loadtest.schedule import LoadShape
 
@@ -76,7 +76,7 @@ def test_an_effect_at_the_limit_is_inconclusive_with_a_sample_estimate() -> None
     j = judge(synthetic("a", 60, 9.0, seed=1, noise=0.3), synthetic("b", 60, 9.0 * 0.98, seed=2, noise=0.3),
               Gate(rules=(Rule(metric="accept_length", max_worse=0.02),)), 0.0)
     assert j.verdict == "INCONCLUSIVE"
-    assert j.samples_needed is not None and j.samples_needed > 60
+    assert j.tasks_needed is not None and j.tasks_needed > j.tasks
 
 
 def test_lossy_candidate_is_caught_and_differing_tasks_listed() -> None:
@@ -117,10 +117,10 @@ def test_warmup_records_are_left_out() -> None:
     assert judge(base, cand, DEFAULT_GATE, 0.0).paired_requests == 40
 
 
-def test_samples_needed_scales_with_the_square_of_the_spread() -> None:
-    assert samples_needed(100, 0.02, 0.01) == 400
-    assert samples_needed(100, 0.02, 0.0) is None
-    assert samples_needed(100, 0.001, 0.01) == 101
+def test_tasks_needed_scales_with_the_square_of_the_spread() -> None:
+    assert tasks_needed(100, 0.02, 0.01) == 400
+    assert tasks_needed(100, 0.02, 0.0) is None
+    assert tasks_needed(100, 0.001, 0.01) == 101
 
 
 def test_gate_yaml(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
                                  "inhouse": synthetic("inhouse", 30, 9.0 * 0.98, seed=2, noise=0.4)})
     result = CliRunner().invoke(compare, [str(few)])
     assert result.exit_code == 3, result.output
-    assert "paired requests would decide it" in result.output
+    assert "distinct tasks would decide it" in result.output
 
 
 def test_two_runs_must_be_comparable_unless_forced(tmp_path: Path) -> None:
