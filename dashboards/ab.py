@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dfserve import metrics as m
 
+from .engine import NameStyle, sglang_name
 from .grafana import RATE_INTERVAL, Dashboard, Panel, Row, Target, Variable
 from .promql import (
     ERROR_STATUS,
@@ -29,6 +30,8 @@ from .promql import (
 )
 
 W = RATE_INTERVAL
+D = m.DEPLOYMENT_LABEL
+DEPLOYMENTS = (f'{D}=~"$deployment"',)
 SCOPE = ('job=~"$job"', 'arm=~"$arm"')
 
 
@@ -46,7 +49,7 @@ def _candidate_over_baseline(expr_for: Callable[[tuple[str, ...]], str]) -> str:
     return ratio(expr_for(_one_arm("candidate")), expr_for(_one_arm("baseline")))
 
 
-def _traffic() -> Row:
+def _traffic(names: NameStyle) -> Row:
     return Row("Traffic", (
         Panel("Request rate", "Finished requests per second, per arm.",
               (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps"),
@@ -58,6 +61,12 @@ def _traffic() -> Row:
               (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], SCOPE), "{{arm}}"),)),
         Panel("Requests in flight", "Requests sent to an arm and not yet finished.",
               (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, SCOPE)})", "{{arm}}"),)),
+        Panel("Engine queue", "Requests running in and queued before each selected engine deployment (SGLang's "
+              "gauges), next to the in-flight count of the arm it serves.", (
+                  Target(f"sum by ({D}) ({selector(sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), DEPLOYMENTS)})",
+                         f"{{{{{D}}}}} running"),
+                  Target(f"sum by ({D}) ({selector(sglang_name(m.SGLANG_NUM_QUEUE_REQS, names), DEPLOYMENTS)})",
+                         f"{{{{{D}}}}} queued"))),
         Panel("Arm weight", "Configured share of live traffic per arm (gateway).",
               (Target(f"max by (arm) ({selector(m.ARM_WEIGHT, SCOPE)})", "{{arm}}"),)),
         Panel("Shadow requests", "Mirrored requests per second by outcome; a shadow answer never reaches a client.",
@@ -165,8 +174,9 @@ def _totals() -> Row:
     ))
 
 
-def build(baseline: str = "baseline", candidate: str = "candidate") -> Dashboard:
-    """The A/B dashboard; `baseline` and `candidate` are the arm names the ratio row starts on."""
+def build(baseline: str = "baseline", candidate: str = "candidate", names: NameStyle = "colon") -> Dashboard:
+    """The A/B dashboard; `baseline` and `candidate` are the arm names the ratio row starts on, `names` the style
+    of SGLang's metric names in the Prometheus queried."""
     requests = counter(m.REQUESTS)
     return Dashboard(
         uid="dfserve-ab",
@@ -178,6 +188,7 @@ def build(baseline: str = "baseline", candidate: str = "candidate") -> Dashboard
             Variable("arm", "Arm", f'{requests}{{job=~"$job"}}', "arm"),
             Variable("baseline", "Baseline", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=baseline),
             Variable("candidate", "Candidate", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=candidate),
+            Variable("deployment", "Engine deployment", sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), D),
         ),
-        rows=(_traffic(), _latency(), _acceptance(), _comparison(), _replicas(), _totals()),
+        rows=(_traffic(names), _latency(), _acceptance(), _comparison(), _replicas(), _totals()),
     )

@@ -30,7 +30,8 @@ class Settings:
 
 
 def dashboards(settings: Settings) -> tuple[Dashboard, ...]:
-    return (ab.build(settings.rules.baseline_arm, settings.rules.candidate_arm), engine.build(settings.sglang_names))
+    return (ab.build(settings.rules.baseline_arm, settings.rules.candidate_arm, settings.sglang_names),
+            engine.build(settings.sglang_names))
 
 
 class _BlockDumper(yaml.SafeDumper):

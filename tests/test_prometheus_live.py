@@ -192,15 +192,15 @@ def _check_dashboard(stack: Stack, board: Dashboard, values: dict[str, str], at:
 
 
 def _ab_values(job: str, window: str) -> dict[str, str]:
-    return {"job": job, "arm": ".*", "baseline": "baseline", "candidate": "candidate", "datasource": "",
+    return {"job": job, "arm": ".*", "baseline": "baseline", "candidate": "candidate", "deployment": ".*", "datasource": "",
             "__rate_interval": window}
 
 
-def test_every_ab_panel_has_data_from_the_gateways(stack: Stack) -> None:
+def test_every_ab_panel_has_data_from_the_gateways_and_engines(stack: Stack) -> None:
     board = ab.build()
-    exported = _exported(stack, GATEWAY_JOBS)
+    exported = _exported(stack, f"{GATEWAY_JOBS}|engines")
     every = {family for q in board.queries() for family in _families(q.expr)}
-    assert every <= exported, f"the gateways export no {sorted(every - exported)}"
+    assert every <= exported, f"the gateways and engines export no {sorted(every - exported)}"
     checked = _check_dashboard(stack, board, _ab_values(GATEWAY_JOBS, _window(stack.live_start, time.time())), None,
                                exported, per_target=True, need_finite=True)
     assert len(checked) == sum(len(row.panels) for row in board.rows)
