@@ -25,6 +25,7 @@ from deploy.sglang_engine import (
     ensure_port_free,
     launch_argv,
     launch_env,
+    running,
     start,
     status,
     stop,
@@ -129,9 +130,9 @@ def run_deploy(
     if check:
         result = check_with_sglang(spec, sglang_python)
         if not result.ok:
-            raise UserError(f"--check: SGLang {result.resolved.get('sglang_version', '')} rejects the argv: " + "; ".join(result.problems))
+            raise UserError(f"--check: SGLang {result.version} rejects the argv: " + "; ".join(result.problems))
         click.echo(
-            f"# check: SGLang {result.resolved['sglang_version']} accepts it: DFLASH, "
+            f"# check: SGLang {result.version} accepts it: DFLASH, "
             f"block {result.resolved['speculative_num_draft_tokens']}, "
             f"draft attention {result.resolved['speculative_draft_attention_backend']}",
             err=True,
@@ -149,10 +150,8 @@ def run_deploy(
 
 
 def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_dir: Path, health_timeout: float) -> None:
-    if deployment_dir.is_dir() and any(deployment_dir.glob("start-*/record.json")):
-        _, state = status(deployment_dir)
-        if state in ("healthy", "unhealthy"):
-            raise UserError(f"--name: deployment {spec.name} is running; `dfserve deploy stop {spec.name}` first")
+    if running(deployment_dir) is not None:
+        raise UserError(f"--name: deployment {spec.name} is running; `dfserve deploy stop {spec.name}` first")
     created = not deployment_dir.exists()
     deployment_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -192,6 +191,6 @@ def status_command(name: str, root: Path) -> None:
 @click.option("--grace", type=float, default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 def stop_command(name: str, root: Path, grace: float) -> None:
     """Stop a deployment's engine: gracefully, then forced after --grace seconds."""
-    result = stop(root / name, grace_s=grace)
-    how = "forced" if result.forced else "graceful" if result.was_running else "was not running"
-    click.echo(f"{name}: stopped ({how}) at {result.stopped_at}")
+    result, now = stop(root / name, grace_s=grace)
+    how = "forced" if result.forced else "graceful" if result.was_running else "had already exited"
+    click.echo(f"{name}: {'stopped' if now else 'already stopped'} ({how}) at {result.stopped_at}")

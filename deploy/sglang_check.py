@@ -1,7 +1,7 @@
 """Validate an SGLang argv with SGLang's own code; run by path under SGLang's interpreter (imports no dfserve).
 
 Reads `{"argv": [...]}` on stdin and prints one JSON line
-`{"ok": bool, "problems": [...], "resolved": {...}}` after the marker below. Checks, all with SGLang's code:
+`{"ok": bool, "version": str, "problems": [...], "resolved": {...}}` after the marker below. Checks, all with SGLang's code:
 `prepare_server_args` parses the argv; `SpeculativeAlgorithm.from_string` knows the algorithm and it is DFLASH;
 `_handle_dflash` (the rules `ServerArgs` applies at launch) passes for a CUDA device, the device of every host
 profile; and the draft attention backend is kept rather than replaced by a fallback. (The drafter's config.json is
@@ -27,6 +27,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     from sglang.srt.arg_groups.speculative_hook import _handle_dflash
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.version import __version__
 
     problems: list[str] = []
     errors = io.StringIO()
@@ -35,7 +36,8 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
             args = prepare_server_args(list(request["argv"]))
     except SystemExit:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
-        return {"ok": False, "problems": [lines[-1] if lines else "SGLang's parser rejected the argv"], "resolved": {}}
+        problem = lines[-1] if lines else "SGLang's parser rejected the argv"
+        return {"ok": False, "version": __version__, "problems": [problem], "resolved": {}}
     try:
         algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
         if not algorithm.is_dflash():
@@ -60,10 +62,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
             )
     except ValueError as exc:
         problems.append(f"DFLASH: {exc}")
-    from sglang.version import __version__
-
-    resolved["sglang_version"] = __version__
-    return {"ok": not problems, "problems": problems, "resolved": resolved}
+    return {"ok": not problems, "version": __version__, "problems": problems, "resolved": resolved}
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ def launch_env(spec: DeploymentSpec) -> dict[str, str]:
 class CheckResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ok: bool
+    version: str
     problems: list[str]
     resolved: dict[str, Any]
 
@@ -293,15 +294,25 @@ def status(deployment_dir: Path) -> tuple[DeploymentRecord, State]:
     return record, "healthy" if healthy else "unhealthy"
 
 
-def stop(deployment_dir: Path, grace_s: float = 30.0) -> StopRecord:
-    """Stop the last start: SIGTERM to its process group, SIGKILL after `grace_s`; idempotent."""
+def running(deployment_dir: Path) -> DeploymentRecord | None:
+    """The record of the deployment's last start if its engine is still alive."""
+    starts = sorted(deployment_dir.glob("start-*")) if deployment_dir.is_dir() else []
+    if not starts or not (starts[-1] / RECORD_NAME).is_file() or (starts[-1] / STOPPED_NAME).is_file():
+        return None
+    record = read_record(starts[-1])
+    return record if is_alive(record) else None
+
+
+def stop(deployment_dir: Path, grace_s: float = 30.0) -> tuple[StopRecord, bool]:
+    """Stop the last start: SIGTERM to its process group, SIGKILL after `grace_s`. Idempotent: a second call
+    returns the first call's record and False (nothing was done now)."""
     start_dir = latest_start(deployment_dir)
     record = read_record(start_dir)
     stopped = start_dir / STOPPED_NAME
     if stopped.is_file():
-        return StopRecord.model_validate_json(stopped.read_text(encoding="utf-8"))
+        return StopRecord.model_validate_json(stopped.read_text(encoding="utf-8")), False
     running = is_alive(record)
     forced = _terminate(record.pid, grace_s, record.process_start_ticks) if running else False
     result = StopRecord(stopped_at=utc_now_iso(), forced=forced, was_running=running)
     write_model(stopped, result)
-    return result
+    return result, True
