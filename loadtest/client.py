@@ -38,6 +38,8 @@ class _Stream:
     finish_reason: str | None = None
     simulated: bool = False
     sim_sent: list[float] | None = None
+    sim_due: list[float] | None = None
+    server_e2e: float | None = None
     usage_seen: bool = False
     done: bool = False
 
@@ -152,8 +154,11 @@ class ArmClient:
         if meta.finish_reason is not None:
             stream.finish_reason = meta.finish_reason.kind
             stream.verify_ct = meta.spec.verify_ct if meta.spec is not None else None
+            stream.server_e2e = meta.e2e_latency_s
             if meta.sim_chunk_sent_unix_s is not None:
                 stream.sim_sent = list(meta.sim_chunk_sent_unix_s)
+            if meta.sim_chunk_due_unix_s is not None:
+                stream.sim_due = list(meta.sim_chunk_due_unix_s)
         return None
 
     def _chat_event(self, data: str, stream: _Stream, now: float) -> str | None:
@@ -213,7 +218,9 @@ class ArmClient:
             error_kind=error[0] if error else None,
             error_message=error[1][:500] if error else None,
             simulated=stream.simulated,
+            server_e2e_latency_s=stream.server_e2e,
             sim_chunk_sent_unix_s=stream.sim_sent,
+            sim_chunk_due_unix_s=stream.sim_due,
         )
         self._sink(record)
         return record

@@ -55,8 +55,11 @@ class RequestRecord(BaseModel):
     error_kind: ErrorKind | None = None
     error_message: str | None = None
     simulated: bool = False
+    server_e2e_latency_s: float | None = Field(None, description="meta_info e2e_latency: the server's own view")
     sim_chunk_sent_unix_s: list[float] | None = Field(
         None, description="simulator only: wall-clock send time of each chunk, to measure this client's error")
+    sim_chunk_due_unix_s: list[float] | None = Field(
+        None, description="simulator only: when its model scheduled each chunk (the last minus e2e = its arrival)")
 
     @property
     def ok(self) -> bool:
