@@ -122,6 +122,9 @@ def run_deploy(
     if starts_engine:
         ensure_port_free(host, port)
     resolved = resolve_drafter(drafter, profile, resolved_target, root / "drafters", drafter_config, registry)
+    if resolved.kind == "checkpoint":
+        done = "converted" if resolved.converted else "already converted"
+        click.echo(f"# {resolved.source}: {done} to {resolved.model_path} (sha256 {resolved.sha256})", err=True)
     spec = build_spec(
         profile, resolved_target, resolved, engine=engine, port=port, host=host, name=name,  # type: ignore[arg-type]
         overrides=dict(overrides), sglang_args=list(sglang_args), sim_profile=sim_profile, time_scale=time_scale,

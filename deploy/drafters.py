@@ -327,7 +327,6 @@ class Drafter:
     label: str
     kind: Literal["zlab", "folder", "checkpoint"]
     model_path: str
-    config: dict[str, Any]
     block_size: int
     sha256: str | None
     source: str | None
@@ -335,7 +334,7 @@ class Drafter:
     converted: bool = False
 
 
-def _verify_folder(folder: Path, target: Target) -> tuple[dict[str, Any], DrafterArch]:
+def _verify_folder(folder: Path, target: Target) -> DrafterArch:
     config = read_json(folder / "config.json", f"drafter folder {folder}")
     arch = verify_drafter_config(config, target)
     weights = sorted(folder.glob("*.safetensors"))
@@ -347,7 +346,7 @@ def _verify_folder(folder: Path, target: Target) -> tuple[dict[str, Any], Drafte
     problems = tensor_table_problems(found, expected_tensors(arch))
     if problems:
         raise problems_error(f"drafter folder {folder}", problems)
-    return config, arch
+    return arch
 
 
 def baseline_drafter(registry: Path, target: Target, profile: HostProfile) -> str:
@@ -378,20 +377,20 @@ def resolve_drafter(
         cached = hf_cached_file(repo, "config.json")
         config = read_json(cached, "--drafter zlab") if cached else dict(profile.zlab.config)
         arch = verify_drafter_config(config, target)
-        return Drafter("zlab", "zlab", repo, config, arch.block_size, None, repo, "zlab")
+        return Drafter("zlab", "zlab", repo, arch.block_size, None, repo, "zlab")
     path = Path(drafter).expanduser()
     if not path.exists():
         raise UserError(f"--drafter: {drafter} is not 'zlab', 'baseline', a checkpoint file or a model folder")
     if path.is_dir():
-        config, arch = _verify_folder(path, target)
+        arch = _verify_folder(path, target)
         digest = folder_sha256(path, hashes)
-        return Drafter(path.name, "folder", str(path.resolve()), config, arch.block_size, digest, str(path.resolve()), "inhouse")
+        return Drafter(path.name, "folder", str(path.resolve()), arch.block_size, digest, str(path.resolve()), "inhouse")
     template = read_json(drafter_config, "--drafter-config") if drafter_config else dict(profile.zlab.config)
     arch = verify_drafter_config(template, target)
     from deploy.convert import convert_checkpoint  # torch loads only when a checkpoint is converted
 
     result = convert_checkpoint(path, store, target, template, arch, hashes)
     return Drafter(
-        f"inhouse-{result.sha256[:8]}", "checkpoint", str(result.folder), template, arch.block_size,
+        f"inhouse-{result.sha256[:8]}", "checkpoint", str(result.folder), arch.block_size,
         result.sha256, str(path.resolve()), "inhouse", converted=result.converted,
     )

@@ -85,14 +85,19 @@ def check_with_sglang(spec: DeploymentSpec, python: str, timeout_s: float = 120.
 # Supervision
 
 
-class DeploymentRecord(BaseModel):
-    """What was started and what the engine reported once healthy; written once per start."""
+class LaunchRecord(BaseModel):
+    """Written before the engine starts, so a start that never became healthy still says what was run."""
 
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal[1] = 1
     spec: DeploymentSpec
     argv: list[str]
     env: dict[str, str]
+
+
+class DeploymentRecord(LaunchRecord):
+    """What was started and what the engine reported once healthy; written once per start."""
+
     pid: int
     process_start_ticks: int
     log: str
@@ -213,7 +218,7 @@ def start(
     start_dir = create_run_dir(deployment_dir, prefix="start")
     log = start_dir / LOG_NAME
     env = launch_env(spec)
-    write_model(start_dir / "launch.json", _Launch(spec=spec, argv=argv, env=env))
+    write_model(start_dir / "launch.json", LaunchRecord(spec=spec, argv=argv, env=env))
     started = time.monotonic()
     started_at = utc_now_iso()
     pid = _spawn(argv, env, log)
@@ -248,16 +253,6 @@ def start(
     )
     write_model(start_dir / RECORD_NAME, record)
     return record
-
-
-class _Launch(BaseModel):
-    """Written before the engine starts, so a start that never became healthy still says what was run."""
-
-    model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[1] = 1
-    spec: DeploymentSpec
-    argv: list[str]
-    env: dict[str, str]
 
 
 def latest_start(deployment_dir: Path) -> Path:

@@ -64,7 +64,8 @@ class DeploymentSpec(_Strict):
     target: str
     target_config_source: str
     drafter: DrafterRef
-    sglang: SGLangSettings
+    sglang: SGLangSettings = Field(description="The profile's settings with `overrides` applied.")
+    overrides: dict[str, Any] = Field(description="Settings given as flags, over the profile's.")
     served_model_name: str
     env: dict[str, str]
     extra_sglang_args: list[str]
@@ -127,6 +128,7 @@ def build_spec(
             sha256=drafter.sha256, source=drafter.source, sim_profile=drafter.sim_profile,
         ),
         sglang=settings,
+        overrides=given,
         served_model_name=settings.served_model_name.format(drafter=drafter.label),
         env=dict(profile.env),
         extra_sglang_args=extra,

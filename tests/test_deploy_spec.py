@@ -122,7 +122,9 @@ def test_spec_renders_dflash_argv_from_profile_and_flags() -> None:
     assert flag(argv, "--max-running-requests") == "32"
     assert flag(argv, "--served-model-name") == "qwen3.6-27b-dflash-zlab"
     assert "--enable-metrics" in argv
-    tuned = server_args(zlab_spec(overrides={"max_running_requests": 8, "context_length": None}, sglang_args=["--log-level=debug"]))
+    tuned_spec = zlab_spec(overrides={"max_running_requests": 8, "context_length": None}, sglang_args=["--log-level=debug"])
+    assert tuned_spec.overrides == {"max_running_requests": 8}
+    tuned = server_args(tuned_spec)
     assert flag(tuned, "--max-running-requests") == "8"
     assert flag(tuned, "--context-length") == "65536"
     assert tuned[-1] == "--log-level=debug"
