@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import httpx
 import pytest
 
@@ -36,3 +39,35 @@ def test_records_become_per_arm_families_and_are_served_on_loopback() -> None:
             Exporter(route="/generate").serve(port)
     finally:
         exporter.close()
+
+
+def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:
+    received: list[tuple[str, str, bytes]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.command, self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        exporter = Exporter(route="/generate")
+        for r in synthetic("zlab", 3, 8.0, seed=1, tokens=16):
+            exporter.observe(r)
+        exporter.push(f"http://127.0.0.1:{server.server_address[1]}", "run-7")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(received) == 1
+    method, path, body = received[0]
+    assert method == "PUT" and path == "/metrics/job/dfserve_loadtest/run_id/run-7"
+    assert f"{metrics.OUTPUT_TOKENS}_total".encode() in body
+    with pytest.raises(UserError, match="--pushgateway"):
+        Exporter(route="/generate").push(f"http://127.0.0.1:{free_port()}", "run-8")

@@ -176,3 +176,17 @@ def test_open_loop_chat_run_records_waits_and_estimated_acceptance(tmp_path: Pat
         lateness = [config["t0_unix_s"] + got - sent for got, sent in zip(r.chunk_times_s, r.sim_chunk_sent_unix_s,
                                                                            strict=True)]
         assert min(lateness) > -0.002 and max(lateness) < 0.5
+
+
+def test_duration_bounds_the_run_and_arms_get_the_same_schedule(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.2, 0) as a, sim_server("inhouse", 0.2, 0) as b:
+        started = time.monotonic()
+        loadtest(tmp_path, "--arm", f"a={a}", "--arm", f"b={b}", "--rate", "40", "--num-requests", "1000",
+                 "--duration", "1.0", "--warmup", "0", "--max-new-tokens", "32", "--name", "d", "--quiet")
+        assert time.monotonic() - started < 20
+    kept = records(tmp_path / "d")
+    by_arm = {arm: sorted((r for r in kept if r.arm == arm), key=lambda r: r.index) for arm in ("a", "b")}
+    assert 20 <= len(by_arm["a"]) <= 60 and len(by_arm["a"]) == len(by_arm["b"])
+    assert max(r.scheduled_s or 0 for r in kept) <= 1.0
+    assert [(r.task_id, r.scheduled_s) for r in by_arm["a"]] == [(r.task_id, r.scheduled_s) for r in by_arm["b"]]
+    assert all(abs((x.sent_s or 0) - (y.sent_s or 0)) < 0.05 for x, y in zip(by_arm["a"], by_arm["b"], strict=True))
