@@ -69,12 +69,14 @@ class RunOutcome:
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> Any | None:
+    """The JSON document at `url`, or None where the arm has none (a router or gateway may not serve it)."""
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
-        if response.status == 404:
-            return None
         if response.status != 200:
-            raise UserError(f"--arm: {url} answered HTTP {response.status}")
-        return await response.json(content_type=None)
+            return None
+        try:
+            return await response.json(content_type=None)
+        except ValueError:
+            return None
 
 
 async def probe_arm(session: aiohttp.ClientSession, name: str, url: str, api: sglang.Api, model: str | None) -> ArmInfo:

@@ -190,3 +190,20 @@ def test_duration_bounds_the_run_and_arms_get_the_same_schedule(tmp_path: Path) 
     assert max(r.scheduled_s or 0 for r in kept) <= 1.0
     assert [(r.task_id, r.scheduled_s) for r in by_arm["a"]] == [(r.task_id, r.scheduled_s) for r in by_arm["b"]]
     assert all(abs((x.sent_s or 0) - (y.sent_s or 0)) < 0.05 for x, y in zip(by_arm["a"], by_arm["b"], strict=True))
+
+
+def test_failures_are_classified(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.05, 0, "--error-rate", "0.3", "--disconnect-fraction", "0.3") as faulty, \
+            sim_server("zlab", 1.0, 0, "--stall-fraction", "1.0", "--stall-s", "30") as stalled:
+        loadtest(tmp_path, "--arm", f"faulty={faulty}", "--num-requests", "60", "--warmup", "0", "--concurrency", "8",
+                 "--max-new-tokens", "64", "--name", "f", "--quiet")
+        loadtest(tmp_path, "--arm", f"stalled={stalled}", "--num-requests", "4", "--warmup", "0", "--concurrency",
+                 "4", "--max-new-tokens", "64", "--request-timeout", "1", "--name", "s", "--quiet")
+        refused = loadtest(tmp_path, "--arm", f"gone=http://{LOOPBACK}:{free_port()}", "--concurrency", "1",
+                           "--quiet", check=False)
+    kinds = [r.error_kind for r in records(tmp_path / "f")]
+    assert 5 <= kinds.count("http_status") <= 35 and 5 <= kinds.count("disconnect") <= 35 and None in kinds
+    assert all(r.http_status == 500 for r in records(tmp_path / "f") if r.error_kind == "http_status")
+    assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
+    assert refused.returncode == 2 and "does not answer" in refused.stderr
+    assert "Traceback" not in refused.stderr
