@@ -52,15 +52,15 @@ def _candidate_over_baseline(expr_for: Callable[[tuple[str, ...]], str]) -> str:
 def _traffic(names: NameStyle) -> Row:
     return Row("Traffic", (
         Panel("Request rate", "Finished requests per second, per arm.",
-              (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps"),
+              (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps", width=6),
         Panel("Error ratio", "Share of finished requests that did not end in a 2xx status.",
               (Target(ratio(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
                             rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)), "{{arm}}"),),
-              unit="percentunit", no_value="0"),
+              unit="percentunit", no_value="0", width=6),
         Panel("Output tokens per second", "Completion tokens streamed back to clients, per arm.",
-              (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], SCOPE), "{{arm}}"),)),
+              (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], SCOPE), "{{arm}}"),), width=6),
         Panel("Requests in flight", "Requests sent to an arm and not yet finished.",
-              (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, SCOPE)})", "{{arm}}"),)),
+              (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, SCOPE)})", "{{arm}}"),), width=6),
         Panel("Engine queue", "Requests running in and queued before each selected engine deployment (SGLang's "
               "gauges), next to the in-flight count of the arm it serves.", (
                   Target(f"sum by ({D}) ({selector(sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), DEPLOYMENTS)})",

@@ -25,12 +25,14 @@ def sglang_name(name: str, style: NameStyle) -> str:
     return name.replace("sglang:", "sglang_", 1) if style == "underscore" else name
 
 
-def _gauge(title: str, description: str, name: str, unit: str = "short") -> Panel:
-    return Panel(title, description, (Target(f"sum by ({D}) ({selector(name, SCOPE)})", f"{{{{{D}}}}}"),), unit=unit)
+def _gauge(title: str, description: str, name: str, unit: str = "short", width: int = 8) -> Panel:
+    return Panel(title, description, (Target(f"sum by ({D}) ({selector(name, SCOPE)})", f"{{{{{D}}}}}"),), unit=unit,
+                 width=width)
 
 
-def _mean_gauge(title: str, description: str, name: str, unit: str = "short") -> Panel:
-    return Panel(title, description, (Target(f"avg by ({D}) ({selector(name, SCOPE)})", f"{{{{{D}}}}}"),), unit=unit)
+def _mean_gauge(title: str, description: str, name: str, unit: str = "short", width: int = 8) -> Panel:
+    return Panel(title, description, (Target(f"avg by ({D}) ({selector(name, SCOPE)})", f"{{{{{D}}}}}"),), unit=unit,
+                 width=width)
 
 
 def _quantiles(title: str, description: str, histogram: str) -> Panel:
@@ -56,9 +58,11 @@ def build(names: NameStyle = "colon") -> Dashboard:
         ),
         rows=(
             Row("Load", (
-                _gauge("Running requests", "Requests in the running batch.", n(m.SGLANG_NUM_RUNNING_REQS)),
-                _gauge("Queued requests", "Requests waiting for a batch slot.", n(m.SGLANG_NUM_QUEUE_REQS)),
-                _mean_gauge("Token usage", "Share of the KV cache in use.", n(m.SGLANG_TOKEN_USAGE), "percentunit"),
+                _gauge("Running requests", "Requests in the running batch.", n(m.SGLANG_NUM_RUNNING_REQS), width=6),
+                _gauge("Queued requests", "Requests waiting for a batch slot.", n(m.SGLANG_NUM_QUEUE_REQS), width=6),
+                _mean_gauge("Token usage", "Share of the KV cache in use.", n(m.SGLANG_TOKEN_USAGE), "percentunit", 6),
+                _mean_gauge("Prefix cache hit rate", "Share of prompt tokens served from the radix cache.",
+                            n(m.SGLANG_CACHE_HIT_RATE), "percentunit", 6),
                 Panel("Request rate", "Requests finished per second, and aborted ones.", (
                     Target(rate_sum(counter(n(m.SGLANG_NUM_REQUESTS)), W, [D], SCOPE), legend),
                     Target(rate_sum(counter(n(m.SGLANG_NUM_ABORTED_REQUESTS)), W, [D], SCOPE), f"{legend} aborted"),
@@ -69,8 +73,6 @@ def build(names: NameStyle = "colon") -> Dashboard:
                 )),
                 _gauge("Generation throughput (engine)", "The engine's own tokens/s gauge over its last log interval.",
                        n(m.SGLANG_GEN_THROUGHPUT)),
-                _mean_gauge("Prefix cache hit rate", "Share of prompt tokens served from the radix cache.",
-                            n(m.SGLANG_CACHE_HIT_RATE), "percentunit"),
             )),
             Row("Speculative decoding", (
                 Panel("Acceptance length (counters)",
