@@ -20,7 +20,7 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as operator
 
 from dashboards.render import Settings, render
-from deploy.drafters import Drafter, resolve_target
+from deploy.drafters import Drafter, resolve_drafter, resolve_target
 from deploy.k8s import render as emit_k8s
 from deploy.profiles import load_profile
 from deploy.spec import build_spec
@@ -109,16 +109,19 @@ def test_pods_run_unprivileged_with_resources(where: str) -> None:
 
 
 @pytest.mark.parametrize("drafter", sorted(ENGINES))
-def test_engine_agrees_with_deploy_emit_k8s(drafter: str) -> None:
+def test_engine_agrees_with_deploy_emit_k8s(drafter: str, tmp_path: Path) -> None:
     """Where the overlays and `dfserve deploy --emit k8s` overlap (argv, env, labels, ports, GPUs), they agree."""
     docs = rendered(f"overlays/{drafter}")
     deployment = one(docs, "Deployment", f"sglang-{drafter}")
     template = deployment["spec"]["template"]
     (container,) = template["spec"]["containers"]
     profile = load_profile("pro6000")
-    source = Drafter(drafter, "zlab" if drafter == "zlab" else "folder", ENGINES[drafter], dict(profile.zlab.config),
-                     16, None, None, "zlab" if drafter == "zlab" else "inhouse")
-    spec = build_spec(profile, resolve_target(None, profile, None), source, engine="sglang", port=30000, name=drafter)
+    target = resolve_target(None, profile, None)
+    # The in-house folder exists only on the model cache volume; its resolved form is what deploy would make of it.
+    source = resolve_drafter("zlab", profile, target, tmp_path) if drafter == "zlab" else Drafter(
+        label=drafter, kind="folder", model_path=ENGINES[drafter], block_size=16, sha256=None, source=None,
+        sim_profile="inhouse")
+    spec = build_spec(profile, target, source, engine="sglang", port=30000, name=drafter)
     emitted_deployment, emitted_service = emit_k8s(spec, image=container["image"])
     emitted_template = emitted_deployment["spec"]["template"]
     (emitted,) = emitted_template["spec"]["containers"]
