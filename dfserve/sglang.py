@@ -13,6 +13,7 @@ requests it is ``sum(completion_tokens) / sum(spec_verify_ct)``, never the mean 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -485,6 +486,43 @@ class SSEDecoder:
     def pending(self) -> bool:
         """True when bytes of an unfinished event remain (a stream cut mid-event)."""
         return bool(self._buffer.strip()) or bool(self._data)
+
+
+# Byte-level reading of whole events for a relay's hot path: no JSON decoding per chunk. Safe because JSON escapes
+# quotes and newlines inside strings, so these patterns only match SGLang's own keys and line starts.
+_CONTENT = re.compile(rb'"(?:content|reasoning_content|text)":\s*"(?!")')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def count_content_events(events: bytes) -> int:
+    """Streamed chat/completions events in `events` (whole events only) that carry text, reasoning included."""
+    return len(_CONTENT.findall(events))
+
+
+def last_completion_tokens(events: bytes) -> int | None:
+    """The cumulative `completion_tokens` of the last native event in `events`, None if none is there."""
+    matches = _COMPLETION_TOKENS.findall(events)
+    return int(matches[-1]) if matches else None
+
+
+def mentions_usage(events: bytes) -> bool:
+    """True when an event in `events` carries a non-null `usage` object (the final chunk with include_usage)."""
+    return b'"usage":{' in events or b'"usage": {' in events
+
+
+def last_data_event(events: bytes) -> str | None:
+    """The `data` of the last event in `events` other than `[DONE]` (single-line data, as SGLang sends)."""
+    end = len(events)
+    while end > 0:
+        start = events.rfind(b"\ndata:", 0, end) + 1
+        if start == 0 and not events.startswith(b"data:"):
+            return None
+        line_end = events.find(b"\n", start)
+        payload = events[start + 5 : line_end if line_end >= 0 else len(events)].strip()
+        if payload != DONE.encode():
+            return payload.decode("utf-8", "replace")
+        end = start - 1
+    return None
 
 
 def _event_json(data: str, what: str) -> dict[str, Any]:

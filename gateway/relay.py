@@ -81,31 +81,30 @@ class Exchange:
 
 
 class NativeStream:
-    """Reads native `/generate` events: cumulative `completion_tokens` per chunk and the final spec fields."""
+    """Reads native `/generate` events: cumulative `completion_tokens` per chunk, then the final spec fields."""
 
     exact_tokens = True
 
     def __init__(self) -> None:
-        self.decoder = sglang.SSEDecoder()
         self.tokens = 0
-        self.meta: sglang.MetaInfo | None = None
+        self.final: str | None = None
 
-    def feed(self, data: bytes) -> int:
-        """Tokens this read added."""
-        before = self.tokens
-        for event in self.decoder.feed(data):
-            if event == sglang.DONE:
-                continue
-            parsed = sglang.parse_native_event(event)
-            if isinstance(parsed, sglang.NativeChunk):
-                self.meta = parsed.meta
-                self.tokens = max(self.tokens, parsed.meta.completion_tokens)
-        return self.tokens - before
+    def feed(self, events: bytes) -> int:
+        """Tokens these whole events added."""
+        cumulative = sglang.last_completion_tokens(events)
+        if cumulative is None:
+            return 0
+        self.final = sglang.last_data_event(events)
+        added, self.tokens = max(cumulative - self.tokens, 0), max(cumulative, self.tokens)
+        return added
 
     def acceptance(self) -> Acceptance:
-        meta = self.meta
-        if meta is None:
+        if self.final is None:
             return Acceptance()
+        parsed = sglang.parse_native_event(self.final)
+        if not isinstance(parsed, sglang.NativeChunk):
+            return Acceptance()
+        meta = parsed.meta
         if meta.spec is None:
             return Acceptance(output_tokens=meta.completion_tokens)
         return Acceptance(meta.completion_tokens, meta.spec.verify_ct, meta.accept_length, "exact")
@@ -117,23 +116,19 @@ class OpenAIStream:
     exact_tokens = False
 
     def __init__(self) -> None:
-        self.decoder = sglang.SSEDecoder()
         self.chunks = 0
         self.usage: sglang.Usage | None = None
 
-    def feed(self, data: bytes) -> int:
-        """Content chunks this read carried."""
-        before = self.chunks
-        for event in self.decoder.feed(data):
-            if event == sglang.DONE:
-                continue
-            parsed = sglang.parse_openai_event(event)
-            if isinstance(parsed, sglang.OpenAIChunk):
-                if parsed.text:
-                    self.chunks += 1
-                if parsed.usage is not None:
-                    self.usage = parsed.usage
-        return self.chunks - before
+    def feed(self, events: bytes) -> int:
+        """Content chunks these whole events carried."""
+        if sglang.mentions_usage(events):
+            last = sglang.last_data_event(events)
+            parsed = sglang.parse_openai_event(last) if last is not None else None
+            if isinstance(parsed, sglang.OpenAIChunk) and parsed.usage is not None:
+                self.usage = parsed.usage
+        produced = sglang.count_content_events(events)
+        self.chunks += produced
+        return produced
 
     def acceptance(self) -> Acceptance:
         if self.usage is None:
@@ -149,12 +144,19 @@ Observer = NativeStream | OpenAIStream
 async def relay_stream(
     response: aiohttp.ClientResponse, send: Send, observer: Observer, exchange: Exchange
 ) -> None:
-    """Pass an SSE body through as it arrives; a failure after the first byte ends it with an error event."""
+    """Pass an SSE body through as it arrives, whole events at a time; a failure after the first byte ends it with
+    an error event. Observation never blocks the bytes: a body the observer cannot read is still relayed."""
     pending = b""
     previous: float | None = None
     watching = True
     try:
         async for data in response.content.iter_any():
+            if pending or not data.endswith(b"\n\n"):
+                pending += data
+                cut = event_boundary(pending)
+                if not cut:
+                    continue
+                data, pending = pending[:cut], pending[cut:]
             if watching:
                 try:
                     produced = observer.feed(data)
@@ -169,12 +171,6 @@ async def relay_stream(
                         if observer.exact_tokens:
                             exchange.token_gaps.append((now - previous, produced))
                     previous = now
-            if pending or not data.endswith(b"\n\n"):
-                pending += data
-                cut = event_boundary(pending)
-                if not cut:
-                    continue
-                data, pending = pending[:cut], pending[cut:]
             await send({"type": "http.response.body", "body": data, "more_body": True})
     except (aiohttp.ClientError, TimeoutError) as exc:
         exchange.error = "timeout" if isinstance(exc, TimeoutError) else "stream_cut"
@@ -183,7 +179,10 @@ async def relay_stream(
                     "more_body": False})
         return
     if watching:
-        exchange.acceptance = observer.acceptance()
+        try:
+            exchange.acceptance = observer.acceptance()
+        except ProtocolError as exc:
+            exchange.unparsed = str(exc)
     await send({"type": "http.response.body", "body": pending, "more_body": False})
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dfserve import sglang
 from dfserve.errors import ProtocolError
 from gateway.relay import NativeStream, OpenAIStream, event_boundary, measure_whole, response_headers
 
@@ -32,12 +33,11 @@ def native(tokens: int, final: bool = False) -> bytes:
     return b"data: " + json.dumps({"text": "t", "meta_info": meta}).encode() + b"\n\n"
 
 
-def test_native_stream_counts_tokens_per_read_even_when_events_split() -> None:
+def test_native_stream_counts_tokens_per_batch_of_events() -> None:
     observer = NativeStream()
-    wire = native(1) + native(4) + native(10, final=True) + b"data: [DONE]\n\n"
-    cut = len(native(1)) + 5
-    assert observer.feed(wire[:cut]) == 1
-    assert observer.feed(wire[cut:]) == 9
+    assert observer.feed(native(1)) == 1
+    assert observer.feed(b": keep-alive\n\n") == 0
+    assert observer.feed(native(4) + native(10, final=True) + b"data: [DONE]\n\n") == 9
     acceptance = observer.acceptance()
     assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
         10, 4, 2.5, "exact")
@@ -47,7 +47,8 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
     observer = OpenAIStream()
-    assert observer.feed(b": ping\n\n" + chunk + chunk) == 2
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    assert observer.feed(b": ping\n\n" + role + chunk + chunk) == 2
     assert observer.acceptance().accept_length is None
     assert observer.feed(chunk + usage + b"data: [DONE]\n\n") == 1
     assert observer.acceptance().accept_length == 3.0 and observer.acceptance().measure == "estimated"
@@ -64,3 +65,13 @@ def test_measure_whole() -> None:
     assert plain.output_tokens == 12 and plain.accept_length is None
     with pytest.raises(ProtocolError):
         measure_whole("chat", b"{}")
+
+
+def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
+    tricky = {"choices": [{"delta": {"content": 'say "content":"x" and\ndata: [DONE] "completion_tokens":99'}}]}
+    events = b"data: " + json.dumps(tricky).encode() + b"\n\n"
+    assert sglang.count_content_events(events) == 1
+    assert sglang.last_completion_tokens(events) is None
+    assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
+    assert sglang.last_data_event(b"data: [DONE]\n\n") is None
+    assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
