@@ -1,28 +1,26 @@
-"""The streaming client of one arm: sends one request, takes `perf_counter()` stamps as bytes arrive, and returns a
+"""The streaming client of one arm: sends one request, keeps the raw arrival time of every read, and returns a
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
-aiohttp, not httpx, on this path: httpx's default transport spends about ten times the CPU per chunk and collapses at
-64-128 streams, which turns the tester's own load into measured latency. One `aiohttp.ClientSession` per arm, its
-connection pool sized to the load. SGLang's JSON is read only through `dfserve.sglang`.
+Timing comes first: the transport (`loadtest.http1`) stamps `perf_counter()` the moment bytes arrive and does
+nothing else on that path; SSE framing and SGLang's JSON (through `dfserve.sglang` only) are parsed once the
+response has ended, or failed, or was cancelled. Each event takes the arrival time of the read that completed it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from dfserve import sglang
 from dfserve.errors import ProtocolError
+from loadtest.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from loadtest.records import Acceptance, ErrorKind, RequestRecord
 from loadtest.tasks import Task
-
-_DISCONNECTS = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
 @dataclass
@@ -44,13 +42,6 @@ class _Stream:
     done: bool = False
 
 
-def make_session(concurrency: int, request_timeout_s: float) -> aiohttp.ClientSession:
-    """One keep-alive pool per arm, as large as the most requests the load can have in flight."""
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
-
-
 class ArmClient:
     """Sends requests of one arm; `sink` receives every record, also of requests cancelled mid-flight."""
 
@@ -60,22 +51,26 @@ class ArmClient:
         base_url: str,
         api: sglang.Api,
         sampling: sglang.SamplingParams,
-        session: aiohttp.ClientSession,
         sink: Callable[[RequestRecord], None],
         *,
         model: str = "default",
         t0: float,
+        request_timeout_s: float,
     ) -> None:
         if api not in ("native", "chat"):
             raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
-        self.url = base_url.rstrip("/") + sglang.ROUTES[api]
+        self.pool = Pool(base_url, time.perf_counter)
+        self.route = sglang.ROUTES[api]
         self.api = api
         self.sampling = sampling
-        self.session = session
         self.model = model
         self.t0 = t0
+        self.timeout_s = request_timeout_s
         self._sink = sink
+
+    def close(self) -> None:
+        self.pool.close()
 
     def _body(self, task: Task) -> dict[str, Any]:
         if self.api == "native":
@@ -83,58 +78,54 @@ class ArmClient:
         return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True, include_usage=True)
 
     async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> RequestRecord:
-        clock = time.perf_counter
-        dispatched = clock() - self.t0
-        body = self._body(task)
-        stream = _Stream()
-        status: int | None = None
-        sent: float | None = None
+        dispatched = time.perf_counter() - self.t0
+        body = json.dumps(self._body(task)).encode()
+        response = Response()
+        sent: list[float] = []
         error: tuple[ErrorKind, str] | None = None
         try:
-            sent = clock() - self.t0
-            async with self.session.post(self.url, json=body) as response:
-                status = response.status
-                if status != 200:
-                    error = ("http_status", sglang.parse_error_message(await response.read()))
-                else:
-                    error = await self._read(response, stream)
+            async with asyncio.timeout(self.timeout_s):
+                await self.pool.post(self.route, body, response, sent.append)
         except asyncio.CancelledError:
-            self._finish(task, index, warmup, scheduled_s, dispatched, sent, status, stream, ("cancelled", "stopped"))
+            stream, _ = self._read(response)
+            self._finish(task, index, warmup, scheduled_s, dispatched, sent, response, stream, ("cancelled", "stopped"))
             raise
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectFailed as exc:
             error = ("connect", str(exc))
         except TimeoutError:
-            error = ("timeout", "no complete answer within the request timeout")
-        except _DISCONNECTS as exc:
-            error = ("disconnect", f"{type(exc).__name__}: {exc}")
-        except ProtocolError as exc:
+            error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
+        except (Disconnected, OSError) as exc:
+            error = ("disconnect", str(exc) or type(exc).__name__)
+        except BadResponse as exc:
             error = ("protocol", str(exc))
-        except aiohttp.ClientError as exc:
-            error = ("protocol", f"{type(exc).__name__}: {exc}")
-        return self._finish(task, index, warmup, scheduled_s, dispatched, sent, status, stream, error)
+        if response.status not in (0, 200) and (error is None or error[0] != "connect"):
+            stream, error = _Stream(), ("http_status", sglang.parse_error_message(response.body()))
+        else:
+            stream, failure = self._read(response)
+            error = error or failure
+        return self._finish(task, index, warmup, scheduled_s, dispatched, sent, response, stream, error)
 
-    async def _read(self, response: aiohttp.ClientResponse, stream: _Stream) -> tuple[ErrorKind, str] | None:
+    def _read(self, response: Response) -> tuple[_Stream, tuple[ErrorKind, str] | None]:
+        """Decode the SSE events received so far, each at the arrival time of the read that completed it."""
         decoder = sglang.SSEDecoder()
-        clock, t0 = time.perf_counter, self.t0
+        stream = _Stream()
         handle = self._native_event if self.api == "native" else self._chat_event
-        content = response.content
-        while True:
-            data = await content.readany()
-            now = clock() - t0
-            if not data:
-                break
-            for event in decoder.feed(data):
-                if event == sglang.DONE:
-                    stream.done = True
-                    continue
-                failure = handle(event, stream, now)
-                if failure is not None:
-                    return ("protocol", failure)
+        try:
+            for arrived, data in response.pieces:
+                for event in decoder.feed(data):
+                    if event == sglang.DONE:
+                        stream.done = True
+                        continue
+                    failure = handle(event, stream, arrived - self.t0)
+                    if failure is not None:
+                        return stream, ("protocol", failure)
+        except ProtocolError as exc:
+            return stream, ("protocol", str(exc))
         if not stream.done:
-            return ("disconnect", "stream ended before [DONE]")
+            return stream, ("disconnect", "stream ended before [DONE]")
         if stream.finish_reason is None:
-            return ("protocol", "stream finished without a finish_reason")
-        return None
+            return stream, ("protocol", "stream finished without a finish_reason")
+        return stream, None
 
     def _native_event(self, data: str, stream: _Stream, now: float) -> str | None:
         event = sglang.parse_native_event(data)
@@ -183,8 +174,8 @@ class ArmClient:
         warmup: bool,
         scheduled_s: float | None,
         dispatched: float,
-        sent: float | None,
-        status: int | None,
+        sent: list[float],
+        response: Response,
         stream: _Stream,
         error: tuple[ErrorKind, str] | None,
     ) -> RequestRecord:
@@ -203,7 +194,7 @@ class ArmClient:
             warmup=warmup,
             scheduled_s=scheduled_s,
             dispatched_s=dispatched,
-            sent_s=sent,
+            sent_s=sent[0] - self.t0 if sent else None,
             first_token_s=stream.chunk_times[0] if stream.chunk_times else None,
             end_s=time.perf_counter() - self.t0,
             chunk_times_s=stream.chunk_times,
@@ -214,7 +205,7 @@ class ArmClient:
             acceptance=acceptance if finished else "unknown",
             finish_reason=stream.finish_reason,
             output_sha256=hashlib.sha256(stream.text.encode()).hexdigest() if finished else None,
-            http_status=status,
+            http_status=response.status or None,
             error_kind=error[0] if error else None,
             error_message=error[1][:500] if error else None,
             simulated=stream.simulated,

@@ -22,7 +22,7 @@ import aiohttp
 from dfserve import sglang
 from dfserve.errors import UserError
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
-from loadtest.client import ArmClient, make_session
+from loadtest.client import ArmClient
 from loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from loadtest.records import RequestRecord
 from loadtest.schedule import LoadShape
@@ -165,48 +165,47 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     """Probe the arms, create the run directory, drive the load until done, `stop` or the duration bound."""
     load = plan.load
     total = plan.warmup + plan.num_requests
-    pool = load.concurrency if load.concurrency is not None else 0  # 0: unbounded pool for uncapped open loop
-    sessions = {name: make_session(pool, plan.request_timeout_s) for name, _ in plan.arms}
-    try:
-        arms = [await probe_arm(sessions[name], name, url, plan.api, plan.model) for name, url in plan.arms]
-        run_dir = create_run_dir(plan.out, plan.name)
-        t0 = time.perf_counter()
-        config = RunConfig(
-            run_id=run_dir.name,
-            api="chat" if plan.api == "chat" else "native",
-            arms=tuple(arms),
-            tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
-            num_requests=plan.num_requests,
-            warmup=plan.warmup,
-            sampling=plan.sampling,
-            load=load,
-            duration_s=plan.duration_s,
-            request_timeout_s=plan.request_timeout_s,
-            t0_unix_s=time.time() - (time.perf_counter() - t0),
-            provenance=Provenance.here(),
-        )
-        write_model(run_dir / "config.json", config)
-        order = plan.task_set.sequence(total, load.seed)
-        deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
-        with JsonlAppender(run_dir / "requests.jsonl") as appender:
-            recorder = _Recorder(appender, observers)
-            clients = [
-                ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), sessions[arm.name], recorder,
-                          model=arm.model, t0=t0)
-                for arm in arms
-            ]
-            offsets = load.offsets(total)
-            drive: asyncio.Future[Any]
-            if offsets is None:
-                assert load.concurrency is not None
-                drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline) for c in clients))
-            else:
-                drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0, deadline))
+    async with aiohttp.ClientSession() as session:
+        arms = [await probe_arm(session, name, url, plan.api, plan.model) for name, url in plan.arms]
+    run_dir = create_run_dir(plan.out, plan.name)
+    t0 = time.perf_counter()
+    config = RunConfig(
+        run_id=run_dir.name,
+        api="chat" if plan.api == "chat" else "native",
+        arms=tuple(arms),
+        tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
+        num_requests=plan.num_requests,
+        warmup=plan.warmup,
+        sampling=plan.sampling,
+        load=load,
+        duration_s=plan.duration_s,
+        request_timeout_s=plan.request_timeout_s,
+        t0_unix_s=time.time() - (time.perf_counter() - t0),
+        provenance=Provenance.here(),
+    )
+    write_model(run_dir / "config.json", config)
+    order = plan.task_set.sequence(total, load.seed)
+    deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
+    with JsonlAppender(run_dir / "requests.jsonl") as appender:
+        recorder = _Recorder(appender, observers)
+        clients = [
+            ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), recorder, model=arm.model, t0=t0,
+                      request_timeout_s=plan.request_timeout_s)
+            for arm in arms
+        ]
+        offsets = load.offsets(total)
+        drive: asyncio.Future[Any]
+        if offsets is None:
+            assert load.concurrency is not None
+            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline) for c in clients))
+        else:
+            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0, deadline))
+        try:
             interrupted = await _until_done_or_stopped(drive, stop)
-        return RunOutcome(run_dir=run_dir, config=config, records=recorder.records, interrupted=interrupted)
-    finally:
-        for session in sessions.values():
-            await session.close()
+        finally:
+            for client in clients:
+                client.close()
+    return RunOutcome(run_dir=run_dir, config=config, records=recorder.records, interrupted=interrupted)
 
 
 async def _until_done_or_stopped(drive: asyncio.Future[Any], stop: asyncio.Event) -> bool:

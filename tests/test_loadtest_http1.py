@@ -1,0 +1,98 @@
+"""The tester's HTTP/1.1 reader on byte streams cut at every possible point: de-chunking, lengths, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from loadtest.http1 import BadResponse, Disconnected, Pool, Response, _Connection
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"f\r\ndata: {\"a\":1}\n\n\r\n"
+           b"11\r\ndata: {\"bb\":22}\n\n\r\n"
+           b"0\r\n\r\n")
+PAYLOAD = b'data: {"a":1}\n\ndata: {"bb":22}\n\n'
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.written = b""
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+
+def feed(parts: list[bytes], close: bool = False) -> tuple[_Connection, Response, asyncio.Future[Response]]:
+    async def go() -> tuple[_Connection, Response, asyncio.Future[Response]]:
+        ticks = itertools.count()
+        connection = _Connection(lambda: float(next(ticks)))
+        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+        response = Response()
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", response)
+        for part in parts:
+            connection.data_received(part)
+        if close:
+            connection.connection_lost(None)
+        return connection, response, done
+
+    return asyncio.run(go())
+
+
+def test_chunked_body_cut_at_every_byte_gives_the_same_payload() -> None:
+    for cut in range(1, len(CHUNKED)):
+        connection, response, done = feed([CHUNKED[:cut], CHUNKED[cut:]])
+        assert done.done() and not done.exception(), cut
+        assert response.status == 200 and response.body() == PAYLOAD, cut
+        assert connection.reusable
+
+
+def test_each_read_keeps_its_own_arrival_time() -> None:
+    head_end = CHUNKED.index(b"\r\n\r\n") + 4
+    first_end = CHUNKED.index(b"11\r\n")
+    head, first, rest = CHUNKED[:head_end], CHUNKED[head_end:first_end], CHUNKED[first_end:]
+    _, response, _ = feed([head, first, rest])
+    times = [t for t, _ in response.pieces]
+    assert times == sorted(times) and len(times) == 2  # the head's read carried no payload
+    assert response.pieces[0][1] == b'data: {"a":1}\n\n'
+
+
+def test_content_length_and_close_delimited_bodies() -> None:
+    body = b'{"error":{"message":"busy"}}'
+    _, response, done = feed([b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 28\r\n\r\n" + body])
+    assert done.done() and response.status == 503 and response.body() == body
+    connection, response, done = feed([b"HTTP/1.0 200 OK\r\n\r\nabc", b"def"], close=True)
+    assert done.result() is response and response.body() == b"abcdef" and not connection.reusable
+
+
+def test_a_connection_lost_mid_stream_keeps_what_arrived() -> None:
+    _, response, done = feed([CHUNKED[:110]], close=True)
+    assert isinstance(done.exception(), Disconnected)
+    assert response.body().startswith(b'data: {"a":1}')
+
+
+@pytest.mark.parametrize("head", [b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 OK\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"])
+def test_malformed_heads_fail_as_bad_responses(head: bytes) -> None:
+    connection, _, done = feed([head])
+    assert isinstance(done.exception(), BadResponse) and connection.closed
+
+
+def test_bad_chunk_size_is_a_bad_response() -> None:
+    _, _, done = feed([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+    assert isinstance(done.exception(), BadResponse)
+
+
+def test_request_bytes_carry_host_length_and_path_prefix() -> None:
+    pool = Pool("http://127.0.0.1:8080/prefix/", lambda: 0.0)
+    request = pool.request_bytes("/generate", b"{}")
+    assert request.startswith(b"POST /prefix/generate HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n")
+    assert b"Content-Length: 2\r\n\r\n{}" in request
