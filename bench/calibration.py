@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> str:
                 outcomes[kind].append(result.verdict)
                 accept = next(m for m in result.metrics if m.metric == "accept_length")
                 widths[kind].append(((accept.change_high or 0) - (accept.change_low or 0)) / 2)
+        last_widths = widths["A/B other seed"]
         for kind, verdicts in outcomes.items():
             row = (f"| {n} | {kind} | {len(verdicts)} | {verdicts.count('FAIL') / len(verdicts):.1%} | "
                    f"{verdicts.count('PASS') / len(verdicts):.1%} | {verdicts.count('INCONCLUSIVE') / len(verdicts):.1%} | "
@@ -159,6 +160,9 @@ def run(args: argparse.Namespace) -> str:
             print(row, flush=True)
             rows.append(row)
     elapsed = time.perf_counter() - started
+    assert rule.max_worse is not None
+    needed_hw = (args.effect - rule.max_worse) / (1 + 1.2816 / 1.96)  # one-sided 90% power at a 95% two-sided bound
+    needed_tasks = int(len(prompts) * (np.mean(last_widths) / needed_hw) ** 2 + 0.5)
     default_n = option_default("num_requests")
     command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/calibration.py " + " ".join(sys.argv[1:])
     return "\n".join([
@@ -177,8 +181,14 @@ def run(args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        "FAIL on an A/A row is a false FAIL; FAIL on an A/B row is the power. Only the acceptance rule is calibrated "
-        "here: latency rules need latency, which this replay does not model.",
+        "FAIL on an A/A row is a false FAIL; FAIL on an A/B row is the power. Same seed: both engines draw each "
+        "prompt's rounds from the same random stream, so a prompt's luck is shared, as two drafters on the same "
+        "target output share its easy and hard stretches. Other seed: the two arms' per-round luck is independent, "
+        "the hardest case; then the interval is set by the number of distinct tasks (repeats at temperature 0 add "
+        f"nothing), and 90% power against a {args.effect:.0%} regression with a {rule.max_worse:.0%} limit needs a "
+        f"half-width near {needed_hw * 100:.2f}%, about {needed_tasks} distinct tasks (a JSONL task set) instead of "
+        "HumanEval's 164. Only the acceptance rule is calibrated here: latency rules need latency, which this "
+        "replay does not model.",
     ])
 
 
