@@ -391,6 +391,6 @@ def resolve_drafter(
 
     result = convert_checkpoint(path, store, target, template, arch, hashes)
     return Drafter(
-        f"inhouse-{result.sha256[:8]}", "checkpoint", str(result.folder), arch.block_size,
+        f"inhouse-{result.sha256[:8]}", "checkpoint", str(result.folder.resolve()), arch.block_size,
         result.sha256, str(path.resolve()), "inhouse", converted=result.converted,
     )

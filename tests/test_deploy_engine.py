@@ -151,20 +151,28 @@ def test_busy_port_fails_first_and_leaves_nothing(tmp_path: Path) -> None:
     assert not root.exists()
 
 
-@pytest.mark.parametrize("case", ["nan", "missing-target-config"])
-def test_bad_assets_fail_with_one_line_and_leave_nothing(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("nan", "fc.weight has 1 NaN and 0 Inf values"),
+        ("truncated", "is not a torch checkpoint that loads with weights_only"),
+        ("missing-target-config", "has no config.json"),
+    ],
+)
+def test_bad_assets_fail_with_one_line_and_leave_nothing(tmp_path: Path, case: str, expected: str) -> None:
     root = tmp_path / "root"
     state = tiny_state_dict()
     target = TINY_TARGET
     if case == "nan":
         state["fc.weight"][0, 0] = float("nan")
-    else:
+    elif case == "missing-target-config":
         target = tmp_path / "target-without-config"
         target.mkdir()
     checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"state_dict": state})
+    if case == "truncated":
+        checkpoint.write_bytes(checkpoint.read_bytes()[:2000])
     line = one_line_error(run(root, "--drafter", str(checkpoint), "--target", str(target),
                               "--drafter-config", str(TINY_DRAFTER_CONFIG), "--port", str(free_port())))
-    expected = "fc.weight has 1 NaN and 0 Inf values" if case == "nan" else "has no config.json"
     assert expected in line
     assert not root.exists()
 

@@ -16,9 +16,9 @@ from tests.servers import dfserve_argv
 VALIDATE = str(Path(sys.executable).with_name("kubernetes-validate"))
 
 
-def deploy(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def deploy(root: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DFSERVE_DEPLOY_ROOT": str(root), "DFSERVE_SGLANG_PYTHON": "python3"}
-    return subprocess.run(dfserve_argv("deploy", *args), capture_output=True, text=True, env=env, timeout=120, check=False)
+    return subprocess.run(dfserve_argv("deploy", *args), capture_output=True, text=True, env=env, timeout=120, check=False, cwd=cwd)
 
 
 def local_server_args(root: Path, *args: str) -> list[str]:
@@ -56,16 +56,19 @@ def test_zlab_objects_validate_strictly_and_match_local_argv(tmp_path: Path) -> 
 
 
 def test_inhouse_objects_mount_local_folders_at_the_same_paths(tmp_path: Path) -> None:
-    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"model": tiny_state_dict(), "step": 1})
-    args = ("--drafter", str(checkpoint), "--target", str(TINY_TARGET), "--drafter-config", str(TINY_DRAFTER_CONFIG))
-    done = deploy(tmp_path / "root", *args, "--emit", "k8s")
+    """Relative --root and checkpoint paths still give absolute host paths (a pod has no working directory of ours)."""
+    write_checkpoint(tmp_path / "checkpoint.pt", {"model": tiny_state_dict(), "step": 1})
+    args = ("--drafter", "checkpoint.pt", "--target", str(TINY_TARGET), "--drafter-config", str(TINY_DRAFTER_CONFIG))
+    done = deploy(Path("root"), *args, "--emit", "k8s", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     deployment, service = list(yaml.safe_load_all(done.stdout))
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["args"] == with_host(local_server_args(tmp_path / "root", *args), "0.0.0.0")
+    local = local_server_args(tmp_path / "root", "--drafter", str(tmp_path / "checkpoint.pt"), *args[2:])
+    assert container["args"] == with_host(local, "0.0.0.0")
     drafter = container["args"][container["args"].index("--speculative-draft-model-path") + 1]
+    assert drafter.startswith(str(tmp_path / "root" / "drafters" / "inhouse-"))
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {drafter, str(TINY_TARGET.resolve())}
     assert {m["mountPath"] for m in container["volumeMounts"]} >= host_paths

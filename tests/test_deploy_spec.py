@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,16 @@ def test_sim_argv_carries_the_same_deployment() -> None:
     assert flag(argv, "--draft-model-path") == "z-lab/Qwen3.6-27B-DFlash"
     assert flag(argv, "--served-model-name") == spec.served_model_name
     assert flag(argv, "--block-size") == "16" and flag(argv, "--time-scale") == "0.05"
+
+
+def test_zlab_dry_run_never_imports_torch() -> None:
+    code = (
+        "import sys\nfrom dfserve.cli import main\n"
+        "try:\n    main(['deploy', '--drafter', 'zlab', '--dry-run'])\nexcept SystemExit as exc:\n    assert not exc.code\n"
+        "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_baseline_resolves_from_registry(tmp_path: Path) -> None:
