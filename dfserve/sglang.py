@@ -895,6 +895,30 @@ def generate_response_body(text: str, output_ids: Sequence[int], meta: dict[str,
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
 
+class NativeStreamEncoder:
+    """The events of one native `/generate` stream, byte for byte what `sse_event(generate_response_body(...))` gives.
+
+    SGLang's chunks repeat the whole text and ids so far unless `--incremental-streaming-output` is set; this
+    encoder escapes each delta once and extends what it sent before, so a chunk costs the same at token 10 as at
+    token 10,000. It only appends: a final chunk whose text was trimmed (a stop string) goes through the builder.
+    """
+
+    def __init__(self, incremental: bool) -> None:
+        self._incremental = incremental
+        self._text = b""
+        self._ids = b""
+
+    def event(self, text_delta: str, new_ids: Sequence[int], meta: dict[str, Any]) -> bytes:
+        text = json.dumps(text_delta, ensure_ascii=False)[1:-1].encode()
+        ids = ",".join(map(str, new_ids)).encode()
+        if not self._incremental:
+            self._text += text
+            self._ids = self._ids + b"," + ids if self._ids and ids else self._ids or ids
+            text, ids = self._text, self._ids
+        return b"".join((b'data: {"text":"', text, b'","output_ids":[', ids, b'],"meta_info":', json_bytes(meta),
+                         b"}\n\n"))
+
+
 def openai_finish_reason(finish: FinishReason | None) -> tuple[str | None, str | int | None]:
     """OpenAI `finish_reason` and SGLang's `matched_stop` for a native finish reason."""
     if finish is None:

@@ -222,3 +222,14 @@ def test_request_bodies_round_trip_into_engine_requests() -> None:
 def test_engine_side_parsing_refuses_bad_requests(parse: Any, body: bytes, message: str) -> None:
     with pytest.raises(proto.RequestError, match=message):
         parse(body)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_native_stream_encoder_matches_the_builder_byte_for_byte(incremental: bool) -> None:
+    encoder = proto.NativeStreamEncoder(incremental)
+    text, ids = "", []
+    for delta, new_ids in [("def", [750]), ("", []), (' "é"\n', [1, 2, 3]), ("\\ x", [4])]:
+        text, ids = text + delta, ids + new_ids
+        meta = proto.meta_info_body(rid="r", finish=None, prompt_tokens=1, completion_tokens=len(ids))
+        shown = (delta, new_ids) if incremental else (text, ids)
+        assert encoder.event(delta, new_ids, meta) == proto.sse_event(proto.generate_response_body(*shown, meta))

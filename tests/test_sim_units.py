@@ -251,7 +251,7 @@ def test_scheduler_caps_running_requests_and_queue_time_shows_in_ttft(vocabulary
 
     peak, queued = asyncio.run(scenario())
     assert peak == 4
-    assert max(queued[:4]) < 0.002 and min(queued[4:]) > 0.01  # a prefill and rounds of the first four
+    assert max(queued[:4]) * 3 < min(queued[4:])  # the rest wait for a prefill and the first four's rounds
 
 
 def test_sim_config_rejects_bad_values() -> None:

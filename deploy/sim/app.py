@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deploy.sim.config import SimConfig
 from deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
@@ -49,7 +49,11 @@ class Context:
 
 
 class SimResponse(Response):
-    """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime."""
+    """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime.
+
+    A stream encodes each chunk when the engine computes the step, before the step's modelled end, so at the
+    deadline only the send is left. The final chunk is encoded at send time: it carries the send times.
+    """
 
     def __init__(self, ctx: Context, request: proto.EngineRequest, sim: SimRequest, faults: RequestFaults) -> None:
         self.ctx = ctx
@@ -58,8 +62,13 @@ class SimResponse(Response):
         self.faults = faults
         self.sent_unix: list[float] = []
         self.due_unix: list[float] = []
+        self._encoded = 0
         self._shown_text = 0
         self._shown_ids = 0
+        self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
+        self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
+        if request.stream:
+            sim.encode = self._encode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         updates: asyncio.Queue[Update | None] = self.sim.updates  # type: ignore[assignment]
@@ -86,19 +95,22 @@ class SimResponse(Response):
             update = await updates.get()
             if update is None:
                 return
-            payload = self._chunk(update, first=chunks == 0)
+            payload = update.payload if update.payload is not None else self._chunk(update)
             self.sent_unix.append(time.time())
             await send({"type": "http.response.body", "body": payload, "more_body": not update.finished})
             chunks += 1
             if update.finished:
                 return
-            await self._maybe_fault(chunks)
+            if chunks in self._fault_chunks:
+                await self._fault(chunks)
 
-    async def _maybe_fault(self, chunks: int) -> None:
+    def _encode(self, update: Update) -> bytes | None:
+        return None if update.finished else self._chunk(update)
+
+    async def _fault(self, chunks: int) -> None:
         if chunks == self.faults.disconnect_after_chunk:
             raise SimulatedDisconnect(self.sim.rid)
-        if chunks == self.faults.stall_after_chunk:
-            await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
+        await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
 
     async def _whole(self, send: Send, updates: asyncio.Queue[Update | None]) -> None:
         while True:
@@ -131,7 +143,6 @@ class SimResponse(Response):
             spec=sim.spec_stats() if final else None,
             simulated=True,
         )
-        self.due_unix.append(update.due_unix_s)
         if final and self.ctx.config.record_chunk_times:
             meta[proto.SIM_CHUNK_SENT_KEY] = [*self.sent_unix, time.time()]
             meta[proto.SIM_CHUNK_DUE_KEY] = self.due_unix
@@ -144,24 +155,16 @@ class SimResponse(Response):
         self._shown_text = end
         return delta
 
-    def _chunk(self, update: Update, first: bool) -> bytes:
-        api = self.request.api
-        ctx = self.ctx
-        if api == "native":
-            ids = self.sim.output.ids
-            if ctx.config.incremental_streaming_output:
-                text = self._text_delta(update)
-                out_ids = ids[self._shown_ids : update.completion_tokens]
-                self._shown_ids = update.completion_tokens
-            else:
-                text = self.sim.output.text if update.finished else self.sim.output.text[: update.text_len]
-                out_ids = ids[: update.completion_tokens]
-            event = proto.sse_event(proto.generate_response_body(text, out_ids, self._meta(update)))
-            return event + proto.SSE_DONE if update.finished else event
+    def _chunk(self, update: Update) -> bytes:
+        """One update's bytes; called once per update, in order (it advances what was shown)."""
+        first = self._encoded == 0
+        self._encoded += 1
+        self.due_unix.append(update.due_unix_s)
+        if self.request.api == "native":
+            return self._native_chunk(update)
         head = self._head()
         delta = self._text_delta(update)
-        self.due_unix.append(update.due_unix_s)
-        if api == "chat":
+        if self.request.api == "chat":
             parts = [proto.sse_event(proto.chat_chunk_body(head, content="", first=True))] if first else []
             parts.append(proto.sse_event(proto.chat_chunk_body(head, content=delta)))
             if update.finished:
@@ -172,12 +175,25 @@ class SimResponse(Response):
                 parts.append(proto.sse_event(proto.completion_chunk_body(head, text="", finish=self.sim.finish)))
         if update.finished:
             if self.request.include_usage:
-                obj = "chat.completion.chunk" if api == "chat" else "text_completion"
+                obj = "chat.completion.chunk" if self.request.api == "chat" else "text_completion"
                 parts.append(proto.sse_event(proto.usage_chunk_body(
                     head, obj=obj, prompt_tokens=self.sim.prompt_tokens,
                     completion_tokens=update.completion_tokens)))
             parts.append(proto.SSE_DONE)
         return b"".join(parts)
+
+    def _native_chunk(self, update: Update) -> bytes:
+        output = self.sim.output
+        meta = self._meta(update)
+        if not update.finished:
+            new_ids = output.ids[self._shown_ids : update.completion_tokens]
+            self._shown_ids = update.completion_tokens
+            return self._native.event(self._text_delta(update), new_ids, meta)
+        if self.ctx.config.incremental_streaming_output:
+            body = proto.generate_response_body(self._text_delta(update), output.ids[self._shown_ids :], meta)
+        else:
+            body = proto.generate_response_body(output.text, output.ids, meta)
+        return proto.sse_event(body) + proto.SSE_DONE
 
     def _whole_body(self, update: Update) -> dict[str, Any]:
         sim, api = self.sim, self.request.api
@@ -196,7 +212,7 @@ class SimResponse(Response):
         return proto.ResponseHead(self.sim.rid, self.ctx.created, self.request.model or self.ctx.config.model_name)
 
 
-def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Vocabulary) -> Starlette:
+def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Vocabulary) -> GenerationRoutes:
     """The ASGI app of one simulated engine; its scheduler starts and stops with the app's lifespan."""
     registry = CollectorRegistry()
     telemetry = Telemetry(registry, config.model_name, max_total_tokens=400_000)
@@ -239,16 +255,6 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         sim = engine.submit(prompt=prompt, sampling_key=request.sampling_key, prompt_tokens=prompt_tokens,
                             output=output, rid=request.rid)
         return SimResponse(ctx, request, sim, draw)
-
-    def route(api: proto.Api, parse: Any) -> Any:
-        async def endpoint(http: Request) -> Response:
-            try:
-                request = parse(await http.body())
-            except proto.RequestError as exc:
-                return _error(api, str(exc), 400)
-            return start(request)
-
-        return endpoint
 
     async def health(_: Request) -> Response:
         return Response(status_code=200)
@@ -294,9 +300,6 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
                 await scheduler
 
     routes = [
-        Route("/generate", route("native", proto.parse_generate_request), methods=["POST"]),
-        Route("/v1/chat/completions", route("chat", proto.parse_chat_request), methods=["POST"]),
-        Route("/v1/completions", route("completions", proto.parse_completions_request), methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/health_generate", health_generate),
@@ -307,7 +310,48 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/metrics", metrics),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start)
+
+
+GENERATION_ROUTES: dict[str, tuple[proto.Api, Callable[[bytes], proto.EngineRequest]]] = {
+    proto.ROUTES["native"]: ("native", proto.parse_generate_request),
+    proto.ROUTES["chat"]: ("chat", proto.parse_chat_request),
+    proto.ROUTES["completions"]: ("completions", proto.parse_completions_request),
+}
+
+
+class GenerationRoutes:
+    """The three generation routes as plain ASGI in front of Starlette, which serves everything else.
+
+    A streamed chunk then passes through no middleware: each layer costs a coroutine per chunk, and at 48 streams
+    per verify round those microseconds are the lateness budget.
+    """
+
+    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Response]) -> None:
+        self.app = app
+        self.start = start
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        api, parse = route
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            request = parse(b"".join(chunks))
+        except proto.RequestError as exc:
+            response = _error(api, str(exc), 400)
+        else:
+            response = self.start(request)
+        await response(scope, receive, send)
 
 
 def _error(api: proto.Api, message: str, status: int) -> Response:

@@ -19,6 +19,7 @@ import hashlib
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy.sim.acceptance import RoundModel, prompt_difficulty
@@ -40,14 +41,18 @@ class EngineSettings:
     max_total_tokens: int = 400_000
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Update:
-    """Progress handed to a request's stream after a step: what a chunk may show, and when the model produced it."""
+    """Progress handed to a request's stream after a step: what a chunk may show, and when the model produced it.
+
+    `payload` holds the chunk's bytes when the stream could encode them before the step ended.
+    """
 
     completion_tokens: int
     text_len: int
     due_unix_s: float
     finished: bool
+    payload: bytes | None = None
 
 
 @dataclass(eq=False)
@@ -68,6 +73,8 @@ class SimRequest:
     last_token_s: float = 0.0
     finished_s: float | None = None
     cancelled: bool = False
+    encode: Callable[[Update], bytes | None] | None = None
+    """Set by a stream that can encode its chunks ahead of time; called in order, once per update."""
 
     @property
     def finish(self) -> FinishReason | None:
@@ -150,6 +157,7 @@ class Engine:
         self._telemetry.finished(0.0, aborted=True)
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         due = time.perf_counter()
         while True:
             self._running = [r for r in self._running if not r.cancelled]
@@ -162,17 +170,20 @@ class Engine:
             start = due
             if admitted:
                 duration = self._latency.prefill_s(sum(r.prompt_tokens for r in admitted))
+                due += duration
+                step = self._prefill(admitted, start, due)
             else:
                 duration = self._latency.round_s(len(self._running), self.block_size)
-            due += duration
+                due += duration
+                step = self._verify(due, duration)
+            # The step's outcome is computed before its end, so at the deadline only the hand-over remains.
             await _sleep_until(due, duration)
-            if admitted:
-                self._prefilled(admitted, start, due)
-            else:
-                self._verified(due, duration)
+            for request, update in step.updates:
+                if not request.cancelled:
+                    request.updates.put_nowait(update)
+            loop.call_soon(self._report, step)  # after the woken streams have run: no chunk waits on metrics
             self._running = [r for r in self._running if r.finished_s is None]
-            tokens = sum(r.prompt_tokens + len(r.output.ids) for r in self._running)
-            self._telemetry.occupancy(len(self._running), len(self._waiting), tokens)
+            await asyncio.sleep(0)  # let the streams send before the next step is computed
 
     def _admit(self) -> list[SimRequest]:
         admitted: list[SimRequest] = []
@@ -186,24 +197,20 @@ class Engine:
         self._running.extend(admitted)
         return admitted
 
-    def _prefilled(self, batch: list[SimRequest], start: float, due: float) -> None:
-        due_unix = self.unix(due)
-        live = [r for r in batch if not r.cancelled]
-        for request in live:
+    def _prefill(self, batch: list[SimRequest], start: float, due: float) -> Step:
+        step = Step(due_unix_s=self.unix(due), prompt_tokens=sum(r.prompt_tokens for r in batch))
+        for request in batch:
             request.queue_time_s = max(0.0, start - request.arrived_s)
             request.output.first_token()
             request.last_token_s = due
-            self._publish(request, due, due_unix)
-        self._telemetry.prefill(
-            sum(r.prompt_tokens for r in batch),
-            [due - r.arrived_s for r in live],
-            [r.queue_time_s for r in live],
-        )
+            step.ttfts_s.append(due - request.arrived_s)
+            step.queue_times_s.append(request.queue_time_s)
+            self._emit(step, request, due)
+        return step
 
-    def _verified(self, due: float, duration: float) -> None:
-        due_unix = self.unix(due)
+    def _verify(self, due: float, duration: float) -> Step:
+        step = Step(due_unix_s=self.unix(due))
         tokens = verify = correct = 0
-        gaps: list[tuple[float, int]] = []
         for request in self._running:
             if request.cancelled or request.finished_s is not None:
                 continue
@@ -219,20 +226,46 @@ class Engine:
                 verify += 1
                 correct += accepted
             tokens += produced
-            gaps.append((due - request.last_token_s, produced))
+            step.gaps.append((due - request.last_token_s, produced))
             request.last_token_s = due
-            self._publish(request, due, due_unix)
-        record = RoundRecord(tokens, verify, correct, verify * (self.block_size - 1), duration)
-        self._telemetry.round(record, gaps)
+            self._emit(step, request, due)
+        step.round = RoundRecord(tokens, verify, correct, verify * (self.block_size - 1), duration)
+        return step
 
-    def _publish(self, request: SimRequest, due: float, due_unix: float) -> None:
+    def _emit(self, step: Step, request: SimRequest, due: float) -> None:
         finished = request.output.finish is not None
         if finished:
             request.finished_s = due
-            self._telemetry.finished(due - request.arrived_s, aborted=False)
-        request.updates.put_nowait(
-            Update(len(request.output.ids), len(request.output.text), due_unix, finished)
-        )
+            step.e2e_s.append(due - request.arrived_s)
+        update = Update(len(request.output.ids), len(request.output.text), step.due_unix_s, finished)
+        if request.encode is not None:
+            update.payload = request.encode(update)
+        step.updates.append((request, update))
+
+    def _report(self, step: Step) -> None:
+        telemetry = self._telemetry
+        if step.round is None:
+            telemetry.prefill(step.prompt_tokens, step.ttfts_s, step.queue_times_s)
+        else:
+            telemetry.round(step.round, step.gaps)
+        for e2e in step.e2e_s:
+            telemetry.finished(e2e, aborted=False)
+        tokens = sum(r.prompt_tokens + len(r.output.ids) for r in self._running)
+        telemetry.occupancy(len(self._running), len(self._waiting), tokens)
+
+
+@dataclass
+class Step:
+    """One scheduler step's outcome: the updates to hand over at its end, and what telemetry records of it."""
+
+    due_unix_s: float
+    prompt_tokens: int = 0
+    updates: list[tuple[SimRequest, Update]] = field(default_factory=list)
+    ttfts_s: list[float] = field(default_factory=list)
+    queue_times_s: list[float] = field(default_factory=list)
+    gaps: list[tuple[float, int]] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    round: RoundRecord | None = None
 
 
 async def _sleep_until(deadline: float, step_s: float) -> None:

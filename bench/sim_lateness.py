@@ -1,0 +1,177 @@
+"""Benchmark: how late the simulated engine sends stream chunks against its own model schedule.
+
+The sim schedules every step on an absolute clock (prefill and verify-round durations from its latency model);
+with `--record-chunk-times` the final chunk of each native stream lists when each chunk was due and when it was
+sent. Lateness = sent - due. Target: p99 under 2 ms at 256 concurrent streams, time scale 1, one sim process.
+A closed-loop aiohttp client keeps `--streams` native streams open; the sim's CPU comes from /proc.
+
+    flock /tmp/dfserve-bench.lock .venv/bin/python bench/sim_lateness.py --streams 256 --seconds 60
+
+It prints its figures and replaces its own section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dfserve import sglang as proto  # noqa: E402
+from tests.servers import LOOPBACK, dfserve_argv, free_port, serve  # noqa: E402
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+SECTION = "sim_lateness"
+
+
+@dataclass
+class Samples:
+    lateness_ms: list[float] = field(default_factory=list)
+    client_ms: list[float] = field(default_factory=list)
+    requests: int = 0
+    errors: int = 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes, window: tuple[float, float],
+                      samples: Samples) -> None:
+    received: list[float] = []
+    last = b""
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as response:
+        if response.status != 200:
+            samples.errors += 1
+            return
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                received.append(time.time())
+                last = line
+    meta = proto.parse_native_event(last[6:].decode())
+    if not isinstance(meta, proto.NativeChunk) or meta.meta.sim_chunk_due_unix_s is None:
+        samples.errors += 1
+        return
+    due = meta.meta.sim_chunk_due_unix_s
+    sent = meta.meta.sim_chunk_sent_unix_s or ()
+    if due[0] < window[0] or due[-1] > window[1]:
+        return
+    samples.requests += 1
+    samples.lateness_ms.extend((s - d) * 1e3 for s, d in zip(sent, due, strict=True))
+    samples.client_ms.extend((r - d) * 1e3 for r, d in zip(received, due, strict=True))
+
+
+async def drive(base: str, streams: int, seconds: float, warmup: float, max_new_tokens: int) -> Samples:
+    samples = Samples()
+    body = json.dumps(proto.generate_body(
+        "def solve(data):", proto.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), stream=True,
+    )).encode()
+    start = time.time()
+    window = (start + warmup, start + warmup + seconds)
+    stop = asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=streams)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def worker(i: int) -> None:
+            await asyncio.sleep(i * 0.004)  # stagger arrivals instead of one thundering herd
+            while not stop.is_set():
+                await stream_once(session, f"{base}/generate", body, window, samples)
+
+        workers = [asyncio.create_task(worker(i)) for i in range(streams)]
+        await asyncio.sleep(warmup + seconds)
+        stop.set()
+        await asyncio.sleep(0)
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return samples
+
+
+def percentiles(values: list[float]) -> tuple[float, float, float]:
+    array = np.asarray(values)
+    return float(np.percentile(array, 50)), float(np.percentile(array, 99)), float(array.max())
+
+
+def run(args: argparse.Namespace, max_running: int) -> str:
+    port = free_port()
+    argv = dfserve_argv("sim", "--host", LOOPBACK, "--port", str(port), "--time-scale", "1", "--seed", "0",
+                        "--record-chunk-times", "--max-running-requests", str(max_running))
+    with serve(argv, f"http://{LOOPBACK}:{port}/health") as process:
+        if args.pin and (os.cpu_count() or 1) >= 2:
+            os.sched_setaffinity(process.pid, {0})  # the sim alone on one core, as the target is stated
+            os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)))
+        cpu_before = cpu_seconds(process.pid)
+        wall_before = time.monotonic()
+        samples = uvloop.run(drive(f"http://{LOOPBACK}:{port}", args.streams, args.seconds, args.warmup,
+                                   args.max_new_tokens))
+        cpu = (cpu_seconds(process.pid) - cpu_before) / (time.monotonic() - wall_before) * 100
+    if not samples.lateness_ms:
+        raise SystemExit(f"no complete requests inside the {args.seconds} s window; run longer")
+    p50, p99, worst = percentiles(samples.lateness_ms)
+    c50, c99, _ = percentiles(samples.client_ms)
+    row = (f"| {args.streams} | {max_running} | {samples.requests} | {len(samples.lateness_ms)} | {p50:.2f} | "
+           f"{p99:.2f} | {worst:.2f} | {c50:.2f} | {c99:.2f} | {cpu:.0f}% | {samples.errors} |")
+    print(row, flush=True)
+    return row
+
+
+def write_section(body: str) -> None:
+    begin, end = f"<!-- {SECTION} -->", f"<!-- /{SECTION} -->"
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured window, after the warm-up")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-running", type=int, nargs="+", default=[48, 256],
+                        help="one run per value of the sim's --max-running-requests")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="let the OS place the sim and the client (default: sim on CPU 0, client elsewhere)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = parser.parse_args()
+    header = ("| streams | max running | requests | chunks | sim late p50 ms | p99 ms | max ms | client recv p50 ms "
+              "| p99 ms | sim CPU (of one core) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print(header, flush=True)
+    rows = [run(args, n) for n in args.max_running]
+    command = " ".join(["flock /tmp/dfserve-bench.lock .venv/bin/python bench/sim_lateness.py", *sys.argv[1:]])
+    body = f"""## Simulated engine: chunk lateness against its own schedule
+
+`{command}` on {time.strftime('%Y-%m-%d')} ({platform.machine()}, {os.cpu_count()} cores, Python
+{platform.python_version()}). The machine was shared with other work while this ran, so tails include noise from
+other processes. Lateness = when the sim handed a chunk to the transport minus when its latency model scheduled it
+(per chunk, from `--record-chunk-times`); "client recv" adds loopback and the benchmark client's own delay. Each
+request streams {args.max_new_tokens} tokens (`ignore_eos`), closed loop, {args.warmup:.0f} s warm-up, {args.seconds:.0f} s measured;
+only requests wholly inside the window count. The sim runs pinned to CPU 0 and the client to the other cores
+unless `--no-pin`. With 48 running, 208 streams wait in the queue (SGLang's DFlash default).
+Target: p99 < 2 ms at 256 streams.
+
+{header}
+{chr(10).join(rows)}
+"""
+    if not args.no_write:
+        write_section(body)
+
+
+if __name__ == "__main__":
+    main()
