@@ -155,9 +155,6 @@ class GatewayApp:
         self.gateway = gateway
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
@@ -178,17 +175,6 @@ class GatewayApp:
             await send_error(send, 405, f"{method} {path}: method not allowed", "invalid_request_error")
         else:
             await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.gateway.start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.gateway.stop()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def health(self, send: Send) -> None:
         down = self.gateway.upstream.down()

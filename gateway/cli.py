@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import click
 
+from dfserve.errors import UserError
 from gateway.config import GatewayConfig, load_config, parse_arm_flag
+
+log = logging.getLogger("dfserve.gateway")
 
 
 class _Server:
     """A uvicorn server that leaves signal handling to the caller, so two can share one event loop."""
 
-    def __init__(self, app: Any, host: str, port: int, lifespan: Literal["on", "off"]) -> None:
+    def __init__(self, app: Any, host: str, port: int) -> None:
         import uvicorn
 
         class Quiet(uvicorn.Server):
@@ -29,30 +33,48 @@ class _Server:
             def capture_signals(self) -> Iterator[None]:
                 yield
 
-        config = uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", lifespan=lifespan,
+        config = uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", lifespan="off",
                                 access_log=False, server_header=False, date_header=False, log_level="warning",
                                 timeout_keep_alive=75)
         self.server = Quiet(config)
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway listener and, when configured, the admin listener, until a signal asks to stop."""
+async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
+    """Run the gateway listener and, when configured, the admin listener, until SIGINT/SIGTERM.
+
+    SIGHUP calls `reload` and applies the routing it returns, atomically; a bad file is logged and changes nothing.
+    """
     from gateway.admin import AdminApp
     from gateway.app import Gateway, GatewayApp
 
     token = config.admin_token()
     gateway = Gateway(config)
-    servers = [_Server(GatewayApp(gateway), config.host, config.port, "on").server]
+    servers = [_Server(GatewayApp(gateway), config.host, config.port).server]
     if config.admin.port is not None and token is not None:
-        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port, "off").server)
+        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port).server)
+
     def stop() -> None:
         for server in servers:
             server.should_exit = True
 
+    def hangup(reload: Callable[[], GatewayConfig]) -> None:
+        try:
+            gateway.apply(reload().routing)
+        except UserError as exc:
+            log.error("reload refused, routing unchanged: %s", exc)
+        else:
+            log.warning("reloaded routing: %s", ", ".join(f"{n}={a.weight:g}" for n, a in gateway.routing.arms.items()))
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop)
-    await asyncio.gather(*(s.serve() for s in servers))
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, hangup, reload)
+    await gateway.start()
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        await gateway.stop()
 
 
 @click.command()
@@ -82,4 +104,5 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
     config.admin_token()
     import uvloop
 
-    uvloop.run(serve(config))
+    logging.basicConfig(format="dfserve gateway: %(levelname)s %(message)s")
+    uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None))

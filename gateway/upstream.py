@@ -93,6 +93,8 @@ class Upstream:
             new[name] = Arm(name, replicas, in_flight=old.in_flight if old else 0)
             for replica in replicas:
                 self.metrics.replica_healthy.labels(name, replica.url).set(1 if replica.healthy else 0)
+        for (name, url) in known.keys() - {(n, r.url) for n, arm in new.items() for r in arm.replicas}:
+            self.metrics.replica_healthy.remove(name, url)
         self.arms = new
 
     def down(self) -> frozenset[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.servers import LOOPBACK, free_port, gateway_server
+from tests.servers import LOOPBACK, dfserve_argv, free_port, gateway_server, serve
 
 TOKEN = "t0ken-for-admin-tests-only"
 
@@ -80,3 +82,37 @@ def test_put_can_add_and_remove_arms(admin: tuple[str, str]) -> None:
     described = httpx.get(base + "/admin/arms", headers=AUTH).json()
     assert list(described["replicas"]) == ["only"]
     assert 'dfserve_arm_weight{arm="baseline"}' not in httpx.get(gw + "/metrics").text
+
+
+def test_sighup_reloads_the_file_and_a_bad_file_changes_nothing(tmp_path: Path) -> None:
+    def write(weight: float) -> None:
+        arms = {"baseline": {"weight": 90, "replicas": [f"http://{LOOPBACK}:{free_port()}"]},
+                "candidate": {"weight": weight, "replicas": [f"http://{LOOPBACK}:{free_port()}"]}}
+        path.write_text(yaml.safe_dump({"arms": arms, "health": {"interval_s": 60}, "scrape": {"enabled": False}}))
+
+    def weight() -> float:
+        for line in httpx.get(base + "/metrics").text.splitlines():
+            if line.startswith('dfserve_arm_weight{arm="candidate"}'):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no weight series")
+
+    def hangup_and_wait(expected: float) -> float:
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while weight() != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return weight()
+
+    path = tmp_path / "g.yaml"
+    write(10)
+    port = free_port()
+    base = f"http://{LOOPBACK}:{port}"
+    argv = dfserve_argv("gateway", "--config", str(path), "--host", LOOPBACK, "--port", str(port))
+    with serve(argv, base + "/health") as process:
+        assert weight() == 10
+        write(30)
+        assert hangup_and_wait(30) == 30
+        path.write_text("arms: {candidate: {weight: -1}}\n")
+        process.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert process.poll() is None and weight() == 30
