@@ -899,8 +899,8 @@ class NativeStreamEncoder:
     """The events of one native `/generate` stream, byte for byte what `sse_event(generate_response_body(...))` gives.
 
     SGLang's chunks repeat the whole text and ids so far unless `--incremental-streaming-output` is set; this
-    encoder escapes each delta once and extends what it sent before, so a chunk costs the same at token 10 as at
-    token 10,000. It only appends: a final chunk whose text was trimmed (a stop string) goes through the builder.
+    encoder escapes and encodes each delta once and extends the bytes it sent before, instead of re-encoding the
+    whole text per chunk. It only appends: a final chunk whose text was trimmed (a stop string) uses the builder.
     """
 
     def __init__(self, incremental: bool) -> None:

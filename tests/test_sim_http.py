@@ -76,6 +76,8 @@ def test_native_whole_response_matches_the_stream(zlab: str) -> None:
     assert whole.output_ids is not None and len(whole.output_ids) == whole.meta.completion_tokens
     assert whole.meta.spec is not None and whole.meta.finish_reason is not None
     assert whole.meta.accept_length == whole.meta.completion_tokens / whole.meta.spec.verify_ct
+    sent, due = whole.meta.sim_chunk_sent_unix_s, whole.meta.sim_chunk_due_unix_s
+    assert sent is not None and due is not None and len(sent) == len(due) == 1 and sent[0] >= due[0]
 
 
 def test_max_new_tokens_and_stop_strings_finish_like_sglang(zlab: str) -> None:

@@ -31,6 +31,7 @@ from deploy.sim.profiles import DrafterProfile, load_profile
 from deploy.sim.server import uvicorn_config
 from deploy.sim.telemetry import Telemetry
 from deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
+from dfserve.cli import main
 from dfserve.errors import UserError
 from dfserve.sglang import FinishReason
 from tests.servers import free_port
@@ -279,3 +280,22 @@ def test_the_server_sets_tcp_nodelay_on_accepted_connections() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile", "bogus"], "--profile: 'bogus' is neither"),
+        (["--lossy-fraction", "2"], "--lossy-fraction:"),
+        (["--time-scale", "0"], "--time-scale:"),
+        (["--block-size", "40"], "--block-size: 40 is outside"),
+        (["--stall-s", "-1"], "--stall-s:"),
+    ],
+)
+def test_sim_command_turns_bad_flags_into_one_line(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "--port", "0", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dfserve: error: ") and message in err and len(err.strip().splitlines()) == 1

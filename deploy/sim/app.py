@@ -198,6 +198,7 @@ class SimResponse(Response):
     def _whole_body(self, update: Update) -> dict[str, Any]:
         sim, api = self.sim, self.request.api
         text = sim.output.text
+        self.due_unix.append(update.due_unix_s)  # a whole response is one "chunk" for --record-chunk-times
         if api == "native":
             return proto.generate_response_body(text, sim.output.ids, self._meta(update))
         head, tokens = self._head(), update.completion_tokens

@@ -44,9 +44,10 @@ def _config(**values: object) -> SimConfig:
 @click.option("--disconnect-fraction", type=float, default=0.0, help="Fraction of requests dropped mid-stream.")
 def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
-    from deploy.sim.server import run
+    from deploy.sim.server import serve, uvicorn_config
 
     config = _config(**values)
+    server_config = uvicorn_config(config)
     click.echo(f"dfserve sim: profile {config.profile} on http://{config.host}:{config.port} "
                f"(time scale {config.time_scale}, seed {config.seed})", err=True)
-    run(config)
+    serve(server_config)

@@ -50,7 +50,12 @@ def uvicorn_config(config: SimConfig) -> uvicorn.Config:
 
 
 def run(config: SimConfig) -> None:
-    server = uvicorn.Server(uvicorn_config(config))
+    serve(uvicorn_config(config))
+
+
+def serve(server_config: uvicorn.Config) -> None:
+    """Serve a built configuration until SIGINT/SIGTERM."""
+    server = uvicorn.Server(server_config)
     logging.getLogger("uvicorn.error").addFilter(_QuietDisconnects())
     gc.collect()
     gc.freeze()  # start-up objects never need scanning again; keeps full collections short on the hot path
