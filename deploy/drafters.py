@@ -53,10 +53,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Target:
-    """The target model: the path SGLang gets, its config.json, and where that config was found."""
+    """The target model: the path SGLang gets, where its config.json was found, and the shapes read from it."""
 
     model_path: str
-    config: dict[str, Any]
     config_source: str
     family: str
     hidden_size: int
@@ -109,15 +108,16 @@ def target_from_config(model_path: str, config: dict[str, Any], source: str, pro
     vocab = _positive_int(text, "vocab_size", prefix, problems)
     if problems:
         raise problems_error(f"target config ({source})", problems)
-    return Target(model_path, config, source, family, hidden, layers, vocab)
+    return Target(model_path, source, family, hidden, layers, vocab)
 
 
 def resolve_target(target: str | None, profile: HostProfile, target_config: Path | None) -> Target:
     """The target's config.json: `--target-config`, a local folder, the hub cache, or the profile's facts."""
     model_path = target or profile.target.model_path
-    if target_config is not None:
-        return target_from_config(model_path, read_json(target_config, "--target-config"), str(target_config), profile)
     local = Path(model_path).expanduser()
+    if target_config is not None:
+        path = str(local.resolve()) if local.is_dir() else model_path
+        return target_from_config(path, read_json(target_config, "--target-config"), str(target_config), profile)
     if local.is_dir():
         config_file = local / "config.json"
         if not config_file.is_file():
