@@ -76,8 +76,8 @@ def check_with_sglang(spec: DeploymentSpec, python: str, timeout_s: float = 120.
         raise UserError(f"--check: SGLang's parser did not answer within {timeout_s:.0f} s") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("DFSERVE-SGLANG-CHECK ")]
     if done.returncode != 0 or not lines:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise UserError(f"--check: SGLang's parser could not run under {python} (exit {done.returncode}): {tail}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"--check: SGLang's parser could not run under {python} (exit {done.returncode}): {last}")
     return CheckResult.model_validate_json(lines[-1].removeprefix("DFSERVE-SGLANG-CHECK "))
 
 

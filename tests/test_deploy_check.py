@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,7 @@ def test_check_without_sglang_says_so(tmp_path: Path) -> None:
     done = deploy("--drafter", "zlab", "--dry-run", "--check", python="/nonexistent/python", root=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == "dfserve: error: --sglang-python: /nonexistent/python not found; --check needs the interpreter SGLang is installed in"
+    bare = deploy("--drafter", "zlab", "--dry-run", "--check", python=sys.executable, root=tmp_path)
+    lines = bare.stderr.strip().splitlines()
+    assert bare.returncode == 2 and len(lines) == 1
+    assert lines[0].endswith("(exit 1): ModuleNotFoundError: No module named 'sglang'")
