@@ -1,7 +1,8 @@
 """Drafter and target identities: what `--drafter zlab|PATH|baseline` and `--target` resolve to, verified up front.
 
-A drafter is z-lab's Hugging Face release, a local Hugging Face DFlash folder (used as is after its config and tensor
-table are checked against the target), or an in-house training checkpoint (converted first, see ``deploy.convert``).
+A drafter is z-lab's Hugging Face release, a local Hugging Face DFlash folder (used as is after its config, tensor
+table and values are checked against the target; NaN/Inf are read from the raw bits, so no torch), or an in-house
+training checkpoint (converted first, see ``deploy.convert``).
 Every problem is collected and named in one `UserError` before anything is started::
 
     target = resolve_target(None, profile, None)
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from deploy.profiles import HostProfile
 from dfserve.errors import UserError
@@ -240,6 +243,8 @@ def expected_tensors(arch: DrafterArch) -> dict[str, tuple[int, ...]]:
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
+    data_offsets: tuple[int, int] | None = None
+    """Byte range in a safetensors file's data section, when read from one."""
 
 
 def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
@@ -255,20 +260,47 @@ def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor names, dtypes and shapes from a safetensors header, without reading the data."""
+    """Tensor names, dtypes, shapes and byte ranges from a safetensors header, without reading the data."""
     try:
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
                 raise ValueError("header length implausible")
             header = json.loads(handle.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise UserError(f"drafter: {path} is not a safetensors file ({exc})") from None
-    return {
-        name: TensorInfo(str(entry["dtype"]), tuple(entry["shape"]))
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
+        start = 8 + length
+        return {
+            name: TensorInfo(
+                str(entry["dtype"]), tuple(entry["shape"]),
+                (start + entry["data_offsets"][0], start + entry["data_offsets"][1]),
+            )
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise UserError(f"drafter: {path} is not a safetensors file ({exc.__class__.__name__}: {exc})") from None
+
+
+# Exponent and mantissa bits by safetensors dtype: a value is NaN or Inf when its exponent bits are all set.
+_FLOAT_BITS = {"BF16": (np.uint16, 0x7F80, 0x007F), "F16": (np.uint16, 0x7C00, 0x03FF),
+               "F32": (np.uint32, 0x7F800000, 0x007FFFFF), "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF)}
+
+
+def safetensors_nonfinite(path: Path, table: Mapping[str, TensorInfo]) -> list[str]:
+    """NaN and Inf counts per tensor of a safetensors file, read from the raw bits (no torch; bf16 included)."""
+    problems = []
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in table.items():
+        if info.dtype not in _FLOAT_BITS or info.data_offsets is None:
+            continue
+        kind, exponent, mantissa = _FLOAT_BITS[info.dtype]
+        begin, end = info.data_offsets
+        bits = data[begin:end].view(kind)
+        special = (bits & kind(exponent)) == kind(exponent)
+        nan = int(np.count_nonzero(special & ((bits & kind(mantissa)) != 0)))
+        inf = int(np.count_nonzero(special)) - nan
+        if nan or inf:
+            problems.append(f"{name} has {nan} NaN and {inf} Inf values")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,9 +373,12 @@ def _verify_folder(folder: Path, target: Target) -> DrafterArch:
     if not weights:
         raise UserError(f"drafter folder {folder}: no *.safetensors weights")
     found: dict[str, TensorInfo] = {}
+    problems: list[str] = []
     for path in weights:
-        found |= read_safetensors_header(path)
-    problems = tensor_table_problems(found, expected_tensors(arch))
+        table = read_safetensors_header(path)
+        found |= table
+        problems += safetensors_nonfinite(path, table)
+    problems = tensor_table_problems(found, expected_tensors(arch)) + problems
     if problems:
         raise problems_error(f"drafter folder {folder}", problems)
     return arch

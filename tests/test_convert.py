@@ -203,3 +203,38 @@ def test_converted_folder_with_a_tensor_removed_is_rejected(tmp_path: Path) -> N
     (damaged / "config.json").write_text((result.folder / "config.json").read_text())
     with pytest.raises(UserError, match=r"missing tensor layers\.0\.mlp\.up_proj\.weight"):
         resolve_drafter(str(damaged), PROFILE, TARGET, tmp_path / "store")
+
+
+def test_raw_bit_scan_counts_nan_and_inf_like_torch(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from deploy.drafters import read_safetensors_header, safetensors_nonfinite
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        t = torch.randn(40, 7, generator=generator).to(dtype)
+        t[0, :2] = float("nan")
+        t[5, 3] = float("inf")
+        t[9, :3] = float("-inf")
+        tensors[str(dtype)] = t
+    tensors["clean"] = torch.randn(3, 3, generator=generator).to(torch.bfloat16)
+    tensors["ints"] = torch.full((4,), -1, dtype=torch.int32)  # all bits set, but not a float: ignored
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    problems = safetensors_nonfinite(path, read_safetensors_header(path))
+    assert sorted(problems) == sorted(f"{name} has 2 NaN and 4 Inf values" for name in tensors if name.startswith("torch"))
+
+
+def test_converted_folder_with_nan_is_rejected(tmp_path: Path) -> None:
+    result = convert(write_checkpoint(tmp_path / "checkpoint.pt", tiny_state_dict()), tmp_path / "store")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(result.folder / "model.safetensors"))
+    tensors["layers.1.self_attn.o_proj.weight"][2, 2] = float("nan")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    save_file(tensors, str(damaged / "model.safetensors"))
+    (damaged / "config.json").write_text((result.folder / "config.json").read_text())
+    with pytest.raises(UserError, match=r"layers\.1\.self_attn\.o_proj\.weight has 1 NaN and 0 Inf values"):
+        resolve_drafter(str(damaged), PROFILE, TARGET, tmp_path / "store")
