@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -92,11 +93,15 @@ def test_poisson_offsets_are_seeded_and_hold_the_rate() -> None:
     offsets = shape.offsets(20001)
     assert offsets == LoadShape(kind="poisson", rate=200.0, seed=7).offsets(20001)
     assert offsets is not None and offsets[0] == 0.0
-    achieved = (len(offsets) - 1) / offsets[-1]
-    assert achieved == pytest.approx(200.0, rel=0.03)
+    assert (len(offsets) - 1) / offsets[-1] == pytest.approx(200.0, rel=1e-12)  # the run's rate, exactly
     gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert len(set(gaps)) == len(gaps)  # no repeated gap sequence (one generator, not one per worker)
+    mean = sum(gaps) / len(gaps)
+    spread = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert 0.95 < spread / mean < 1.05  # exponential gaps: standard deviation equals the mean
+    assert sum(g < mean for g in gaps) / len(gaps) == pytest.approx(1 - math.exp(-1), abs=0.02)
     assert poisson_offsets(10.0, 1, random.Random(0)) == [0.0]
+    assert poisson_offsets(10.0, 0, random.Random(0)) == []
 
 
 def _record(**kw: object) -> RequestRecord:
