@@ -71,7 +71,7 @@ class SimResponse(Response):
             sim.encode = self._encode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        updates: asyncio.Queue[Update | None] = self.sim.updates  # type: ignore[assignment]
+        updates = self.sim.updates
         watcher = asyncio.create_task(self._watch(receive, updates))
         try:
             if self.request.stream:
@@ -216,15 +216,13 @@ class SimResponse(Response):
 def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Vocabulary) -> GenerationRoutes:
     """The ASGI app of one simulated engine; its scheduler starts and stops with the app's lifespan."""
     registry = CollectorRegistry()
-    telemetry = Telemetry(registry, config.model_name, max_total_tokens=400_000)
+    settings = EngineSettings(config.max_running_requests, config.max_prefill_tokens)
+    telemetry = Telemetry(registry, config.model_name, max_total_tokens=settings.max_total_tokens)
     rng = random.Random(config.seed)
     latency = LatencyModel(
         LatencyParams(**config.latency.model_dump()), config.time_scale, random.Random(rng.getrandbits(64))
     )
-    engine = Engine(
-        EngineSettings(config.max_running_requests, config.max_prefill_tokens), profile, latency, telemetry,
-        config.seed,
-    )
+    engine = Engine(settings, profile, latency, telemetry, config.seed)
     faults = FaultPlan(config.faults, random.Random(rng.getrandbits(64)))
     text_model = TextModel(vocabulary, config.lossy_fraction)
     ctx = Context(config=config, engine=engine, created=int(time.time()))
@@ -261,10 +259,10 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         return Response(status_code=200)
 
     async def health_generate(_: Request) -> Response:
-        probe = proto.parse_generate_request(b'{"text": "ping", "sampling_params": {"max_new_tokens": 1}}')
-        output = text_model.start("ping", "", Limits(probe.max_new_tokens or 1))
-        sim = engine.submit(prompt="ping", sampling_key="", prompt_tokens=1, output=output)
-        while not (await sim.updates.get()).finished:
+        """Like SGLang's: 200 once a one-token generation has gone through the scheduler."""
+        output = text_model.start("ping", "", Limits(max_new_tokens=1))
+        probe = engine.submit(prompt="ping", sampling_key="", prompt_tokens=1, output=output)
+        while (update := await probe.updates.get()) is not None and not update.finished:
             pass
         return Response(status_code=200)
 

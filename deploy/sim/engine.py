@@ -8,7 +8,7 @@ the sim's own lateness never leaks into modelled times. A cancelled request (cli
 
     engine = Engine(EngineSettings(), profile, latency, telemetry, seed=0)
     task = asyncio.create_task(engine.run())
-    request = engine.submit(prompt="def f():", prompt_tokens=4, output=text_model.start(...))
+    request = engine.submit(prompt="def f():", sampling_key="", prompt_tokens=4, output=text_model.start(...))
     while not (update := await request.updates.get()).finished: ...
 """
 
@@ -65,7 +65,8 @@ class SimRequest:
     round_model: RoundModel | None
     rng: random.Random
     arrived_s: float
-    updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    updates: asyncio.Queue[Update | None] = field(default_factory=asyncio.Queue)
+    """Filled by the engine in step order; None is put by the stream itself when its client goes away."""
     verify_ct: int = 0
     correct_drafts: int = 0
     histogram: list[int] = field(default_factory=list)
