@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
+from loadtest.progress import Progress
 from loadtest.report import accept_length_figure, distribution, render_html, summarize, summarize_arm, svg_cdf
 from tests.test_judge import _config, synthetic
 
@@ -38,3 +43,17 @@ def test_report_html_is_self_contained_with_cdfs_and_histogram() -> None:
     assert "Interrupted" in page and "zlab" in page and "inhouse" in page
     assert "src=" not in page and "<script" not in page
     assert "no samples" in svg_cdf("TTFT", {"a": []})
+
+
+def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    records = synthetic("zlab", 10, 8.0, seed=1, tokens=32) + synthetic("inhouse", 10, 8.0, seed=1, tokens=32,
+                                                                         errors=1.0)
+    with Progress(["zlab", "inhouse"], 10, console) as progress:
+        for r in records:
+            progress.observe(r)
+    text = out.getvalue()
+    assert "zlab" in text and "10/10" in text and "http_status=10" in text
+    zlab = progress.tallies["zlab"]
+    assert zlab.tokens == 320 and zlab.rounds > 0 and 6 < zlab.accepted_tokens / zlab.rounds < 11
