@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Callable, Iterator
@@ -71,6 +72,8 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, hangup, reload)
     await gateway.start()
+    gc.collect()
+    gc.freeze()  # start-up objects (imports, config, metrics) never need scanning again: short full collections
     try:
         await asyncio.gather(*(s.serve() for s in servers))
     finally:

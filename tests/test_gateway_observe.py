@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
-from gateway.relay import NativeStream, OpenAIStream, event_boundary, measure_whole, response_headers
+from gateway.relay import (
+    NativeStream,
+    OpenAIStream,
+    event_boundary,
+    measure_whole,
+    observe_many,
+    response_headers,
+)
 
 
 def test_event_boundary() -> None:
@@ -75,3 +83,18 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
     assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
     assert sglang.last_data_event(b"data: [DONE]\n\n") is None
     assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
+
+
+def test_observe_many_equals_repeated_observe() -> None:
+    one_by_one = Histogram("a", "a", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
+    at_once = Histogram("b", "b", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
+    for value, count in ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5)):
+        for _ in range(count):
+            one_by_one.observe(value)
+        observe_many(at_once, value, count)
+    def samples(histogram: Histogram) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name[1:], s.labels, s.value) for s in histogram.collect()[0].samples if "created" not in s.name]
+
+    expected, got = samples(one_by_one), samples(at_once)
+    assert [(n, labels) for n, labels, _ in got] == [(n, labels) for n, labels, _ in expected]
+    assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
