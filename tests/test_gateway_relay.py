@@ -90,9 +90,11 @@ class Stub:
                        "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
             return web.Response(body=json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode(),
                                 content_type="application/json")
+        mode = request.headers.get("x-stub", "")
+        if mode == "stall":
+            await asyncio.sleep(3)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": "stub"})
         await response.prepare(request)
-        mode = request.headers.get("x-stub", "")
         try:
             if mode == "slow":
                 for _ in range(200):
@@ -293,3 +295,35 @@ def test_models_and_health(one_arm: tuple[Stub, str]) -> None:
     assert models.json()["data"][0]["id"] == "qwen" and models.headers["x-dfserve-arm"] == "a"
     assert httpx.get(gw + "/health").json() == {"status": "ok", "arms": {"a": True}}
 
+
+
+def test_arm_concurrency_limit_and_read_timeout(tmp_path: Path) -> None:
+    with Stub() as stub:
+        config = write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
+                              limits={"max_concurrent_per_arm": 1, "read_timeout_s": 0.5})
+        with gateway_server(config) as gw:
+            with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "slow"}) as busy:
+                still_reading = busy.iter_raw()  # held: dropping the iterator would close the stream
+                next(still_reading)
+                refused = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+            assert refused.status_code == 429 and refused.json()["error"]["message"]
+            deadline = time.monotonic() + 5
+            while httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code != 200:
+                assert time.monotonic() < deadline, "the slot was never returned"
+                time.sleep(0.05)
+            stalled = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"})
+            assert stalled.status_code == 504 and stalled.headers["x-dfserve-arm"] == "a"
+
+
+def test_down_arm_sheds_only_when_configured(tmp_path: Path) -> None:
+    dead = f"http://{LOOPBACK}:{free_port()}"
+    with Stub() as stub:
+        for shed, expected in ((True, {200}), (False, {200, 503})):
+            arms = {"up": {"weight": 1, "replicas": [stub.url]}, "down": {"weight": 1, "replicas": [dead]}}
+            with gateway_server(write_config(tmp_path, arms, shed=shed)) as gw:
+                deadline = time.monotonic() + 10
+                while httpx.get(gw + "/health").json()["arms"]["down"]:
+                    assert time.monotonic() < deadline, "dead replica never ejected"
+                    time.sleep(0.1)
+                statuses = {httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code for _ in range(30)}
+            assert statuses == expected, (shed, statuses)
