@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from dfserve.errors import UserError
-from gateway.app import BodyTooLarge, Gateway, Receive, read_body, send_error, send_json
+from gateway.app import Gateway, Receive, read_body, send_error, send_json
 from gateway.config import parse_routing
 from gateway.relay import Send
 
@@ -49,7 +49,7 @@ class AdminApp:
         elif method == "GET":
             await send_json(send, 200, self.describe())
         elif method == "PUT":
-            await self.put(receive, send)
+            await self.put(scope, receive, send)
         else:
             await send_error(send, 405, f"{method} {path}: use GET or PUT", "invalid_request_error")
 
@@ -63,13 +63,9 @@ class AdminApp:
         }
         return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas}).encode()
 
-    async def put(self, receive: Receive, send: Send) -> None:
-        try:
-            body = await read_body(receive, MAX_ADMIN_BODY_BYTES)
-        except BodyTooLarge:
-            await send_error(send, 413, f"body over {MAX_ADMIN_BODY_BYTES} bytes", "invalid_request_error")
-            return
-        except ConnectionResetError:
+    async def put(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = await read_body(scope, receive, send, MAX_ADMIN_BODY_BYTES)
+        if body is None:
             return
         try:
             raw = json.loads(body)

@@ -129,20 +129,23 @@ async def _discard(message: dict[str, Any]) -> None:
     """The client side of a shadow request: nobody is listening."""
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(scope: dict[str, Any], receive: Receive, send: Send, limit: int) -> bytes | None:
+    """The request body; None once answered 413 (over `limit` bytes) or when the client left while sending it."""
+    too_large = f"request body over the {limit}-byte limit"
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            await send_error(send, 413, too_large, "invalid_request_error")
+            return None
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ConnectionResetError("client went away while sending its body")
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge
+            await send_error(send, 413, too_large, "invalid_request_error")
+            return None
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
@@ -190,17 +193,8 @@ class GatewayApp:
     async def proxy(self, api: str, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
         start = time.perf_counter()
-        limit = gateway.config.limits.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await send_error(send, 413, f"request body over the {limit}-byte limit", "invalid_request_error")
-                return
-        try:
-            body = await read_body(receive, limit)
-        except BodyTooLarge:
-            await send_error(send, 413, f"request body over the {limit}-byte limit", "invalid_request_error")
-            return
-        except ConnectionResetError:
+        body = await read_body(scope, receive, send, gateway.config.limits.max_body_bytes)
+        if body is None:
             return
         try:
             request = sglang.inspect_request(body)
