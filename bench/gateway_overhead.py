@@ -1,0 +1,430 @@
+"""What the gateway adds to a stream, beside the SGLang router and a LiteLLM proxy, in one run on one simulator.
+
+One simulated engine (dfserve's sim, latency set so that chunks come at a steady pace whatever the load) is reached
+four ways: directly, through `dfserve gateway`, through `sglang-router` and through a LiteLLM proxy. A closed-loop
+aiohttp + uvloop client streams chat completions at 1, 64 and 256 concurrent streams through each and records, per
+request, the time to the first content chunk and the gaps between content chunks. Added latency is each path's
+percentile minus the direct path's; CPU per streamed chunk is the proxy's process-group CPU time over the chunks the
+client received. The peers live in a git-ignored venv (bench/.peers), installed on first use.
+
+    flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py
+
+Writes its section of bench/RESULTS.md. Targets: p99 added TTFT < 2 ms and p99 added chunk gap < 1 ms at 64 streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import uvloop
+
+from dfserve import sglang
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_VENV = ROOT / "bench" / ".peers"
+PEER_PINS = ("sglang-router==0.3.2", "litellm[proxy]==1.108.7")
+RESULTS = ROOT / "bench" / "RESULTS.md"
+BEGIN, END = "<!-- gateway_overhead:begin -->", "<!-- gateway_overhead:end -->"
+LOOPBACK = "127.0.0.1"
+LITELLM_KEY = "sk-dfserve-bench-local-only"
+
+# The sim's latency for this benchmark: a 10 ms prefill, then one chunk every 10 ms, at any load.
+PREFILL_S = ROUND_S = 0.010
+SIM_CONFIG = {
+    "profile": "zlab", "seed": 0, "time_scale": 1.0, "max_running_requests": 1024, "record_chunk_times": True,
+    "incremental_streaming_output": True,
+    "latency": {"round_fixed_s": ROUND_S, "round_per_token_s": 0.0, "prefill_fixed_s": PREFILL_S,
+                "prefill_per_token_s": 0.0, "jitter": 0.0},
+}
+SIM_SNIPPET = (
+    "import json, sys\n"
+    "from deploy.sim.config import SimConfig\n"
+    "from deploy.sim.server import run\n"
+    "run(SimConfig.model_validate(json.loads(sys.argv[1])))\n"
+)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, whatever the environment
+CONTENT = re.compile(rb'"content":\s*"[^"]')
+NATIVE_EVENT = re.compile(rb"data: \{")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_peers() -> Path:
+    """The peers' venv, created on first use; pinned so every run measures the same versions."""
+    python = PEERS_VENV / "bin" / "python"
+    marker = PEERS_VENV / ".installed"
+    if not marker.exists() or marker.read_text() != "\n".join(PEER_PINS):
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_PINS], check=True)
+        marker.write_text("\n".join(PEER_PINS))
+    return python
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        try:
+            with _OPENER.open(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+@contextmanager
+def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
+    """Run `argv` in its own process group until the block ends; yields the group id."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})}, cwd=ROOT)
+        try:
+            wait_ready(ready_url, proc)
+            yield proc.pid
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in a process group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+@dataclass
+class Sample:
+    ttft_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+    transport_s: list[float] = field(default_factory=list)
+    delivery_s: list[float] = field(default_factory=list)
+    chunks: int = 0
+    errors: int = 0
+
+
+class Stream:
+    """One streamed request as the client saw it: wall-clock send time and the arrival of each event."""
+
+    def __init__(self) -> None:
+        self.sent_unix = time.time()
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.buffer = b""
+        self.event_arrivals: list[float] = []
+        self.final = b""
+
+    def feed(self, data: bytes, sample: Sample, counter: re.Pattern[bytes]) -> None:
+        now, wall = time.perf_counter(), time.time()
+        self.buffer += data
+        events, _, self.buffer = self.buffer.rpartition(b"\n\n")
+        produced = len(counter.findall(events))
+        if produced <= 0:
+            return
+        self.event_arrivals.extend([wall] * produced)
+        self.final = events[events.rfind(b"data: {") :].partition(b"\n\n")[0]
+        sample.chunks += produced
+        if self.last is None:
+            sample.ttft_s.append(now - self.start)
+        else:
+            sample.gaps_s.append(now - self.last)
+        self.last = now
+
+
+def attribute(stream: Stream, sample: Sample) -> bool:
+    """Split a native stream's latency into engine time and transport, from the simulator's own chunk records.
+
+    The sim reports when it sent each chunk, when its model scheduled each chunk, and the request's queue time, so
+    it received the request at `due[0] - prefill - queue_time`. Transport is then (receipt - client send) plus
+    (first chunk's arrival - its send): all the time the path, not the engine, spent on the first token.
+    """
+    meta = sglang.parse_native_event(stream.final[6:].decode())
+    if not isinstance(meta, sglang.NativeChunk):
+        return False
+    info = meta.meta
+    sent, due = info.sim_chunk_sent_unix_s, info.sim_chunk_due_unix_s
+    if not sent or not due or info.queue_time_s is None or len(sent) != len(stream.event_arrivals):
+        return False
+    received = due[0] - PREFILL_S - info.queue_time_s
+    sample.transport_s.append(received - stream.sent_unix + stream.event_arrivals[0] - sent[0])
+    sample.delivery_s.extend(a - s for a, s in zip(stream.event_arrivals, sent, strict=True))
+    return True
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
+                     sample: Sample, native: bool) -> None:
+    stream = Stream()
+    try:
+        async with session.post(url, data=body, headers=headers) as response:
+            if response.status != 200:
+                sample.errors += 1
+                await response.read()
+                return
+            async for data in response.content.iter_any():
+                stream.feed(data, sample, NATIVE_EVENT if native else CONTENT)
+    except (aiohttp.ClientError, TimeoutError):
+        sample.errors += 1
+        return
+    if native and not attribute(stream, sample):
+        sample.errors += 1
+
+
+async def closed_loop(url: str, headers: dict[str, str], concurrency: int, requests: int, args: argparse.Namespace,
+                      native: bool) -> tuple[Sample, float]:
+    """`concurrency` workers each streaming one request after another until `requests` are done or time is up.
+
+    Each worker pauses a random 0-10 ms (seeded) between requests, so arrivals do not lock onto the simulator's
+    step clock: a closed loop would otherwise send each request right after a step and measure the phase of the
+    engine's schedule rather than the path.
+    """
+    if native:
+        payload = {"text": "def add(a, b):", "stream": True,
+                   "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}}
+    else:
+        payload = {"model": "qwen", "messages": [{"role": "user", "content": "Write a function that adds."}],
+                   "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json", **headers}
+    sample = Sample()
+    issued = 0
+    deadline = time.perf_counter() + args.budget_s
+    rng = random.Random(concurrency)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        # Warm-up: open the connections and let every path settle, unmeasured.
+        await asyncio.gather(*(one_stream(session, url, body, headers, Sample(), native) for _ in range(concurrency)))
+
+        async def worker() -> None:
+            nonlocal issued
+            while issued < requests and time.perf_counter() < deadline:
+                issued += 1
+                await asyncio.sleep(rng.uniform(0, ROUND_S))
+                await one_stream(session, url, body, headers, sample, native)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sample, time.perf_counter() - started
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) * 1e3 if values else float("nan")
+
+
+@dataclass
+class Row:
+    api: str
+    path: str
+    concurrency: int
+    requests: int
+    errors: int
+    ttft: tuple[float, float]
+    gap: tuple[float, float]
+    transport: tuple[float, float]
+    delivery: tuple[float, float]
+    cpu_us_per_chunk: float | None
+    chunks_per_s: float
+
+
+def measure(api: str, path: str, url: str, headers: dict[str, str], pgid: int | None, concurrency: int,
+            args: argparse.Namespace) -> Row:
+    requests = max(args.min_requests, concurrency * args.rounds)
+    cpu_before = group_cpu_s(pgid) if pgid else 0.0
+    sample, elapsed = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
+    cpu = (group_cpu_s(pgid) - cpu_before) if pgid else None
+
+    def p50_p99(values: list[float]) -> tuple[float, float]:
+        return pct(values, 50), pct(values, 99)
+
+    row = Row(api, path, concurrency, len(sample.ttft_s), sample.errors, p50_p99(sample.ttft_s),
+              p50_p99(sample.gaps_s), p50_p99(sample.transport_s), p50_p99(sample.delivery_s),
+              cpu / sample.chunks * 1e6 if cpu is not None and sample.chunks else None, sample.chunks / elapsed)
+    print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
+          f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
+          f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
+          f"{row.delivery[1]:6.2f} | cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s",
+          flush=True)
+    return row
+
+
+def fmt(pair: tuple[float, float]) -> str:
+    return f"{pair[0]:.2f} / {pair[1]:.2f}"
+
+
+def added(row: Row, direct: Row, name: str) -> str:
+    if row is direct:
+        return "—"
+    mine, base = getattr(row, name), getattr(direct, name)
+    return f"{mine[0] - base[0]:+.2f} / {mine[1] - base[1]:+.2f}"
+
+
+def table(rows: list[Row], api: str) -> str:
+    """One markdown table per API; native rows add the exact transport and per-chunk delivery figures."""
+    rows = [r for r in rows if r.api == api]
+    direct = {r.concurrency: r for r in rows if r.path == "direct"}
+    exact = api == "native"
+    head = ("| path | streams | requests | errors | TTFT p50 / p99 | added TTFT | chunk gap p50 / p99 | added gap "
+            + ("| transport p50 / p99 | added transport | delivery p50 / p99 | added delivery " if exact else "")
+            + "| CPU per chunk (µs) | chunks/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        d = direct[r.concurrency]
+        cells = [r.path, str(r.concurrency), str(r.requests), str(r.errors), fmt(r.ttft), added(r, d, "ttft"),
+                 fmt(r.gap), added(r, d, "gap")]
+        if exact:
+            cells += [fmt(r.transport), added(r, d, "transport"), fmt(r.delivery), added(r, d, "delivery")]
+        cells += ["—" if r.cpu_us_per_chunk is None else f"{r.cpu_us_per_chunk:.1f}", f"{r.chunks_per_s:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[Row], command: str, versions: str) -> None:
+    section = "\n".join([
+        BEGIN,
+        "## Gateway overhead (`bench/gateway_overhead.py`)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, {os.cpu_count()} cores, "
+        "loopback only. **The machine was shared** with other work while this ran, so absolute figures (and p99s "
+        "above all) carry noise; each row is one run. One simulated engine (zlab profile, a 10 ms prefill step, "
+        "then a 10 ms verify round per chunk at any load, no jitter) served every path. The client (aiohttp + "
+        "uvloop, closed loop, an unmeasured warm-up round, a random 0-10 ms pause between requests so arrivals "
+        "do not lock onto the engine's step clock) shares the machine with the simulator and the proxy. All "
+        "times in ms; `added` = the path's p50 / p99 minus the direct connection's at the same concurrency. CPU "
+        f"per chunk is the proxy's process-group CPU time over the chunks the client received. {versions}",
+        "",
+        "**Native `/generate`, exact attribution.** The simulator records when it sent each chunk and when it "
+        "received each request (`--record-chunk-times`), so *transport* = (engine receipt - client send) + "
+        "(first chunk's arrival - its send): the part of TTFT spent on the path, free of the engine's schedule; "
+        "*delivery* = each chunk's arrival - its send. LiteLLM has no native route.",
+        "",
+        table(rows, "native"),
+        "",
+        "**OpenAI chat, end to end.** TTFT and gaps as the client sees them (content chunks only), for all four "
+        "paths; the engine's step clock adds up to one round of phase noise to TTFT, the same for every path.",
+        "",
+        table(rows, "chat"),
+        "",
+        END,
+    ])
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    RESULTS.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,64,256", help="Comma-separated stream counts.")
+    parser.add_argument("--paths", default="direct,gateway,sglang-router,litellm")
+    parser.add_argument("--rounds", type=int, default=6, help="Requests per stream slot at each concurrency.")
+    parser.add_argument("--min-requests", type=int, default=60)
+    parser.add_argument("--budget-s", type=float, default=25.0, help="Time cap per (path, concurrency).")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
+    args = parser.parse_args()
+    gc.collect()
+    gc.freeze()  # the client's own full collections would otherwise show up as latency
+    paths = args.paths.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    peer_python = ensure_peers() if {"sglang-router", "litellm"} & set(paths) else None
+    logs = Path(tempfile.mkdtemp(prefix="dfserve-bench-"))
+    rows: list[Row] = []
+    with ExitStack() as stack:
+        sim_port = free_port()
+        sim_url = f"http://{LOOPBACK}:{sim_port}"
+        stack.enter_context(process([sys.executable, "-c", SIM_SNIPPET, json.dumps({**SIM_CONFIG, "port": sim_port})],
+                                    sim_url + "/health", logs / "sim.log"))
+        endpoints: dict[str, tuple[str, dict[str, str], int | None]] = {"direct": (sim_url, {}, None)}
+        if "gateway" in paths:
+            port = free_port()
+            argv = [str(ROOT / ".venv" / "bin" / "dfserve"), "gateway", "--host", LOOPBACK, "--port", str(port),
+                    "--arm", f"a=1@{sim_url}", "--scrape-interval", "15"]
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log"))
+            endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
+        if "sglang-router" in paths and peer_python:
+            port = free_port()
+            argv = [str(peer_python), "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
+                    "--worker-urls", sim_url, "--policy", "round_robin"]
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "router.log"))
+            endpoints["sglang-router"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
+        if "litellm" in paths and peer_python:
+            port = free_port()
+            config = logs / "litellm.yaml"
+            config.write_text(json.dumps({
+                "model_list": [{"model_name": "qwen", "litellm_params": {
+                    "model": "openai/qwen", "api_base": sim_url + "/v1", "api_key": "none"}}],
+                "litellm_settings": {"telemetry": False, "drop_params": True},
+                "general_settings": {"master_key": LITELLM_KEY},
+            }))
+            argv = [str(peer_python.parent / "litellm"), "--config", str(config), "--host", LOOPBACK,
+                    "--port", str(port), "--num_workers", "1"]
+            env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health/liveliness",
+                                               logs / "litellm.log", env))
+            endpoints["litellm"] = (f"http://{LOOPBACK}:{port}", {"Authorization": f"Bearer {LITELLM_KEY}"}, pgid)
+        for concurrency in levels:
+            for api, route in (("native", "/generate"), ("chat", "/v1/chat/completions")):
+                for path in paths:
+                    # LiteLLM speaks only the OpenAI routes.
+                    if path in endpoints and not (api == "native" and path == "litellm"):
+                        base, headers, group = endpoints[path]
+                        rows.append(measure(api, path, base + route, headers, group, concurrency, args))
+    print(table(rows, "native"))
+    print(table(rows, "chat"))
+    print(f"logs: {logs}")
+    if not args.no_write:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        versions = (f"dfserve at commit {commit.stdout.strip() or 'unknown'}; peers " + ", ".join(PEER_PINS)
+                    + f"; Python {platform.python_version()}.")
+        write_results(rows, "flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py "
+                      + " ".join(sys.argv[1:]), versions)
+
+
+if __name__ == "__main__":
+    main()
