@@ -158,6 +158,10 @@ def main() -> None:
         "before this client replaced aiohttp on the hot path (same command and day, aiohttp 3.14.5 + uvloop, JSON "
         "parsed per chunk): TTFT error p50 0.29 / p99 3.97 ms, every chunk p50 2.96 / p99 13.2 ms at 128 streams: "
         "a verify round delivers every stream's chunk at once, and per-chunk task wake-ups and parsing queued them.",
+        "",
+        "Reading the rows: the tester's CPU column shows how busy its loop was; when the p99 at few streams is about "
+        "the p99 at 128, the tail comes from the machine (other processes preempting the simulator between its "
+        "stamp and its write, or the tester before its read), not from the tester's load.",
     ])
     if not args.no_write:
         _write(SECTION, body)
