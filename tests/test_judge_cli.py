@@ -7,6 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from dfserve.baselines import BaselineRegistry, entry
 from dfserve.runs import JsonlAppender, create_run_dir, write_model
 from loadtest.cli import baseline, compare, promote
 from loadtest.records import RequestRecord
@@ -93,3 +94,17 @@ def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     history = CliRunner().invoke(baseline, ["history", "--registry", str(runs)]).output
     assert "FORCED (drill)" in history and len(history.strip().splitlines()) == 3
     assert "Qwen/Qwen3.6-27B" in CliRunner().invoke(baseline, ["show", "--registry", str(runs)]).output
+
+
+def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "inhouse-step-9000", "run-0", "inhouse"))
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
+    passed = next(runs.glob("verdict-*"))
+    refused = CliRunner().invoke(promote, [str(passed)], standalone_mode=False)
+    assert refused.exception is not None
+    assert "is not the current baseline 'inhouse-step-9000'" in str(refused.exception)
+    current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
+    assert current is not None and current.drafter == "inhouse-step-9000"
