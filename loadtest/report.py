@@ -262,11 +262,9 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         _row("output tokens/s", [f"{a.output_tokens_per_s:.1f}" if a.output_tokens_per_s else "n/a" for a in summary.arms]),
         "</table>",
     ]
-    plots = [
-        svg_cdf(title, {n: _flat(rs, f) if flat else _each(rs, f) for n, rs in by_arm.items()})  # type: ignore[arg-type]
-        for title, f, flat in (("TTFT", rec.ttft_s, False), ("TPOT", rec.tpot_s, False),
-                               ("ITL per token", rec.itl_per_token_s, True), ("E2E", rec.e2e_s, False))
-    ]
+    plots = [svg_cdf(title, {n: _each(rs, f) for n, rs in by_arm.items()})
+             for title, f in (("TTFT", rec.ttft_s), ("TPOT", rec.tpot_s), ("E2E", rec.e2e_s))]
+    plots.insert(2, svg_cdf("ITL per token", {n: _flat(rs, rec.itl_per_token_s) for n, rs in by_arm.items()}))
     plots.append(svg_histogram("tokens per verify round", {a.arm: a.round_tokens_histogram for a in summary.arms}))
     simulated = any(a.simulated for a in summary.arms)
     return (
