@@ -3,6 +3,7 @@
     dfserve deploy --drafter zlab --dry-run --check
     dfserve deploy --drafter /ckpt/step-4000/checkpoint.pt --port 30001
     dfserve deploy --drafter zlab --emit k8s --out k8s-zlab/
+    dfserve deploy manifests
     dfserve deploy status pro6000-zlab
     dfserve deploy stop pro6000-zlab
 """
@@ -34,7 +35,6 @@ from deploy.spec import DeploymentSpec, build_spec
 from dfserve.errors import UserError
 
 DEFAULT_ROOT = "deployments"
-DEFAULT_IMAGE = "lmsysorg/sglang:v0.5.23"
 
 
 def _root_option(f):
@@ -96,9 +96,15 @@ def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
 @click.option("--check", is_flag=True, help="Validate the argv with SGLang's own parser and DFLASH rules.")
 @click.option("--emit", type=click.Choice(["k8s"]), help="Write Kubernetes objects instead of starting an engine.")
 @click.option("--out", type=click.Path(path_type=Path), help="Folder for --emit output (default: stdout).")
-@click.option("--image", default=DEFAULT_IMAGE, help="Container image for --emit k8s.")
+@click.option("--image", default=k8s.DEFAULT_IMAGE, help="Container image for --emit k8s.")
 @click.option("--namespace", help="Namespace for --emit k8s.")
-@click.option("--health-timeout", type=float, default=1800.0, help="Seconds to wait for /health_generate.")
+@click.option("--model-cache", type=click.Path(path_type=Path, file_okay=False),
+              help="--emit k8s: the local folder whose contents the model-cache volume (/models in the pod) holds; "
+                   "local model folders must lie under it. [default: --root]")
+@click.option("--node-selector", "node_selector", multiple=True, metavar="KEY=VALUE",
+              help="--emit k8s: a node label the engine pod requires, repeatable.")
+@click.option("--health-timeout", type=float, default=1800.0,
+              help="Seconds the engine may take to answer /health_generate (--emit k8s: the startup probe's allowance).")
 @click.pass_context
 def deploy(ctx: click.Context, **opts: object) -> None:
     """Put a drafter behind SGLang for the profile's target, verified first; or print, check or emit it."""
@@ -113,8 +119,8 @@ def run_deploy(
     *, drafter: str, engine: str, profile_name: str, target: str | None, target_config: Path | None,
     drafter_config: Path | None, registry: Path, name: str | None, host: str, port: int, root: Path, sglang_args: tuple[str, ...],
     sglang_python: str, sim_profile: str | None, time_scale: float, seed: int, dry_run: bool, check: bool,
-    emit: str | None, out: Path | None, image: str, namespace: str | None, health_timeout: float,
-    **overrides: object,
+    emit: str | None, out: Path | None, image: str, namespace: str | None, model_cache: Path | None,
+    node_selector: tuple[str, ...], health_timeout: float, **overrides: object,
 ) -> None:
     profile = load_profile(profile_name)
     resolved_target = resolve_target(target, profile, target_config)
@@ -141,8 +147,12 @@ def run_deploy(
             err=True,
         )
     if emit == "k8s":
-        paths = k8s.write(k8s.render(spec, image=image, namespace=namespace), out)
-        for path in paths:
+        pod = k8s.Pod(model_cache=model_cache or root, image=image, namespace=namespace,
+                      node_selector=_node_selector(node_selector), startup_s=health_timeout)
+        objects = k8s.render(spec, pod)
+        for local, in_pod in k8s.staged_folders(spec, pod).items():
+            click.echo(f"# the pod reads {in_pod}: copy {local} to that place on the {k8s.MODEL_CACHE_CLAIM} volume", err=True)
+        for path in k8s.write(objects, out):
             click.echo(str(path))
         return
     argv = launch_argv(spec, sglang_python)
@@ -150,6 +160,16 @@ def run_deploy(
         _print_command(spec, argv)
         return
     _start(spec, resolved, argv, root / spec.name, health_timeout)
+
+
+def _node_selector(pairs: tuple[str, ...]) -> dict[str, str]:
+    selector: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"--node-selector: {pair!r} is not KEY=VALUE")
+        selector[key] = value
+    return selector
 
 
 def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_dir: Path, health_timeout: float) -> None:
@@ -170,6 +190,15 @@ def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_d
         f"(pid {record.pid}, served as {spec.served_model_name}"
         f"{', simulated' if record.simulated else ''}); record in {deployment_dir}"
     )
+
+
+@deploy.command("manifests")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("k8s/overlays"), show_default=True,
+              help="The overlays folder; writes zlab/ and inhouse/ deployment.yaml and service.yaml in it.")
+def manifests_command(out: Path) -> None:
+    """Regenerate the engine objects of the kustomize overlays from the pro6000 profile (deploy/k8s.py fleet)."""
+    for path in k8s.write_fleet(out):
+        click.echo(str(path))
 
 
 @deploy.command("status")

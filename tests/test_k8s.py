@@ -1,11 +1,12 @@
 """The Kubernetes manifests as a cluster would get them: every kustomization renders with `kubectl kustomize`,
-passes strict schema validation, runs unprivileged with resources set, and agrees with the code it deploys
-(the deployment spec's SGLang arguments, the gateway's config parser, the load tester's flags, the rules and
-dashboards generator)."""
+passes strict schema validation and the `restricted` Pod Security Standard with resources set, and agrees with the
+code it deploys (the engines are `deploy.k8s`'s objects verbatim; the gateway's config parser, the load tester's
+flags, the rules and dashboards generator)."""
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
@@ -20,20 +21,22 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as operator
 
 from dashboards.render import Settings, render
-from deploy.drafters import Drafter, resolve_drafter, resolve_target
-from deploy.k8s import render as emit_k8s
-from deploy.profiles import load_profile
-from deploy.spec import build_spec
+from deploy.k8s import FLEET_HEADER, PRO6000_NODES, fleet, to_yaml
 from dfserve import metrics as m
 from gateway.config import load_config
 from loadtest.cli import loadtest
+from tests.servers import dfserve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = sorted(f"overlays/{p.name}" for p in (K8S / "overlays").iterdir() if p.is_dir())
-ENGINES = {"zlab": "z-lab/Qwen3.6-27B-DFlash", "inhouse": "/models/drafters/inhouse"}
+ENGINES = ("zlab", "inhouse")
 OPERATOR_GROUP = "monitoring.coreos.com/"
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                      "secret"}
+SGLANG_HEALTH_CHECK_TIMEOUT_S = 20
+"""How long SGLang's /health and /health_generate wait for output before answering 503 (http_server.py)."""
 
 
 def kubectl() -> str:
@@ -59,6 +62,11 @@ def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
+def keyed(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Objects by kind and name (kustomize reorders them)."""
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
 def pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for doc in docs:
         if doc["kind"] in ("Deployment", "Job"):
@@ -69,6 +77,28 @@ def expanded_args(container: dict[str, Any]) -> list[str]:
     """Container args with `$(VAR)` replaced from its env, as the kubelet does."""
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container.get("args", [])]
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What the `restricted` Pod Security Standard (baseline included) would reject in a pod spec."""
+    found = [f"host namespace {key}" for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
+    found += [f"volume {v['name']}: not a restricted type" for v in pod.get("volumes", [])
+              if set(v) - {"name"} - RESTRICTED_VOLUMES]
+    security = pod.get("securityContext", {})
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        name, own = container["name"], container.get("securityContext", {})
+        merged = {**security, **own}
+        if merged.get("runAsNonRoot") is not True or merged.get("runAsUser") == 0:
+            found.append(f"{name}: may run as root")
+        if merged.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile neither RuntimeDefault nor Localhost")
+        if own.get("privileged") or own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: privilege escalation allowed")
+        capabilities = own.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities not dropped")
+        found += [f"{name}: hostPort" for port in container.get("ports", []) if port.get("hostPort")]
+    return found
 
 
 def test_every_overlay_is_found() -> None:
@@ -93,53 +123,72 @@ def test_renders_and_validates_strictly(where: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", [o for o in OVERLAYS if not o.endswith("monitoring")])
-def test_pods_run_unprivileged_with_resources(where: str) -> None:
+def test_pods_pass_restricted_pod_security_with_resources(where: str) -> None:
     pods = list(pod_specs(rendered(where)))
     assert pods
     for name, pod in pods:
-        security = pod["securityContext"]
-        assert security["runAsNonRoot"] is True and security["runAsUser"] != 0, name
-        assert security["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert restricted_violations(pod) == [], name
         for container in pod["containers"]:
-            assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
-            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], name
             resources = container["resources"]
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(resources[kind]), f"{name}: {kind}"
 
 
-@pytest.mark.parametrize("drafter", sorted(ENGINES))
-def test_engine_agrees_with_deploy_emit_k8s(drafter: str, tmp_path: Path) -> None:
-    """Where the overlays and `dfserve deploy --emit k8s` overlap (argv, env, labels, ports, GPUs), they agree."""
-    docs = rendered(f"overlays/{drafter}")
-    deployment = one(docs, "Deployment", f"sglang-{drafter}")
-    template = deployment["spec"]["template"]
-    (container,) = template["spec"]["containers"]
-    profile = load_profile("pro6000")
-    target = resolve_target(None, profile, None)
-    # The in-house folder exists only on the model cache volume; its resolved form is what deploy would make of it.
-    source = resolve_drafter("zlab", profile, target, tmp_path) if drafter == "zlab" else Drafter(
-        label=drafter, kind="folder", model_path=ENGINES[drafter], block_size=16, sha256=None, source=None,
-        sim_profile="inhouse")
-    spec = build_spec(profile, target, source, engine="sglang", port=30000, name=drafter)
-    emitted_deployment, emitted_service = emit_k8s(spec, image=container["image"])
-    emitted_template = emitted_deployment["spec"]["template"]
-    (emitted,) = emitted_template["spec"]["containers"]
-    assert container["command"] == emitted["command"]
-    assert expanded_args(container) == emitted["args"]
-    assert {(e["name"], e["value"]) for e in emitted["env"]} <= {(e["name"], e.get("value")) for e in container["env"]}
-    assert container["ports"] == [{k: v for k, v in emitted["ports"][0].items() if k != "protocol"}]
+def test_restricted_check_catches_what_the_old_engine_objects_had() -> None:
+    """The check above fails on a hostPath volume, a root container and kept capabilities."""
+    (_, pod), = pod_specs(fleet()["zlab"])
+    pod["volumes"].append({"name": "model-0", "hostPath": {"path": "/models", "type": "Directory"}})
+    pod["securityContext"]["runAsUser"] = 0
+    del pod["containers"][0]["securityContext"]["capabilities"]
+    assert restricted_violations(pod) == [
+        "volume model-0: not a restricted type", "sglang: may run as root", "sglang: capabilities not dropped"]
+
+
+@pytest.mark.parametrize("drafter", ENGINES)
+def test_engine_overlay_is_exactly_what_deploy_renders(drafter: str) -> None:
+    """The whole engine (argv, env, probes, securityContext, resources, volumes, placement, Service) comes from
+    deploy.k8s: the committed files are `dfserve deploy manifests` output and kustomize changes nothing in them."""
+    expected = fleet()[drafter]
+    for obj in expected:
+        path = K8S / "overlays" / drafter / f"{obj['kind'].lower()}.yaml"
+        assert path.read_text() == FLEET_HEADER + to_yaml([obj]), f"{path} is stale: run `dfserve deploy manifests`"
+    assert keyed(rendered(f"overlays/{drafter}")) == keyed(expected)
+    whole = rendered("overlays/fleet")
+    for obj in expected:
+        assert one(whole, obj["kind"], obj["metadata"]["name"]) == obj
+
+
+@pytest.mark.parametrize("drafter", ENGINES)
+def test_engine_probes_gpu_and_placement(drafter: str) -> None:
+    deployment, _ = fleet()[drafter]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    probes = {kind: container[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")}
+    assert {kind: probe["httpGet"]["path"] for kind, probe in probes.items()} == {
+        "startup": "/health", "readiness": "/health_generate", "liveness": "/health"}
+    assert all(probe["timeoutSeconds"] > SGLANG_HEALTH_CHECK_TIMEOUT_S for probe in probes.values())
+    startup = probes["startup"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800, "weights load and CUDA graphs capture"
+    assert "--enable-metrics" in container["args"]
     for kind in ("requests", "limits"):
-        assert container["resources"][kind]["nvidia.com/gpu"] == emitted["resources"][kind]["nvidia.com/gpu"]
-    assert emitted_template["metadata"]["labels"].items() <= template["metadata"]["labels"].items()
-    assert deployment["spec"]["strategy"] == emitted_deployment["spec"]["strategy"]
-    service = one(docs, "Service", f"sglang-{drafter}")
-    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
-        (p["port"], p["targetPort"]) for p in emitted_service["spec"]["ports"]]
-    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health_generate"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert template["spec"]["nodeSelector"] and template["spec"]["tolerations"]
+        assert container["resources"][kind]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == PRO6000_NODES and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    one(rendered("base"), "PersistentVolumeClaim", claims.pop())
+    draft = container["args"][container["args"].index("--speculative-draft-model-path") + 1]
+    assert draft == {"zlab": "z-lab/Qwen3.6-27B-DFlash", "inhouse": "/models/drafters/inhouse"}[drafter]
+
+
+def test_zlab_overlay_is_what_deploy_emit_k8s_writes(tmp_path: Path) -> None:
+    """The command the zlab overlay's kustomization names writes the very objects the overlay holds."""
+    ((key, value),) = PRO6000_NODES.items()
+    node = f"{key}={value}"
+    done = subprocess.run(
+        dfserve_argv("deploy", "--drafter", "zlab", "--emit", "k8s", "--namespace", "dfserve", "--node-selector", node),
+        capture_output=True, text=True, env={**os.environ, "DFSERVE_DEPLOY_ROOT": str(tmp_path)}, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert keyed(list(yaml.safe_load_all(done.stdout))) == keyed(rendered("overlays/zlab"))
+    assert node in (K8S / "overlays" / "zlab" / "kustomization.yaml").read_text()
 
 
 def test_gateway_config_parses_and_points_at_the_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,20 +227,21 @@ def test_loadtest_job_flags_are_the_load_testers() -> None:
 
 
 def test_monitoring_selects_the_engines_and_gateway_and_ships_the_generated_files() -> None:
-    fleet = rendered("overlays/fleet")
+    whole = rendered("overlays/fleet")
     monitoring = rendered("overlays/monitoring")
     pod_monitor = one(monitoring, "PodMonitor", "dfserve-engines")
     for drafter in ENGINES:
-        template = one(fleet, "Deployment", f"sglang-{drafter}")["spec"]["template"]
+        instance = f"pro6000-{drafter}"
+        template = one(whole, "Deployment", instance)["spec"]["template"]
         assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
         ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
         assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
         relabel = pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
         label = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
         pod_label = next(k for k in template["metadata"]["labels"] if re.sub(r"[^A-Za-z0-9]", "_", k) == label)
-        assert template["metadata"]["labels"][pod_label] == drafter and relabel["targetLabel"] == m.DEPLOYMENT_LABEL
+        assert template["metadata"]["labels"][pod_label] == instance and relabel["targetLabel"] == m.DEPLOYMENT_LABEL
     service_monitor = one(monitoring, "ServiceMonitor", "dfserve-gateway")
-    service = one(fleet, "Service", "dfserve-gateway")
+    service = one(whole, "Service", "dfserve-gateway")
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     files = render(Settings())
