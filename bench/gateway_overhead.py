@@ -325,6 +325,33 @@ def table(rows: list[Row], api: str) -> str:
     return "\n".join(lines)
 
 
+def verdict(rows: list[Row], streams: int = 64) -> str:
+    """The targets at `streams`, checked on this run's figures: p99 added TTFT < 2 ms, p99 added chunk gap < 1 ms,
+    and less added TTFT and gap than each peer."""
+    def find(api: str, path: str) -> Row | None:
+        return next((r for r in rows if (r.api, r.path, r.concurrency) == (api, path, streams)), None)
+
+    checks = []
+    for api, ttft_field, gap_fields in (("native", "transport", ("gap", "delivery")), ("chat", "ttft", ("gap",))):
+        direct, gateway = find(api, "direct"), find(api, "gateway")
+        if direct is None or gateway is None:
+            continue
+        for name, limit in ((ttft_field, 2.0), *((g, 1.0) for g in gap_fields)):
+            extra = getattr(gateway, name)[1] - getattr(direct, name)[1]
+            checks.append(f"{api} {name} p99 {extra:+.2f} ms (< {limit:g}: {'met' if extra < limit else 'NOT met'})")
+        for peer in ("sglang-router", "litellm"):
+            other = find(api, peer)
+            if other is not None:
+                # Gap p50 is left out: a saturated proxy delivers chunks in bunches, which shrinks it.
+                mine, theirs = getattr(gateway, ttft_field), getattr(other, ttft_field)
+                lower = mine[0] <= theirs[0] and mine[1] <= theirs[1] and gateway.gap[1] <= other.gap[1]
+                cpu = gateway.cpu_us_per_chunk is not None and other.cpu_us_per_chunk is not None and (
+                    gateway.cpu_us_per_chunk < other.cpu_us_per_chunk)
+                checks.append(f"{api} vs {peer}: {ttft_field} p50/p99 and gap p99 {'lower' if lower else 'NOT all lower'}"
+                              f", CPU per chunk {'lower' if cpu else 'NOT lower'}")
+    return f"Targets at {streams} streams, this run: " + "; ".join(checks) + "."
+
+
 def write_results(rows: list[Row], command: str, versions: str) -> None:
     section = "\n".join([
         BEGIN,
@@ -355,6 +382,8 @@ def write_results(rows: list[Row], command: str, versions: str) -> None:
         "paths; the engine's step clock adds up to one round of phase noise to TTFT, the same for every path.",
         "",
         table(rows, "chat"),
+        "",
+        verdict(rows),
         "",
         END,
     ])
