@@ -80,18 +80,18 @@ def ttft_error(records: list[RequestRecord], t0_unix: float) -> dict[str, list[f
     return out
 
 
-def run_ttft(work: Path, streams: int, requests: int) -> str:
+def run_ttft(work: Path, streams: int, requests: int, trial: int) -> str:
     port = free_port()
     argv = pinned(0, dfserve_argv("sim", "--host", LOOPBACK, "--port", str(port), "--profile", "zlab", "--time-scale",
                                   "1", "--record-chunk-times", "--max-running-requests", str(streams)))
     with serve(argv, f"http://{LOOPBACK}:{port}/health"):
         wall, cpu = tester(["--arm", f"zlab=http://{LOOPBACK}:{port}", "--concurrency", str(streams), "--num-requests",
                             str(requests), "--warmup", str(streams), "--max-new-tokens", "256", "--out", str(work),
-                            "--name", f"ttft-{streams}"])
-    config = json.loads((work / f"ttft-{streams}" / "config.json").read_text())
-    samples = ttft_error(list(read_records(work / f"ttft-{streams}" / "requests.jsonl")), config["t0_unix_s"])
+                            "--name", f"ttft-{streams}-{trial}"])
+    run = work / f"ttft-{streams}-{trial}"
+    samples = ttft_error(list(read_records(run / "requests.jsonl")), json.loads((run / "config.json").read_text())["t0_unix_s"])
     ttft, chunks, intake = samples["ttft"], samples["chunks"], samples["intake"]
-    row = (f"| {streams} | {len(ttft)} | {pct(ttft, 50):.3f} | {pct(ttft, 99):.3f} | {max(ttft):.3f} | "
+    row = (f"| {streams} | {trial} | {len(ttft)} | {pct(ttft, 50):.3f} | {pct(ttft, 99):.3f} | {max(ttft):.3f} | "
            f"{pct(chunks, 50):.3f} / {pct(chunks, 99):.3f} ({len(chunks)}) | "
            f"{pct(intake, 50):.3f} / {pct(intake, 99):.3f} | {cpu / wall:.0%} |")
     print(row, flush=True)
@@ -125,13 +125,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[128])
     parser.add_argument("--requests", type=int, default=1024, help="measured requests per TTFT run")
+    parser.add_argument("--trials", type=int, default=1, help="TTFT runs per stream count (the tail varies run to run)")
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each open-loop run")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        ttft_rows = [run_ttft(work, streams, args.requests) for streams in args.streams]
+        ttft_rows = [run_ttft(work, streams, args.requests, trial)
+                     for streams in args.streams for trial in range(1, args.trials + 1)]
         rate_rows = [run_rate(work, args.rate, args.seconds, arrival) for arrival in ("constant", "poisson")]
     command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + " ".join(sys.argv[1:])
     body = "\n".join([
@@ -142,9 +144,9 @@ def main() -> None:
         + ("on core 0, tester on core 1 (taskset)" if PIN else "unpinned")
         + ". Milliseconds. Targets: TTFT error p99 < 1 ms at 128 streams; achieved rate within 1% at 200 req/s.",
         "",
-        "| streams | requests | TTFT error p50 | TTFT error p99 | max | every chunk's lateness p50 / p99 (n) | "
+        "| streams | trial | requests | TTFT error p50 | TTFT error p99 | max | every chunk's lateness p50 / p99 (n) | "
         "simulator intake lag p50 / p99 (server's) | tester CPU |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
         *ttft_rows,
         "",
         "| arrival | requested req/s | sent | schedule's own rate | achieved | vs requested | vs schedule | "
