@@ -57,7 +57,9 @@ def root() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        root.main(args=argv, prog_name="dfserve", standalone_mode=False)
+        status = root.main(args=argv, prog_name="dfserve", standalone_mode=False)
+        if isinstance(status, int):  # click returns a command's `Exit(code)` here instead of exiting
+            sys.exit(status)
     except click.exceptions.Abort:
         click.echo("dfserve: aborted", err=True)
         sys.exit(130)

@@ -34,13 +34,15 @@ from gateway.relay import (
     relay_stream,
     response_headers,
 )
-from gateway.routing import Router
+from gateway.routing import Router, UnknownArm
 from gateway.scrape import Scraper
 from gateway.upstream import Opened, Upstream, UpstreamFailure
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
+"""Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", ARM_HEADER}
 
 
 def build_router(routing: RoutingConfig) -> Router:
@@ -164,8 +166,14 @@ class GatewayApp:
         api = PROXIED.get(path)
         if api is not None and method == "POST":
             await self.proxy(api, scope, receive, send)
-        elif path == "/v1/models" and method == "GET":
-            exchange = Exchange(arm=self.gateway.router.decide(self.gateway.rng).arm, route="models")
+        elif path in FORWARDED_GETS and method == "GET":
+            _, pinned = self._routing_keys(scope, None)
+            try:
+                arm = self.gateway.router.decide(self.gateway.rng, pinned=pinned).arm
+            except UnknownArm as exc:
+                await send_error(send, 400, str(exc), "invalid_request_error")
+                return
+            exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
             await self.forward(exchange, "GET", path, b"", self._headers(scope), send, receive)
         elif path == "/health" and method == "GET":
             await self.health(send)
@@ -174,7 +182,7 @@ class GatewayApp:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
             await send({"type": "http.response.body", "body": body})
-        elif api is not None or path in ("/v1/models", "/health", "/metrics"):
+        elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
             await send_error(send, 405, f"{method} {path}: method not allowed", "invalid_request_error")
         else:
             await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
@@ -190,6 +198,17 @@ class GatewayApp:
     def _headers(scope: dict[str, Any]) -> list[tuple[str, str]]:
         return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
 
+    def _routing_keys(self, scope: dict[str, Any], user: str | None) -> tuple[str | None, str | None]:
+        """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
+        key, pinned = user, None
+        sticky = self.gateway.routing.sticky_header.lower().encode()
+        for name, value in scope["headers"]:
+            if name == sticky:
+                key = value.decode("latin-1")
+            elif name == ARM_HEADER:
+                pinned = value.decode("latin-1")
+        return key, pinned
+
     async def proxy(self, api: str, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         gateway = self.gateway
         start = time.perf_counter()
@@ -201,14 +220,13 @@ class GatewayApp:
         except ProtocolError as exc:
             await send_error(send, 400, str(exc), "invalid_request_error")
             return
-        routing = gateway.routing
-        key = request.user
-        header = routing.sticky_header.lower().encode()
-        for name, value in scope["headers"]:
-            if name == header:
-                key = value.decode("latin-1")
+        key, pinned = self._routing_keys(scope, request.user)
         down = gateway.upstream.down()
-        decision = gateway.router.decide(gateway.rng, key, down)
+        try:
+            decision = gateway.router.decide(gateway.rng, key, down, pinned)
+        except UnknownArm as exc:
+            await send_error(send, 400, str(exc), "invalid_request_error")
+            return
         headers = self._headers(scope)
         path = scope["path"]
         upstream_body = body

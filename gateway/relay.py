@@ -23,6 +23,7 @@ from prometheus_client import Histogram
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
+from dfserve.headers import ARM, REPLICA
 from dfserve.metrics import DfserveMetrics
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -32,8 +33,8 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"transfer-encoding", b"upgrade",
 })
-ARM_HEADER = b"x-dfserve-arm"
-REPLICA_HEADER = b"x-dfserve-replica"
+ARM_HEADER = ARM.encode()
+REPLICA_HEADER = REPLICA.encode()
 
 
 def event_boundary(buffer: bytes) -> int:

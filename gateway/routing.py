@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 
+class UnknownArm(ValueError):
+    """A request pinned itself to an arm the config does not have."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """Where one request goes: the arm that answers the client, and arms that get a mirrored copy."""
@@ -87,8 +91,18 @@ class Router:
         self.shed = shed
         self._choice = WeightedChoice(weights) if mode != "shadow" else None
 
-    def decide(self, rng: random.Random, key: str | None = None, down: frozenset[str] = frozenset()) -> Decision:
-        """Pick the arm for one request. `down` names arms that have no healthy replica right now."""
+    def decide(
+        self, rng: random.Random, key: str | None = None, down: frozenset[str] = frozenset(), pinned: str | None = None
+    ) -> Decision:
+        """Pick the arm for one request. `down` names arms that have no healthy replica right now.
+
+        A `pinned` arm (the client's `x-dfserve-arm` header) wins in every mode, weight 0 included, and is never
+        mirrored: a paired load test sends each request to the arm it measures, while live traffic keeps its split.
+        """
+        if pinned is not None:
+            if pinned not in self.weights:
+                raise UnknownArm(f"x-dfserve-arm: no arm named {pinned!r} (arms: {', '.join(self.weights)})")
+            return Decision(pinned)
         if self.mode == "shadow":
             assert self.primary is not None
             mirror = rng.random() < self.shadow_fraction

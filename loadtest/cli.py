@@ -69,11 +69,14 @@ def loadtest() -> None:
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT.")
 @click.option("--pushgateway", default=None, metavar="URL", help="Push the final metrics to a Prometheus Pushgateway.")
+@click.option("--pin-arms", is_flag=True,
+              help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")
 @click.option("--quiet", is_flag=True, help="No live table.")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
-                name: str | None, metrics_port: int | None, pushgateway: str | None, quiet: bool) -> None:
+                name: str | None, metrics_port: int | None, pushgateway: str | None, pin_arms: bool,
+                quiet: bool) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     if concurrency is None and rate is None:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
@@ -84,7 +87,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
     plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
-                   load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model)
+                   load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
+                   pin_arms=pin_arms)
     exporter = Exporter(route="/generate" if api == "native" else "/v1/chat/completions")
     if metrics_port is not None:
         exporter.serve(metrics_port)

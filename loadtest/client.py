@@ -18,6 +18,7 @@ from typing import Any
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
+from dfserve.headers import ARM as PIN_HEADER
 from loadtest.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from loadtest.records import Acceptance, ErrorKind, RequestRecord
 from loadtest.tasks import Task
@@ -56,11 +57,12 @@ class ArmClient:
         model: str = "default",
         t0: float,
         request_timeout_s: float,
+        pin_arm: bool = False,
     ) -> None:
         if api not in ("native", "chat"):
             raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
-        self.pool = Pool(base_url, time.perf_counter)
+        self.pool = Pool(base_url, time.perf_counter, {PIN_HEADER: arm} if pin_arm else None)
         self.route = sglang.ROUTES[api]
         self.api = api
         self.sampling = sampling

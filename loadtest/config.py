@@ -58,6 +58,7 @@ class RunConfig(_Model):
     load: LoadShape
     duration_s: float | None
     request_timeout_s: float
+    pin_arms: bool = Field(default=False, description="requests carried x-dfserve-arm: NAME (arms behind one gateway)")
     t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
     provenance: Provenance
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
@@ -224,7 +224,7 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one server; a connection carries one request at a time."""
 
-    def __init__(self, base_url: str, clock: Callable[[], float]) -> None:
+    def __init__(self, base_url: str, clock: Callable[[], float], headers: Mapping[str, str] | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"--arm: {base_url!r} is not an http(s) URL")
@@ -233,6 +233,7 @@ class Pool:
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
         self.host_header = parts.netloc.encode()
+        self.extra_headers = b"".join(f"\r\n{k}: {v}".encode("latin-1") for k, v in (headers or {}).items())
         self.clock = clock
         self._idle: list[_Connection] = []
 
@@ -252,7 +253,7 @@ class Pool:
 
     def request_bytes(self, path: str, body: bytes) -> bytes:
         return (b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self.host_header
-                + b"\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
+                + self.extra_headers + b"\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
                 + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     async def post(self, path: str, body: bytes, response: Response, on_sent: Callable[[float], None]) -> None:

@@ -21,6 +21,7 @@ import aiohttp
 
 from dfserve import sglang
 from dfserve.errors import UserError
+from dfserve.headers import ARM as PIN_HEADER
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from loadtest.client import ArmClient
 from loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
@@ -47,6 +48,7 @@ class RunPlan:
     duration_s: float | None = None
     request_timeout_s: float = 600.0
     model: str | None = None
+    pin_arms: bool = False
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
@@ -68,9 +70,9 @@ class RunOutcome:
     interrupted: bool = False
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str) -> Any | None:
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Any | None:
     """The JSON document at `url`, or None where the arm has none (a router or gateway may not serve it)."""
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
         if response.status != 200:
             return None
         try:
@@ -79,14 +81,20 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any | None:
             return None
 
 
-async def probe_arm(session: aiohttp.ClientSession, name: str, url: str, api: sglang.Api, model: str | None) -> ArmInfo:
-    """Fetch `/server_info` and `/model_info` (recorded verbatim) and, for chat, the served model's name."""
+async def probe_arm(
+    session: aiohttp.ClientSession, name: str, url: str, api: sglang.Api, model: str | None, pin: bool
+) -> ArmInfo:
+    """Fetch `/server_info` and `/model_info` (recorded verbatim) and, for chat, the served model's name.
+
+    With `pin`, the documents come from the gateway arm of the same name (the gateway forwards them).
+    """
     base = url.rstrip("/")
+    headers = {PIN_HEADER: name} if pin else {}
     try:
-        server_info = await _get_json(session, base + "/server_info")
-        model_info = await _get_json(session, base + "/model_info")
+        server_info = await _get_json(session, base + "/server_info", headers)
+        model_info = await _get_json(session, base + "/model_info", headers)
         if model is None and api == "chat":
-            model = sglang.first_model_id(await _get_json(session, base + "/v1/models"))
+            model = sglang.first_model_id(await _get_json(session, base + "/v1/models", headers))
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise UserError(f"--arm {name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
     server = sglang.parse_server_info(server_info) if isinstance(server_info, dict) else None
@@ -166,7 +174,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     load = plan.load
     total = plan.warmup + plan.num_requests
     async with aiohttp.ClientSession() as session:
-        arms = [await probe_arm(session, name, url, plan.api, plan.model) for name, url in plan.arms]
+        arms = [await probe_arm(session, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
     run_dir = create_run_dir(plan.out, plan.name)
     t0 = time.perf_counter()
     config = RunConfig(
@@ -180,6 +188,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         load=load,
         duration_s=plan.duration_s,
         request_timeout_s=plan.request_timeout_s,
+        pin_arms=plan.pin_arms,
         t0_unix_s=time.time() - (time.perf_counter() - t0),
         provenance=Provenance.here(),
     )
@@ -190,7 +199,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         recorder = _Recorder(appender, observers)
         clients = [
             ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), recorder, model=arm.model, t0=t0,
-                      request_timeout_s=plan.request_timeout_s)
+                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms)
             for arm in arms
         ]
         offsets = load.offsets(total)

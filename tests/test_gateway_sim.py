@@ -153,6 +153,19 @@ def test_sticky_keys_never_change_arm(sims: tuple[str, str], tmp_path: Path) -> 
         assert {arm for arms in seen.values() for arm in arms} == {"baseline", "candidate"}
 
 
+def test_pinned_requests_reach_their_arm_whatever_the_split(sims: tuple[str, str], tmp_path: Path) -> None:
+    baseline, candidate = sims
+    config = write_config(tmp_path, {"baseline": [baseline], "candidate": [candidate]},
+                          {"baseline": 100, "candidate": 0})
+    with gateway_server(config) as gw:
+        pinned = load(gw + "/generate", [native(i) for i in range(20)], headers=[{"x-dfserve-arm": "candidate"}] * 20)
+        unpinned = load(gw + "/generate", [native(i) for i in range(20)])
+        unknown = load(gw + "/generate", [native(0)], headers=[{"x-dfserve-arm": "nope"}])
+    assert [r.arm for r in pinned] == ["candidate"] * 20
+    assert [r.arm for r in unpinned] == ["baseline"] * 20
+    assert unknown[0].status == 400
+
+
 def stream_text(body: bytes) -> str:
     parts = []
     for event in body.split(b"\n\n"):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.routing import Decision, Router, WeightedChoice, pick_replica, sticky_choice
+from gateway.routing import Decision, Router, UnknownArm, WeightedChoice, pick_replica, sticky_choice
 
 
 def within_binomial(count: int, n: int, p: float, z: float = 4.0) -> bool:
@@ -83,3 +83,16 @@ def test_pick_replica_least_loaded_healthy_untried() -> None:
     assert pick_replica([3, 1, 1], [True, True, True], frozenset(), 2) == 2
     assert pick_replica([0, 1, 1], [False, True, True], frozenset({1}), 0) == 2
     assert pick_replica([0, 0], [False, True], frozenset({1}), 0) is None
+
+
+@pytest.mark.parametrize("mode", ["split", "sticky", "shadow"])
+def test_a_pinned_arm_wins_in_every_mode_even_at_weight_zero(mode: str) -> None:
+    router = Router(mode, {"baseline": 100, "candidate": 0}, primary="baseline")
+    rng = random.Random(3)
+    assert {router.decide(rng, "user-1", pinned="candidate") for _ in range(50)} == {Decision("candidate")}
+
+
+def test_pinning_an_unknown_arm_is_refused() -> None:
+    router = Router("split", {"baseline": 1, "candidate": 1})
+    with pytest.raises(UnknownArm, match="no arm named 'other'"):
+        router.decide(random.Random(0), pinned="other")

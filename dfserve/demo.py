@@ -1,0 +1,193 @@
+"""`dfserve demo`: the main job end to end on simulated engines, with the real commands a user would run.
+
+It deploys two simulated engines with `dfserve deploy --engine sim` (baseline: the z-lab drafter's profile;
+candidate: the in-house profile), puts `dfserve gateway` in front of them, runs a paired A/B `dfserve loadtest run`
+of HumanEval tasks through the gateway (each request pinned to its arm by the gateway's arm header), and prints
+`dfserve compare`'s table and verdict. Every process it started is stopped on the way out, on Ctrl-C and on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import httpx
+
+from dfserve.errors import UserError
+
+LOOPBACK = "127.0.0.1"
+ARMS = (("baseline", "zlab"), ("candidate", "inhouse"))
+"""(arm name, simulator drafter profile): the z-lab drafter is the baseline, the in-house checkpoint the candidate."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _dfserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dfserve", *args]
+
+
+def _say(message: str) -> None:
+    click.secho(message, fg="cyan", bold=True)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"the gateway exited with {process.returncode}; see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise UserError(f"{url} did not answer within {timeout_s:.0f} s; see {log}")
+
+
+class Stack:
+    """The processes of one demo, stopped in reverse order whatever happens."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.deployments: list[str] = []
+        self.gateway: subprocess.Popen[bytes] | None = None
+
+    def deploy(self, name: str, profile: str, port: int, time_scale: float, seed: int) -> str:
+        argv = _dfserve(
+            "deploy", "--drafter", "zlab", "--engine", "sim", "--sim-profile", profile, "--name", name,
+            "--host", LOOPBACK, "--port", str(port), "--root", str(self.root / "deployments"),
+            "--time-scale", str(time_scale), "--seed", str(seed), "--health-timeout", "60",
+        )
+        result = subprocess.run(argv, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise UserError(f"deploying {name} failed: {result.stderr.strip().splitlines()[-1:]}")
+        self.deployments.append(name)
+        click.echo(result.stdout.strip())
+        return f"http://{LOOPBACK}:{port}"
+
+    def start_gateway(self, port: int, upstreams: dict[str, str]) -> str:
+        arms = [f"--arm={name}=50@{url}" for name, url in upstreams.items()]
+        log = self.root / "gateway.log"
+        argv = _dfserve("gateway", "--host", LOOPBACK, "--port", str(port), "--scrape-interval", "2", *arms)
+        with log.open("wb") as out:
+            self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://{LOOPBACK}:{port}"
+        _wait_healthy(f"{url}/health", self.gateway, log)
+        click.echo(f"gateway: {url} (arms {', '.join(upstreams)}; log {log})")
+        return url
+
+    def stop(self) -> None:
+        if self.gateway is not None and self.gateway.poll() is None:
+            os.killpg(self.gateway.pid, signal.SIGTERM)
+            try:
+                self.gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.gateway.pid, signal.SIGKILL)
+                self.gateway.wait()
+        for name in reversed(self.deployments):
+            subprocess.run(_dfserve("deploy", "stop", name, "--root", str(self.root / "deployments")),
+                           capture_output=True, text=True)
+        self.deployments.clear()
+
+
+@contextlib.contextmanager
+def _terminated_by_signals() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so the `finally` that stops the stack runs either way."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _newest_run(out: Path, before: set[Path]) -> Path:
+    created = [p for p in out.iterdir() if p.is_dir() and p not in before and p.name.startswith("run-")]
+    if len(created) != 1:
+        raise UserError(f"--out: expected one new run directory in {out}, found {len(created)}")
+    return created[0]
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"), show_default=True,
+              help="Where the run and verdict directories go (never overwritten).")
+@click.option("--num-requests", type=int, default=128, show_default=True, help="Measured requests per arm.")
+@click.option("--concurrency", type=int, default=16, show_default=True, help="Requests in flight per arm.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="Simulated time runs this much faster than the modelled Pro6000 (1 = real time).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--keep-running", is_flag=True, help="Leave the stack up after the verdict until Ctrl-C.")
+def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, time_scale: float, seed: int,
+         keep_running: bool) -> None:
+    """Run a whole A/B judgement on simulated engines, end to end. All numbers are SIMULATED."""
+    if num_requests < 1 or concurrency < 1 or max_new_tokens < 1:
+        raise UserError("--num-requests, --concurrency and --max-new-tokens must be at least 1")
+    out.mkdir(parents=True, exist_ok=True)
+    stack = Stack(out.resolve() / "demo")
+    stack.root.mkdir(exist_ok=True)
+    click.secho("dfserve demo: every engine here is SIMULATED (dfserve sim); no GPU, no model weights.", fg="yellow")
+    with _terminated_by_signals():
+        try:
+            _say("1/4 deploy: two simulated Qwen3.6-27B engines, z-lab drafter (baseline) and in-house (candidate)")
+            upstreams = {arm: stack.deploy(f"demo-{arm}", profile, _free_port(), time_scale, seed)
+                         for arm, profile in ARMS}
+            _say("2/4 gateway: one endpoint in front of both arms")
+            gateway = stack.start_gateway(_free_port(), upstreams)
+            _say(f"3/4 loadtest: {num_requests} HumanEval requests per arm, paired, {concurrency} in flight per arm")
+            before = set(out.iterdir())
+            loadtest = subprocess.run(_dfserve(
+                "loadtest", "run", *(f"--arm={arm}={gateway}" for arm, _ in ARMS), "--tasks", "humaneval",
+                "--num-requests", str(num_requests), "--concurrency", str(concurrency),
+                "--max-new-tokens", str(max_new_tokens), "--seed", str(seed), "--out", str(out), "--pin-arms", "--quiet",
+            ))
+            if loadtest.returncode != 0:
+                raise UserError(f"the load test failed (exit {loadtest.returncode})")
+            run = _newest_run(out, before)
+            _say("4/4 compare: candidate vs baseline, paired by task, with the default gate")
+            verdict = subprocess.run(_dfserve("compare", str(run), "--baseline", "baseline", "--candidate", "candidate"))
+            if verdict.returncode not in (0, 1, 3):
+                raise UserError(f"compare failed (exit {verdict.returncode})")
+            click.echo("")
+            click.echo(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)")
+            click.echo(f"report:      {run / 'report.html'}")
+            click.echo(f"metrics:     {gateway}/metrics (gateway, per arm); "
+                       + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()))
+            click.secho("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
+            if keep_running:
+                _print_scrape_config(gateway, upstreams)
+                click.echo("The stack stays up; press Ctrl-C to stop it.")
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted: stopping the demo stack", err=True)
+            raise click.exceptions.Exit(130) from None
+        finally:
+            stack.stop()
+
+
+def _print_scrape_config(gateway: str, upstreams: dict[str, str]) -> None:
+    """A Prometheus scrape config for the running stack, to paste into prometheus.yml."""
+    engines = ", ".join(f"'{u.removeprefix('http://')}'" for u in upstreams.values())
+    click.echo(
+        "\nPrometheus scrape config for this stack:\n"
+        "scrape_configs:\n"
+        "  - job_name: dfserve_gateway\n"
+        "    scrape_interval: 5s\n"
+        f"    static_configs: [{{targets: ['{gateway.removeprefix('http://')}']}}]\n"
+        "  - job_name: sglang\n"
+        "    scrape_interval: 5s\n"
+        f"    static_configs: [{{targets: [{engines}]}}]\n"
+    )
