@@ -48,20 +48,16 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def native(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-        }
-        if self.stop:
-            params["stop"] = list(self.stop)
-        if self.ignore_eos:
-            params["ignore_eos"] = True
-        return params
+        """`sampling_params` of native `/generate`."""
+        return self._params("max_new_tokens")
 
     def openai(self) -> dict[str, Any]:
+        """Top-level sampling fields of an OpenAI body (SGLang accepts `ignore_eos` there too)."""
+        return self._params("max_tokens")
+
+    def _params(self, max_tokens_key: str) -> dict[str, Any]:
         params: dict[str, Any] = {
-            "max_tokens": self.max_new_tokens,
+            max_tokens_key: self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
         }
