@@ -17,6 +17,7 @@ from .grafana import RATE_INTERVAL, Dashboard, Panel, Row, Target, Variable
 from .promql import (
     ERROR_STATUS,
     QUANTILES,
+    arm_acceptance,
     counter,
     histogram_mean,
     increase_sum,
@@ -25,7 +26,6 @@ from .promql import (
     rate_sum,
     ratio,
     selector,
-    tokens_per_round,
     total,
 )
 
@@ -53,7 +53,8 @@ def _traffic(names: NameStyle) -> Row:
     return Row("Traffic", (
         Panel("Request rate", "Finished requests per second, per arm.",
               (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps", width=6),
-        Panel("Error ratio", "Share of finished requests that did not end in a 2xx status.",
+        Panel("Error ratio", "Share of finished requests without a complete 2xx answer: HTTP errors, client "
+              "give-ups (499) and answers that broke off.",
               (Target(ratio(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
                             rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)), "{{arm}}"),),
               unit="percentunit", no_value="0", width=6),
@@ -95,9 +96,9 @@ def _acceptance() -> Row:
     estimated = (*SCOPE, 'measure="estimated"')
     return Row("Acceptance", (
         Panel("Acceptance length (pooled, exact)",
-              "Σ completion tokens / Σ verify rounds from meta_info over the window: tokens per target forward "
-              "pass, bonus token included.",
-              (Target(tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, W, ["arm"], SCOPE), "{{arm}}"),)),
+              "Σ completion tokens / Σ verify rounds over the window, both of the requests whose meta_info "
+              "reported verify rounds: tokens per target forward pass, bonus token included.",
+              (Target(arm_acceptance(W, ["arm"], SCOPE), "{{arm}}"),)),
         Panel("Acceptance length (mean per request)",
               "Mean of per-request acceptance lengths: exact from meta_info, estimated from chunk counts where "
               "meta_info is not visible.",
@@ -122,7 +123,7 @@ def _comparison() -> Row:
         Panel("Acceptance length ratio", "Pooled exact acceptance length of $candidate over $baseline; above 1 the "
               "candidate drafts better.",
               (Target(_candidate_over_baseline(
-                  lambda arm: tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, W, [], arm)), "acceptance"),),
+                  lambda arm: arm_acceptance(W, [], arm)), "acceptance"),),
               kind="stat", width=6),
         Panel("TTFT ratio", "Time to first token of $candidate over $baseline (p50 and p99).",
               (Target(quantile_ratio(0.5, m.TTFT), "p50"), Target(quantile_ratio(0.99, m.TTFT), "p99")), kind="stat", width=6),
@@ -152,14 +153,15 @@ def _replicas() -> Row:
 
 def _totals() -> Row:
     return Row("Whole run (pushed load tests; since start for live sources)", (
-        Panel("Requests", "Finished requests per arm: all of them, and those that did not end in 2xx.", (
+        Panel("Requests", "Finished requests per arm: all of them, and those without a complete 2xx answer by "
+              "status (4xx, 5xx, 499: the client gave up, error: no complete answer).", (
             Target(total(counter(m.REQUESTS), ["arm"], SCOPE), "{{arm}}"),
-            Target(total(counter(m.REQUESTS), ["arm"], (*SCOPE, ERROR_STATUS)), "{{arm}} errors"),
+            Target(total(counter(m.REQUESTS), ["arm", "status"], (*SCOPE, ERROR_STATUS)), "{{arm}} {{status}}"),
         ), kind="stat", width=6, no_value="0"),
         Panel("Acceptance length (whole run)",
-              "Σ completion tokens / Σ verify rounds over the run, and the mean per request (exact from "
-              "meta_info, estimated from chunk counts).", (
-                  Target(ratio(total(counter(m.OUTPUT_TOKENS), ["arm"], SCOPE),
+              "Σ completion tokens / Σ verify rounds of the requests that reported verify rounds, over the run, "
+              "and the mean per request (exact from meta_info, estimated from chunk counts).", (
+                  Target(ratio(total(counter(m.SPEC_OUTPUT_TOKENS), ["arm"], SCOPE),
                                total(counter(m.SPEC_VERIFY_ROUNDS), ["arm"], SCOPE)), "{{arm}} pooled"),
                   Target(ratio(total(f"{m.ACCEPT_LENGTH}_sum", ["arm", "measure"], SCOPE),
                                total(f"{m.ACCEPT_LENGTH}_count", ["arm", "measure"], SCOPE)),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dfserve import metrics as m
+
 QUANTILES = (0.5, 0.95, 0.99)
-ERROR_STATUS = 'status!~"2..|ok"'
-"""Matcher of failed requests in `dfserve_requests_total`: the gateway labels `status` with the HTTP code, the load
-tester with `ok` or its error kind."""
+ERROR_STATUS = f'status!="{m.STATUS_OK}"'
+"""Matcher of failed requests in `dfserve_requests_total` (the gateway's and the load tester's alike, see
+`dfserve.metrics.REQUEST_LABELS`): HTTP error answers, client give-ups and answers that never completed."""
 
 
 def counter(name: str) -> str:
@@ -69,6 +71,13 @@ def histogram_mean(histogram: str, window: str, labels: Sequence[str], matchers:
 
 def tokens_per_round(tokens: str, rounds: str, window: str, labels: Sequence[str],
                      matchers: Sequence[str] = ()) -> str:
-    """Windowed acceptance length: Σ tokens / Σ verify rounds, the pooled figure (never a mean of ratios)."""
+    """Windowed acceptance length: Σ tokens / Σ verify rounds, the pooled figure (never a mean of ratios); `tokens`
+    must count exactly the requests that `rounds` counts."""
     return ratio(rate_sum(counter(tokens), window, labels, matchers),
                  rate_sum(counter(rounds), window, labels, matchers))
+
+
+def arm_acceptance(window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """Pooled exact acceptance of dfserve's arms, over only the requests that reported verify rounds: every
+    request's tokens over those requests' rounds would read too high when streamed chat is mixed in."""
+    return tokens_per_round(m.SPEC_OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, window, labels, matchers)

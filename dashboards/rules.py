@@ -13,7 +13,16 @@ from typing import Any
 from dfserve import metrics as m
 
 from .engine import NameStyle, sglang_name
-from .promql import ERROR_STATUS, counter, quantile, rate_sum, ratio, selector, tokens_per_round
+from .promql import (
+    ERROR_STATUS,
+    arm_acceptance,
+    counter,
+    quantile,
+    rate_sum,
+    ratio,
+    selector,
+    tokens_per_round,
+)
 
 ARM = ("job", "arm")
 ACCEPT_LENGTH_5M = "arm:dfserve_accept_length:ratio_rate5m"
@@ -65,7 +74,7 @@ def recording_rules(names: NameStyle = "colon") -> tuple[Recording, ...]:
     """The recording rules for a Prometheus that stores SGLang's names in `names` style."""
     requests = counter(m.REQUESTS)
     return (
-        Recording(ACCEPT_LENGTH_5M, tokens_per_round(m.OUTPUT_TOKENS, m.SPEC_VERIFY_ROUNDS, "5m", ARM)),
+        Recording(ACCEPT_LENGTH_5M, arm_acceptance("5m", ARM)),
         *(Recording(record, ratio(rate_sum(requests, window, ARM, (ERROR_STATUS,)), rate_sum(requests, window, ARM)))
           for record, window in ((ERROR_RATIO_5M, "5m"), (ERROR_RATIO_1H, "1h"))),
         Recording(TTFT_P99_5M, quantile(0.99, m.TTFT, "5m", ARM)),

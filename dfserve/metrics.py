@@ -54,6 +54,10 @@ ITL_PER_TOKEN = "dfserve_inter_token_latency_per_token_seconds"
 ITL_PER_CHUNK = "dfserve_inter_chunk_latency_seconds"
 E2E = "dfserve_e2e_request_latency_seconds"
 OUTPUT_TOKENS = "dfserve_output_tokens"
+SPEC_OUTPUT_TOKENS = "dfserve_spec_output_tokens"
+"""Completion tokens of only the requests that reported verify rounds: the numerator of pooled acceptance.
+`dfserve_output_tokens` counts every request, also those without spec fields (streamed chat), so dividing it by
+`dfserve_spec_verify_rounds` overstates acceptance whenever such traffic is mixed in."""
 SPEC_VERIFY_ROUNDS = "dfserve_spec_verify_rounds"
 ACCEPT_LENGTH = "dfserve_accept_length"
 UPSTREAM_ERRORS = "dfserve_upstream_errors"
@@ -65,8 +69,34 @@ ARM_WEIGHT = "dfserve_arm_weight"
 ARM_WINDOWED_ACCEPT_LENGTH = "dfserve_arm_windowed_accept_length"
 
 ARM_LABELS = ("arm", "route")
+REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
+"""Labels of `dfserve_requests_total`, the same from the gateway and the load tester (see `request_labels`):
+
+- `status` is one of a fixed set: the HTTP status class of a finished answer (`2xx`; `4xx`/`5xx` for an error
+  answer, from the engine or made by the gateway: 429 overloaded, 502/503/504 no replica); `499` when the client
+  side gave up first (nginx's code for it); `error` when there was no complete answer and no HTTP error status
+  (connection refused, timeout, a stream cut or unreadable after its 2xx headers).
+- `error` is empty for a success, `http_status` for an HTTP error answer, else the producer's failure kind.
+
+So `status!="2xx"` selects every failure, `status="5xx"` the server errors, and `error` says why."""
+STATUS_OK = "2xx"
+CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "cancelled"})
+"""Failure kinds where the client side gave up, not the arm: the gateway's client went away, or the load tester
+cancelled the request when its run stopped."""
 MEASURES = ("exact", "estimated")
 """Values of the `measure` label on acceptance: exact from meta_info, estimated from chunk counts."""
+
+
+def request_labels(http_status: int | None, error: str | None) -> tuple[str, str]:
+    """`status` and `error` of one finished request, from the HTTP status its client side saw (None or 0: none)
+    and the producer's failure kind (None: no failure)."""
+    if error in CLIENT_LEFT_ERRORS:
+        return "499", error
+    if http_status and http_status >= 400:
+        return f"{http_status // 100}xx", error or "http_status"
+    if error is not None or not http_status:
+        return "error", error or "no_status"
+    return f"{http_status // 100}xx", ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,7 @@ class DfserveMetrics:
     itl_per_chunk: Histogram
     e2e: Histogram
     output_tokens: Counter
+    spec_output_tokens: Counter
     spec_verify_rounds: Counter
     accept_length: Histogram
     upstream_errors: Counter
@@ -150,8 +181,9 @@ class DfserveMetrics:
     def build(cls, registry: CollectorRegistry) -> DfserveMetrics:
         arm = ARM_LABELS
         return cls(
-            requests=Counter(REQUESTS, "Requests finished, by HTTP status class and outcome.",
-                             (*arm, "replica", "status"), registry=registry),
+            requests=Counter(REQUESTS, "Requests finished; status: 2xx, 4xx, 5xx, 499 (client gave up) or error "
+                             "(no complete answer); error: the failure kind, empty on success.", REQUEST_LABELS,
+                             registry=registry),
             in_flight=Gauge(REQUESTS_IN_FLIGHT, "Requests in flight.", arm, registry=registry),
             ttft=Histogram(TTFT, "Time to first token seen by the client side, seconds.", arm,
                            buckets=TTFT_BUCKETS_S, registry=registry),
@@ -161,6 +193,9 @@ class DfserveMetrics:
                                     "seconds.", arm, buckets=ITL_BUCKETS_S, registry=registry),
             e2e=Histogram(E2E, "End-to-end request latency, seconds.", arm, buckets=E2E_BUCKETS_S, registry=registry),
             output_tokens=Counter(OUTPUT_TOKENS, "Completion tokens received.", arm, registry=registry),
+            spec_output_tokens=Counter(SPEC_OUTPUT_TOKENS, "Completion tokens of the requests counted in "
+                                       "dfserve_spec_verify_rounds: the numerator of pooled acceptance.", arm,
+                                       registry=registry),
             spec_verify_rounds=Counter(SPEC_VERIFY_ROUNDS, "Speculative verify rounds reported by meta_info.", arm,
                                        registry=registry),
             accept_length=Histogram(ACCEPT_LENGTH, "Per-request acceptance length (tokens per verify round, bonus "

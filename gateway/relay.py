@@ -24,7 +24,7 @@ from prometheus_client import Histogram
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
-from dfserve.metrics import DfserveMetrics
+from dfserve.metrics import DfserveMetrics, request_labels
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Measure = Literal["exact", "estimated"]
@@ -216,8 +216,7 @@ def observe_many(histogram: Histogram, value: float, count: int) -> None:
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
     arm, route = exchange.arm, exchange.route
-    status = "499" if exchange.error == "client_disconnect" else str(exchange.status)
-    metrics.requests.labels(arm, route, exchange.replica, status).inc()
+    metrics.requests.labels(arm, route, exchange.replica, *request_labels(exchange.status, exchange.error)).inc()
     if exchange.first is not None:
         metrics.ttft.labels(arm, route).observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
@@ -237,5 +236,6 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
         metrics.output_tokens.labels(arm, route).inc(acceptance.output_tokens)
     if acceptance.verify_ct:
         metrics.spec_verify_rounds.labels(arm, route).inc(acceptance.verify_ct)
+        metrics.spec_output_tokens.labels(arm, route).inc(acceptance.output_tokens or 0)
     if acceptance.accept_length is not None and acceptance.measure is not None:
         metrics.accept_length.labels(arm, route, acceptance.measure).observe(acceptance.accept_length)

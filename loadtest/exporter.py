@@ -11,7 +11,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
 from dfserve.errors import UserError
-from dfserve.metrics import DfserveMetrics
+from dfserve.metrics import DfserveMetrics, request_labels
 from loadtest import records as rec
 from loadtest.records import RequestRecord
 
@@ -30,7 +30,7 @@ class Exporter:
         if r.warmup:
             return
         m, arm, route = self.metrics, r.arm, self.route
-        m.requests.labels(arm, route, "", r.error_kind or "ok").inc()
+        m.requests.labels(arm, route, "", *request_labels(r.http_status, r.error_kind)).inc()
         if not r.ok:
             return
         ttft, e2e = rec.ttft_s(r), rec.e2e_s(r)
@@ -47,6 +47,7 @@ class Exporter:
         rounds, length = rec.verify_rounds(r), rec.request_accept_length(r)
         if rounds and r.acceptance == "exact":
             m.spec_verify_rounds.labels(arm, route).inc(rounds)
+            m.spec_output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
         if length is not None and r.acceptance != "unknown":
             m.accept_length.labels(arm, route, r.acceptance).observe(length)
 

@@ -76,6 +76,15 @@ def test_every_query_and_variable_names_a_defined_metric() -> None:
     assert all(any(family in token for token in used) for family in families)
 
 
+def test_pooled_acceptance_divides_the_tokens_of_the_requests_that_reported_rounds() -> None:
+    """Every token over the rounds of only some requests would read too high when streamed chat is mixed in."""
+    exprs = [q.expr for q in ab.build().queries()] + [r.expr for r in rules.recording_rules()]
+    pooled = [e for e in exprs if f"{m.SPEC_VERIFY_ROUNDS}_total" in e]
+    assert len(pooled) == 4, "three A/B panels and the recording rule the acceptance alert reads"
+    for expr in pooled:
+        assert f"{m.SPEC_OUTPUT_TOKENS}_total" in expr and not re.search(rf"\b{m.OUTPUT_TOKENS}_total", expr), expr
+
+
 def test_ab_dashboard_compares_the_named_arms() -> None:
     board = ab.build(baseline="zlab", candidate="inhouse")
     variables = {v.name: v for v in board.variables}

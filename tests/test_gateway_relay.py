@@ -176,7 +176,7 @@ def test_stream_bytes_equal_direct_and_headers_name_arm(one_arm: tuple[Stub, str
     text = httpx.get(gw + "/metrics").text
     # 3 content chunks carried 12 tokens (usage): an estimate, labelled so.
     assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="estimated") == 4.0
-    assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="200") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="chat") == 1
 
 
@@ -207,6 +207,22 @@ def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[
     # chunks of 1, 4 and 7 tokens: two gaps, 11 per-token samples.
     assert metric(text, "dfserve_inter_chunk_latency_seconds_count", arm="a", route="native") == 2
     assert metric(text, "dfserve_inter_token_latency_per_token_seconds_count", arm="a", route="native") == 11
+
+
+def test_mixed_exact_and_estimated_traffic_pools_only_exact_tokens(one_arm: tuple[Stub, str]) -> None:
+    """Streamed chat shows no verify rounds: its 12 tokens count as output but stay out of pooled acceptance,
+    which over the exact requests (12 tokens, 4 rounds each) is 3, not (12 + 12 + 12) / 8."""
+    _, gw = one_arm
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}
+    for response in (httpx.post(gw + "/generate", json=native), httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM),
+                     httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE)):
+        assert response.status_code == 200
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="a", measure="estimated") == 1
+    assert metric(text, "dfserve_output_tokens_total", arm="a") == 36
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a") == 8
+    assert metric(text, "dfserve_spec_output_tokens_total", arm="a") == 24
+    assert metric(text, "dfserve_spec_output_tokens_total", arm="a", route="chat") == 12
 
 
 def test_bad_input_gets_4xx_json_never_500(one_arm: tuple[Stub, str], tmp_path: Path) -> None:
@@ -240,8 +256,10 @@ def test_only_replica_5xx_is_passed_through(tmp_path: Path) -> None:
     with Stub(status=500) as bad, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [bad.url]}},
                                                               health={"interval_s": 60})) as gw:
         response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+        text = httpx.get(gw + "/metrics").text
     assert response.status_code == 500 and response.json()["message"] == "engine down"
     assert response.headers["x-dfserve-arm"] == "a"
+    assert metric(text, "dfserve_requests_total", arm="a", status="5xx", error="http_status") == 1
 
 
 def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tuple[Stub, str]) -> None:
@@ -255,6 +273,8 @@ def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tup
     assert "error" in json.loads(events[-1][6:])
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="stream_cut") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="error", error="stream_cut") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
 
 
 def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:
@@ -285,7 +305,7 @@ def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
         if metric(text, "dfserve_requests_total", arm="a", status="499") == 1:
             break
         time.sleep(0.05)
-    assert metric(text, "dfserve_requests_total", arm="a", status="499") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_disconnect") == 1
     assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
 
 
@@ -307,6 +327,8 @@ def test_arm_concurrency_limit_and_read_timeout(tmp_path: Path) -> None:
                 next(still_reading)
                 refused = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
             assert refused.status_code == 429 and refused.json()["error"]["message"]
+            text = httpx.get(gw + "/metrics").text
+            assert metric(text, "dfserve_requests_total", arm="a", status="4xx", error="overloaded") == 1
             deadline = time.monotonic() + 5
             while httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code != 200:
                 assert time.monotonic() < deadline, "the slot was never returned"

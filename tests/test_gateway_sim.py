@@ -128,7 +128,7 @@ def test_split_90_10_within_binomial_bounds_and_per_arm_metrics(sims: tuple[str,
         assert arms["baseline"] + arms["candidate"] == n
         text = wait_metric(gw, "dfserve_arm_windowed_accept_length", 1, arm="candidate")
     for arm in ("baseline", "candidate"):
-        assert metric(text, "dfserve_requests_total", arm=arm, route="native", status="200") == arms[arm]
+        assert metric(text, "dfserve_requests_total", arm=arm, route="native", status="2xx") == arms[arm]
         assert metric(text, "dfserve_accept_length_count", arm=arm, route="native", measure="exact") == arms[arm]
         windowed = metric(text, "dfserve_arm_windowed_accept_length", arm=arm)
         assert 1 <= windowed <= 16, (arm, windowed)
@@ -188,7 +188,7 @@ def test_shadow_returns_baseline_answers_while_candidate_is_measured(sims: tuple
     assert all(r.status == 200 and r.arm == "baseline" for r in replies)
     assert [stream_text(r.body) for r in replies] == [stream_text(d.body) for d in direct]
     assert metric(text, "dfserve_shadow_requests_total", arm="candidate", outcome="ok") == n
-    assert metric(text, "dfserve_requests_total", arm="candidate", route="chat", status="200") == n
+    assert metric(text, "dfserve_requests_total", arm="candidate", route="chat", status="2xx") == n
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="candidate", route="chat") == n
 
 
@@ -227,10 +227,11 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(tmp_path: Path)
                 os.killpg(doomed.pid, signal.SIGKILL)
 
         replies = load(gw + "/generate", bodies, 24, on_reply=kill_at_a_third)
-        text = httpx.get(gw + "/metrics").text
+        text = wait_metric(gw, "dfserve_requests_total", len(bodies))
     complete = [r for r in replies if r.status == 200 and r.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.body]
     cut = [r for r in replies if r not in complete]
     assert all(r.started and r.status == 200 and b'"error"' in r.body for r in cut), "a request failed before streaming"
     assert 1 <= len(cut) <= 24, "only streams in flight on the killed replica end early"
     assert metric(text, "dfserve_replica_ejections_total", arm="a", replica=urls[1]) >= 1
-    assert metric(text, "dfserve_requests_total", arm="a", replica=urls[0], status="200") > 0
+    assert metric(text, "dfserve_requests_total", arm="a", replica=urls[0], status="2xx") > 0
+    assert metric(text, "dfserve_requests_total", arm="a", status="error") == len(cut), "a cut stream is a failure"

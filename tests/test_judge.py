@@ -38,7 +38,7 @@ def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, token
         records.append(RequestRecord(
             arm=arm, index=index, task_id=f"T{task}", dispatched_s=0.0, sent_s=0.0, first_token_s=times[0],
             end_s=times[-1] + 0.001, chunk_times_s=times, chunk_tokens=[1] * tokens, completion_tokens=tokens,
-            spec_verify_ct=verify, acceptance="exact", finish_reason="length", output_sha256=text,
+            spec_verify_ct=verify, acceptance="exact", finish_reason="length", output_sha256=text, http_status=200,
         ))
     return records
 

@@ -23,9 +23,9 @@ def test_records_become_per_arm_families_and_are_served_on_loopback() -> None:
         exporter.observe(r)
     sample = exporter.registry.get_sample_value
     labels = {"arm": "zlab", "route": "/generate"}
-    assert sample(f"{metrics.REQUESTS}_total", {**labels, "replica": "", "status": "ok"}) == 5
+    assert sample(f"{metrics.REQUESTS}_total", {**labels, "replica": "", "status": "2xx", "error": ""}) == 5
     assert sample(f"{metrics.REQUESTS}_total", {"arm": "inhouse", "route": "/generate", "replica": "",
-                                                "status": "http_status"}) == 5
+                                                "status": "5xx", "error": "http_status"}) == 5
     assert sample(f"{metrics.OUTPUT_TOKENS}_total", labels) == 5 * 32
     assert sample(f"{metrics.TTFT}_count", labels) == 5
     assert sample(f"{metrics.ITL_PER_TOKEN}_count", labels) == 5 * 31
@@ -39,6 +39,40 @@ def test_records_become_per_arm_families_and_are_served_on_loopback() -> None:
             Exporter(route="/generate").serve(port)
     finally:
         exporter.close()
+
+
+def test_pooled_acceptance_counts_the_tokens_of_exact_requests_only() -> None:
+    """Streamed chat (estimated acceptance, no verify rounds) mixed with exact requests: the pooled figure's
+    numerator must leave its tokens out, or Σ tokens / Σ rounds reads too high."""
+    exporter = Exporter(route="chat")
+    exact = synthetic("zlab", 4, 8.0, seed=1, tokens=32)
+    estimated = [r.model_copy(update={"index": r.index + 4, "acceptance": "estimated", "spec_verify_ct": None,
+                                      "chunk_tokens": None, "chunk_times_s": r.chunk_times_s[::4]}) for r in exact]
+    for r in exact + estimated:
+        exporter.observe(r)
+    sample = exporter.registry.get_sample_value
+    labels = {"arm": "zlab", "route": "chat"}
+    rounds = sum(r.spec_verify_ct or 0 for r in exact)
+    assert sample(f"{metrics.SPEC_VERIFY_ROUNDS}_total", labels) == rounds
+    assert sample(f"{metrics.SPEC_OUTPUT_TOKENS}_total", labels) == 4 * 32
+    assert sample(f"{metrics.OUTPUT_TOKENS}_total", labels) == 8 * 32
+    assert sample(f"{metrics.ACCEPT_LENGTH}_count", {**labels, "measure": "estimated"}) == 4
+
+
+def test_failures_are_labelled_like_the_gateway_labels_them() -> None:
+    exporter = Exporter(route="native")
+    ok = synthetic("zlab", 1, 8.0, seed=1, tokens=8)[0]
+    failures = [
+        ok.model_copy(update={"error_kind": "connect", "http_status": None}),
+        ok.model_copy(update={"error_kind": "disconnect"}),
+        ok.model_copy(update={"error_kind": "cancelled"}),
+        ok.model_copy(update={"error_kind": "http_status", "http_status": 429}),
+    ]
+    for r in failures:
+        exporter.observe(r)
+    found = {(s.labels["status"], s.labels["error"]) for family in exporter.registry.collect()
+             if family.name == metrics.REQUESTS for s in family.samples if s.name.endswith("_total")}
+    assert found == {("error", "connect"), ("error", "disconnect"), ("499", "cancelled"), ("4xx", "http_status")}
 
 
 def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:

@@ -225,6 +225,25 @@ def test_ab_whole_run_panels_have_data_from_the_pushgateway(stack: Stack) -> Non
     assert len(checked) == len(totals.rows[0].panels)
 
 
+def test_pooled_acceptance_leaves_out_streamed_chat(stack: Stack) -> None:
+    """The shadowing gateway relays only streamed chat (no verify rounds), the splitting one only native requests
+    with exact spec fields: every pooled acceptance query over both must read what it reads over the splitting
+    one alone, though the chat tokens are there to be counted (`dfserve_output_tokens_total`)."""
+    chat_tokens = query(stack.prometheus, f'sum by (arm) ({m.OUTPUT_TOKENS}_total{{job="gateway-shadow"}})')
+    assert {s["metric"]["arm"] for s in chat_tokens if float(s["value"][1]) > 0} == set(ARMS)
+    at, window = time.time(), _window(stack.live_start, time.time())
+    pooled = [q.expr for q in ab.build().queries() if f"{m.SPEC_VERIFY_ROUNDS}_total" in q.expr]
+    assert len(pooled) == 3
+    for expr in pooled:
+        def values(job: str, expr: str = expr) -> dict[str, float]:
+            samples = query(stack.prometheus, expand(expr, _ab_values(job, window)), at)
+            return {s["metric"].get("arm", ""): float(s["value"][1]) for s in samples}
+
+        split = values("gateway")
+        assert split and all(math.isfinite(v) and v > 0 for v in split.values()), (expr, split)
+        assert values(GATEWAY_JOBS) == split, expr
+
+
 @pytest.mark.parametrize("names", engine.NAME_STYLES)
 def test_every_engine_panel_has_data(stack: Stack, names: engine.NameStyle) -> None:
     board = engine.build(names)

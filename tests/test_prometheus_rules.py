@@ -12,6 +12,7 @@ import yaml
 
 from dashboards import rules
 from dashboards.render import to_yaml
+from dfserve import metrics as m
 
 ROOT = Path(__file__).resolve().parent.parent
 RULE_FILE = ROOT / "dashboards" / "generated" / "prometheus" / "dfserve-rules.yml"
@@ -36,13 +37,23 @@ def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
 
 
 def _acceptance(candidate_tokens_per_min: int) -> list[dict[str, str]]:
-    """Both arms verify 100 rounds a minute; the baseline accepts 9 tokens a round."""
+    """Both arms verify 100 rounds a minute; the baseline accepts 9 tokens a round. The candidate also serves
+    streamed chat without verify rounds, 1000 tokens a minute: pooled over every token it would read 17 and 18.7,
+    so the cases below fail if the rule divides the wrong numerator."""
     return [
         _series("dfserve_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
         _series("dfserve_spec_verify_rounds_total", {"arm": "baseline"}, "0+100x40"),
-        _series("dfserve_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min}x40"),
+        _series("dfserve_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min + 1000}x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min}x40"),
         _series("dfserve_spec_verify_rounds_total", {"arm": "candidate"}, "0+100x40"),
     ]
+
+
+def _requests(http_status: int | None, error: str | None) -> dict[str, str]:
+    """Labels of `dfserve_requests_total` for one outcome, as the gateway and the load tester write them."""
+    status, kind = m.request_labels(http_status, error)
+    return {"arm": "candidate", "route": "/generate", "replica": "r1", "status": status, "error": kind}
 
 
 def _alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
@@ -71,10 +82,10 @@ CASES: list[dict[str, Any]] = [
         _alert("DfserveCandidateAcceptanceBelowBaseline", "30m", None),
     ]},
     {"interval": "1m", "input_series": [
-        _series("dfserve_requests_total", {"arm": "candidate", "route": "/generate", "replica": "r1", "status": "200"},
-                "0+100x120"),
-        _series("dfserve_requests_total", {"arm": "candidate", "route": "/generate", "replica": "r1", "status": "502"},
-                "0x59 0+20x60"),
+        _series("dfserve_requests_total", _requests(200, None), "0+100x120"),
+        _series("dfserve_requests_total", _requests(502, "connect"), "0x59 0+10x60"),
+        _series("dfserve_requests_total", _requests(200, "stream_cut"), "0x59 0+5x60"),
+        _series("dfserve_requests_total", _requests(None, "cancelled"), "0x59 0+5x60"),
     ], "alert_rule_test": [
         _alert("DfserveErrorRateJump", "50m", None),
         _alert("DfserveErrorRateJump", "70m", {**JOB, "arm": "candidate", "severity": "critical"}),
