@@ -1,17 +1,20 @@
-"""A minimal HTTP/1.1 client on an asyncio protocol: the load tester's hot path, built for timing.
+"""A minimal HTTP/1.1 client on an asyncio protocol: the hot path of the load tester and of the gateway's upstream.
 
-Why not aiohttp here: with 128 streams a verify round makes every stream's chunk arrive at once, and a client
-that wakes a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
-bench/RESULTS.md). This protocol stamps `perf_counter()` as `data_received` is called, before any other work, and
-only de-chunks the body there; SSE and JSON are parsed after the response ends, off the timing path.
+Why not aiohttp: with 128 streams a verify round makes every stream's chunk arrive at once, and a client that wakes
+a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
+bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol stamps `perf_counter()` as
+`data_received` is called, before any other work, and only de-chunks the body there, handing each piece to
+`Response.received` (kept by default; a relay overrides it to pass the piece on).
 
-What it speaks: one POST at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies (no
-trailers expected, tolerated), TCP_NODELAY (asyncio sets it on TCP connections). Failures raise the exceptions below
-so the caller can classify them.
+What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies (no
+trailers expected, tolerated), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
+timeouts. Failures raise the exceptions below so the caller can classify them.
 
     pool = Pool("http://127.0.0.1:30000", time.perf_counter)
     response = Response()
     await pool.post("/generate", body, response, on_sent=print)   # response.pieces: [(arrival time, bytes), ...]
+    call = await pool.open(b"POST", "/generate", body, b"Content-Type: application/json\r\n", response)
+    await call.finish()                                           # after the head: status, headers, body so far
 """
 
 from __future__ import annotations
@@ -38,22 +41,40 @@ class BadResponse(Exception):
     """The bytes were not an HTTP/1.1 response this client understands."""
 
 
+class ReadTimeout(Exception):
+    """Nothing arrived for the pool's `read_timeout_s` while a response was due."""
+
+
 @dataclass
 class Response:
     status: int = 0
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    """Header names lower-cased, values as sent."""
     pieces: list[tuple[float, bytes]] = field(default_factory=list)
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
 
+    def received(self, now: float, data: bytes) -> None:
+        """One de-chunked piece of body, as it arrives."""
+        self.pieces.append((now, data))
+
+    def ended(self) -> None:
+        """The response is complete, failed or abandoned (the connection's `done` future says which)."""
+
     def body(self) -> bytes:
         return b"".join(piece for _, piece in self.pieces)
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header `name` (lower case)."""
+        return next((value for key, value in self.headers if key == name), None)
 
 
 _MAX_HEAD = 64 * 1024
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], read_timeout_s: float | None = None) -> None:
         self.clock = clock
+        self.read_timeout_s = read_timeout_s
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._reset()
@@ -61,6 +82,10 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.response = Response()
         self.done: asyncio.Future[Response] | None = None
+        self.head: asyncio.Future[None] | None = None
+        """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._buffer = bytearray()
         self._head_done = False
         self._chunked = False
@@ -74,7 +99,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
-        now = self.clock()
+        now = self._last = self.clock()
         if self.done is None or self.done.done():
             return
         try:
@@ -97,10 +122,23 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._reset()
         self.response = response
-        self.done = asyncio.get_running_loop().create_future()
-        sent = self.clock()
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        self.head = loop.create_future()
+        sent = self._last = self.clock()
+        if self.read_timeout_s is not None:
+            self._timer = loop.call_later(self.read_timeout_s, self._check_idle)
         self.transport.write(request)
         return sent, self.done
+
+    def _check_idle(self) -> None:
+        """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
+        assert self.read_timeout_s is not None
+        idle = self.clock() - self._last
+        if idle >= self.read_timeout_s:
+            self._fail(ReadTimeout(f"nothing received for {idle:.1f} s"))
+        else:
+            self._timer = asyncio.get_running_loop().call_later(self.read_timeout_s - idle, self._check_idle)
 
     @property
     def reusable(self) -> bool:
@@ -108,9 +146,20 @@ class _Connection(asyncio.Protocol):
             and not self.transport.is_closing()
 
     def abort(self) -> None:
+        """Close the connection; a response still due is cancelled (the server sees the request abandoned)."""
+        if self.done is not None and not self.done.done():
+            self.done.cancel()
+        self._ended()
         if self.transport is not None:
             self.transport.abort()
         self.closed = True
+
+    def _ended(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+        self.response.ended()
 
     def _fail(self, exc: Exception) -> None:
         if self.done is not None and not self.done.done():
@@ -121,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self._finished = True
         if self.done is not None and not self.done.done():
             self.done.set_result(self.response)
+        self._ended()
 
     def _feed(self, now: float, data: bytes) -> None:
         buffer = self._buffer
@@ -145,9 +195,12 @@ class _Connection(asyncio.Protocol):
             raise BadResponse(f"bad status line {lines[0][:80]!r}")
         self.response.status = int(parts[1])
         length = None
+        headers = self.response.headers
         for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name, value = name.strip().lower(), value.strip().lower()
+            name, _, raw = line.partition(b":")
+            name, raw = name.strip().lower(), raw.strip()
+            headers.append((name, raw))
+            value = raw.lower()
             if name == b"transfer-encoding" and value == b"chunked":
                 self._chunked = True
             elif name == b"content-length":
@@ -165,17 +218,19 @@ class _Connection(asyncio.Protocol):
             self._remaining = length
         else:
             self._keep_alive = False  # the body ends with the connection
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
 
     def _plain(self, now: float) -> None:
         buffer = self._buffer
         if self._remaining is None:
             if buffer:
-                self.response.pieces.append((now, bytes(buffer)))
+                self.response.received(now, bytes(buffer))
                 buffer.clear()
             return
         take = min(self._remaining, len(buffer))
         if take:
-            self.response.pieces.append((now, bytes(buffer[:take])))
+            self.response.received(now, bytes(buffer[:take]))
             del buffer[:take]
             self._remaining -= take
         if self._remaining == 0:
@@ -212,19 +267,43 @@ class _Connection(asyncio.Protocol):
             if self._remaining == 0:
                 self._remaining = None
         if got:
-            self.response.pieces.append((now, bytes(got)))
+            self.response.received(now, bytes(got))
 
     def _trailers_done(self, got: bytearray, now: float) -> None:
         if got:
-            self.response.pieces.append((now, bytes(got)))
+            self.response.received(now, bytes(got))
         self._buffer.clear()
         self._finish()
+
+
+_POST_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+
+
+@dataclass(eq=False)
+class Call:
+    """A request whose response head has arrived; the body keeps flowing into its `Response` until `finish`."""
+
+    pool: Pool
+    connection: _Connection
+    done: asyncio.Future[Response]
+
+    async def finish(self) -> None:
+        """Wait for the end of the body; raises `Disconnected`, `BadResponse` or `ReadTimeout` on a failure."""
+        await self.done
+
+    def close(self) -> None:
+        """Done with the call: a complete response frees its connection for reuse, anything else closes it."""
+        if self.done.done() and not self.done.cancelled() and self.done.exception() is None:
+            self.pool.recycle(self.connection)
+        else:
+            self.connection.abort()
 
 
 class Pool:
     """Keep-alive connections to one server; a connection carries one request at a time."""
 
-    def __init__(self, base_url: str, clock: Callable[[], float], headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, base_url: str, clock: Callable[[], float], headers: Mapping[str, str] | None = None,
+                 connect_timeout_s: float | None = None, read_timeout_s: float | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"--arm: {base_url!r} is not an http(s) URL")
@@ -233,8 +312,10 @@ class Pool:
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
         self.host_header = parts.netloc.encode()
-        self.extra_headers = b"".join(f"\r\n{k}: {v}".encode("latin-1") for k, v in (headers or {}).items())
+        self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
         self.clock = clock
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
         self._idle: list[_Connection] = []
 
     async def _connection(self) -> _Connection:
@@ -244,17 +325,20 @@ class Pool:
                 return connection
         loop = asyncio.get_running_loop()
         try:
-            _, protocol = await loop.create_connection(
-                lambda: _Connection(self.clock), self.host, self.port, ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None)
+            _, protocol = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(self.clock, self.read_timeout_s), self.host, self.port, ssl=self.ssl,
+                server_hostname=self.host if self.ssl else None), self.connect_timeout_s)
         except OSError as exc:
             raise ConnectFailed(f"{self.host}:{self.port}: {exc.strerror or exc}") from None
+        except TimeoutError:
+            raise ConnectFailed(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
         return protocol
 
-    def request_bytes(self, path: str, body: bytes) -> bytes:
-        return (b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self.host_header
-                + self.extra_headers + b"\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
-                + str(len(body)).encode() + b"\r\n\r\n" + body)
+    def request_bytes(self, path: str, body: bytes, method: bytes = b"POST", headers: bytes = _POST_HEADERS) -> bytes:
+        """One request; `headers` are header lines each ending in CRLF, to which Host, the pool's own headers and
+        Content-Length are added."""
+        return (method + b" " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self.host_header + b"\r\n"
+                + self.extra_headers + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     async def post(self, path: str, body: bytes, response: Response, on_sent: Callable[[float], None]) -> None:
         """Send one POST and fill `response` until it is complete; `on_sent` gets the clock reading of the write.
@@ -264,11 +348,32 @@ class Pool:
         connection = await self._connection()
         sent, done = connection.start(self.request_bytes(path, body), response)
         on_sent(sent)
+        await self._settle(connection, done)
+
+    async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
+        """Send one request and return once its response head has arrived (`response.status`, `.headers`)."""
+        connection = await self._connection()
+        _, done = connection.start(self.request_bytes(path, body, method, headers), response)
+        assert connection.head is not None
+        try:
+            await connection.head
+        except BaseException:
+            connection.abort()
+            raise
+        if done.done():
+            done.result()  # the response ended before its head: raise why
+        return Call(self, connection, done)
+
+    async def _settle(self, connection: _Connection, done: asyncio.Future[Response]) -> None:
+        """Wait for a response's end, then keep its connection for reuse or close it."""
         try:
             await done
         except BaseException:
             connection.abort()
             raise
+        self.recycle(connection)
+
+    def recycle(self, connection: _Connection) -> None:
         if connection.reusable:
             self._idle.append(connection)
         else:

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
+from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics
 from gateway.config import GatewayConfig, RoutingConfig
 from gateway.relay import (
@@ -36,13 +37,13 @@ from gateway.relay import (
 )
 from gateway.routing import Router, UnknownArm
 from gateway.scrape import Scraper
-from gateway.upstream import Opened, Upstream, UpstreamFailure
+from gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", ARM_HEADER}
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
 
 
 def build_router(routing: RoutingConfig) -> Router:
@@ -113,6 +114,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._upstream is not None:
+            self._upstream.close()
             await self._upstream.session.close()
 
 
@@ -174,7 +176,7 @@ class GatewayApp:
                 await send_error(send, 400, str(exc), "invalid_request_error")
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
-            await self.forward(exchange, "GET", path, b"", self._headers(scope), send, receive)
+            await self.forward(exchange, b"GET", path, b"", self._headers(scope), send, receive)
         elif path == "/health" and method == "GET":
             await self.health(send)
         elif path == "/metrics" and method == "GET":
@@ -195,8 +197,9 @@ class GatewayApp:
                                                   "arms": arms}).encode())
 
     @staticmethod
-    def _headers(scope: dict[str, Any]) -> list[tuple[str, str]]:
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
+    def _headers(scope: dict[str, Any]) -> bytes:
+        """The client's headers to pass upstream, as header lines."""
+        return b"".join(k + b": " + v + b"\r\n" for k, v in scope["headers"] if k not in _NOT_FORWARDED)
 
     def _routing_keys(self, scope: dict[str, Any], user: str | None) -> tuple[str | None, str | None]:
         """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
@@ -238,13 +241,13 @@ class GatewayApp:
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
         exchange = Exchange(arm=decision.arm, route=api, start=start)
-        await self.forward(exchange, "POST", path, upstream_body, headers, send, receive,
+        await self.forward(exchange, b"POST", path, upstream_body, headers, send, receive,
                            strip_meta=upstream_body is not body)
 
-    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: list[tuple[str, str]]) -> None:
+    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
         """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
         try:
-            await self.forward(exchange, "POST", path, body, headers, _discard, None, strip_meta=False)
+            await self.forward(exchange, b"POST", path, body, headers, _discard, None, strip_meta=False)
             outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
         except Exception:
             outcome = "error"
@@ -255,10 +258,10 @@ class GatewayApp:
     async def forward(
         self,
         exchange: Exchange,
-        method: str,
+        method: bytes,
         path: str,
         body: bytes,
-        headers: list[tuple[str, str]],
+        headers: bytes,
         send: Send,
         receive: Receive | None,
         strip_meta: bool = False,
@@ -269,10 +272,9 @@ class GatewayApp:
         in_flight.inc()
         opened: Opened | None = None
         task = asyncio.current_task()
-        watcher = None
+        watch = watcher = None
         if receive is not None and task is not None:
-            watch = _DisconnectWatch(send, task)
-            send = watch.send
+            watch = _DisconnectWatch(task)
             watcher = asyncio.ensure_future(watch.run(receive))
         try:
             try:
@@ -281,8 +283,10 @@ class GatewayApp:
                 exchange.status, exchange.error = failure.status, failure.kind
                 await send_error(send, failure.status, str(failure), "upstream_error",
                                  [(ARM_HEADER, exchange.arm.encode())])
-                return
-            await self._relay(opened, exchange, send, strip_meta)
+            else:
+                await self._relay(opened, exchange, send, strip_meta)
+            if watch is not None:
+                watch.complete = True  # no await since the last send: the disconnect that follows is not a cancel
         except asyncio.CancelledError:
             if watcher is None or not watcher.done() or task is None:
                 raise
@@ -302,16 +306,17 @@ class GatewayApp:
         response = opened.response
         exchange.replica, exchange.status = opened.replica.url, response.status
         arm, replica = opened.arm.name, opened.replica.url
-        if response.content_type == "text/event-stream":
-            headers = response_headers(response.raw_headers, arm, replica, drop_length=True)
+        if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
+            headers = response_headers(response.headers, arm, replica, drop_length=True)
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             observer = NativeStream() if exchange.route == "native" else OpenAIStream()
-            await relay_stream(response, send, observer, exchange)
+            await relay_stream(opened, send, observer, exchange)
             return
         try:
-            payload = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            exchange.error = "timeout" if isinstance(exc, TimeoutError) else "stream_cut"
+            await opened.call.finish()
+            payload = response.body()
+        except MID_STREAM as exc:
+            exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
             await send_error(send, 502, f"upstream replica failed mid-response ({type(exc).__name__})",
                              "upstream_error", [(ARM_HEADER, arm.encode())])
             return
@@ -322,7 +327,7 @@ class GatewayApp:
                     payload = sglang.strip_meta_info(payload)
             except ProtocolError as exc:
                 exchange.unparsed = str(exc)
-        headers = response_headers(response.raw_headers, arm, replica, drop_length=True)
+        headers = response_headers(response.headers, arm, replica, drop_length=True)
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
@@ -332,21 +337,15 @@ class _DisconnectWatch:
     """Cancels a request's task when its client goes away mid-response, so the upstream request is cancelled too.
 
     The server also reports a disconnect once the response is complete; that one must not cancel anything, hence
-    the wrapped `send` that notes when the last body message goes out.
+    `complete`, set by the request's task right after its last send (no wrapper on the per-chunk `send`).
     """
 
-    def __init__(self, send: Send, task: asyncio.Task[Any]) -> None:
-        self._send = send
+    def __init__(self, task: asyncio.Task[Any]) -> None:
         self._task = task
-        self._complete = False
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            self._complete = True
-        await self._send(message)
+        self.complete = False
 
     async def run(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._complete:
+        if not self.complete:
             self._task.cancel()

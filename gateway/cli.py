@@ -1,7 +1,7 @@
 """`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM.
 
 Both listeners share one uvloop event loop with httptools parsing; uvloop sets TCP_NODELAY on every accepted
-socket (aiohttp does on its upstream sockets), so no chunk waits for a delayed ACK.
+socket (and asyncio on the upstream connections of `dfserve.http1`), so no chunk waits for a delayed ACK.
 """
 
 from __future__ import annotations

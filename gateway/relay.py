@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import aiohttp
 from prometheus_client import Histogram
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
+from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics, request_labels
+from gateway.upstream import MID_STREAM, Opened
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Measure = Literal["exact", "estimated"]
@@ -144,16 +145,17 @@ class OpenAIStream:
 Observer = NativeStream | OpenAIStream
 
 
-async def relay_stream(
-    response: aiohttp.ClientResponse, send: Send, observer: Observer, exchange: Exchange
-) -> None:
+async def relay_stream(opened: Opened, send: Send, observer: Observer, exchange: Exchange) -> None:
     """Pass an SSE body through as it arrives, whole events at a time; a failure after the first byte ends it with
-    an error event. Observation never blocks the bytes: a body the observer cannot read is still relayed."""
+    an error event. Observation never blocks the bytes: a body the observer cannot read is still relayed.
+    Chunks are timed when their bytes arrived, not when this task got round to them."""
     pending = b""
     previous: float | None = None
     watching = True
+    response, call = opened.response, opened.call
     try:
-        async for data in response.content.iter_any():
+        while (got := await response.read(call)) is not None:
+            now, data = got
             if pending or not data.endswith(b"\n\n"):
                 pending += data
                 cut = event_boundary(pending)
@@ -166,7 +168,6 @@ async def relay_stream(
                 except ProtocolError as exc:
                     exchange.unparsed, watching, produced = str(exc), False, 0
                 if produced > 0:
-                    now = time.perf_counter()
                     if previous is None:
                         exchange.first = now
                     else:
@@ -175,8 +176,8 @@ async def relay_stream(
                             exchange.token_gaps.append((now - previous, produced))
                     previous = now
             await send({"type": "http.response.body", "body": data, "more_body": True})
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        exchange.error = "timeout" if isinstance(exc, TimeoutError) else "stream_cut"
+    except MID_STREAM as exc:
+        exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
         message = f"upstream replica failed mid-stream ({type(exc).__name__})"
         await send({"type": "http.response.body", "body": sglang.stream_error_events(message, "upstream_error", 502),
                     "more_body": False})
@@ -206,11 +207,18 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
-def observe_many(histogram: Histogram, value: float, count: int) -> None:
-    """`histogram.observe(value)` `count` times in one step: a verify round's tokens share one gap, and a request
-    carries hundreds of them. prometheus_client has no weighted observe, so this does what `observe` does inside."""
-    histogram._sum.inc(value * count)
-    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(count)
+def observe_many(histogram: Histogram, weighted: Iterable[tuple[float, int]]) -> None:
+    """`histogram.observe(value)` `count` times for each `(value, count)`, with one locked update per bucket: a
+    request carries hundreds of gaps (and a verify round's tokens share one). prometheus_client has no weighted or
+    batched observe, so this does what `observe` does inside."""
+    bounds, counts, total = histogram._upper_bounds, [0] * len(histogram._buckets), 0.0
+    for value, count in weighted:
+        counts[bisect.bisect_left(bounds, value)] += count
+        total += value * count
+    histogram._sum.inc(total)
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
 
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
@@ -222,13 +230,10 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
         metrics.e2e.labels(arm, route).observe(exchange.end - exchange.start)
     if exchange.chunk_gaps:
-        per_chunk = metrics.itl_per_chunk.labels(arm, route)
-        for gap in exchange.chunk_gaps:
-            per_chunk.observe(gap)
+        observe_many(metrics.itl_per_chunk.labels(arm, route), ((gap, 1) for gap in exchange.chunk_gaps))
     if exchange.token_gaps:
-        per_token = metrics.itl_per_token.labels(arm, route)
-        for gap, tokens in exchange.token_gaps:
-            observe_many(per_token, gap / tokens, tokens)
+        observe_many(metrics.itl_per_token.labels(arm, route),
+                     ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
     if exchange.unparsed is not None:
         metrics.upstream_errors.labels(arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance

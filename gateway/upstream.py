@@ -1,7 +1,8 @@
 """Replicas of each arm: which one gets a request, whether it is healthy, and retries before the first byte.
 
-One aiohttp session serves every replica (aiohttp pools connections per host and sets TCP_NODELAY; it costs a
-tenth of httpx's CPU per streamed chunk, see PEERS.md). A replica is ejected after `eject_after_failures`
+Requests go out through `dfserve.http1`, one keep-alive pool per replica (TCP_NODELAY, no task or timer per
+chunk: the relay's cost per streamed chunk is most of the gateway's, see bench/RESULTS.md); health checks, off the
+hot path, use an aiohttp session. A replica is ejected after `eject_after_failures`
 consecutive failures, passive (connect errors, disconnects and 5xx seen by requests) or active (`GET /health`), and
 re-admitted by the next health check that passes. A request whose replica fails before any response byte is retried
 on another replica of the same arm, never of another arm.
@@ -10,11 +11,13 @@ on another replica of the same arm, never of another arm.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from dfserve.http1 import BadResponse, Call, ConnectFailed, Disconnected, Pool, ReadTimeout, Response
 from dfserve.metrics import DfserveMetrics
 from gateway.config import ArmConfig, HealthConfig, Limits
 from gateway.routing import pick_replica
@@ -25,6 +28,7 @@ class Replica:
     """One replica's live state; kept across routing reloads while its URL stays in the arm."""
 
     url: str
+    pool: Pool
     healthy: bool = True
     failures: int = 0
     in_flight: int = 0
@@ -51,22 +55,56 @@ class UpstreamFailure(Exception):
         self.kind = kind
 
 
+class Incoming(Response):
+    """An upstream response as it arrives: body pieces wait here for the relay task, woken once per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wake: asyncio.Future[None] | None = None
+
+    def received(self, now: float, data: bytes) -> None:
+        self.pieces.append((now, data))
+        self._wake_reader()
+
+    def ended(self) -> None:
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def read(self, call: Call) -> tuple[float, bytes] | None:
+        """Everything that arrived since the last read, with the arrival time of its last piece; None at the end.
+        Raises the transport's failure (`Disconnected`, `BadResponse`, `ReadTimeout`)."""
+        while not self.pieces:
+            if call.done.done():
+                call.done.result()
+                return None
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        pieces = self.pieces
+        self.pieces = []
+        return pieces[-1][0], pieces[0][1] if len(pieces) == 1 else b"".join(piece for _, piece in pieces)
+
+
+MID_STREAM = (Disconnected, BadResponse, ReadTimeout)
+"""What a response can fail with once its head has arrived."""
+
+
 @dataclass(eq=False)
 class Opened:
     """An upstream response whose headers have arrived; `release` must be called once it is finished with."""
 
-    response: aiohttp.ClientResponse
+    call: Call
+    response: Incoming
     arm: Arm
     replica: Replica
     retries: int
     _released: bool = field(default=False, repr=False)
 
 
-_BEFORE_HEADERS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-
-
 class Upstream:
-    """The arms' replicas behind one aiohttp session."""
+    """The arms' replicas, each with its own connection pool; `session` serves health checks."""
 
     def __init__(
         self,
@@ -88,14 +126,24 @@ class Upstream:
         known = {(arm.name, r.url): r for arm in self.arms.values() for r in arm.replicas}
         new = {}
         for name, config in arms.items():
-            replicas = [known.get((name, url)) or Replica(url) for url in config.replicas]
+            replicas = [known.get((name, url)) or self._replica(url) for url in config.replicas]
             old = self.arms.get(name)
             new[name] = Arm(name, replicas, in_flight=old.in_flight if old else 0)
             for replica in replicas:
                 self.metrics.replica_healthy.labels(name, replica.url).set(1 if replica.healthy else 0)
         for (name, url) in known.keys() - {(n, r.url) for n, arm in new.items() for r in arm.replicas}:
             self.metrics.replica_healthy.remove(name, url)
+            known[(name, url)].pool.close()
         self.arms = new
+
+    def _replica(self, url: str) -> Replica:
+        return Replica(url, Pool(url, time.perf_counter, connect_timeout_s=self.limits.connect_timeout_s,
+                                 read_timeout_s=self.limits.read_timeout_s))
+
+    def close(self) -> None:
+        for arm in self.arms.values():
+            for replica in arm.replicas:
+                replica.pool.close()
 
     def down(self) -> frozenset[str]:
         """Arms with no healthy replica right now."""
@@ -116,7 +164,7 @@ class Upstream:
             self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
 
     async def open(
-        self, arm_name: str, method: str, path: str, body: bytes, headers: Sequence[tuple[str, str]]
+        self, arm_name: str, method: bytes, path: str, body: bytes, headers: bytes
     ) -> Opened:
         """Send the request to a healthy replica of `arm_name`, retrying on another one until a response starts.
 
@@ -141,13 +189,15 @@ class Upstream:
             tried.add(index)
             replica.in_flight += 1
             arm.in_flight += 1
+            response = Incoming()
             try:
-                response = await self.session.request(method, replica.url + path, data=body, headers=headers)
-            except (TimeoutError, *_BEFORE_HEADERS) as exc:
+                call = await replica.pool.open(method, path, body, headers, response)
+            except ReadTimeout:
                 self._finish(arm, replica)
-                if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
-                    self._failed(arm, replica, "timeout")
-                    raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
+                self._failed(arm, replica, "timeout")
+                raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
+            except (ConnectFailed, Disconnected, BadResponse) as exc:
+                self._finish(arm, replica)
                 self._failed(arm, replica, "connect")
                 failure = UpstreamFailure(502, "connect", f"arm {arm_name!r}: {type(exc).__name__} from a replica")
                 continue
@@ -158,10 +208,10 @@ class Upstream:
                 self._failed(arm, replica, f"http_{response.status}")
                 more = any(r.healthy and i not in tried for i, r in enumerate(arm.replicas))
                 if more and len(tried) <= self.limits.max_retries:
-                    response.release()
+                    call.connection.abort()
                     self._finish(arm, replica)
                     continue
-            return Opened(response, arm, replica, len(tried) - 1)
+            return Opened(call, response, arm, replica, len(tried) - 1)
         raise failure
 
     def _finish(self, arm: Arm, replica: Replica) -> None:
@@ -175,9 +225,9 @@ class Upstream:
             return
         opened._released = True
         if clean:
-            opened.response.release()
+            opened.call.close()
         else:
-            opened.response.close()
+            opened.call.connection.abort()
         self._finish(opened.arm, opened.replica)
         if failure is not None:
             self._failed(opened.arm, opened.replica, failure)

@@ -1,7 +1,7 @@
 """The streaming client of one arm: sends one request, keeps the raw arrival time of every read, and returns a
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
-Timing comes first: the transport (`loadtest.http1`) stamps `perf_counter()` the moment bytes arrive and does
+Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
 nothing else on that path; SSE framing and SGLang's JSON (through `dfserve.sglang` only) are parsed once the
 response has ended, or failed, or was cancelled. Each event takes the arrival time of the read that completed it.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
-from loadtest.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
+from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from loadtest.records import Acceptance, ErrorKind, RequestRecord
 from loadtest.tasks import Task
 

@@ -88,10 +88,11 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
 def test_observe_many_equals_repeated_observe() -> None:
     one_by_one = Histogram("a", "a", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
     at_once = Histogram("b", "b", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
-    for value, count in ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5)):
+    weighted = ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5), (0.004, 1))
+    for value, count in weighted:
         for _ in range(count):
             one_by_one.observe(value)
-        observe_many(at_once, value, count)
+    observe_many(at_once, weighted)
     def samples(histogram: Histogram) -> list[tuple[str, dict[str, str], float]]:
         return [(s.name[1:], s.labels, s.value) for s in histogram.collect()[0].samples if "created" not in s.name]
 

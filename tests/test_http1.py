@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
-from loadtest.http1 import BadResponse, Disconnected, Pool, Response, _Connection
+from dfserve.http1 import BadResponse, Disconnected, Pool, ReadTimeout, Response, _Connection
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"f\r\ndata: {\"a\":1}\n\n\r\n"
@@ -96,3 +97,65 @@ def test_request_bytes_carry_host_length_and_path_prefix() -> None:
     request = pool.request_bytes("/generate", b"{}")
     assert request.startswith(b"POST /prefix/generate HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n")
     assert b"Content-Length: 2\r\n\r\n{}" in request
+
+
+def test_head_is_signalled_before_the_body_with_header_values_as_sent() -> None:
+    head_end = CHUNKED.index(b"\r\n\r\n") + 4
+    connection, response, done = feed([CHUNKED[:head_end]])
+    assert connection.head is not None and connection.head.done() and not done.done()
+    assert response.header(b"content-type") == b"text/event-stream" and response.header(b"x-none") is None
+    assert (b"transfer-encoding", b"chunked") in response.headers
+
+
+def test_read_timeout_fires_only_after_a_quiet_period() -> None:
+    async def go(gaps: list[float]) -> BaseException | None:
+        connection = _Connection(time.perf_counter, read_timeout_s=0.05)
+        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
+        connection.data_received(CHUNKED[:60])
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            connection.data_received(b"")
+        await asyncio.sleep(0.02)
+        return done.exception() if done.done() else None
+
+    assert asyncio.run(go([0.03] * 5)) is None  # 150 ms in all, never 50 ms without a read
+    assert isinstance(asyncio.run(go([0.03, 0.09])), ReadTimeout)
+
+
+def test_open_returns_at_the_head_then_the_connection_is_reused() -> None:
+    async def go() -> tuple[list[bytes], int]:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            try:
+                while await reader.readuntil(b"\r\n\r\n"):
+                    await reader.readexactly(2)
+                    writer.write(CHUNKED[: CHUNKED.index(b"\r\n\r\n") + 4])
+                    await asyncio.sleep(0.05)
+                    writer.write(CHUNKED[CHUNKED.index(b"\r\n\r\n") + 4 :])
+            except asyncio.IncompleteReadError:
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Pool(f"http://127.0.0.1:{port}", time.perf_counter, connect_timeout_s=1, read_timeout_s=1)
+        bodies = []
+        for _ in range(2):
+            response = Response()
+            call = await pool.open(b"POST", "/generate", b"{}", b"Content-Type: application/json\r\n", response)
+            assert response.status == 200 and not call.done.done()
+            await call.finish()
+            call.close()
+            bodies.append(response.body())
+        pool.close()
+        server.close()
+        await server.wait_closed()
+        return bodies, accepted
+
+    bodies, accepted = asyncio.run(go())
+    assert bodies == [PAYLOAD, PAYLOAD] and accepted == 1
