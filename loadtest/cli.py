@@ -214,7 +214,11 @@ def _print_verdict(verdict: Verdict) -> None:
         table.add_column(column)
     for m in j.metrics:
         if m.change is None:
-            table.add_row(m.label, "-", "-", "no data", "0")
+            if m.baseline is None or m.candidate is None:
+                table.add_row(m.label, "-", "-", "no data", "0")
+            else:
+                table.add_row(m.label, f"{m.baseline:.4g}", f"{m.candidate:.4g}", "undefined: baseline is 0",
+                              f"{m.n_baseline}/{m.n_candidate}")
             continue
         scale = "%" if m.relative else " pts"
         factor = 100.0

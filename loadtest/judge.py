@@ -224,7 +224,8 @@ def _compare(name: str, spec: MetricSpec, pairs: _Pairs, weights: NDArray[np.flo
                          _per_task([den for _, den, _ in kept], kept_owners, pairs.tasks), len(kept)))
         (nb, db, n_b), (nc, dc, n_c) = sums
         value_b, value_c = nb.sum() / db.sum(), nc.sum() / dc.sum()
-        draws = stats.weighted_ratio(weights, nc, dc) / stats.weighted_ratio(weights, nb, db) - 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws = stats.weighted_ratio(weights, nc, dc) / stats.weighted_ratio(weights, nb, db) - 1
     else:
         samples = []
         for arm in (pairs.base, pairs.cand):
@@ -246,10 +247,12 @@ def _compare(name: str, spec: MetricSpec, pairs: _Pairs, weights: NDArray[np.flo
         n_b, n_c = len(vb), len(vc)
         value_b, value_c = stats.quantile(vb, spec.q), stats.quantile(vc, spec.q)
         assert value_b is not None and value_c is not None
-        draws = (stats.clustered_quantiles(weights, vc, oc, spec.q)
-                 / stats.clustered_quantiles(weights, vb, ob, spec.q) - 1)
-    estimate = value_c / value_b - 1 if value_b else math.nan
-    interval = stats.percentile_interval(estimate, draws)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a draw whose baseline quantile is 0 has no ratio
+            draws = (stats.clustered_quantiles(weights, vc, oc, spec.q)
+                     / stats.clustered_quantiles(weights, vb, ob, spec.q) - 1)
+    if not value_b:
+        return empty(n_b, n_c).model_copy(update={"baseline": float(value_b), "candidate": float(value_c)})
+    interval = stats.percentile_interval(value_c / value_b - 1, draws)
     return MetricResult(metric=name, label=spec.label, baseline=float(value_b), candidate=float(value_c),
                         change=interval.estimate, change_low=interval.low, change_high=interval.high, relative=True,
                         n_baseline=n_b, n_candidate=n_c, higher_is_better=spec.higher_is_better)

@@ -208,3 +208,13 @@ def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
     exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
     grid = stats.clustered_quantiles(weights, values, owners, 0.95)
     assert np.abs(grid - exact).max() < 0.02 * exact.mean()
+
+
+def test_a_zero_baseline_quantile_gives_an_undefined_change_not_a_warning() -> None:
+    """Chunks read together have zero gaps: a relative change from a zero baseline is undefined, never NaN or inf."""
+    base = synthetic("a", 120, 9.0, seed=1)
+    base = [r.model_copy(update={"chunk_times_s": [r.chunk_times_s[0]] * len(r.chunk_times_s)}) for r in base]
+    cand = synthetic("b", 120, 9.0, seed=2)
+    j = judge(base, cand, DEFAULT_GATE, temperature=0.0)
+    itl = next(m for m in j.metrics if m.metric.startswith("itl") and m.baseline == 0.0)
+    assert itl.change is None and itl.candidate is not None and itl.candidate > 0
