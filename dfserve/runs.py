@@ -29,8 +29,8 @@ def utc_now_iso() -> str:
 
 
 def new_run_id(prefix: str = "run") -> str:
-    """Sortable and unique: UTC time to the second plus random bits."""
-    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+    """Unique, and sorted by name in creation order (to the microsecond: two starts can share a second)."""
+    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}-{secrets.token_hex(3)}"
 
 
 def create_run_dir(out: Path, name: str | None = None, prefix: str = "run") -> Path:

@@ -23,6 +23,11 @@ def test_run_dirs_are_unique_and_never_reused(tmp_path: Path) -> None:
     assert named.exists()
 
 
+def test_run_ids_sort_in_creation_order_within_one_second(tmp_path: Path) -> None:
+    made = [create_run_dir(tmp_path, prefix="start").name for _ in range(50)]
+    assert sorted(made) == made
+
+
 def test_write_atomic_refuses_to_replace_and_leaves_no_temp_files(tmp_path: Path) -> None:
     target = tmp_path / "summary.json"
     write_atomic(target, "{}\n")
