@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid
 
 
 class _Strict(BaseModel):
@@ -76,6 +76,4 @@ def load_profile(name_or_path: str) -> HostProfile:
     except yaml.YAMLError as exc:
         raise UserError(f"--profile {where}: not valid YAML ({exc.__class__.__name__})") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        raise UserError(f"--profile {where}: {field}: {first['msg']}") from None
+        raise UserError(describe_invalid(exc, f"--profile {where}")) from None

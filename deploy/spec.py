@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deploy.drafters import Drafter, Target
 from deploy.profiles import HostProfile, SGLangSettings
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid_flag
 
 Engine = Literal["sglang", "sim"]
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -111,8 +111,7 @@ def build_spec(
     try:
         settings = SGLangSettings.model_validate({**profile.sglang.model_dump(), **given})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UserError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+        raise UserError(describe_invalid_flag(exc)) from None
     extra = list(sglang_args or ())
     check_passthrough(extra)
     return DeploymentSpec(

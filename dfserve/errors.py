@@ -1,8 +1,10 @@
-"""The one exception tree of dfserve.
+"""The one exception tree of dfserve, and the one way validation failures become a user-facing line.
 
 Library code raises these; the CLI turns a `UserError` into one line on stderr and a non-zero exit.
 Per-request failures (timeouts, HTTP errors) are data in records, never exceptions.
 """
+
+from pydantic import ValidationError
 
 
 class DfserveError(Exception):
@@ -15,3 +17,17 @@ class UserError(DfserveError):
 
 class ProtocolError(DfserveError):
     """A peer sent something that does not follow SGLang's or OpenAI's wire format."""
+
+
+def describe_invalid(exc: ValidationError, where: str) -> str:
+    """One line naming the first bad field of a file or document: `WHERE: a.b.c: what is wrong (and N more)`."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {field}: {first['msg']}{more}"
+
+
+def describe_invalid_flag(exc: ValidationError) -> str:
+    """One line naming the command-line flag behind the first bad field: `--max-running-requests: ...`."""
+    first = exc.errors()[0]
+    return f"--{str(first['loc'][-1]).replace('_', '-')}: {first['msg']}"

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid
 
 Mode = Literal["split", "sticky", "shadow"]
 
@@ -149,19 +149,12 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "routing": routing}
 
 
-def describe(exc: ValidationError, where: str) -> str:
-    """One line naming the first bad field, the way `UserError` wants it."""
-    first = exc.errors()[0]
-    field = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {field}: {first['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
-
-
 def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
     """Validate a routing document (the admin API's PUT body); a `UserError` names the bad field."""
     try:
         return RoutingConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe(exc, where)) from None
+        raise UserError(describe_invalid(exc, where)) from None
 
 
 def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
@@ -173,7 +166,7 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
     try:
         return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
     except (ValueError, ValidationError) as exc:
-        detail = describe(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
+        detail = describe_invalid(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
         raise UserError(detail) from None
 
 
@@ -200,4 +193,4 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe(exc, f"--config {path}" if path else "gateway config")) from None
+        raise UserError(describe_invalid(exc, f"--config {path}" if path else "gateway config")) from None

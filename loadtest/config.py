@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid
 from dfserve.runs import Provenance
 from dfserve.sglang import SamplingParams
 from loadtest.schedule import LoadShape
@@ -87,8 +87,7 @@ def read_model(path: Path, model: type[M], missing: str) -> M:
     except FileNotFoundError:
         raise UserError(missing) from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UserError(f"{path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        raise UserError(describe_invalid(exc, str(path))) from None
 
 
 def read_config(run_dir: Path) -> RunConfig:

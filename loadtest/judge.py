@@ -21,7 +21,7 @@ import yaml
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid
 from dfserve.sglang import parse_server_info
 from loadtest import records as rec
 from loadtest import stats
@@ -116,9 +116,7 @@ def load_gate(path: Path | None) -> Gate:
     try:
         return Gate.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise UserError(f"--gate: {path}: {where}: {first['msg']}") from None
+        raise UserError(describe_invalid(exc, f"--gate: {path}")) from None
 
 
 class MetricResult(_Model):

@@ -288,7 +288,7 @@ def test_fault_flags_inject_errors_stalls_and_disconnects() -> None:
         chunks = native_stream(base, {"text": "x", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
     sent = chunks[-1].meta.sim_chunk_sent_unix_s or ()
     gaps = [later - earlier for earlier, later in itertools.pairwise(sent)]
-    assert len(gaps) > 4 and max(gaps) >= 0.5  # 25 s at time scale 0.02, after one of the first chunks
+    assert len(gaps) > 4 and max(gaps) >= 0.45  # 25 s at time scale 0.02 (0.5 s, less timer slack)
     assert sorted(gaps)[-2] < 0.5
 
 

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from deploy.sim.config import SimConfig
 from deploy.sim.faults import FaultConfig
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid_flag
 
 
 def _config(**values: object) -> SimConfig:
@@ -16,9 +16,7 @@ def _config(**values: object) -> SimConfig:
     try:
         return SimConfig.model_validate({**values, "faults": FaultConfig.model_validate(faults)})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        flag = "--" + str(first["loc"][-1]).replace("_", "-")
-        raise UserError(f"{flag}: {first['msg']}") from None
+        raise UserError(describe_invalid_flag(exc)) from None
 
 
 @click.command(context_settings={"show_default": True})

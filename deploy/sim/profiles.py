@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError
+from dfserve.errors import UserError, describe_invalid
 
 BUILTIN_DIR = Path(__file__).with_name("profiles")
 NONE = "none"
@@ -83,6 +83,4 @@ def load_profile(name_or_path: str) -> DrafterProfile | None:
     try:
         return DrafterProfile.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise UserError(f"--profile: {path}: {where}: {first['msg']}") from None
+        raise UserError(describe_invalid(exc, f"--profile: {path}")) from None
