@@ -41,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_section  # noqa: E402
 from deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
 from deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402
 from loadtest import cli as loadtest_cli  # noqa: E402
@@ -49,7 +50,6 @@ from loadtest.records import RequestRecord, read_records  # noqa: E402
 from loadtest.tasks import Task, load_tasks  # noqa: E402
 from tests.servers import dfserve_argv, sim_server  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "loadtest_calibration"
 
 
@@ -190,18 +190,6 @@ def run(args: argparse.Namespace) -> str:
         "HumanEval's 164. Only the acceptance rule is calibrated here: latency rules need latency, which this "
         "replay does not model.",
     ])
-
-
-def write_section(section: str, body: str) -> None:
-    """Replace this benchmark's own block of bench/RESULTS.md (between its markers), or append it."""
-    begin, end = f"<!-- {section} -->", f"<!-- /{section} -->"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    RESULTS.write_text(text)
 
 
 def main() -> None:

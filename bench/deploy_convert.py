@@ -26,8 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration import write_section  # noqa: E402  (bench/RESULTS.md's one section writer)
-
+from bench.results import write_section  # noqa: E402
 from deploy.drafters import (  # noqa: E402
     expected_tensors,
     file_sha256,

@@ -29,10 +29,10 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_section  # noqa: E402
 from dfserve import sglang as proto  # noqa: E402
 from tests.servers import LOOPBACK, dfserve_argv, free_port, serve  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
 SECTION = "sim_lateness"
 
 
@@ -142,17 +142,6 @@ def run(args: argparse.Namespace, max_running: int) -> tuple[str, float]:
     return row, p99
 
 
-def write_section(body: str) -> None:
-    begin, end = f"<!-- {SECTION} -->", f"<!-- /{SECTION} -->"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    RESULTS.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=256)
@@ -193,7 +182,7 @@ about the step's wake error plus its place in the step times the per-chunk cost.
 step carries {args.streams} chunks, so its last one leaves about {args.streams} times the per-chunk cost late.
 """
     if not args.no_write:
-        write_section(body)
+        write_section(SECTION, body)
 
 
 if __name__ == "__main__":

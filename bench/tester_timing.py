@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.calibration import write_section as _write  # noqa: E402
+from bench.results import write_section as _write  # noqa: E402
 from loadtest.records import RequestRecord, read_records  # noqa: E402
 from tests.servers import LOOPBACK, dfserve_argv, free_port, serve  # noqa: E402
 
