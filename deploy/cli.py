@@ -68,7 +68,8 @@ def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
-@click.option("--drafter", help="zlab, a checkpoint (.pt/.safetensors), a Hugging Face DFlash folder, or baseline.")
+@click.option("--drafter", help="zlab, a checkpoint (.pt/.safetensors), a Hugging Face DFlash folder, baseline, or "
+              "sim:PROFILE (a drafter that exists only as a simulator profile; --engine sim).")
 @click.option("--engine", type=click.Choice(["sglang", "sim"]), default="sglang")
 @click.option("--profile", "profile_name", default="pro6000", help="Host profile name or YAML file.")
 @click.option("--target", help="Target model id or local folder (default: the profile's).")

@@ -349,7 +349,8 @@ def folder_sha256(folder: Path, cache: Path | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Drafter resolution
 
-SimProfile = Literal["zlab", "inhouse"]
+DrafterKind = Literal["zlab", "folder", "checkpoint", "simulated"]
+SIMULATED_PREFIX = "sim:"
 
 
 @dataclass(frozen=True)
@@ -357,12 +358,12 @@ class Drafter:
     """A resolved drafter: what SGLang loads, its verified config, and where it came from."""
 
     label: str
-    kind: Literal["zlab", "folder", "checkpoint"]
+    kind: DrafterKind
     model_path: str
     block_size: int
     sha256: str | None
     source: str | None
-    sim_profile: SimProfile
+    sim_profile: str
     converted: bool = False
 
 
@@ -398,13 +399,30 @@ def baseline_drafter(registry: Path, target: Target, profile: HostProfile) -> st
     return current.drafter
 
 
+def simulated_drafter(profile_name: str) -> Drafter:
+    """A drafter known only by its simulator profile: named and pathed as simulated, so no record mistakes it for a
+    real checkpoint. It runs only on the simulated engine."""
+    from deploy.sim.profiles import load_profile as load_sim_profile
+
+    try:
+        sim = load_sim_profile(profile_name)
+    except UserError as exc:
+        raise UserError(f"--drafter {SIMULATED_PREFIX}{profile_name}: {exc}") from None
+    if sim is None:
+        raise UserError(f"--drafter: {SIMULATED_PREFIX}{profile_name} names no drafter (that profile means no speculation)")
+    label = f"sim-{Path(profile_name).stem}"
+    return Drafter(label, "simulated", f"dfserve-sim/{sim.name}", sim.block_size, None, profile_name, profile_name)
+
+
 def resolve_drafter(
     drafter: str, profile: HostProfile, target: Target, store: Path, drafter_config: Path | None = None,
     registry: Path = Path("runs"),
 ) -> Drafter:
-    """`zlab`, `baseline` (from the registry), a checkpoint file (converted into `store`, keyed by content hash) or
-    a Hugging Face DFlash folder."""
+    """`zlab`, `baseline` (from the registry), a checkpoint file (converted into `store`, keyed by content hash),
+    a Hugging Face DFlash folder, or `sim:PROFILE` (a drafter that exists only as a simulator profile)."""
     hashes = store / ".hashes"
+    if drafter.startswith(SIMULATED_PREFIX):
+        return simulated_drafter(drafter.removeprefix(SIMULATED_PREFIX))
     if drafter == "baseline":
         drafter = baseline_drafter(registry, target, profile)
     if drafter == "zlab":

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deploy.drafters import Drafter, Target
+from deploy.drafters import SIMULATED_PREFIX, Drafter, DrafterKind, Target
 from deploy.profiles import HostProfile, SGLangSettings
 from dfserve.errors import UserError, describe_invalid_flag
 
@@ -40,7 +40,7 @@ class DrafterRef(_Strict):
     """The resolved drafter as deployed: its label, what SGLang loads, and the content it came from."""
 
     label: str
-    kind: Literal["zlab", "folder", "checkpoint"]
+    kind: DrafterKind
     model_path: str
     block_size: int = Field(ge=2)
     sha256: str | None
@@ -104,6 +104,8 @@ def build_spec(
     seed: int = 0,
 ) -> DeploymentSpec:
     """Profile values, then flag overrides (`overrides` holds only flags the user gave), then pass-through args."""
+    if drafter.kind == "simulated" and engine != "sim":
+        raise UserError(f"--drafter {SIMULATED_PREFIX}{drafter.source}: a simulated drafter runs only with --engine sim")
     name = name or default_name(profile, drafter, engine)
     if not NAME_RE.match(name):
         raise UserError(f"--name: {name!r} must be lowercase letters, digits and '-', at most 63 characters")

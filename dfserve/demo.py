@@ -24,8 +24,9 @@ import httpx
 from dfserve.errors import UserError
 
 LOOPBACK = "127.0.0.1"
-ARMS = (("baseline", "zlab"), ("candidate", "inhouse"))
-"""(arm name, simulator drafter profile): the z-lab drafter is the baseline, the in-house checkpoint the candidate."""
+ARMS = (("baseline", "zlab"), ("candidate", "sim:inhouse"))
+"""(arm name, drafter): the z-lab drafter is the baseline; the candidate is the simulator's undertrained in-house
+profile, deployed under a simulated identity so that no record mistakes it for a real checkpoint."""
 
 
 def _free_port() -> int:
@@ -62,9 +63,9 @@ class Stack:
         self.deployments: list[str] = []
         self.gateway: subprocess.Popen[bytes] | None = None
 
-    def deploy(self, name: str, profile: str, port: int, time_scale: float, seed: int) -> str:
+    def deploy(self, name: str, drafter: str, port: int, time_scale: float, seed: int) -> str:
         argv = _dfserve(
-            "deploy", "--drafter", "zlab", "--engine", "sim", "--sim-profile", profile, "--name", name,
+            "deploy", "--drafter", drafter, "--engine", "sim", "--name", name,
             "--host", LOOPBACK, "--port", str(port), "--root", str(self.root / "deployments"),
             "--time-scale", str(time_scale), "--seed", str(seed), "--health-timeout", "60",
         )
@@ -81,6 +82,7 @@ class Stack:
         argv = _dfserve("gateway", "--host", LOOPBACK, "--port", str(port), "--scrape-interval", "2", *arms)
         with log.open("wb") as out:
             self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        (self.root / "gateway.pid").write_text(f"{self.gateway.pid}\n")
         url = f"http://{LOOPBACK}:{port}"
         _wait_healthy(f"{url}/health", self.gateway, log)
         click.echo(f"gateway: {url} (arms {', '.join(upstreams)}; log {log})")
@@ -142,8 +144,8 @@ def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, ti
     with _terminated_by_signals():
         try:
             _say("1/4 deploy: two simulated Qwen3.6-27B engines, z-lab drafter (baseline) and in-house (candidate)")
-            upstreams = {arm: stack.deploy(f"demo-{arm}", profile, _free_port(), time_scale, seed)
-                         for arm, profile in ARMS}
+            upstreams = {arm: stack.deploy(f"demo-{arm}", drafter, _free_port(), time_scale, seed)
+                         for arm, drafter in ARMS}
             _say("2/4 gateway: one endpoint in front of both arms")
             gateway = stack.start_gateway(_free_port(), upstreams)
             _say(f"3/4 loadtest: {num_requests} HumanEval requests per arm, paired, {concurrency} in flight per arm")

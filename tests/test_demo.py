@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,11 @@ def engine_pids(out: Path) -> list[int]:
     return [json.loads(p.read_text())["pid"] for p in (out / "demo" / "deployments").glob("*/start-*/record.json")]
 
 
+def stack_pids(out: Path) -> list[int]:
+    gateway = out / "demo" / "gateway.pid"
+    return engine_pids(out) + ([int(gateway.read_text())] if gateway.is_file() else [])
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -37,13 +46,41 @@ def pid_alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-def test_demo_judges_the_candidate_and_cleans_up(tmp_path: Path) -> None:
-    out = tmp_path / "runs"
-    result = subprocess.run([sys.executable, "-m", "dfserve", "demo", "--out", str(out), *DEMO_ARGS],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "SIMULATED" in result.stdout
-    assert "verdict: FAIL" in result.stdout
+@pytest.fixture
+def out(tmp_path: Path) -> Iterator[Path]:
+    """The demo's --out; whatever a failed test left running (engines, gateway) is killed afterwards."""
+    runs = tmp_path / "runs"
+    yield runs
+    for pid in stack_pids(runs):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def demo(out: Path, *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "dfserve", "demo", "--out", str(out), *args, *DEMO_ARGS]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def interrupt(process: subprocess.Popen[str]) -> None:
+    """Ctrl-C, as a person would; SIGKILL only if the demo does not stop within 30 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_demo_judges_the_candidate_and_cleans_up(out: Path) -> None:
+    with demo(out) as process:
+        try:
+            output, _ = process.communicate(timeout=180)
+        finally:
+            interrupt(process)
+    assert process.returncode == 0, output[-2000:]
+    assert "SIMULATED" in output
+    assert "verdict: FAIL" in output
     runs = [p for p in out.iterdir() if p.name.startswith("run-")]
     verdicts = [p for p in out.iterdir() if p.name.startswith("verdict-")]
     assert len(runs) == 1 and len(verdicts) == 1
@@ -55,50 +92,50 @@ def test_demo_judges_the_candidate_and_cleans_up(tmp_path: Path) -> None:
     assert all(arm["simulated"] for arm in config["arms"])  # /server_info reached each engine through the gateway
     profiles = {arm["name"]: arm["server_info"]["dfserve_sim"]["profile"] for arm in config["arms"]}
     assert profiles == {"baseline": "zlab", "candidate": "inhouse"}
+    drafters = {arm["name"]: arm["server_info"]["speculative_draft_model_path"] for arm in config["arms"]}
+    assert drafters == {"baseline": "z-lab/Qwen3.6-27B-DFlash", "candidate": "dfserve-sim/inhouse"}
     records = [json.loads(line) for line in (runs[0] / "requests.jsonl").read_text().splitlines()]
     assert {r["arm"] for r in records} == {"baseline", "candidate"}
     verdict = json.loads((verdicts[0] / "verdict.json").read_text())
     assert verdict["verdict"] == "FAIL"
     failed = {rule["metric"] for rule in verdict["judgement"]["rules"] if rule["status"] == "FAIL"}
     assert "accept_length" in failed
-    gateway = re.search(r"gateway: (http://127\.0\.0\.1:\d+)", result.stdout)
+    gateway = re.search(r"gateway: (http://127\.0\.0\.1:\d+)", output)
     assert gateway and not port_open(gateway.group(1))
-    pids = engine_pids(out)
-    assert len(pids) == 2 and not any(pid_alive(pid) for pid in pids)
+    pids = stack_pids(out)
+    assert len(pids) == 3 and not any(pid_alive(pid) for pid in pids)
 
 
-def test_demo_keep_running_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    out = tmp_path / "runs"
-    argv = [sys.executable, "-m", "dfserve", "demo", "--out", str(out), "--keep-running", *DEMO_ARGS]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        gateway, pids = _interrupt_when_up(process, out)
-    assert not port_open(gateway)
+def test_demo_keep_running_stops_everything_on_ctrl_c(out: Path) -> None:
+    with demo(out, "--keep-running") as process:
+        try:
+            text = _read_until(process, "press Ctrl-C", timeout_s=150)
+            assert "scrape_configs:" in text
+            gateway = re.search(r"gateway: (http://127\.0\.0\.1:\d+)", text)
+            assert gateway and port_open(gateway.group(1))
+            pids = stack_pids(out)
+            assert len(pids) == 3 and all(pid_alive(pid) for pid in pids)
+        finally:
+            interrupt(process)
+    assert process.returncode == 130
+    assert not port_open(gateway.group(1))
     assert not any(pid_alive(pid) for pid in pids)
 
 
-def _interrupt_when_up(process: subprocess.Popen[str], out: Path) -> tuple[str, list[int]]:
-    """Wait for the demo's "press Ctrl-C", check the stack is up, press Ctrl-C, check the exit status."""
+def _read_until(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    """The demo's output up to the line holding `marker`; fails (never hangs) when it does not come in time."""
     assert process.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 150
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if "press Ctrl-C" in line or time.monotonic() > deadline:
-                break
-        text = "".join(lines)
-        assert "scrape_configs:" in text
-        gateway = re.search(r"gateway: (http://127\.0\.0\.1:\d+)", text)
-        assert gateway and port_open(gateway.group(1))
-        pids = engine_pids(out)
-        assert len(pids) == 2 and all(pid_alive(pid) for pid in pids)
-        process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 130
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return gateway.group(1), pids
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = process.stdout
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+    text = ""
+    deadline = time.monotonic() + timeout_s
+    while marker not in text:
+        try:
+            text += lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {marker!r} within {timeout_s} s:\n{text[-2000:]}") from None
+    return text
 
 
 @pytest.mark.parametrize("flag", ["--num-requests", "--concurrency"])

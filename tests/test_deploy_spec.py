@@ -173,3 +173,21 @@ def test_baseline_resolves_from_registry(tmp_path: Path) -> None:
     BaselineRegistry(tmp_path / "runs").append(entry("Qwen/Qwen3.6-27B", "/gone/inhouse", "run-2", "inhouse"))
     with pytest.raises(UserError, match="not on this machine"):
         resolve_drafter("baseline", PROFILE, target, tmp_path / "store", registry=tmp_path / "runs")
+
+
+def test_a_simulated_drafter_runs_only_on_the_simulator_under_a_simulated_identity() -> None:
+    from deploy.drafters import simulated_drafter
+
+    drafter = simulated_drafter("inhouse")
+    assert (drafter.kind, drafter.label, drafter.model_path, drafter.sim_profile) == (
+        "simulated", "sim-inhouse", "dfserve-sim/inhouse", "inhouse")
+    with pytest.raises(UserError, match="no drafter"):
+        simulated_drafter("none")
+    with pytest.raises(UserError, match="--drafter sim:nope"):
+        simulated_drafter("nope")
+    target = resolve_target(None, PROFILE, None)
+    with pytest.raises(UserError, match="only with --engine sim"):
+        build_spec(PROFILE, target, drafter, engine="sglang", port=30000)
+    spec = build_spec(PROFILE, target, drafter, engine="sim", port=30000)
+    assert flag(sim_argv(spec), "--draft-model-path") == "dfserve-sim/inhouse"
+    assert flag(sim_argv(spec), "--profile") == "inhouse"
