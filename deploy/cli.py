@@ -23,7 +23,6 @@ from deploy.drafters import Drafter, resolve_drafter, resolve_target
 from deploy.profiles import load_profile
 from deploy.sglang_engine import (
     check_with_sglang,
-    ensure_port_free,
     launch_argv,
     launch_env,
     running,
@@ -33,6 +32,7 @@ from deploy.sglang_engine import (
 )
 from deploy.spec import DeploymentSpec, build_spec
 from dfserve.errors import UserError
+from dfserve.listen import ensure_free
 
 DEFAULT_ROOT = "deployments"
 
@@ -127,7 +127,7 @@ def run_deploy(
     resolved_target = resolve_target(target, profile, target_config)
     starts_engine = not dry_run and emit is None
     if starts_engine:
-        ensure_port_free(host, port)
+        ensure_free(host, port)
     resolved = resolve_drafter(drafter, profile, resolved_target, root / "drafters", drafter_config, registry)
     if resolved.kind == "checkpoint":
         done = "converted" if resolved.converted else "already converted"

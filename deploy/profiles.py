@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import UserError, describe_invalid
+from dfserve.errors import UserError, describe_invalid, describe_yaml
 
 
 class _Strict(BaseModel):
@@ -74,6 +74,6 @@ def load_profile(name_or_path: str) -> HostProfile:
     try:
         return HostProfile.model_validate(yaml.safe_load(text))
     except yaml.YAMLError as exc:
-        raise UserError(f"--profile {where}: not valid YAML ({exc.__class__.__name__})") from None
+        raise UserError(describe_yaml(exc, f"--profile {where}")) from None
     except ValidationError as exc:
         raise UserError(describe_invalid(exc, f"--profile {where}")) from None

@@ -12,12 +12,10 @@ that record alone, in a later process::
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -118,18 +116,6 @@ class StopRecord(BaseModel):
     stopped_at: str
     forced: bool
     was_running: bool
-
-
-def ensure_port_free(host: str, port: int) -> None:
-    """Fail before anything is created if another process listens on the port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"--port: {host}:{port} is already in use; pick another --port or stop that server") from None
-            raise UserError(f"--port: cannot bind {host}:{port} ({exc.strerror})") from None
 
 
 def process_start_ticks(pid: int) -> int | None:

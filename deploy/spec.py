@@ -116,25 +116,28 @@ def build_spec(
         raise UserError(describe_invalid_flag(exc)) from None
     extra = list(sglang_args or ())
     check_passthrough(extra)
-    return DeploymentSpec(
-        name=name,
-        profile=profile.name,
-        engine=engine,
-        host=host,
-        port=port,
-        target=target.model_path,
-        target_config_source=target.config_source,
-        drafter=DrafterRef(
-            label=drafter.label, kind=drafter.kind, model_path=drafter.model_path, block_size=drafter.block_size,
-            sha256=drafter.sha256, source=drafter.source, sim_profile=drafter.sim_profile,
-        ),
-        sglang=settings,
-        overrides=given,
-        served_model_name=settings.served_model_name.format(drafter=drafter.label),
-        env=dict(profile.env),
-        extra_sglang_args=extra,
-        sim=SimSettings(profile=sim_profile or drafter.sim_profile, time_scale=time_scale, seed=seed),
-    )
+    try:
+        return DeploymentSpec(
+            name=name,
+            profile=profile.name,
+            engine=engine,
+            host=host,
+            port=port,
+            target=target.model_path,
+            target_config_source=target.config_source,
+            drafter=DrafterRef(
+                label=drafter.label, kind=drafter.kind, model_path=drafter.model_path, block_size=drafter.block_size,
+                sha256=drafter.sha256, source=drafter.source, sim_profile=drafter.sim_profile,
+            ),
+            sglang=settings,
+            overrides=given,
+            served_model_name=settings.served_model_name.format(drafter=drafter.label),
+            env=dict(profile.env),
+            extra_sglang_args=extra,
+            sim=SimSettings(profile=sim_profile or drafter.sim_profile, time_scale=time_scale, seed=seed),
+        )
+    except ValidationError as exc:  # --port, --time-scale and the like
+        raise UserError(describe_invalid_flag(exc)) from None
 
 
 def server_args(spec: DeploymentSpec, host: str | None = None) -> list[str]:

@@ -71,3 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         click.echo(f"dfserve: error: {exc}", err=True)
         sys.exit(2)
+    except OSError as exc:  # a path or socket the user named: one line, and never exit 1 (FAIL for `compare`)
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"dfserve: error: {where}{exc.strerror or exc}", err=True)
+        sys.exit(2)

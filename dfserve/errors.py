@@ -4,6 +4,7 @@ Library code raises these; the CLI turns a `UserError` into one line on stderr a
 Per-request failures (timeouts, HTTP errors) are data in records, never exceptions.
 """
 
+import yaml
 from pydantic import ValidationError
 
 
@@ -31,3 +32,11 @@ def describe_invalid_flag(exc: ValidationError) -> str:
     """One line naming the command-line flag behind the first bad field: `--max-running-requests: ...`."""
     first = exc.errors()[0]
     return f"--{str(first['loc'][-1]).replace('_', '-')}: {first['msg']}"
+
+
+def describe_yaml(exc: yaml.YAMLError, where: str) -> str:
+    """One line for a YAML syntax error: `WHERE: invalid YAML at line N: problem`."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: invalid YAML{at}: {problem}"

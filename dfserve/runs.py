@@ -7,7 +7,6 @@ and streamed records are appended to a file the run itself created.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import secrets
@@ -17,7 +16,7 @@ import tempfile
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from pydantic import BaseModel
 
@@ -62,10 +61,6 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 def write_model(path: Path, model: BaseModel) -> None:
     write_atomic(path, model.model_dump_json(indent=2) + "\n")
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 class JsonlAppender:

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from dfserve.errors import UserError
+from dfserve.listen import bind
 from gateway.config import GatewayConfig, load_config, parse_arm_flag
 
 log = logging.getLogger("dfserve.gateway")
@@ -26,7 +27,7 @@ log = logging.getLogger("dfserve.gateway")
 class _Server:
     """A uvicorn server that leaves signal handling to the caller, so two can share one event loop."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, flag: str) -> None:
         import uvicorn
 
         class Quiet(uvicorn.Server):
@@ -38,6 +39,10 @@ class _Server:
                                 access_log=False, server_header=False, date_header=False, log_level="warning",
                                 timeout_keep_alive=75)
         self.server = Quiet(config)
+        self.sock = bind(host, port, flag)
+
+    async def serve(self) -> None:
+        await self.server.serve(sockets=[self.sock])
 
 
 async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
@@ -50,13 +55,13 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
 
     token = config.admin_token()
     gateway = Gateway(config)
-    servers = [_Server(GatewayApp(gateway), config.host, config.port).server]
+    servers = [_Server(GatewayApp(gateway), config.host, config.port, "--port")]
     if config.admin.port is not None and token is not None:
-        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port).server)
+        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port, "--admin-port"))
 
     def stop() -> None:
         for server in servers:
-            server.should_exit = True
+            server.server.should_exit = True
 
     def hangup(reload: Callable[[], GatewayConfig]) -> None:
         try:
@@ -102,7 +107,11 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
             "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s"}
     overrides = {keys[name]: value for name, value in flags.items() if value is not None}
     if arms:
-        overrides["routing.arms"] = dict(parse_arm_flag(text) for text in arms)
+        parsed = [parse_arm_flag(text) for text in arms]
+        names = [name for name, _ in parsed]
+        if len(set(names)) != len(names):
+            raise UserError(f"--arm: each arm needs its own name (given: {', '.join(names)})")
+        overrides["routing.arms"] = dict(parsed)
     config = load_config(config_path, overrides)
     config.admin_token()
     import uvloop

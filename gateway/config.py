@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError, describe_invalid
+from dfserve.errors import UserError, describe_invalid, describe_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
 
@@ -179,7 +179,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
         except OSError as exc:
             raise UserError(f"--config {path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
-            raise UserError(f"--config {path}: invalid YAML ({exc})") from None
+            raise UserError(describe_yaml(exc, f"--config {path}")) from None
         if not isinstance(loaded, dict):
             raise UserError(f"--config {path}: expected a mapping at the top level")
         raw = _flatten(loaded)

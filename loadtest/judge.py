@@ -21,7 +21,7 @@ import yaml
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dfserve.errors import UserError, describe_invalid
+from dfserve.errors import UserError, describe_invalid, describe_yaml
 from dfserve.sglang import parse_server_info
 from loadtest import records as rec
 from loadtest import stats
@@ -112,7 +112,7 @@ def load_gate(path: Path | None) -> Gate:
     except OSError as exc:
         raise UserError(f"--gate: cannot read {path} ({exc.strerror})") from None
     except yaml.YAMLError as exc:
-        raise UserError(f"--gate: {path}: invalid YAML ({exc})") from None
+        raise UserError(describe_yaml(exc, f"--gate: {path}")) from None
     try:
         return Gate.model_validate(raw)
     except ValidationError as exc:

@@ -43,9 +43,11 @@ def _config(**values: object) -> SimConfig:
 def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
     from deploy.sim.server import serve, uvicorn_config
+    from dfserve.listen import bind
 
     config = _config(**values)
     server_config = uvicorn_config(config)
+    sock = bind(config.host, config.port)
     click.echo(f"dfserve sim: profile {config.profile} on http://{config.host}:{config.port} "
                f"(time scale {config.time_scale}, seed {config.seed})", err=True)
-    serve(server_config)
+    serve(server_config, sock)

@@ -18,6 +18,7 @@ from deploy.sim.config import SimConfig
 from deploy.sim.faults import SimulatedDisconnect
 from deploy.sim.profiles import load_profile
 from deploy.sim.text import Vocabulary
+from dfserve.listen import bind
 
 
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
@@ -50,13 +51,14 @@ def uvicorn_config(config: SimConfig) -> uvicorn.Config:
 
 
 def run(config: SimConfig) -> None:
-    serve(uvicorn_config(config))
+    server_config = uvicorn_config(config)
+    serve(server_config, bind(config.host, config.port))
 
 
-def serve(server_config: uvicorn.Config) -> None:
-    """Serve a built configuration until SIGINT/SIGTERM."""
+def serve(server_config: uvicorn.Config, sock: socket.socket) -> None:
+    """Serve a built configuration on a bound socket until SIGINT/SIGTERM."""
     server = uvicorn.Server(server_config)
     logging.getLogger("uvicorn.error").addFilter(_QuietDisconnects())
     gc.collect()
     gc.freeze()  # start-up objects never need scanning again; keeps full collections short on the hot path
-    server.run()
+    server.run(sockets=[sock])
