@@ -25,11 +25,13 @@ from .promql import (
 )
 
 ARM = ("job", "arm")
-ACCEPT_LENGTH_5M = "arm:dfserve_accept_length:ratio_rate5m"
-ERROR_RATIO_5M = "arm:dfserve_requests_error:ratio_rate5m"
-ERROR_RATIO_1H = "arm:dfserve_requests_error:ratio_rate1h"
-TTFT_P99_5M = "arm:dfserve_time_to_first_token_seconds:p99_rate5m"
-ENGINE_ACCEPT_LENGTH_5M = "deployment:sglang_spec_accept_length:ratio_rate5m"
+# Recording-rule names follow Prometheus' level:metric:operations convention, built from the metric constants so a
+# renamed metric renames its rules too.
+ACCEPT_LENGTH_5M = f"arm:{m.ACCEPT_LENGTH}:ratio_rate5m"
+ERROR_RATIO_5M = f"arm:{m.REQUESTS}_error:ratio_rate5m"
+ERROR_RATIO_1H = f"arm:{m.REQUESTS}_error:ratio_rate1h"
+TTFT_P99_5M = f"arm:{m.TTFT}:p99_rate5m"
+ENGINE_ACCEPT_LENGTH_5M = f"deployment:{sglang_name(m.SGLANG_SPEC_ACCEPT_LENGTH, 'underscore')}:ratio_rate5m"
 
 
 @dataclass(frozen=True)
