@@ -212,6 +212,9 @@ def test_gateway_config_parses_and_points_at_the_engines(tmp_path: Path, monkeyp
             host, port = re.fullmatch(r"http://([\w-]+):(\d+)", replica).groups()  # type: ignore[union-attr]
             assert (host, int(port)) in services, replica
     assert {p["containerPort"] for p in container["ports"]} == {config.port, config.admin.port}
+    # Ready only while an arm can serve; alive whenever its loop answers (a restart cannot heal the engines).
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
 
 
 def test_loadtest_job_flags_are_the_load_testers() -> None:
