@@ -914,6 +914,18 @@ class NativeStreamEncoder:
         return b"".join((b'data: {"text":"', text, b'","output_ids":[', ids, b'],"meta_info":', json_bytes(meta),
                          b"}\n\n"))
 
+    @staticmethod
+    def with_sent_times(event: bytes, sent_unix_s: Sequence[float]) -> bytes:
+        """`event` with SIM_CHUNK_SENT_KEY added last to its `meta_info` (the event's last key).
+
+        The simulator encodes a final chunk before it is due and adds only its send times as it sends it.
+        """
+        end = b"}}\n\n"
+        if not event.endswith(end):
+            raise ValueError("not a native event whose last key is meta_info")
+        times = ",".join(map(float.__repr__, sent_unix_s)).encode()
+        return b"".join((event[: -len(end)], b',"', SIM_CHUNK_SENT_KEY.encode(), b'":[', times, b"]", end))
+
 
 def openai_finish_reason(finish: FinishReason | None) -> tuple[str | None, str | int | None]:
     """OpenAI `finish_reason` and SGLang's `matched_stop` for a native finish reason."""

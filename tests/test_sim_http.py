@@ -65,7 +65,9 @@ def test_native_stream_deltas_sum_to_completion_tokens_and_final_chunk_has_spec(
     assert final.accept_length == pytest.approx(final.completion_tokens / final.spec.verify_ct)
     assert max(deltas[1:]) <= 16 and final.simulated and all(c.meta.simulated for c in chunks)
     assert chunks[-1].text.startswith(chunks[-2].text)  # cumulative text by default
-    assert len(final.sim_chunk_sent_unix_s or ()) == len(chunks) == len(final.sim_chunk_due_unix_s or ())
+    sent, due = final.sim_chunk_sent_unix_s or (), final.sim_chunk_due_unix_s or ()
+    assert len(sent) == len(chunks) == len(due) and list(sent) == sorted(sent)
+    assert all(s >= d for s, d in zip(sent, due, strict=True))  # a chunk leaves once its step has ended
 
 
 def test_native_whole_response_matches_the_stream(zlab: str) -> None:

@@ -31,6 +31,7 @@ from deploy.sim.profiles import DrafterProfile, load_profile
 from deploy.sim.server import uvicorn_config
 from deploy.sim.telemetry import Telemetry
 from deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
+from dfserve import sglang as proto
 from dfserve.cli import main
 from dfserve.errors import UserError
 from dfserve.sglang import FinishReason
@@ -253,6 +254,18 @@ def test_scheduler_caps_running_requests_and_queue_time_shows_in_ttft(vocabulary
     peak, queued = asyncio.run(scenario())
     assert peak == 4
     assert max(queued[:4]) * 3 < min(queued[4:])  # the rest wait for a prefill and the first four's rounds
+
+
+def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() -> None:
+    meta = proto.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
+                                completion_tokens=2)
+    meta[proto.SIM_CHUNK_DUE_KEY] = [1.5, 2.25]
+    event = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], meta))
+    sent = [1764505000.123456, 1764505000.2]
+    expected = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
+    assert proto.NativeStreamEncoder.with_sent_times(event, sent) == expected
+    with pytest.raises(ValueError, match="meta_info"):
+        proto.NativeStreamEncoder.with_sent_times(event + proto.SSE_DONE, sent)
 
 
 def test_sim_config_rejects_bad_values() -> None:

@@ -52,7 +52,9 @@ class SimResponse(Response):
     """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime.
 
     A stream encodes each chunk when the engine computes the step, before the step's modelled end, so at the
-    deadline only the send is left. The final chunk is encoded at send time: it carries the send times.
+    deadline only the send is left. With --record-chunk-times the final native chunk gets its send times appended
+    as it is sent, and the response ends on a later turn of the loop: in a step where many requests finish,
+    encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
     """
 
     def __init__(self, ctx: Context, request: proto.EngineRequest, sim: SimRequest, faults: RequestFaults) -> None:
@@ -67,6 +69,7 @@ class SimResponse(Response):
         self._shown_ids = 0
         self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
+        self._stamp_final = request.api == "native" and ctx.config.record_chunk_times
         if request.stream:
             sim.encode = self._encode
 
@@ -97,15 +100,19 @@ class SimResponse(Response):
                 return
             payload = update.payload if update.payload is not None else self._chunk(update)
             self.sent_unix.append(time.time())
-            await send({"type": "http.response.body", "body": payload, "more_body": not update.finished})
+            if update.finished and self._stamp_final:
+                payload = proto.NativeStreamEncoder.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
+            await send({"type": "http.response.body", "body": payload, "more_body": True})
             chunks += 1
             if update.finished:
+                await asyncio.sleep(0)  # the response's end and teardown wait until the step's chunks are out
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             if chunks in self._fault_chunks:
                 await self._fault(chunks)
 
-    def _encode(self, update: Update) -> bytes | None:
-        return None if update.finished else self._chunk(update)
+    def _encode(self, update: Update) -> bytes:
+        return self._chunk(update)
 
     async def _fault(self, chunks: int) -> None:
         if chunks == self.faults.disconnect_after_chunk:
@@ -144,8 +151,9 @@ class SimResponse(Response):
             simulated=True,
         )
         if final and self.ctx.config.record_chunk_times:
-            meta[proto.SIM_CHUNK_SENT_KEY] = [*self.sent_unix, time.time()]
             meta[proto.SIM_CHUNK_DUE_KEY] = self.due_unix
+            if not self.request.stream:  # a stream's final chunk gets its send times as it is sent
+                meta[proto.SIM_CHUNK_SENT_KEY] = [time.time()]
         return meta
 
     def _text_delta(self, update: Update) -> str:
@@ -193,7 +201,8 @@ class SimResponse(Response):
             body = proto.generate_response_body(self._text_delta(update), output.ids[self._shown_ids :], meta)
         else:
             body = proto.generate_response_body(output.text, output.ids, meta)
-        return proto.sse_event(body) + proto.SSE_DONE
+        event = proto.sse_event(body)
+        return event if self._stamp_final else event + proto.SSE_DONE
 
     def _whole_body(self, update: Update) -> dict[str, Any]:
         sim, api = self.sim, self.request.api
