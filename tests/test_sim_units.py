@@ -263,9 +263,12 @@ def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() 
     event = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], meta))
     sent = [1764505000.123456, 1764505000.2]
     expected = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
-    assert proto.NativeStreamEncoder.with_sent_times(event, sent) == expected
+    encoder = proto.NativeStreamEncoder(incremental=False)
+    encoder.encode_sent_times(sent[:1])  # ahead of time, as the sim does while it computes a step
+    assert encoder.with_sent_times(event, sent) == expected
+    assert proto.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
     with pytest.raises(ValueError, match="meta_info"):
-        proto.NativeStreamEncoder.with_sent_times(event + proto.SSE_DONE, sent)
+        encoder.with_sent_times(event + proto.SSE_DONE, sent)
 
 
 def test_sim_config_rejects_bad_values() -> None:

@@ -101,7 +101,7 @@ class SimResponse(Response):
             payload = update.payload if update.payload is not None else self._chunk(update)
             self.sent_unix.append(time.time())
             if update.finished and self._stamp_final:
-                payload = proto.NativeStreamEncoder.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
+                payload = self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
             await send({"type": "http.response.body", "body": payload, "more_body": True})
             chunks += 1
             if update.finished:
@@ -192,6 +192,8 @@ class SimResponse(Response):
 
     def _native_chunk(self, update: Update) -> bytes:
         output = self.sim.output
+        if self._stamp_final:
+            self._native.encode_sent_times(self.sent_unix)
         meta = self._meta(update)
         if not update.finished:
             new_ids = output.ids[self._shown_ids : update.completion_tokens]
