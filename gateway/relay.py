@@ -12,9 +12,11 @@ Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, prin
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import time
-from collections.abc import Awaitable, Callable, Iterable
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +29,7 @@ from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics, request_labels
 from gateway.upstream import MID_STREAM, Opened
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
 Measure = Literal["exact", "estimated"]
 
 HOP_BY_HOP = frozenset({
@@ -145,49 +147,144 @@ class OpenAIStream:
 Observer = NativeStream | OpenAIStream
 
 
+@types.coroutine
+def _rest_of(coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[Any, Any, None]:
+    """The rest of `coroutine`, which yielded `waiting_on` when stepped by hand, as an awaitable: it does what
+    `await coroutine` would have done from there on (yield what it yields, pass results and exceptions in)."""
+    value = waiting_on
+    while True:
+        try:
+            try:
+                sent = yield value
+            except BaseException as exc:
+                value = coroutine.throw(exc)
+            else:
+                value = coroutine.send(sent)
+        except StopIteration:
+            return
+
+
+class StreamRelay:
+    """Relays an SSE body from the upstream connection's data callback: each piece is cut at event boundaries,
+    observed (timed at its arrival, tokens counted) and handed to the client's `send` before the next upstream
+    socket is read: no task is woken per chunk, and when a verify round makes every stream's chunk arrive at once,
+    each leaves as soon as it is read instead of after all of them (bench/RESULTS.md).
+
+    An ASGI `send` completes at once unless the client's socket pushes back; such a send is finished in a task
+    and later pieces queue behind it, in order. Observation never blocks the bytes: a body the observer cannot
+    read is still relayed. The request's task waits on `settled`, then ends the stream (`relay_stream`).
+    """
+
+    def __init__(self, send: Send, observer: Observer, exchange: Exchange) -> None:
+        self.send = send
+        self.observer = observer
+        self.exchange = exchange
+        self.pending = b""
+        """Bytes after the last whole event, held until their event is complete."""
+        self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Resolved when the upstream response has ended (its call's `done` says how) or a send failed."""
+        self.failure: Exception | None = None
+        self.catching_up: asyncio.Task[None] | None = None
+        self._backlog: list[bytes] = []
+        self._previous: float | None = None
+        self._watching = True
+
+    def received(self, now: float, data: bytes) -> None:
+        if self.settled.done():
+            return
+        if self.pending or not data.endswith(b"\n\n"):
+            self.pending += data
+            cut = event_boundary(self.pending)
+            if not cut:
+                return
+            data, self.pending = self.pending[:cut], self.pending[cut:]
+        if self._watching:
+            self._observe(now, data)
+        if self.catching_up is not None:
+            self._backlog.append(data)
+            return
+        sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            waiting_on = sending.send(None)
+        except StopIteration:
+            return
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self.catching_up = asyncio.ensure_future(self._catch_up(_rest_of(sending, waiting_on)))
+
+    def ended(self) -> None:
+        if not self.settled.done():
+            self.settled.set_result(None)
+
+    def _observe(self, now: float, events: bytes) -> None:
+        exchange = self.exchange
+        try:
+            produced = self.observer.feed(events)
+        except ProtocolError as exc:
+            exchange.unparsed, self._watching = str(exc), False
+            return
+        if produced <= 0:
+            return
+        if self._previous is None:
+            exchange.first = now
+        else:
+            exchange.chunk_gaps.append(now - self._previous)
+            if self.observer.exact_tokens:
+                exchange.token_gaps.append((now - self._previous, produced))
+        self._previous = now
+
+    async def _catch_up(self, rest: Awaitable[None]) -> None:
+        """Finish a send that had to wait for the client, then send what queued behind it until none is left."""
+        try:
+            await rest
+            while self._backlog:
+                body = b"".join(self._backlog)
+                self._backlog.clear()
+                await self.send({"type": "http.response.body", "body": body, "more_body": True})
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            self.catching_up = None
+
+    def _fail(self, exc: Exception) -> None:
+        self.failure = exc
+        self.ended()
+
+    def conclude(self) -> None:
+        """Record the request's acceptance, once the stream is complete."""
+        if self._watching:
+            try:
+                self.exchange.acceptance = self.observer.acceptance()
+            except ProtocolError as exc:
+                self.exchange.unparsed = str(exc)
+
+
 async def relay_stream(opened: Opened, send: Send, observer: Observer, exchange: Exchange) -> None:
-    """Pass an SSE body through as it arrives, whole events at a time; a failure after the first byte ends it with
-    an error event. Observation never blocks the bytes: a body the observer cannot read is still relayed.
-    Chunks are timed when their bytes arrived, not when this task got round to them."""
-    pending = b""
-    previous: float | None = None
-    watching = True
-    response, call = opened.response, opened.call
+    """Pass an SSE body through as it arrives, whole events at a time (`StreamRelay`); a failure after the first
+    byte ends it with an error event, never half an event."""
+    relay = StreamRelay(send, observer, exchange)
+    opened.response.attach(relay)
     try:
-        while (got := await response.read(call)) is not None:
-            now, data = got
-            if pending or not data.endswith(b"\n\n"):
-                pending += data
-                cut = event_boundary(pending)
-                if not cut:
-                    continue
-                data, pending = pending[:cut], pending[cut:]
-            if watching:
-                try:
-                    produced = observer.feed(data)
-                except ProtocolError as exc:
-                    exchange.unparsed, watching, produced = str(exc), False, 0
-                if produced > 0:
-                    if previous is None:
-                        exchange.first = now
-                    else:
-                        exchange.chunk_gaps.append(now - previous)
-                        if observer.exact_tokens:
-                            exchange.token_gaps.append((now - previous, produced))
-                    previous = now
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await relay.settled
+        if relay.catching_up is not None:  # no new one starts once settled
+            await relay.catching_up
+    finally:
+        relay.ended()  # pieces that still arrive before the upstream is released are not the client's
+        if relay.catching_up is not None:
+            relay.catching_up.cancel()
+    if relay.failure is not None:
+        raise relay.failure
+    try:
+        opened.call.done.result()
     except MID_STREAM as exc:
         exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
         message = f"upstream replica failed mid-stream ({type(exc).__name__})"
         await send({"type": "http.response.body", "body": sglang.stream_error_events(message, "upstream_error", 502),
                     "more_body": False})
         return
-    if watching:
-        try:
-            exchange.acceptance = observer.acceptance()
-        except ProtocolError as exc:
-            exchange.unparsed = str(exc)
-    await send({"type": "http.response.body", "body": pending, "more_body": False})
+    relay.conclude()
+    await send({"type": "http.response.body", "body": relay.pending, "more_body": False})
 
 
 def measure_whole(api: str, body: bytes) -> Acceptance:

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
@@ -55,36 +56,44 @@ class UpstreamFailure(Exception):
         self.kind = kind
 
 
+class Sink(Protocol):
+    """Where a response's body pieces go once attached: called from the connection's data callback."""
+
+    def received(self, now: float, data: bytes) -> None: ...
+
+    def ended(self) -> None: ...
+
+
 class Incoming(Response):
-    """An upstream response as it arrives: body pieces wait here for the relay task, woken once per batch."""
+    """An upstream response as it arrives. Body pieces are kept (a whole response is read once complete) until a
+    `Sink` is attached (a stream's relay); from then on each piece goes to it from the connection's data callback,
+    so no task is woken per chunk."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._wake: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
+        self._ended = False
 
     def received(self, now: float, data: bytes) -> None:
-        self.pieces.append((now, data))
-        self._wake_reader()
+        if self.sink is None:
+            self.pieces.append((now, data))
+        else:
+            self.sink.received(now, data)
 
     def ended(self) -> None:
-        self._wake_reader()
+        self._ended = True
+        if self.sink is not None:
+            self.sink.ended()
 
-    def _wake_reader(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
-
-    async def read(self, call: Call) -> tuple[float, bytes] | None:
-        """Everything that arrived since the last read, with the arrival time of its last piece; None at the end.
-        Raises the transport's failure (`Disconnected`, `BadResponse`, `ReadTimeout`)."""
-        while not self.pieces:
-            if call.done.done():
-                call.done.result()
-                return None
-            self._wake = asyncio.get_running_loop().create_future()
-            await self._wake
-        pieces = self.pieces
+    def attach(self, sink: Sink) -> None:
+        """Give `sink` what arrived so far, then each piece as it arrives, then the end (the call's `done` says
+        how it ended)."""
+        self.sink = sink
+        for now, data in self.pieces:
+            sink.received(now, data)
         self.pieces = []
-        return pieces[-1][0], pieces[0][1] if len(pieces) == 1 else b"".join(piece for _, piece in pieces)
+        if self._ended:
+            sink.ended()
 
 
 MID_STREAM = (Disconnected, BadResponse, ReadTimeout)
