@@ -180,6 +180,10 @@ Target: p99 < 2 ms at {args.streams} streams. This run: {verdicts}.
 Reading the rows: a step's chunks are due at one instant and leave one after another, so a chunk's lateness is
 about the step's wake error plus its place in the step times the per-chunk cost. With every stream running, a
 step carries {args.streams} chunks, so its last one leaves about {args.streams} times the per-chunk cost late.
+Every request here has the same prompt, so their acceptance draws match and requests admitted together finish in the
+same step; with every stream running, the requests that replace them all arrive at once and are parsed on the
+sim's one event loop (SGLang tokenizes in a separate process), which can make the next step wake late: that
+row's max and first-chunk p99 (a percentile over about a hundred steps).
 """
     if not args.no_write:
         write_section(SECTION, body)

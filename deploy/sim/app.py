@@ -52,9 +52,9 @@ class SimResponse(Response):
     """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime.
 
     A stream encodes each chunk when the engine computes the step, before the step's modelled end, so at the
-    deadline only the send is left. With --record-chunk-times the final native chunk gets its send times appended
-    as it is sent, and the response ends on a later turn of the loop: in a step where many requests finish,
-    encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
+    deadline only the send is left. Only the send times of --record-chunk-times are added to a final native chunk
+    as it is sent, and a stream ends its response on a later turn of the loop: in a step where many requests
+    finish, encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
     """
 
     def __init__(self, ctx: Context, request: proto.EngineRequest, sim: SimRequest, faults: RequestFaults) -> None:
@@ -69,7 +69,7 @@ class SimResponse(Response):
         self._shown_ids = 0
         self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
-        self._stamp_final = request.api == "native" and ctx.config.record_chunk_times
+        self._stamp_final = request.stream and request.api == "native" and ctx.config.record_chunk_times
         if request.stream:
             sim.encode = self._encode
 
