@@ -36,11 +36,11 @@ def sse(obj: Any) -> bytes:
 class Stub:
     """A scripted SGLang stand-in in a background thread. `x-stub` request header picks a behaviour."""
 
-    def __init__(self, status: int = 200) -> None:
+    def __init__(self, status: int = 200, port: int | None = None) -> None:
         self.status = status
         self.seen: list[dict[str, Any]] = []
         self.cancelled = threading.Event()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -278,20 +278,31 @@ def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tup
 
 
 def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:
+    dead_port = free_port()
+    dead = f"http://{LOOPBACK}:{dead_port}"
+
+    def wait_for(name: str, value: float) -> str:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = httpx.get(gw + "/metrics").text
+            if metric(text, name, replica=dead) == value:
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"{name}{{replica={dead}}} never reached {value}")
+
     with Stub() as good:
-        dead = f"http://{LOOPBACK}:{free_port()}"
         arms = {"a": {"weight": 1, "replicas": [dead, good.url]}}
         with gateway_server(write_config(tmp_path, arms)) as gw:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                text = httpx.get(gw + "/metrics").text
-                if metric(text, "dfserve_replica_ejections_total", replica=dead) >= 1:
-                    break
-                time.sleep(0.1)
+            text = wait_for("dfserve_replica_ejections_total", 1)
             assert metric(text, "dfserve_replica_healthy", replica=dead) == 0
             assert metric(text, "dfserve_replica_healthy", replica=good.url) == 1
             for _ in range(4):
                 assert httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code == 200
+            with Stub(port=dead_port) as revived:  # the replica comes back: the next health check re-admits it
+                wait_for("dfserve_replica_healthy", 1)
+                replies = [httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM) for _ in range(8)]
+                assert {r.headers["x-dfserve-replica"] for r in replies} == {dead, good.url}
+                assert revived.seen
 
 
 def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
