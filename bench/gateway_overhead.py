@@ -222,12 +222,12 @@ async def closed_loop(url: str, headers: dict[str, str], concurrency: int, reque
     step clock: a closed loop would otherwise send each request right after a step and measure the phase of the
     engine's schedule rather than the path.
     """
+    sampling = sglang.SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     if native:
-        payload = {"text": "def add(a, b):", "stream": True,
-                   "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}}
+        payload = sglang.generate_body("def add(a, b):", sampling, stream=True)
     else:
-        payload = {"model": "qwen", "messages": [{"role": "user", "content": "Write a function that adds."}],
-                   "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        payload = sglang.chat_body("qwen", [{"role": "user", "content": "Write a function that adds."}], sampling,
+                                   stream=True)
     body = json.dumps(payload).encode()
     headers = {"Content-Type": "application/json", **headers}
     sample = Sample()
