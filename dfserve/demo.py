@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
-import httpx
 
 from dfserve.errors import UserError
+from dfserve.listen import wait_healthy
 
 LOOPBACK = "127.0.0.1"
 ARMS = (("baseline", "zlab"), ("candidate", "sim:inhouse"))
@@ -41,18 +41,6 @@ def _dfserve(*args: str) -> list[str]:
 
 def _say(message: str) -> None:
     click.secho(message, fg="cyan", bold=True)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise UserError(f"the gateway exited with {process.returncode}; see {log}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise UserError(f"{url} did not answer within {timeout_s:.0f} s; see {log}")
 
 
 class Stack:
@@ -84,7 +72,9 @@ class Stack:
             self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         (self.root / "gateway.pid").write_text(f"{self.gateway.pid}\n")
         url = f"http://{LOOPBACK}:{port}"
-        _wait_healthy(f"{url}/health", self.gateway, log)
+        failure = wait_healthy(f"{url}/health", self.gateway, 30.0)
+        if failure is not None:
+            raise UserError(f"the gateway {failure}; see {log}")
         click.echo(f"gateway: {url} (arms {', '.join(upstreams)}; log {log})")
         return url
 

@@ -1,4 +1,5 @@
-"""Listening sockets bound before a server starts: a taken port is one clear line naming the flag, not a traceback.
+"""Servers we start: sockets bound before they start (a taken port is one clear line naming the flag, not a
+traceback), and waiting until one answers.
 
     sock = bind("127.0.0.1", 8080, "--port")
     await uvicorn.Server(config).serve(sockets=[sock])
@@ -6,8 +7,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
+import subprocess
+import time
+
+import httpx
 
 from dfserve.errors import UserError
 
@@ -35,3 +41,16 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
 def ensure_free(host: str, port: int, flag: str = "--port") -> None:
     """Fail before anything is created if the port is taken (for servers that a child process will bind)."""
     bind(host, port, flag).close()
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """Poll `url` until it answers 200; None when it does, else why not (the process exited, or time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"exited with status {process.returncode} before {url} answered"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return None
+        time.sleep(0.05)
+    return f"{url} did not answer within {timeout_s:g} s"

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import httpx
+from dfserve.listen import wait_healthy
 
 LOOPBACK = "127.0.0.1"
 
@@ -23,25 +22,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before {url} answered")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
-
-
 @contextlib.contextmanager
 def serve(argv: Sequence[str], health_url: str, log: Path | None = None, timeout_s: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
     """Run `argv` until the block ends; SIGTERM, then SIGKILL after 5 s."""
     out = log.open("wb") if log else subprocess.DEVNULL
     process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(health_url, process, timeout_s)
+        failure = wait_healthy(health_url, process, timeout_s)
+        if failure is not None:
+            raise RuntimeError(f"server {failure}")
         yield process
     finally:
         if process.poll() is None:
