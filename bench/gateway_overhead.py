@@ -22,13 +22,11 @@ import os
 import platform
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -38,13 +36,16 @@ import aiohttp
 import numpy as np
 import uvloop
 
-from dfserve import sglang
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.results import write_section  # noqa: E402
+from dfserve import sglang  # noqa: E402
+from tests.servers import serve  # noqa: E402
+
 PEERS_VENV = ROOT / "bench" / ".peers"
 PEER_PINS = ("sglang-router==0.3.2", "litellm[proxy]==1.108.7")
-RESULTS = ROOT / "bench" / "RESULTS.md"
-BEGIN, END = "<!-- gateway_overhead:begin -->", "<!-- gateway_overhead:end -->"
+SECTION = "gateway_overhead"
 LOOPBACK = "127.0.0.1"
 LITELLM_KEY = "sk-dfserve-bench-local-only"
 
@@ -64,7 +65,6 @@ SIM_SNIPPET = (
 )
 
 
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, whatever the environment
 CONTENT = re.compile(rb'"content":\s*"[^"]')
 NATIVE_EVENT = re.compile(rb"data: \{")
 
@@ -86,37 +86,11 @@ def ensure_peers() -> Path:
     return python
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
-        try:
-            with _OPENER.open(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
 @contextmanager
 def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
-    """Run `argv` in its own process group until the block ends; yields the group id."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})}, cwd=ROOT)
-        try:
-            wait_ready(ready_url, proc)
-            yield proc.pid
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    """Run `argv` in its own process group until the block ends; yields the group id (for its CPU time)."""
+    with serve(argv, ready_url, log, timeout_s=120, env=env) as proc:
+        yield proc.pid
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -354,7 +328,6 @@ def verdict(rows: list[Row], streams: int = 64) -> str:
 
 def write_results(rows: list[Row], command: str, versions: str) -> None:
     section = "\n".join([
-        BEGIN,
         "## Gateway overhead (`bench/gateway_overhead.py`)",
         "",
         f"Command: `{command}`",
@@ -384,15 +357,8 @@ def write_results(rows: list[Row], command: str, versions: str) -> None:
         table(rows, "chat"),
         "",
         verdict(rows),
-        "",
-        END,
     ])
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    write_section(SECTION, section)
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
         if process.poll() is not None:
             return f"exited with status {process.returncode} before {url} answered"
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if httpx.get(url, timeout=1.0, trust_env=False).status_code == 200:  # loopback: never via a proxy
                 return None
         time.sleep(0.05)
     return f"{url} did not answer within {timeout_s:g} s"

@@ -23,23 +23,25 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(argv: Sequence[str], health_url: str, log: Path | None = None, timeout_s: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `argv` until the block ends; SIGTERM, then SIGKILL after 5 s."""
+def serve(argv: Sequence[str], health_url: str, log: Path | None = None, timeout_s: float = 30.0,
+          env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `argv` in a process group of its own until the block ends; SIGTERM to the group, SIGKILL after 5 s."""
     out = log.open("wb") if log else subprocess.DEVNULL
-    process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, **env} if env else None)
     try:
         failure = wait_healthy(health_url, process, timeout_s)
         if failure is not None:
-            raise RuntimeError(f"server {failure}")
+            raise RuntimeError(f"{argv[0]} {failure}")
         yield process
     finally:
-        if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # the leader may be gone while its workers are not
             os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         if log:
             out.close()  # type: ignore[union-attr]
 
