@@ -2,12 +2,15 @@
 
 One simulated engine (dfserve's sim, latency set so that chunks come at a steady pace whatever the load) is reached
 four ways: directly, through `dfserve gateway`, through `sglang-router` and through a LiteLLM proxy. A closed-loop
-aiohttp + uvloop client streams chat completions at 1, 64 and 256 concurrent streams through each and records, per
-request, the time to the first content chunk and the gaps between content chunks. Added latency is each path's
-percentile minus the direct path's; CPU per streamed chunk is the proxy's process-group CPU time over the chunks the
-client received. The peers live in a git-ignored venv (bench/.peers), installed on first use.
+aiohttp + uvloop client streams native `/generate` and chat completions at 1, 64 and 256 concurrent streams through
+each and records, per request, the time to the first chunk and the gaps between chunks; for native streams the
+simulator's own send times split each figure into the engine's part and the path's. Added latency is each path's
+percentile minus the direct path's; CPU per streamed chunk is the proxy's process-group CPU time over the chunks
+the client received. The client and the simulator run on CPU 0 and each proxy on the other cores (`--no-pin` to
+not), and each path's runs are interleaved with the others' and pooled (`--repeats`). The peers live in a
+git-ignored venv (bench/.peers), installed on first use.
 
-    flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py
+    flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py --cpu-split
 
 Writes its section of bench/RESULTS.md. Targets: p99 added TTFT < 2 ms and p99 added chunk gap < 1 ms at 64 streams.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
 import platform
@@ -86,9 +90,24 @@ def ensure_peers() -> Path:
     return python
 
 
+def pin_processes() -> str | None:
+    """Put this client (and the sim it starts) on CPU 0 and return the other CPUs, for the proxy: each proxy then
+    has cores of its own, as in a deployment, instead of being preempted by the client it wakes with every write
+    (bench/RESULTS.md). None on a single-core machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    os.sched_setaffinity(0, {cpus[0]})
+    return ",".join(str(cpu) for cpu in cpus[1:])
+
+
 @contextmanager
-def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
-    """Run `argv` in its own process group until the block ends; yields the group id (for its CPU time)."""
+def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] | None = None,
+            cpus: str | None = None) -> Iterator[int]:
+    """Run `argv` (on `cpus`, every thread, if given) in its own process group until the block ends; yields the
+    group id (for its CPU time)."""
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]
     with serve(argv, ready_url, log, timeout_s=120, env=env) as proc:
         yield proc.pid
 
@@ -116,9 +135,22 @@ class Sample:
     gaps_s: list[float] = field(default_factory=list)
     transport_s: list[float] = field(default_factory=list)
     delivery_s: list[float] = field(default_factory=list)
+    gap_path_s: list[float] = field(default_factory=list)
     sim_late_s: list[float] = field(default_factory=list)
     chunks: int = 0
     errors: int = 0
+    elapsed_s: float = 0.0
+    cpu_s: float | None = None
+
+    def absorb(self, other: Sample) -> None:
+        """Pool another run's figures into these (the runs of one path are interleaved with the other paths')."""
+        for name in ("ttft_s", "gaps_s", "transport_s", "delivery_s", "gap_path_s", "sim_late_s"):
+            getattr(self, name).extend(getattr(other, name))
+        self.chunks += other.chunks
+        self.errors += other.errors
+        self.elapsed_s += other.elapsed_s
+        if other.cpu_s is not None:
+            self.cpu_s = (self.cpu_s or 0.0) + other.cpu_s
 
 
 class Stream:
@@ -154,7 +186,9 @@ def attribute(stream: Stream, sample: Sample) -> bool:
 
     The sim reports when it sent each chunk, when its model scheduled each chunk, and the request's queue time, so
     it received the request at `due[0] - prefill - queue_time`. Transport is then (receipt - client send) plus
-    (first chunk's arrival - its send): all the time the path, not the engine, spent on the first token.
+    (first chunk's arrival - its send): all the time the path, not the engine, spent on the first token. A gap's
+    path share is the client's gap minus the engine's gap between the same two chunks (the change in delivery
+    time): what the path added to it, free of the engine's steps, which a prefill can stretch by a whole round.
     """
     meta = sglang.parse_native_event(stream.final[6:].decode())
     if not isinstance(meta, sglang.NativeChunk):
@@ -165,7 +199,9 @@ def attribute(stream: Stream, sample: Sample) -> bool:
         return False
     received = due[0] - PREFILL_S - info.queue_time_s
     sample.transport_s.append(received - stream.sent_unix + stream.event_arrivals[0] - sent[0])
-    sample.delivery_s.extend(a - s for a, s in zip(stream.event_arrivals, sent, strict=True))
+    delivery = [a - s for a, s in zip(stream.event_arrivals, sent, strict=True)]
+    sample.delivery_s.extend(delivery)
+    sample.gap_path_s.extend(later - earlier for earlier, later in itertools.pairwise(delivery))
     sample.sim_late_s.extend(s - d for s, d in zip(sent, due, strict=False))
     return True
 
@@ -189,7 +225,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
 
 
 async def closed_loop(url: str, headers: dict[str, str], concurrency: int, requests: int, args: argparse.Namespace,
-                      native: bool) -> tuple[Sample, float]:
+                      native: bool) -> Sample:
     """`concurrency` workers each streaming one request after another until `requests` are done or time is up.
 
     Each worker pauses a random 0-10 ms (seeded) between requests, so arrivals do not lock onto the simulator's
@@ -222,7 +258,8 @@ async def closed_loop(url: str, headers: dict[str, str], concurrency: int, reque
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return sample, time.perf_counter() - started
+    sample.elapsed_s = time.perf_counter() - started
+    return sample
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -240,28 +277,35 @@ class Row:
     gap: tuple[float, float]
     transport: tuple[float, float]
     delivery: tuple[float, float]
+    gap_path: tuple[float, float]
     sim_late: tuple[float, float]
     cpu_us_per_chunk: float | None
     chunks_per_s: float
 
 
-def measure(api: str, path: str, url: str, headers: dict[str, str], pgid: int | None, concurrency: int,
-            args: argparse.Namespace) -> Row:
+def measure(api: str, url: str, headers: dict[str, str], pgid: int | None, concurrency: int,
+            args: argparse.Namespace) -> Sample:
     requests = max(args.min_requests, concurrency * args.rounds)
     cpu_before = group_cpu_s(pgid) if pgid else 0.0
-    sample, elapsed = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
-    cpu = (group_cpu_s(pgid) - cpu_before) if pgid else None
+    sample = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
+    sample.cpu_s = (group_cpu_s(pgid) - cpu_before) if pgid else None
+    return sample
 
+
+def summarize(api: str, path: str, concurrency: int, sample: Sample) -> Row:
     def p50_p99(values: list[float]) -> tuple[float, float]:
         return pct(values, 50), pct(values, 99)
 
+    cpu = sample.cpu_s
     row = Row(api, path, concurrency, len(sample.ttft_s), sample.errors, p50_p99(sample.ttft_s),
-              p50_p99(sample.gaps_s), p50_p99(sample.transport_s), p50_p99(sample.delivery_s), p50_p99(sample.sim_late_s),
-              cpu / sample.chunks * 1e6 if cpu is not None and sample.chunks else None, sample.chunks / elapsed)
+              p50_p99(sample.gaps_s), p50_p99(sample.transport_s), p50_p99(sample.delivery_s),
+              p50_p99(sample.gap_path_s), p50_p99(sample.sim_late_s),
+              cpu / sample.chunks * 1e6 if cpu is not None and sample.chunks else None,
+              sample.chunks / sample.elapsed_s if sample.elapsed_s else 0.0)
     print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
           f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
-          f"{row.delivery[1]:6.2f} | cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s",
+          f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s",
           flush=True)
     return row
 
@@ -283,7 +327,8 @@ def table(rows: list[Row], api: str) -> str:
     direct = {r.concurrency: r for r in rows if r.path == "direct"}
     exact = api == "native"
     head = ("| path | streams | requests | errors | TTFT p50 / p99 | added TTFT | chunk gap p50 / p99 | added gap "
-            + ("| transport p50 / p99 | added transport | delivery p50 / p99 | added delivery | sim lateness "
+            + ("| transport p50 / p99 | added transport | delivery p50 / p99 | added delivery "
+               "| gap on path p50 / p99 | added gap on path | sim lateness "
                if exact else "")
             + "| CPU per chunk (µs) | chunks/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -293,70 +338,137 @@ def table(rows: list[Row], api: str) -> str:
                  fmt(r.gap), added(r, d, "gap")]
         if exact:
             cells += [fmt(r.transport), added(r, d, "transport"), fmt(r.delivery), added(r, d, "delivery"),
-                      fmt(r.sim_late)]
+                      fmt(r.gap_path), added(r, d, "gap_path"), fmt(r.sim_late)]
         cells += ["—" if r.cpu_us_per_chunk is None else f"{r.cpu_us_per_chunk:.1f}", f"{r.chunks_per_s:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+FIGURES = {"native": ("transport", "gap_path"), "chat": ("ttft", "gap")}
+"""Per API, the figures the targets are checked on: native streams have the exact attribution (the path's share
+of TTFT and of each gap); chat has only what the client sees."""
+
+
 def verdict(rows: list[Row], streams: int = 64) -> str:
     """The targets at `streams`, checked on this run's figures: p99 added TTFT < 2 ms, p99 added chunk gap < 1 ms,
-    and less added TTFT and gap than each peer."""
+    less added TTFT (p50 and p99) and gap (p99) than each peer, and CPU per chunk beside each peer's."""
     def find(api: str, path: str) -> Row | None:
         return next((r for r in rows if (r.api, r.path, r.concurrency) == (api, path, streams)), None)
 
     checks = []
-    for api, ttft_field, gap_fields in (("native", "transport", ("gap", "delivery")), ("chat", "ttft", ("gap",))):
+    for api, (ttft_name, gap_name) in FIGURES.items():
         direct, gateway = find(api, "direct"), find(api, "gateway")
         if direct is None or gateway is None:
             continue
-        for name, limit in ((ttft_field, 2.0), *((g, 1.0) for g in gap_fields)):
+        for name, limit in ((ttft_name, 2.0), (gap_name, 1.0)):
             extra = getattr(gateway, name)[1] - getattr(direct, name)[1]
             checks.append(f"{api} {name} p99 {extra:+.2f} ms (< {limit:g}: {'met' if extra < limit else 'NOT met'})")
         for peer in ("sglang-router", "litellm"):
             other = find(api, peer)
-            if other is not None:
-                # Gap p50 is left out: a saturated proxy delivers chunks in bunches, which shrinks it.
-                mine, theirs = getattr(gateway, ttft_field), getattr(other, ttft_field)
-                lower = mine[0] <= theirs[0] and mine[1] <= theirs[1] and gateway.gap[1] <= other.gap[1]
-                cpu = gateway.cpu_us_per_chunk is not None and other.cpu_us_per_chunk is not None and (
-                    gateway.cpu_us_per_chunk < other.cpu_us_per_chunk)
-                checks.append(f"{api} vs {peer}: {ttft_field} p50/p99 and gap p99 {'lower' if lower else 'NOT all lower'}"
-                              f", CPU per chunk {'lower' if cpu else 'NOT lower'}")
+            if other is None:
+                continue
+            # Gap p50 is left out: a saturated proxy delivers chunks in bunches, which shrinks it.
+            mine, theirs = getattr(gateway, ttft_name), getattr(other, ttft_name)
+            lower = mine[0] <= theirs[0] and mine[1] <= theirs[1] and getattr(gateway, gap_name)[1] <= getattr(
+                other, gap_name)[1]
+            checks.append(f"{api} vs {peer}: {ttft_name} p50/p99 and {gap_name} p99 "
+                          f"{'lower' if lower else 'NOT all lower'}")
+            if gateway.cpu_us_per_chunk is not None and other.cpu_us_per_chunk is not None:
+                ratio = gateway.cpu_us_per_chunk / other.cpu_us_per_chunk
+                checks.append(f"{api} CPU per chunk {ratio:.2f}x {peer}'s ({'lower' if ratio < 1 else 'NOT lower'})")
     return f"Targets at {streams} streams, this run: " + "; ".join(checks) + "."
 
 
-def write_results(rows: list[Row], command: str, versions: str) -> None:
+@dataclass
+class Cost:
+    path: str
+    per_request_us: float
+    per_chunk_us: float
+    chunks_per_request: tuple[float, float]
+
+
+SPLIT_TOKENS = (64, 1024)
+SPLIT_STREAMS = 64
+
+
+def cpu_split(endpoints: dict[str, tuple[str, dict[str, str], int | None]], args: argparse.Namespace) -> list[Cost]:
+    """Each proxy's CPU time split into a cost per request and a cost per chunk: native streams of two lengths at
+    64 streams, interleaved, then CPU = per_request x requests + per_chunk x chunks solved from the two."""
+    pooled: dict[tuple[str, int], Sample] = {}
+    for _ in range(args.repeats):
+        for tokens in SPLIT_TOKENS:
+            for path, (base, headers, pgid) in endpoints.items():
+                run_args = argparse.Namespace(**{**vars(args), "max_tokens": tokens})
+                sample = measure("native", base + "/generate", headers, pgid, SPLIT_STREAMS, run_args)
+                pooled.setdefault((path, tokens), Sample()).absorb(sample)
+    costs = []
+    for path in endpoints:
+        (short, long) = (pooled[path, tokens] for tokens in SPLIT_TOKENS)
+        matrix = [[len(s.ttft_s), s.chunks] for s in (short, long)]
+        per_request_s, per_chunk_s = np.linalg.solve(np.asarray(matrix, float), [short.cpu_s or 0, long.cpu_s or 0])
+        costs.append(Cost(path, per_request_s * 1e6, per_chunk_s * 1e6,
+                          (short.chunks / len(short.ttft_s), long.chunks / len(long.ttft_s))))
+    return costs
+
+
+def cost_table(costs: list[Cost]) -> str:
+    if not costs:
+        return ""
+    lines = ["| proxy | CPU per request (µs) | CPU per chunk (µs) | chunks per request |", "|---|---|---|---|"]
+    for c in costs:
+        lines.append(f"| {c.path} | {c.per_request_us:.0f} | {c.per_chunk_us:.1f} | "
+                     f"{c.chunks_per_request[0]:.1f} and {c.chunks_per_request[1]:.1f} |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[Row], command: str, versions: str, pinned: bool, repeats: int,
+                  costs: list[Cost]) -> None:
     section = "\n".join([
         "## Gateway overhead (`bench/gateway_overhead.py`)",
         "",
         f"Command: `{command}`",
         "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, {os.cpu_count()} cores, "
-        "loopback only. **The machine was shared** with other work while this ran, so absolute figures (and p99s "
-        "above all) carry noise; each row is one run. One simulated engine (zlab profile, a 10 ms prefill step, "
-        "then a 10 ms verify round per chunk at any load, no jitter) served every path. The client (aiohttp + "
-        "uvloop, closed loop, an unmeasured warm-up round, a random 0-10 ms pause between requests so arrivals "
-        "do not lock onto the engine's step clock) shares the machine with the simulator and the proxy. All "
-        "times in ms; `added` = the path's p50 / p99 minus the direct connection's at the same concurrency. CPU "
-        f"per chunk is the proxy's process-group CPU time over the chunks the client received. {versions}",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, {os.cpu_count()} cores "
+        "(a VM whose host is shared, so run-to-run noise is large), loopback only. One simulated engine (zlab "
+        "profile, a 10 ms prefill step, then a 10 ms verify round per chunk at any load, no jitter) served every "
+        "path. The client (aiohttp + uvloop, closed loop, an unmeasured warm-up round, a random 0-10 ms pause "
+        "between requests so arrivals do not lock onto the engine's step clock) and the simulator share CPU 0; "
+        + ("each proxy runs alone on the other cores, as it would in a deployment (sharing a core with the client "
+           "it wakes on every write, a proxy is preempted mid-burst and its tail shows the scheduler, not the "
+           "proxy). " if pinned else "nothing is pinned (`--no-pin`). ")
+        + f"Each row pools {repeats} runs, interleaved with the other paths' runs so that the host's slow spells "
+        "fall on every path alike. All times in ms; `added` = the path's p50 / p99 minus the direct connection's "
+        "at the same concurrency. CPU per chunk is the proxy's process-group CPU time over the chunks the client "
+        f"received. {versions}",
         "",
         "**Native `/generate`, exact attribution.** The simulator records when it sent each chunk and when it "
         "received each request (`--record-chunk-times`), so *transport* = (engine receipt - client send) + "
         "(first chunk's arrival - its send): the part of TTFT spent on the path, free of the engine's schedule; "
-        "*delivery* = each chunk's arrival - its send. The attribution holds while the simulator keeps to its "
-        "model's schedule: *sim lateness* (chunk sent - chunk due) says how far it fell behind; where that is "
-        "several ms, its modelled times no longer mark when it took a request and transport is unreliable (it can "
-        "even go negative). LiteLLM has no native route.",
+        "*delivery* = each chunk's arrival - its send; *gap on path* = the client's gap between two chunks minus "
+        "the engine's gap between sending them: the part of each chunk gap spent on the path. The raw TTFT and "
+        "gap also carry the engine's schedule: a request waits up to a round for the next step, and a prefill "
+        "step (DFlash runs no mixed prefill) stretches every running stream's gap to 20 ms, so where p99 falls "
+        "among those depends on how arrivals meet the step clock, a few ms either way from run to run. The "
+        "attribution holds while the simulator keeps to its model's schedule: *sim lateness* (chunk sent - chunk "
+        "due) says how far it fell behind. LiteLLM has no native route; the targets are checked on transport and "
+        "gap on path.",
         "",
         table(rows, "native"),
         "",
         "**OpenAI chat, end to end.** TTFT and gaps as the client sees them (content chunks only), for all four "
-        "paths; the engine's step clock adds up to one round of phase noise to TTFT, the same for every path.",
+        "paths, with the engine's step clock in them as above (the relay is the same code as for native streams; "
+        "only the observer differs). sglang-router holds each stream's first chunk for about 30 ms, which lets "
+        "the next ones catch up and hides early prefill gaps: its lower raw gap p99 is that, not a faster "
+        "path.",
         "",
         table(rows, "chat"),
         "",
         verdict(rows),
+        *(["", f"**Where the CPU goes.** Native streams of {SPLIT_TOKENS[0]} and {SPLIT_TOKENS[1]} tokens at "
+            f"{SPLIT_STREAMS} streams, each proxy's CPU time solved into a cost per request and a cost per chunk "
+            "(`--cpu-split`). The syscalls per chunk are the same for every proxy (strace: one read and one write "
+            "per chunk, one epoll wait per burst); the rest is each one's own code.", "", cost_table(costs)]
+          if costs else []),
     ])
     write_section(SECTION, section)
 
@@ -365,14 +477,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,64,256", help="Comma-separated stream counts.")
     parser.add_argument("--paths", default="direct,gateway,sglang-router,litellm")
-    parser.add_argument("--rounds", type=int, default=6, help="Requests per stream slot at each concurrency.")
-    parser.add_argument("--min-requests", type=int, default=60)
-    parser.add_argument("--budget-s", type=float, default=25.0, help="Time cap per (path, concurrency).")
+    parser.add_argument("--rounds", type=int, default=6, help="Requests per stream slot in each run.")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="Runs per (path, API, concurrency), interleaved across the paths and pooled.")
+    parser.add_argument("--min-requests", type=int, default=30, help="Requests per run at least (for 1 stream).")
+    parser.add_argument("--budget-s", type=float, default=25.0, help="Time cap per run.")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
+    parser.add_argument("--cpu-split", action="store_true",
+                        help="Also split each proxy's CPU into a cost per request and a cost per chunk.")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
     args = parser.parse_args()
     gc.collect()
     gc.freeze()  # the client's own full collections would otherwise show up as latency
+    proxy_cpus = pin_processes() if args.pin else None
     paths = args.paths.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     peer_python = ensure_peers() if {"sglang-router", "litellm"} & set(paths) else None
@@ -388,13 +507,15 @@ def main() -> None:
             port = free_port()
             argv = [str(ROOT / ".venv" / "bin" / "dfserve"), "gateway", "--host", LOOPBACK, "--port", str(port),
                     "--arm", f"a=1@{sim_url}", "--scrape-interval", "15"]
-            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log"))
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log",
+                                               cpus=proxy_cpus))
             endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
         if "sglang-router" in paths and peer_python:
             port = free_port()
             argv = [str(peer_python), "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
                     "--worker-urls", sim_url, "--policy", "round_robin"]
-            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "router.log"))
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "router.log",
+                                               cpus=proxy_cpus))
             endpoints["sglang-router"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
         if "litellm" in paths and peer_python:
             port = free_port()
@@ -409,24 +530,36 @@ def main() -> None:
                     "--port", str(port), "--num_workers", "1"]
             env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health/liveliness",
-                                               logs / "litellm.log", env))
+                                               logs / "litellm.log", env, cpus=proxy_cpus))
             endpoints["litellm"] = (f"http://{LOOPBACK}:{port}", {"Authorization": f"Bearer {LITELLM_KEY}"}, pgid)
         for concurrency in levels:
-            for api, route in (("native", "/generate"), ("chat", "/v1/chat/completions")):
-                for path in paths:
-                    # LiteLLM speaks only the OpenAI routes.
-                    if path in endpoints and not (api == "native" and path == "litellm"):
-                        base, headers, group = endpoints[path]
-                        rows.append(measure(api, path, base + route, headers, group, concurrency, args))
+            pooled: dict[tuple[str, str], Sample] = {}
+            for repeat in range(args.repeats):
+                for api, route in (("native", "/generate"), ("chat", "/v1/chat/completions")):
+                    for path in paths:
+                        # LiteLLM speaks only the OpenAI routes.
+                        if path in endpoints and not (api == "native" and path == "litellm"):
+                            base, headers, group = endpoints[path]
+                            sample = measure(api, base + route, headers, group, concurrency, args)
+                            print(f"  run {repeat + 1}/{args.repeats}: ", end="")
+                            summarize(api, path, concurrency, sample)
+                            pooled.setdefault((api, path), Sample()).absorb(sample)
+            print("pooled:")
+            rows.extend(summarize(api, path, concurrency, sample) for (api, path), sample in pooled.items())
+        costs = []
+        if args.cpu_split:
+            proxies = [p for p in paths if p in endpoints and p not in ("direct", "litellm")]
+            costs = cpu_split({p: endpoints[p] for p in proxies}, args)
     print(table(rows, "native"))
     print(table(rows, "chat"))
+    print(cost_table(costs))
     print(f"logs: {logs}")
     if not args.no_write:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         versions = (f"dfserve at commit {commit.stdout.strip() or 'unknown'}; peers " + ", ".join(PEER_PINS)
                     + f"; Python {platform.python_version()}.")
         write_results(rows, "flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py "
-                      + " ".join(sys.argv[1:]), versions)
+                      + " ".join(sys.argv[1:]), versions, proxy_cpus is not None, args.repeats, costs)
 
 
 if __name__ == "__main__":

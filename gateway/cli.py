@@ -36,8 +36,8 @@ class _Server:
                 yield
 
         config = uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", lifespan="off",
-                                access_log=False, server_header=False, date_header=False, log_level="warning",
-                                timeout_keep_alive=75)
+                                access_log=False, server_header=False, date_header=False, proxy_headers=False,
+                                log_level="warning", timeout_keep_alive=75)
         self.server = Quiet(config)
         self.sock = bind(host, port, flag)
 

@@ -26,7 +26,7 @@ from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
 from dfserve.http1 import ReadTimeout
-from dfserve.metrics import DfserveMetrics, request_labels
+from dfserve.metrics import DfserveMetrics
 from gateway.upstream import MID_STREAM, Opened
 
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
@@ -93,21 +93,23 @@ class NativeStream:
 
     def __init__(self) -> None:
         self.tokens = 0
-        self.final: str | None = None
+        self.latest = b""
+        """The last events that carried tokens; the final `meta_info` is read from them once the stream ends."""
 
     def feed(self, events: bytes) -> int:
         """Tokens these whole events added."""
         cumulative = sglang.last_completion_tokens(events)
         if cumulative is None:
             return 0
-        self.final = sglang.last_data_event(events)
+        self.latest = events
         added, self.tokens = max(cumulative - self.tokens, 0), max(cumulative, self.tokens)
         return added
 
     def acceptance(self) -> Acceptance:
-        if self.final is None:
+        final = sglang.last_data_event(self.latest)
+        if final is None:
             return Acceptance()
-        parsed = sglang.parse_native_event(self.final)
+        parsed = sglang.parse_native_event(final)
         if not isinstance(parsed, sglang.NativeChunk):
             return Acceptance()
         meta = parsed.meta
@@ -320,24 +322,23 @@ def observe_many(histogram: Histogram, weighted: Iterable[tuple[float, int]]) ->
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
-    arm, route = exchange.arm, exchange.route
-    metrics.requests.labels(arm, route, exchange.replica, *request_labels(exchange.status, exchange.error)).inc()
+    series = metrics.series(exchange.arm, exchange.route)
+    metrics.finished(exchange.arm, exchange.route, exchange.replica, exchange.status, exchange.error).inc()
     if exchange.first is not None:
-        metrics.ttft.labels(arm, route).observe(exchange.first - exchange.start)
+        series.ttft.observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
-        metrics.e2e.labels(arm, route).observe(exchange.end - exchange.start)
+        series.e2e.observe(exchange.end - exchange.start)
     if exchange.chunk_gaps:
-        observe_many(metrics.itl_per_chunk.labels(arm, route), ((gap, 1) for gap in exchange.chunk_gaps))
+        observe_many(series.itl_per_chunk, ((gap, 1) for gap in exchange.chunk_gaps))
     if exchange.token_gaps:
-        observe_many(metrics.itl_per_token.labels(arm, route),
-                     ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
+        observe_many(series.itl_per_token, ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
     if exchange.unparsed is not None:
-        metrics.upstream_errors.labels(arm, exchange.replica, "protocol").inc()
+        metrics.upstream_errors.labels(exchange.arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance
     if acceptance.output_tokens:
-        metrics.output_tokens.labels(arm, route).inc(acceptance.output_tokens)
+        series.output_tokens.inc(acceptance.output_tokens)
     if acceptance.verify_ct:
-        metrics.spec_verify_rounds.labels(arm, route).inc(acceptance.verify_ct)
-        metrics.spec_output_tokens.labels(arm, route).inc(acceptance.output_tokens or 0)
+        series.spec_verify_rounds.inc(acceptance.verify_ct)
+        series.spec_output_tokens.inc(acceptance.output_tokens or 0)
     if acceptance.accept_length is not None and acceptance.measure is not None:
-        metrics.accept_length.labels(arm, route, acceptance.measure).observe(acceptance.accept_length)
+        series.accept_length(acceptance.measure).observe(acceptance.accept_length)

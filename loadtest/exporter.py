@@ -11,7 +11,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
 from dfserve.errors import UserError
-from dfserve.metrics import DfserveMetrics, request_labels
+from dfserve.metrics import DfserveMetrics
 from loadtest import records as rec
 from loadtest.records import RequestRecord
 
@@ -29,27 +29,26 @@ class Exporter:
     def observe(self, r: RequestRecord) -> None:
         if r.warmup:
             return
-        m, arm, route = self.metrics, r.arm, self.route
-        m.requests.labels(arm, route, "", *request_labels(r.http_status, r.error_kind)).inc()
+        series = self.metrics.series(r.arm, self.route)
+        self.metrics.finished(r.arm, self.route, "", r.http_status, r.error_kind).inc()
         if not r.ok:
             return
         ttft, e2e = rec.ttft_s(r), rec.e2e_s(r)
         if ttft is not None:
-            m.ttft.labels(arm, route).observe(ttft)
+            series.ttft.observe(ttft)
         if e2e is not None:
-            m.e2e.labels(arm, route).observe(e2e)
-        per_token, per_chunk = m.itl_per_token.labels(arm, route), m.itl_per_chunk.labels(arm, route)
+            series.e2e.observe(e2e)
         for gap in rec.itl_per_token_s(r):
-            per_token.observe(gap)
+            series.itl_per_token.observe(gap)
         for gap in rec.itl_per_chunk_s(r):
-            per_chunk.observe(gap)
-        m.output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
+            series.itl_per_chunk.observe(gap)
+        series.output_tokens.inc(r.completion_tokens or 0)
         rounds, length = rec.verify_rounds(r), rec.request_accept_length(r)
         if rounds and r.acceptance == "exact":
-            m.spec_verify_rounds.labels(arm, route).inc(rounds)
-            m.spec_output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
+            series.spec_verify_rounds.inc(rounds)
+            series.spec_output_tokens.inc(r.completion_tokens or 0)
         if length is not None and r.acceptance != "unknown":
-            m.accept_length.labels(arm, route, r.acceptance).observe(length)
+            series.accept_length(r.acceptance).observe(length)
 
     def serve(self, port: int) -> None:
         try:
