@@ -7,8 +7,8 @@ each and records, per request, the time to the first chunk and the gaps between 
 simulator's own send times split each figure into the engine's part and the path's. Added latency is each path's
 percentile minus the direct path's; CPU per streamed chunk is the proxy's process-group CPU time over the chunks
 the client received. The client and the simulator run on CPU 0 and each proxy on the other cores (`--no-pin` to
-not), and each path's runs are interleaved with the others' and pooled (`--repeats`). The peers live in a
-git-ignored venv (bench/.peers), installed on first use.
+not), and each path's runs are interleaved with the others' and summed up by their median (`--repeats`). The
+peers live in a git-ignored venv (bench/.peers), installed on first use.
 
     flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py --cpu-split
 
@@ -230,15 +230,20 @@ async def closed_loop(url: str, headers: dict[str, str], concurrency: int, reque
 
     Each worker pauses a random 0-10 ms (seeded) between requests, so arrivals do not lock onto the simulator's
     step clock: a closed loop would otherwise send each request right after a step and measure the phase of the
-    engine's schedule rather than the path.
+    engine's schedule rather than the path. Each request has a prompt of its own, as live traffic does: the sim
+    seeds acceptance by prompt, and with one prompt for all, requests admitted together would finish together and
+    come back as a crowd, every time.
     """
     sampling = sglang.SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    if native:
-        payload = sglang.generate_body("def add(a, b):", sampling, stream=True)
-    else:
-        payload = sglang.chat_body("qwen", [{"role": "user", "content": "Write a function that adds."}], sampling,
-                                   stream=True)
-    body = json.dumps(payload).encode()
+
+    def body(n: int) -> bytes:
+        if native:
+            payload = sglang.generate_body(f"def add_{n}(a, b):", sampling, stream=True)
+        else:
+            payload = sglang.chat_body("qwen", [{"role": "user", "content": f"Write a function that adds ({n})."}],
+                                       sampling, stream=True)
+        return json.dumps(payload).encode()
+
     headers = {"Content-Type": "application/json", **headers}
     sample = Sample()
     issued = 0
@@ -247,14 +252,16 @@ async def closed_loop(url: str, headers: dict[str, str], concurrency: int, reque
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         # Warm-up: open the connections and let every path settle, unmeasured.
-        await asyncio.gather(*(one_stream(session, url, body, headers, Sample(), native) for _ in range(concurrency)))
+        await asyncio.gather(*(one_stream(session, url, body(-1 - n), headers, Sample(), native)
+                               for n in range(concurrency)))
 
         async def worker() -> None:
             nonlocal issued
             while issued < requests and time.perf_counter() < deadline:
                 issued += 1
+                request = body(issued)
                 await asyncio.sleep(rng.uniform(0, ROUND_S))
-                await one_stream(session, url, body, headers, sample, native)
+                await one_stream(session, url, request, headers, sample, native)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -286,27 +293,38 @@ class Row:
 def measure(api: str, url: str, headers: dict[str, str], pgid: int | None, concurrency: int,
             args: argparse.Namespace) -> Sample:
     requests = max(args.min_requests, concurrency * args.rounds)
-    cpu_before = group_cpu_s(pgid) if pgid else 0.0
-    sample = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
-    sample.cpu_s = (group_cpu_s(pgid) - cpu_before) if pgid else None
+    gc.collect()
+    gc.disable()  # a full collection of this client's heap takes ~25 ms: one would show up as every path's latency
+    try:
+        cpu_before = group_cpu_s(pgid) if pgid else 0.0
+        sample = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
+        sample.cpu_s = (group_cpu_s(pgid) - cpu_before) if pgid else None
+    finally:
+        gc.enable()
     return sample
 
 
-def summarize(api: str, path: str, concurrency: int, sample: Sample) -> Row:
-    def p50_p99(values: list[float]) -> tuple[float, float]:
-        return pct(values, 50), pct(values, 99)
+def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
+    """One row from a path's runs: each percentile is the median of the runs' own, so that a stall of the shared
+    host (tens of ms, now and then, on any path) moves one run's p99, not the row's; CPU and rate are pooled."""
+    pooled = Sample()
+    for run in runs:
+        pooled.absorb(run)
 
-    cpu = sample.cpu_s
-    row = Row(api, path, concurrency, len(sample.ttft_s), sample.errors, p50_p99(sample.ttft_s),
-              p50_p99(sample.gaps_s), p50_p99(sample.transport_s), p50_p99(sample.delivery_s),
-              p50_p99(sample.gap_path_s), p50_p99(sample.sim_late_s),
-              cpu / sample.chunks * 1e6 if cpu is not None and sample.chunks else None,
-              sample.chunks / sample.elapsed_s if sample.elapsed_s else 0.0)
+    def p50_p99(name: str) -> tuple[float, float]:
+        per_run = [(pct(getattr(run, name), 50), pct(getattr(run, name), 99)) for run in runs]
+        return float(np.median([p50 for p50, _ in per_run])), float(np.median([p99 for _, p99 in per_run]))
+
+    cpu = pooled.cpu_s
+    row = Row(api, path, concurrency, len(pooled.ttft_s), pooled.errors, p50_p99("ttft_s"), p50_p99("gaps_s"),
+              p50_p99("transport_s"), p50_p99("delivery_s"), p50_p99("gap_path_s"), p50_p99("sim_late_s"),
+              cpu / pooled.chunks * 1e6 if cpu is not None and pooled.chunks else None,
+              pooled.chunks / pooled.elapsed_s if pooled.elapsed_s else 0.0)
     print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
           f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
-          f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s",
-          flush=True)
+          f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | "
+          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s", flush=True)
     return row
 
 
@@ -436,8 +454,10 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         + ("each proxy runs alone on the other cores, as it would in a deployment (sharing a core with the client "
            "it wakes on every write, a proxy is preempted mid-burst and its tail shows the scheduler, not the "
            "proxy). " if pinned else "nothing is pinned (`--no-pin`). ")
-        + f"Each row pools {repeats} runs, interleaved with the other paths' runs so that the host's slow spells "
-        "fall on every path alike. All times in ms; `added` = the path's p50 / p99 minus the direct connection's "
+        + f"Each path ran {repeats} times, its runs interleaved with the other paths' so that slow spells of the "
+        "host fall on every path alike, and each percentile in a row is the median of its runs' own: the host "
+        "stalls now and then for tens of ms, which puts a few dozen requests of whichever run is going (direct "
+        "ones too) past every other, and so moves that run's p99 but not the median. All times in ms; `added` = the path's p50 / p99 minus the direct connection's "
         "at the same concurrency. CPU per chunk is the proxy's process-group CPU time over the chunks the client "
         f"received. {versions}",
         "",
@@ -478,9 +498,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64,256", help="Comma-separated stream counts.")
     parser.add_argument("--paths", default="direct,gateway,sglang-router,litellm")
     parser.add_argument("--rounds", type=int, default=6, help="Requests per stream slot in each run.")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="Runs per (path, API, concurrency), interleaved across the paths and pooled.")
-    parser.add_argument("--min-requests", type=int, default=30, help="Requests per run at least (for 1 stream).")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="Runs per (path, API, concurrency), interleaved across the paths; rows give their median.")
+    parser.add_argument("--min-requests", type=int, default=20, help="Requests per run at least (for 1 stream).")
     parser.add_argument("--budget-s", type=float, default=25.0, help="Time cap per run.")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
@@ -490,7 +510,7 @@ def main() -> None:
                         help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
     args = parser.parse_args()
     gc.collect()
-    gc.freeze()  # the client's own full collections would otherwise show up as latency
+    gc.freeze()  # start-up objects are never scanned again
     proxy_cpus = pin_processes() if args.pin else None
     paths = args.paths.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -533,7 +553,7 @@ def main() -> None:
                                                logs / "litellm.log", env, cpus=proxy_cpus))
             endpoints["litellm"] = (f"http://{LOOPBACK}:{port}", {"Authorization": f"Bearer {LITELLM_KEY}"}, pgid)
         for concurrency in levels:
-            pooled: dict[tuple[str, str], Sample] = {}
+            runs: dict[tuple[str, str], list[Sample]] = {}
             for repeat in range(args.repeats):
                 for api, route in (("native", "/generate"), ("chat", "/v1/chat/completions")):
                     for path in paths:
@@ -542,10 +562,10 @@ def main() -> None:
                             base, headers, group = endpoints[path]
                             sample = measure(api, base + route, headers, group, concurrency, args)
                             print(f"  run {repeat + 1}/{args.repeats}: ", end="")
-                            summarize(api, path, concurrency, sample)
-                            pooled.setdefault((api, path), Sample()).absorb(sample)
-            print("pooled:")
-            rows.extend(summarize(api, path, concurrency, sample) for (api, path), sample in pooled.items())
+                            summarize(api, path, concurrency, [sample])
+                            runs.setdefault((api, path), []).append(sample)
+            print(f"median of {args.repeats} runs:")
+            rows.extend(summarize(api, path, concurrency, samples) for (api, path), samples in runs.items())
         costs = []
         if args.cpu_split:
             proxies = [p for p in paths if p in endpoints and p not in ("direct", "litellm")]

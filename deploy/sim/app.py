@@ -84,6 +84,7 @@ class SimResponse(Response):
         finally:
             watcher.cancel()
             self.ctx.engine.cancel(self.sim)
+            self.sim.encode = None  # the request and its response refer to each other: freed now, not by a GC pause
 
     async def _watch(self, receive: Receive, updates: asyncio.Queue[Update | None]) -> None:
         while (await receive())["type"] != "http.disconnect":
