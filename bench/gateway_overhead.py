@@ -455,9 +455,11 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
            "it wakes on every write, a proxy is preempted mid-burst and its tail shows the scheduler, not the "
            "proxy). " if pinned else "nothing is pinned (`--no-pin`). ")
         + f"Each path ran {repeats} times, its runs interleaved with the other paths' so that slow spells of the "
-        "host fall on every path alike, and each percentile in a row is the median of its runs' own: the host "
-        "stalls now and then for tens of ms, which puts a few dozen requests of whichever run is going (direct "
-        "ones too) past every other, and so moves that run's p99 but not the median. All times in ms; `added` = the path's p50 / p99 minus the direct connection's "
+        "host fall on every path alike, and each percentile in a row is the median of its runs' own, so that one "
+        "spell moves one run's p99, not the row's. Each request has a prompt of its own (the sim seeds acceptance "
+        "by prompt; with one prompt, requests admitted together finish together and come back as a crowd) and the "
+        "client collects no garbage during a run (a full collection of its heap takes ~25 ms). All times in ms; "
+        "`added` = the path's p50 / p99 minus the direct connection's "
         "at the same concurrency. CPU per chunk is the proxy's process-group CPU time over the chunks the client "
         f"received. {versions}",
         "",
