@@ -26,6 +26,7 @@ import os
 import platform
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -511,6 +512,7 @@ def main() -> None:
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers it started are stopped too
     gc.collect()
     gc.freeze()  # start-up objects are never scanned again
     proxy_cpus = pin_processes() if args.pin else None
@@ -535,7 +537,9 @@ def main() -> None:
         if "sglang-router" in paths and peer_python:
             port = free_port()
             argv = [str(peer_python), "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
-                    "--worker-urls", sim_url, "--policy", "round_robin"]
+                    "--worker-urls", sim_url, "--policy", "round_robin",
+                    # its metrics exporter would otherwise listen on 0.0.0.0:29000
+                    "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port())]
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "router.log",
                                                cpus=proxy_cpus))
             endpoints["sglang-router"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
