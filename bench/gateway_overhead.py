@@ -54,8 +54,11 @@ SECTION = "gateway_overhead"
 LOOPBACK = "127.0.0.1"
 LITELLM_KEY = "sk-dfserve-bench-local-only"
 
-# The sim's latency for this benchmark: a 10 ms prefill, then one chunk every 10 ms, at any load.
-PREFILL_S = ROUND_S = 0.010
+# The sim's latency for this benchmark: a 2 ms prefill step (a short prompt), then one chunk every 10 ms, at any
+# load. Prefill steps hold up decoding (DFlash runs no mixed prefill), and with requests arriving one by one there
+# is one almost every other step: a longer one would halve the chunks a proxy has to carry at a given concurrency.
+PREFILL_S = 0.002
+ROUND_S = 0.010
 SIM_CONFIG = {
     "profile": "zlab", "seed": 0, "time_scale": 1.0, "max_running_requests": 1024, "record_chunk_times": True,
     "incremental_streaming_output": True,
@@ -363,38 +366,40 @@ def table(rows: list[Row], api: str) -> str:
     return "\n".join(lines)
 
 
-FIGURES = {"native": ("transport", "gap_path"), "chat": ("ttft", "gap")}
-"""Per API, the figures the targets are checked on: native streams have the exact attribution (the path's share
-of TTFT and of each gap); chat has only what the client sees."""
-
-
 def verdict(rows: list[Row], streams: int = 64) -> str:
-    """The targets at `streams`, checked on this run's figures: p99 added TTFT < 2 ms, p99 added chunk gap < 1 ms,
-    less added TTFT (p50 and p99) and gap (p99) than each peer, and CPU per chunk beside each peer's."""
+    """The targets at `streams`, checked on this run's exact figures (native transport and gap on path): p99 added
+    TTFT < 2 ms, p99 added chunk gap < 1 ms, less added latency than each peer, and CPU per chunk beside each
+    peer's. LiteLLM has no native route, so it is compared on what chat clients see, where its overhead is
+    hundreds of times the step clock's noise; chat's raw tails are listed, not judged (see above)."""
     def find(api: str, path: str) -> Row | None:
         return next((r for r in rows if (r.api, r.path, r.concurrency) == (api, path, streams)), None)
 
+    def extra(row: Row, base: Row, name: str) -> float:
+        return float(getattr(row, name)[1] - getattr(base, name)[1])
+
     checks = []
-    for api, (ttft_name, gap_name) in FIGURES.items():
-        direct, gateway = find(api, "direct"), find(api, "gateway")
-        if direct is None or gateway is None:
+    direct, gateway = find("native", "direct"), find("native", "gateway")
+    if direct is not None and gateway is not None:
+        for name, limit in (("transport", 2.0), ("gap_path", 1.0)):
+            added = extra(gateway, direct, name)
+            checks.append(f"native {name} p99 {added:+.2f} ms (< {limit:g}: {'met' if added < limit else 'NOT met'})")
+    chat_direct, chat_gateway = find("chat", "direct"), find("chat", "gateway")
+    if chat_direct is not None and chat_gateway is not None:
+        checks.append(f"chat raw ttft p99 {extra(chat_gateway, chat_direct, 'ttft'):+.2f} ms and raw gap p99 "
+                      f"{extra(chat_gateway, chat_direct, 'gap'):+.2f} ms (not judged)")
+    for api, peer, ttft_name, gap_name in (("native", "sglang-router", "transport", "gap_path"),
+                                           ("chat", "litellm", "ttft", "gap")):
+        mine, theirs = find(api, "gateway"), find(api, peer)
+        if mine is None or theirs is None:
             continue
-        for name, limit in ((ttft_name, 2.0), (gap_name, 1.0)):
-            extra = getattr(gateway, name)[1] - getattr(direct, name)[1]
-            checks.append(f"{api} {name} p99 {extra:+.2f} ms (< {limit:g}: {'met' if extra < limit else 'NOT met'})")
-        for peer in ("sglang-router", "litellm"):
-            other = find(api, peer)
-            if other is None:
-                continue
-            # Gap p50 is left out: a saturated proxy delivers chunks in bunches, which shrinks it.
-            mine, theirs = getattr(gateway, ttft_name), getattr(other, ttft_name)
-            lower = mine[0] <= theirs[0] and mine[1] <= theirs[1] and getattr(gateway, gap_name)[1] <= getattr(
-                other, gap_name)[1]
-            checks.append(f"{api} vs {peer}: {ttft_name} p50/p99 and {gap_name} p99 "
-                          f"{'lower' if lower else 'NOT all lower'}")
-            if gateway.cpu_us_per_chunk is not None and other.cpu_us_per_chunk is not None:
-                ratio = gateway.cpu_us_per_chunk / other.cpu_us_per_chunk
-                checks.append(f"{api} CPU per chunk {ratio:.2f}x {peer}'s ({'lower' if ratio < 1 else 'NOT lower'})")
+        # Gap p50 is left out: a saturated proxy delivers chunks in bunches, which shrinks it.
+        lower = (getattr(mine, ttft_name)[0] <= getattr(theirs, ttft_name)[0]
+                 and getattr(mine, ttft_name)[1] <= getattr(theirs, ttft_name)[1]
+                 and getattr(mine, gap_name)[1] <= getattr(theirs, gap_name)[1])
+        checks.append(f"{api} vs {peer}: {ttft_name} p50/p99 and {gap_name} p99 {'lower' if lower else 'NOT all lower'}")
+        if mine.cpu_us_per_chunk is not None and theirs.cpu_us_per_chunk is not None:
+            ratio = mine.cpu_us_per_chunk / theirs.cpu_us_per_chunk
+            checks.append(f"{api} CPU per chunk {ratio:.2f}x {peer}'s ({'lower' if ratio < 1 else 'NOT lower'})")
     return f"Targets at {streams} streams, this run: " + "; ".join(checks) + "."
 
 
@@ -449,7 +454,8 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         "",
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, {os.cpu_count()} cores "
         "(a VM whose host is shared, so run-to-run noise is large), loopback only. One simulated engine (zlab "
-        "profile, a 10 ms prefill step, then a 10 ms verify round per chunk at any load, no jitter) served every "
+        f"profile, a {PREFILL_S * 1e3:g} ms prefill step, then a {ROUND_S * 1e3:g} ms verify round per chunk at any "
+        "load, no jitter) served every "
         "path. The client (aiohttp + uvloop, closed loop, an unmeasured warm-up round, a random 0-10 ms pause "
         "between requests so arrivals do not lock onto the engine's step clock) and the simulator share CPU 0; "
         + ("each proxy runs alone on the other cores, as it would in a deployment (sharing a core with the client "
@@ -470,8 +476,8 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         "*delivery* = each chunk's arrival - its send; *gap on path* = the client's gap between two chunks minus "
         "the engine's gap between sending them: the part of each chunk gap spent on the path. The raw TTFT and "
         "gap also carry the engine's schedule: a request waits up to a round for the next step, and a prefill "
-        "step (DFlash runs no mixed prefill) stretches every running stream's gap to 20 ms, so where p99 falls "
-        "among those depends on how arrivals meet the step clock, a few ms either way from run to run. The "
+        "step (DFlash runs no mixed prefill) stretches every running stream's gap by its length, so where p99 "
+        "falls among those depends on how arrivals meet the step clock. The "
         "attribution holds while the simulator keeps to its model's schedule: *sim lateness* (chunk sent - chunk "
         "due) says how far it fell behind. LiteLLM has no native route; the targets are checked on transport and "
         "gap on path.",
@@ -479,10 +485,10 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         table(rows, "native"),
         "",
         "**OpenAI chat, end to end.** TTFT and gaps as the client sees them (content chunks only), for all four "
-        "paths, with the engine's step clock in them as above (the relay is the same code as for native streams; "
-        "only the observer differs). sglang-router holds each stream's first chunk for about 30 ms, which lets "
-        "the next ones catch up and hides early prefill gaps: its lower raw gap p99 is that, not a faster "
-        "path.",
+        "paths, with the engine's step clock in them as above: a raw p99 moves by 10 ms and more from run to run "
+        "on the direct path alone, so these tails cannot resolve a 2 ms target and are not judged (the relay is "
+        "the same code as for native streams; only the observer differs). sglang-router holds each stream's "
+        "first chunk for about 30 ms on both routes.",
         "",
         table(rows, "chat"),
         "",

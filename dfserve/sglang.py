@@ -488,6 +488,7 @@ class SSEDecoder:
 # quotes and newlines inside strings, so these patterns only match SGLang's own keys and line starts.
 _CONTENT = re.compile(rb'"(?:content|reasoning_content|text)":\s*"(?!")')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+_SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct":\s*(\d+)')
 
 
 def count_content_events(events: bytes) -> int:
@@ -498,6 +499,13 @@ def count_content_events(events: bytes) -> int:
 def last_completion_tokens(events: bytes) -> int | None:
     """The cumulative `completion_tokens` of the last native event in `events`, None if none is there."""
     matches = _COMPLETION_TOKENS.findall(events)
+    return int(matches[-1]) if matches else None
+
+
+def last_spec_verify_ct(events: bytes) -> int | None:
+    """The cumulative `spec_verify_ct` of the last native event in `events` that has one; None where speculative
+    decoding is off (SGLang then leaves the key out)."""
+    matches = _SPEC_VERIFY_CT.findall(events)
     return int(matches[-1]) if matches else None
 
 

@@ -87,14 +87,17 @@ class Exchange:
 
 
 class NativeStream:
-    """Reads native `/generate` events: cumulative `completion_tokens` per chunk, then the final spec fields."""
+    """Reads native `/generate` events: cumulative `completion_tokens` per chunk, then the final `spec_verify_ct`.
+
+    Both are read from the bytes (no JSON decoding per request either): SGLang repeats the cumulative counts in
+    every event's `meta_info`, so the last ones seen are the request's totals."""
 
     exact_tokens = True
 
     def __init__(self) -> None:
         self.tokens = 0
         self.latest = b""
-        """The last events that carried tokens; the final `meta_info` is read from them once the stream ends."""
+        """The last events that carried tokens; the final `spec_verify_ct` is read from them once the stream ends."""
 
     def feed(self, events: bytes) -> int:
         """Tokens these whole events added."""
@@ -106,16 +109,12 @@ class NativeStream:
         return added
 
     def acceptance(self) -> Acceptance:
-        final = sglang.last_data_event(self.latest)
-        if final is None:
+        if not self.latest:
             return Acceptance()
-        parsed = sglang.parse_native_event(final)
-        if not isinstance(parsed, sglang.NativeChunk):
-            return Acceptance()
-        meta = parsed.meta
-        if meta.spec is None:
-            return Acceptance(output_tokens=meta.completion_tokens)
-        return Acceptance(meta.completion_tokens, meta.spec.verify_ct, meta.accept_length, "exact")
+        verify_ct = sglang.last_spec_verify_ct(self.latest)
+        if verify_ct is None:
+            return Acceptance(output_tokens=self.tokens)
+        return Acceptance(self.tokens, verify_ct, sglang.accept_length(self.tokens, verify_ct), "exact")
 
 
 class OpenAIStream:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from gateway.relay import (
+    Acceptance,
     Exchange,
     NativeStream,
     OpenAIStream,
@@ -55,6 +56,13 @@ def test_native_stream_counts_tokens_per_batch_of_events() -> None:
         10, 4, 2.5, "exact")
 
 
+def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
+    observer = NativeStream()
+    assert observer.acceptance() == Acceptance()
+    observer.feed(native(3) + native(7))
+    assert observer.acceptance() == Acceptance(output_tokens=7)
+
+
 def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
@@ -84,6 +92,8 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
     events = b"data: " + json.dumps(tricky).encode() + b"\n\n"
     assert sglang.count_content_events(events) == 1
     assert sglang.last_completion_tokens(events) is None
+    quoted = {"text": 'a "spec_verify_ct": 7 b', "meta_info": {"completion_tokens": 3}}
+    assert sglang.last_spec_verify_ct(b"data: " + json.dumps(quoted).encode() + b"\n\n") is None
     assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
     assert sglang.last_data_event(b"data: [DONE]\n\n") is None
     assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
