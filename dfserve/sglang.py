@@ -26,6 +26,11 @@ SIM_CHUNK_SENT_KEY = "dfserve_sim_chunk_sent_unix_s"
 SIM_CHUNK_DUE_KEY = "dfserve_sim_chunk_due_unix_s"
 """Beside SIM_CHUNK_SENT_KEY: when the simulator's model scheduled each chunk; sent minus due is its own lateness."""
 
+SIM_TIMES_COMMENT = b": dfserve-sim-times "
+"""Starts the SSE comment a simulated OpenAI stream ends with under --record-chunk-times (its final chunk has no
+`meta_info` to carry them): a JSON object with SIM_CHUNK_SENT_KEY, SIM_CHUNK_DUE_KEY and `queue_time`. Comments
+are ignored by SSE clients, so the stream stays what an OpenAI client expects."""
+
 SIM_MARKER_KEY = "dfserve_simulated"
 """Key in `/server_info` (and every simulated `meta_info`) that marks an engine as dfserve's simulator."""
 
@@ -941,6 +946,39 @@ class NativeStreamEncoder:
         new = ",".join(map(float.__repr__, sent_unix_s[self._sent_count :])).encode()
         self._sent = self._sent + b"," + new if self._sent and new else self._sent or new
         self._sent_count = len(sent_unix_s)
+
+
+@dataclass(frozen=True)
+class SimStreamTimes:
+    """A simulated stream's chunk times (--record-chunk-times): when each chunk was sent and due, and how long the
+    request queued; the engine received it at `due_unix_s[0]` minus its prefill minus `queue_time_s`."""
+
+    sent_unix_s: tuple[float, ...]
+    due_unix_s: tuple[float, ...]
+    queue_time_s: float
+
+
+def sim_times_comment(times: SimStreamTimes) -> bytes:
+    """The SSE comment that carries a simulated OpenAI stream's chunk times, inserted before `data: [DONE]`."""
+    return SIM_TIMES_COMMENT + json_bytes({SIM_CHUNK_SENT_KEY: times.sent_unix_s, SIM_CHUNK_DUE_KEY: times.due_unix_s,
+                                           "queue_time": times.queue_time_s}) + b"\n\n"
+
+
+def parse_sim_times_comment(events: bytes) -> SimStreamTimes | None:
+    """The chunk times a simulated OpenAI stream ended with, from its last events; None when there are none."""
+    start = events.rfind(b"\n" + SIM_TIMES_COMMENT) + 1
+    if start == 0 and not events.startswith(SIM_TIMES_COMMENT):
+        return None
+    end = events.find(b"\n", start)
+    obj = _json(events[start + len(SIM_TIMES_COMMENT) : end if end >= 0 else len(events)], "sim times comment")
+    if not isinstance(obj, dict):
+        raise ProtocolError("sim times comment: not a JSON object")
+    sent = _times(obj.get(SIM_CHUNK_SENT_KEY), SIM_CHUNK_SENT_KEY)
+    due = _times(obj.get(SIM_CHUNK_DUE_KEY), SIM_CHUNK_DUE_KEY)
+    queue = _opt_float(obj, "queue_time")
+    if sent is None or due is None or queue is None:
+        raise ProtocolError("sim times comment: sent, due and queue_time are all required")
+    return SimStreamTimes(sent, due, queue)
 
 
 def openai_finish_reason(finish: FinishReason | None) -> tuple[str | None, str | int | None]:

@@ -19,6 +19,7 @@ from deploy.sim.acceptance import (
 from deploy.sim.profiles import load_profile
 from dfserve import metrics as names
 from dfserve import sglang as proto
+from dfserve.errors import ProtocolError
 from tests.servers import sim_server
 
 SCALE = 0.02
@@ -120,6 +121,29 @@ def test_chat_return_meta_info_and_streamed_chat_with_usage(zlab: str) -> None:
         finish = chunk.finish_reason or finish
     assert text == whole.text and usage == whole.usage and finish == whole.finish_reason
     assert '"spec_verify_ct"' not in "".join(events)  # streamed chat exposes no spec fields, like SGLang
+
+
+def test_streamed_chat_ends_with_its_chunk_times_in_a_comment_sse_clients_skip(zlab: str) -> None:
+    body = proto.chat_body("m", [{"role": "user", "content": "Sort a list."}], proto.SamplingParams(max_new_tokens=40),
+                           stream=True)
+    with httpx.stream("POST", f"{zlab}/v1/chat/completions", json=body, timeout=30) as response:
+        raw = b"".join(response.iter_raw())
+    times = proto.parse_sim_times_comment(raw)
+    assert times is not None and raw.endswith(proto.SSE_DONE)
+    assert len(times.sent_unix_s) == len(times.due_unix_s) == proto.count_content_events(raw) > 2
+    assert list(times.sent_unix_s) == sorted(times.sent_unix_s) and times.queue_time_s >= 0
+    assert all(sent >= due - 0.005 for sent, due in zip(times.sent_unix_s, times.due_unix_s, strict=True))
+    events = proto.SSEDecoder().feed(raw)
+    assert events[-1] == proto.DONE and not any("dfserve" in event for event in events)
+
+
+def test_sim_times_comment_round_trips_and_rejects_a_broken_one() -> None:
+    times = proto.SimStreamTimes((1.5, 2.25), (1.0, 2.0), 0.125)
+    events = b'data: {"choices":[]}\n\n' + proto.sim_times_comment(times) + proto.SSE_DONE
+    assert proto.parse_sim_times_comment(events) == times
+    assert proto.parse_sim_times_comment(b'data: {"choices":[]}\n\n' + proto.SSE_DONE) is None
+    with pytest.raises(ProtocolError, match="sim times"):
+        proto.parse_sim_times_comment(proto.SIM_TIMES_COMMENT + b'{"queue_time": 1}\n\n')
 
 
 def test_completions_whole_and_streamed(zlab: str) -> None:

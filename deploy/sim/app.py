@@ -52,7 +52,7 @@ class SimResponse(Response):
     """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime.
 
     A stream encodes each chunk when the engine computes the step, before the step's modelled end, so at the
-    deadline only the send is left. Only the send times of --record-chunk-times are added to a final native chunk
+    deadline only the send is left. Only the send times of --record-chunk-times are added to a final chunk
     as it is sent, and a stream ends its response on a later turn of the loop: in a step where many requests
     finish, encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
     """
@@ -69,7 +69,7 @@ class SimResponse(Response):
         self._shown_ids = 0
         self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
-        self._stamp_final = request.stream and request.api == "native" and ctx.config.record_chunk_times
+        self._stamp_final = request.stream and ctx.config.record_chunk_times
         if request.stream:
             sim.encode = self._encode
 
@@ -102,7 +102,7 @@ class SimResponse(Response):
             payload = update.payload if update.payload is not None else self._chunk(update)
             self.sent_unix.append(time.time())
             if update.finished and self._stamp_final:
-                payload = self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
+                payload = self._stamped(payload)
             await send({"type": "http.response.body", "body": payload, "more_body": True})
             chunks += 1
             if update.finished:
@@ -111,6 +111,13 @@ class SimResponse(Response):
                 return
             if chunks in self._fault_chunks:
                 await self._fault(chunks)
+
+    def _stamped(self, payload: bytes) -> bytes:
+        """The final payload with every chunk's send time, its own (taken just before) included."""
+        if self.request.api == "native":
+            return self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
+        times = proto.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
+        return payload[: -len(proto.SSE_DONE)] + proto.sim_times_comment(times) + proto.SSE_DONE
 
     def _encode(self, update: Update) -> bytes:
         return self._chunk(update)

@@ -34,7 +34,8 @@ def _config(**values: object) -> SimConfig:
 @click.option("--block-size", type=int, default=None, help="Verify block size [the profile's, 16].")
 @click.option("--incremental-streaming-output", is_flag=True, help="Stream text and ids as deltas, like SGLang's flag.")
 @click.option("--record-chunk-times", is_flag=True,
-              help="Put each chunk's send time (and modelled due time) into the final native meta_info.")
+              help="Put each chunk's send and modelled due time into a stream's final native meta_info "
+                   "(OpenAI streams: an SSE comment before [DONE]).")
 @click.option("--lossy-fraction", type=float, default=0.0, help="Fraction of prompts whose output text differs.")
 @click.option("--error-rate", type=float, default=0.0, help="Fraction of requests answered with HTTP 500.")
 @click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")
