@@ -157,8 +157,8 @@ class SGLangMetrics:
 
 @dataclass(frozen=True)
 class ArmRouteSeries:
-    """One arm and route's series of the per-request families. `labels()` builds a key and takes a lock on every
-    call, so a relay that looked each one up per request would pay for it ten times over (bench/RESULTS.md)."""
+    """One arm and route's series of the per-request families, looked up once: `labels()` builds a key and takes a
+    lock on every call, and a relay records about ten series per request."""
 
     in_flight: Gauge
     ttft: Histogram
@@ -207,6 +207,7 @@ class DfserveMetrics:
     _finished: dict[tuple[str, ...], Counter] = field(default_factory=dict, repr=False, compare=False)
 
     def series(self, arm: str, route: str) -> ArmRouteSeries:
+        """The per-request series of one arm and route."""
         found = self._series.get((arm, route))
         if found is None:
             found = self._series[arm, route] = ArmRouteSeries(
