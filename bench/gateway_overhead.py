@@ -409,6 +409,17 @@ def verdict(rows: list[Row], streams: int = 64) -> str:
     return f"Targets at {streams} streams, this run: " + "; ".join(checks) + "."
 
 
+def behind(rows: list[Row], limit_ms: float = 5.0) -> list[str]:
+    """A warning (and a blank line) naming the concurrencies where the simulator fell behind its schedule, so that
+    their attribution is not to be read; none when it kept up everywhere."""
+    late = sorted({r.concurrency for r in rows if r.sim_late[0] > limit_ms})
+    if not late:
+        return []
+    return [f"At {', '.join(map(str, late))} streams the simulator fell behind its own schedule (sim lateness p50 "
+            f"over {limit_ms:g} ms: it shares a core with the client), so those rows' transport, delivery and gap "
+            "on path are not attributable: they show load, not the path.", ""]
+
+
 @dataclass
 class Cost:
     path: str
@@ -498,6 +509,7 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         "",
         table(rows, "chat"),
         "",
+        *behind(rows),
         verdict(rows),
         *(["", f"**Where the CPU goes.** Native streams of {SPLIT_TOKENS[0]} and {SPLIT_TOKENS[1]} tokens at "
             f"{SPLIT_STREAMS} streams, each proxy's CPU time solved into a cost per request and a cost per chunk "
