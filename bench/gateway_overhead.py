@@ -350,9 +350,11 @@ def fmt(pair: tuple[float, float]) -> str:
     return "—" if math.isnan(pair[0]) else f"{pair[0]:.2f} / {pair[1]:.2f}"
 
 
-def added(row: Row, direct: Row, name: str) -> str:
+def added(row: Row, direct: Row | None, name: str) -> str:
+    if direct is None or row is direct:
+        return "—"
     mine, base = getattr(row, name), getattr(direct, name)
-    if row is direct or math.isnan(mine[0]) or math.isnan(base[0]):
+    if math.isnan(mine[0]) or math.isnan(base[0]):
         return "—"
     return f"{mine[0] - base[0]:+.2f} / {mine[1] - base[1]:+.2f}"
 
@@ -366,7 +368,7 @@ def table(rows: list[Row], api: str) -> str:
             "| gap on path p50 / p99 | added gap on path | sim lateness | CPU per chunk (µs) | chunks/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        d = direct[r.concurrency]
+        d = direct.get(r.concurrency)  # none when `--paths` leaves the direct connection out
         cells = [r.path, str(r.concurrency), str(r.requests), str(r.errors)]
         for name in ("ttft", "gap", "transport", "delivery", "gap_path"):
             cells += [fmt(getattr(r, name)), added(r, d, name)]
