@@ -12,8 +12,11 @@ Two vocabularies live here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+Family = TypeVar("Family", Counter, Gauge, Histogram)
 
 # Latency buckets in seconds: fine at the low end (a token every few ms), reaching minutes for long generations.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
@@ -156,35 +159,10 @@ class SGLangMetrics:
 
 
 @dataclass(frozen=True)
-class ArmRouteSeries:
-    """One arm and route's series of the per-request families, looked up once: `labels()` builds a key and takes a
-    lock on every call, and a relay records about ten series per request."""
-
-    in_flight: Gauge
-    ttft: Histogram
-    itl_per_token: Histogram
-    itl_per_chunk: Histogram
-    e2e: Histogram
-    output_tokens: Counter
-    spec_output_tokens: Counter
-    spec_verify_rounds: Counter
-    _accept_length: Histogram
-    _arm_route: tuple[str, str]
-    _accept_by_measure: dict[str, Histogram] = field(default_factory=dict)
-
-    def accept_length(self, measure: str) -> Histogram:
-        """The acceptance-length series for `measure` (exact or estimated)."""
-        found = self._accept_by_measure.get(measure)
-        if found is None:
-            found = self._accept_by_measure[measure] = self._accept_length.labels(*self._arm_route, measure)
-        return found
-
-
-@dataclass(frozen=True)
 class DfserveMetrics:
     """dfserve's per-arm families, measured at the client side of each arm (gateway relay or load tester).
 
-    Record through `series` and `finished`, which look each labelled series up once."""
+    Record through `child` and `finished`, which look each labelled series up once."""
 
     requests: Counter
     in_flight: Gauge
@@ -203,27 +181,20 @@ class DfserveMetrics:
     shadow_requests: Counter
     arm_weight: Gauge
     arm_windowed_accept_length: Gauge
-    _series: dict[tuple[str, str], ArmRouteSeries] = field(default_factory=dict, repr=False, compare=False)
-    _finished: dict[tuple[str, ...], Counter] = field(default_factory=dict, repr=False, compare=False)
+    _children: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def series(self, arm: str, route: str) -> ArmRouteSeries:
-        """The per-request series of one arm and route."""
-        found = self._series.get((arm, route))
+    def child(self, family: Family, *labels: str) -> Family:
+        """`family.labels(*labels)`, looked up once: `labels()` builds a key and takes a lock on every call, and a
+        relay records about ten series per request."""
+        key = (family, *labels)
+        found = self._children.get(key)
         if found is None:
-            found = self._series[arm, route] = ArmRouteSeries(
-                self.in_flight.labels(arm, route), self.ttft.labels(arm, route), self.itl_per_token.labels(arm, route),
-                self.itl_per_chunk.labels(arm, route), self.e2e.labels(arm, route),
-                self.output_tokens.labels(arm, route), self.spec_output_tokens.labels(arm, route),
-                self.spec_verify_rounds.labels(arm, route), self.accept_length, (arm, route))
-        return found
+            found = self._children[key] = family.labels(*labels)
+        return cast(Family, found)
 
     def finished(self, arm: str, route: str, replica: str, status: int | None, error: str | None) -> Counter:
         """The `requests` series of one finished request (labels as `request_labels` sets them)."""
-        key = (arm, route, replica, *request_labels(status, error))
-        found = self._finished.get(key)
-        if found is None:
-            found = self._finished[key] = self.requests.labels(*key)
-        return found
+        return self.child(self.requests, arm, route, replica, *request_labels(status, error))
 
     @classmethod
     def build(cls, registry: CollectorRegistry) -> DfserveMetrics:

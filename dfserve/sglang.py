@@ -970,9 +970,8 @@ def parse_sim_times_comment(events: bytes) -> SimStreamTimes | None:
     if start == 0 and not events.startswith(SIM_TIMES_COMMENT):
         return None
     end = events.find(b"\n", start)
-    obj = _json(events[start + len(SIM_TIMES_COMMENT) : end if end >= 0 else len(events)], "sim times comment")
-    if not isinstance(obj, dict):
-        raise ProtocolError("sim times comment: not a JSON object")
+    payload = events[start + len(SIM_TIMES_COMMENT) : end if end >= 0 else len(events)]
+    obj = _event_json(payload.decode("utf-8", "replace"), "sim times comment")
     sent = _times(obj.get(SIM_CHUNK_SENT_KEY), SIM_CHUNK_SENT_KEY)
     due = _times(obj.get(SIM_CHUNK_DUE_KEY), SIM_CHUNK_DUE_KEY)
     queue = _opt_float(obj, "queue_time")

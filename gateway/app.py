@@ -268,7 +268,7 @@ class GatewayApp:
     ) -> None:
         """Send one request to `exchange.arm` and relay the answer, cancelling upstream if the client leaves."""
         gateway = self.gateway
-        in_flight = gateway.metrics.series(exchange.arm, exchange.route).in_flight
+        in_flight = gateway.metrics.child(gateway.metrics.in_flight, exchange.arm, exchange.route)
         in_flight.inc()
         opened: Opened | None = None
         task = asyncio.current_task()

@@ -321,23 +321,24 @@ def observe_many(histogram: Histogram, weighted: Iterable[tuple[float, int]]) ->
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
-    series = metrics.series(exchange.arm, exchange.route)
-    metrics.finished(exchange.arm, exchange.route, exchange.replica, exchange.status, exchange.error).inc()
+    arm, route, child = exchange.arm, exchange.route, metrics.child
+    metrics.finished(arm, route, exchange.replica, exchange.status, exchange.error).inc()
     if exchange.first is not None:
-        series.ttft.observe(exchange.first - exchange.start)
+        child(metrics.ttft, arm, route).observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
-        series.e2e.observe(exchange.end - exchange.start)
+        child(metrics.e2e, arm, route).observe(exchange.end - exchange.start)
     if exchange.chunk_gaps:
-        observe_many(series.itl_per_chunk, ((gap, 1) for gap in exchange.chunk_gaps))
+        observe_many(child(metrics.itl_per_chunk, arm, route), ((gap, 1) for gap in exchange.chunk_gaps))
     if exchange.token_gaps:
-        observe_many(series.itl_per_token, ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
+        observe_many(child(metrics.itl_per_token, arm, route),
+                     ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
     if exchange.unparsed is not None:
-        metrics.upstream_errors.labels(exchange.arm, exchange.replica, "protocol").inc()
+        child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance
     if acceptance.output_tokens:
-        series.output_tokens.inc(acceptance.output_tokens)
+        child(metrics.output_tokens, arm, route).inc(acceptance.output_tokens)
     if acceptance.verify_ct:
-        series.spec_verify_rounds.inc(acceptance.verify_ct)
-        series.spec_output_tokens.inc(acceptance.output_tokens or 0)
+        child(metrics.spec_verify_rounds, arm, route).inc(acceptance.verify_ct)
+        child(metrics.spec_output_tokens, arm, route).inc(acceptance.output_tokens or 0)
     if acceptance.accept_length is not None and acceptance.measure is not None:
-        series.accept_length(acceptance.measure).observe(acceptance.accept_length)
+        child(metrics.accept_length, arm, route, acceptance.measure).observe(acceptance.accept_length)

@@ -1,5 +1,5 @@
 """The per-arm families: the `dfserve_requests_total` label convention shared by the gateway and the load tester, and
-the series looked up once per arm and route."""
+each labelled series looked up once."""
 
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ def test_request_labels(http_status: int | None, error: str | None, labels: tupl
     assert (labels[0] == m.STATUS_OK) == (labels[1] == ""), "an empty error label means success and only that"
 
 
-def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_once() -> None:
+def test_child_and_finished_record_under_the_right_labels_and_are_looked_up_once() -> None:
     registry = CollectorRegistry()
     metrics = m.DfserveMetrics.build(registry)
-    series = metrics.series("cand", "native")
-    assert metrics.series("cand", "native") is series
-    assert metrics.series("base", "native") is not series
-    series.ttft.observe(0.25)
-    series.accept_length("exact").observe(6.0)
-    series.accept_length("estimated").observe(5.0)
-    assert series.accept_length("exact") is series.accept_length("exact")
+    ttft = metrics.child(metrics.ttft, "cand", "native")
+    assert metrics.child(metrics.ttft, "cand", "native") is ttft
+    assert metrics.child(metrics.ttft, "base", "native") is not ttft
+    assert metrics.child(metrics.e2e, "cand", "native") is not ttft  # same labels, another family
+    ttft.observe(0.25)
+    metrics.child(metrics.accept_length, "cand", "native", "exact").observe(6.0)
+    metrics.child(metrics.accept_length, "cand", "native", "estimated").observe(5.0)
     metrics.finished("cand", "native", "http://r1", 200, None).inc()
     metrics.finished("cand", "native", "http://r1", 503, "connect").inc()
     assert metrics.finished("cand", "native", "http://r1", 200, None) is metrics.finished(
@@ -46,6 +46,7 @@ def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_onc
         return registry.get_sample_value(name, labels)
 
     assert value(m.TTFT + "_count", arm="cand", route="native") == 1
+    assert value(m.E2E + "_count", arm="cand", route="native") == 0
     assert value(m.ACCEPT_LENGTH + "_sum", arm="cand", route="native", measure="exact") == 6.0
     assert value(m.ACCEPT_LENGTH + "_sum", arm="cand", route="native", measure="estimated") == 5.0
     assert value(m.REQUESTS + "_total", arm="cand", route="native", replica="http://r1", status="2xx", error="") == 1
