@@ -1,7 +1,9 @@
 """What the gateway adds to a stream, beside the SGLang router and a LiteLLM proxy, in one run on one simulator.
 
 One simulated engine (dfserve's sim, latency set so that chunks come at a steady pace whatever the load) is reached
-four ways: directly, through `dfserve gateway`, through `sglang-router` and through a LiteLLM proxy. A closed-loop
+five ways: directly, through `dfserve gateway`, through `sglang-router`, through a LiteLLM proxy, and through
+`tcp_floor_proxy.py`, which relays the bytes unparsed on the gateway's event loop: the floor for any proxy on
+CPython and uvloop, so that what each proxy costs above it is its own work. A closed-loop
 aiohttp + uvloop client streams native `/generate` and chat completions at 1, 64 and 256 concurrent streams through
 each and records, per request, the time to the first chunk and the gaps between chunks; for native streams the
 simulator's own send times split each figure into the engine's part and the path's. Added latency is each path's
@@ -516,7 +518,9 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         *(["", f"**Where the CPU goes.** Native streams of {SPLIT_TOKENS[0]} and {SPLIT_TOKENS[1]} tokens at "
             f"{SPLIT_STREAMS} streams, each proxy's CPU time solved into a cost per request and a cost per chunk "
             "(`--cpu-split`). The syscalls per chunk are the same for every proxy (strace: one read and one write "
-            "per chunk, one epoll wait per burst); the rest is each one's own code.", "", cost_table(costs)]
+            "per chunk, one epoll wait per burst). *tcp-floor* (`bench/tcp_floor_proxy.py`) relays the same "
+            "bytes without parsing them, on the event loop the gateway runs on (CPython and uvloop): the least any "
+            "proxy on that loop can cost, so each proxy's cost above it is its own work.", "", cost_table(costs)]
           if costs else []),
     ])
     write_section(SECTION, section)
@@ -525,7 +529,7 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,64,256", help="Comma-separated stream counts.")
-    parser.add_argument("--paths", default="direct,gateway,sglang-router,litellm")
+    parser.add_argument("--paths", default="direct,gateway,sglang-router,litellm,tcp-floor")
     parser.add_argument("--rounds", type=int, default=6, help="Requests per stream slot in each run.")
     parser.add_argument("--repeats", type=int, default=5,
                         help="Runs per (path, API, concurrency), interleaved across the paths; rows give their median.")
@@ -560,6 +564,12 @@ def main() -> None:
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log",
                                                cpus=proxy_cpus))
             endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
+        if "tcp-floor" in paths:
+            port = free_port()
+            argv = [sys.executable, str(ROOT / "bench" / "tcp_floor_proxy.py"), str(port), str(sim_port)]
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "tcp-floor.log",
+                                               cpus=proxy_cpus))
+            endpoints["tcp-floor"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
         if "sglang-router" in paths and peer_python:
             port = free_port()
             argv = [str(peer_python), "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
