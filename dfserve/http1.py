@@ -291,6 +291,17 @@ class Call:
         """Wait for the end of the body; raises `Disconnected`, `BadResponse` or `ReadTimeout` on a failure."""
         await self.done
 
+    def pause_reading(self) -> None:
+        """Stop reading the body (the server's sends then wait in its socket): back-pressure from a slow reader."""
+        transport = self.connection.transport
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        transport = self.connection.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
     def close(self) -> None:
         """Done with the call: a complete response frees its connection for reuse, anything else closes it."""
         if self.done.done() and not self.done.cancelled() and self.done.exception() is None:

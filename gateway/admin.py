@@ -13,45 +13,42 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any
 
 from dfserve.errors import UserError
-from gateway.app import Gateway, Receive, read_body, send_error, send_json
+from gateway.app import JSON, Gateway, send_error
 from gateway.config import parse_routing
-from gateway.relay import Send
+from gateway.server import Reply, Request
 
 MAX_ADMIN_BODY_BYTES = 1024 * 1024
 
 
 class AdminApp:
-    """The admin listener's ASGI app."""
+    """The admin listener's handler (`gateway.server`)."""
 
     def __init__(self, gateway: Gateway, token: str) -> None:
         self.gateway = gateway
         self._expected = f"Bearer {token}".encode()
 
-    def _authorized(self, scope: dict[str, Any]) -> bool:
-        for name, value in scope["headers"]:
+    def _authorized(self, request: Request) -> bool:
+        for name, value in request.headers:
             if name == b"authorization":
                 return hmac.compare_digest(value, self._expected)
         return False
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+    async def __call__(self, request: Request, reply: Reply) -> None:
+        if not self._authorized(request):
+            send_error(reply, 401, "admin API: missing or wrong bearer token", "authentication_error",
+                       [(b"www-authenticate", b"Bearer")])
             return
-        if not self._authorized(scope):
-            await send_error(send, 401, "admin API: missing or wrong bearer token", "authentication_error",
-                             [(b"www-authenticate", b"Bearer")])
-            return
-        path, method = scope["path"], scope["method"]
+        path, method = request.path, request.method
         if path != "/admin/arms":
-            await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
+            send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")
         elif method == "GET":
-            await send_json(send, 200, self.describe())
+            reply.whole(200, JSON, self.describe())
         elif method == "PUT":
-            await self.put(scope, receive, send)
+            self.put(request.body, reply)
         else:
-            await send_error(send, 405, f"{method} {path}: use GET or PUT", "invalid_request_error")
+            send_error(reply, 405, f"{method} {path}: use GET or PUT", "invalid_request_error")
 
     def describe(self) -> bytes:
         """The routing in force and each replica's state."""
@@ -63,19 +60,16 @@ class AdminApp:
         }
         return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas}).encode()
 
-    async def put(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        body = await read_body(scope, receive, send, MAX_ADMIN_BODY_BYTES)
-        if body is None:
-            return
+    def put(self, body: bytes, reply: Reply) -> None:
         try:
             raw = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            await send_error(send, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
+            send_error(reply, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
             return
         try:
             routing = parse_routing(raw, "body")
             self.gateway.apply(routing)
         except (UserError, ValueError) as exc:
-            await send_error(send, 422, str(exc), "invalid_request_error")
+            send_error(reply, 422, str(exc), "invalid_request_error")
             return
-        await send_json(send, 200, self.describe())
+        reply.whole(200, JSON, self.describe())

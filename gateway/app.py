@@ -1,7 +1,7 @@
-"""The gateway's ASGI app: routes, request limits, arm choice, shadow mirrors, client disconnects.
+"""The gateway's request handler: routes, arm choice, shadow mirrors, client disconnects.
 
-A plain ASGI callable rather than a framework router: the proxy path is the hot path, and every microsecond per
-request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
+A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
+path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
 `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
@@ -12,8 +12,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -29,7 +28,6 @@ from gateway.relay import (
     Exchange,
     NativeStream,
     OpenAIStream,
-    Send,
     measure_whole,
     record,
     relay_stream,
@@ -37,9 +35,9 @@ from gateway.relay import (
 )
 from gateway.routing import Router, UnknownArm
 from gateway.scrape import Scraper
+from gateway.server import Discard, Reply, Request, Responder
 from gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
@@ -118,136 +116,99 @@ class Gateway:
             await self._upstream.session.close()
 
 
-async def send_json(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+JSON = [(b"content-type", b"application/json")]
 
 
-async def send_error(send: Send, status: int, message: str, kind: str,
-                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send_json(send, status, sglang.error_body(message, kind, status), extra)
-
-
-async def _discard(message: dict[str, Any]) -> None:
-    """The client side of a shadow request: nobody is listening."""
-
-
-async def read_body(scope: dict[str, Any], receive: Receive, send: Send, limit: int) -> bytes | None:
-    """The request body; None once answered 413 (over `limit` bytes) or when the client left while sending it."""
-    too_large = f"request body over the {limit}-byte limit"
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            await send_error(send, 413, too_large, "invalid_request_error")
-            return None
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            await send_error(send, 413, too_large, "invalid_request_error")
-            return None
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
+def send_error(reply: Responder, status: int, message: str, kind: str,
+               extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    reply.whole(status, JSON + (extra or []), sglang.error_body(message, kind, status))
 
 
 class GatewayApp:
-    """The client-facing listener."""
+    """The client-facing listener's handler (`gateway.server`)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        path, method = scope["path"], scope["method"]
+    async def __call__(self, request: Request, reply: Reply) -> None:
+        path, method = request.path, request.method
         api = PROXIED.get(path)
         if api is not None and method == "POST":
-            await self.proxy(api, scope, receive, send)
+            await self.proxy(api, request, reply)
         elif path in FORWARDED_GETS and method == "GET":
-            _, pinned = self._routing_keys(scope, None)
+            _, pinned = self._routing_keys(request, None)
             try:
                 arm = self.gateway.router.decide(self.gateway.rng, pinned=pinned).arm
             except UnknownArm as exc:
-                await send_error(send, 400, str(exc), "invalid_request_error")
+                send_error(reply, 400, str(exc), "invalid_request_error")
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
-            await self.forward(exchange, b"GET", path, b"", self._headers(scope), send, receive)
+            await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
         elif path == "/health" and method == "GET":
-            await self.health(send)
+            self.health(reply)
         elif path == "/metrics" and method == "GET":
-            body = generate_latest(self.gateway.registry)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
-            await send({"type": "http.response.body", "body": body})
+            reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
         elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
-            await send_error(send, 405, f"{method} {path}: method not allowed", "invalid_request_error")
+            send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
         else:
-            await send_error(send, 404, f"{method} {path}: no such route", "invalid_request_error")
+            send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")
 
-    async def health(self, send: Send) -> None:
+    def health(self, reply: Reply) -> None:
         down = self.gateway.upstream.down()
         arms = {name: name not in down for name in self.gateway.routing.arms}
         status = 200 if any(arms.values()) else 503
-        await send_json(send, status, json.dumps({"status": "ok" if status == 200 else "unavailable",
-                                                  "arms": arms}).encode())
+        reply.whole(status, JSON, json.dumps({"status": "ok" if status == 200 else "unavailable",
+                                              "arms": arms}).encode())
 
     @staticmethod
-    def _headers(scope: dict[str, Any]) -> bytes:
+    def _headers(request: Request) -> bytes:
         """The client's headers to pass upstream, as header lines."""
-        return b"".join(k + b": " + v + b"\r\n" for k, v in scope["headers"] if k not in _NOT_FORWARDED)
+        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in _NOT_FORWARDED)
 
-    def _routing_keys(self, scope: dict[str, Any], user: str | None) -> tuple[str | None, str | None]:
+    def _routing_keys(self, request: Request, user: str | None) -> tuple[str | None, str | None]:
         """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
         key, pinned = user, None
         sticky = self.gateway.routing.sticky_header.lower().encode()
-        for name, value in scope["headers"]:
+        for name, value in request.headers:
             if name == sticky:
                 key = value.decode("latin-1")
             elif name == ARM_HEADER:
                 pinned = value.decode("latin-1")
         return key, pinned
 
-    async def proxy(self, api: str, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def proxy(self, api: str, request: Request, reply: Reply) -> None:
         gateway = self.gateway
         start = time.perf_counter()
-        body = await read_body(scope, receive, send, gateway.config.limits.max_body_bytes)
-        if body is None:
-            return
         try:
-            request = sglang.inspect_request(body)
+            inspected = sglang.inspect_request(request.body)
         except ProtocolError as exc:
-            await send_error(send, 400, str(exc), "invalid_request_error")
+            send_error(reply, 400, str(exc), "invalid_request_error")
             return
-        key, pinned = self._routing_keys(scope, request.user)
+        key, pinned = self._routing_keys(request, inspected.user)
         down = gateway.upstream.down()
         try:
             decision = gateway.router.decide(gateway.rng, key, down, pinned)
         except UnknownArm as exc:
-            await send_error(send, 400, str(exc), "invalid_request_error")
+            send_error(reply, 400, str(exc), "invalid_request_error")
             return
-        headers = self._headers(scope)
-        path = scope["path"]
-        upstream_body = body
-        if api == "chat" and not request.stream and not request.return_meta_info:
-            upstream_body = sglang.with_return_meta_info(request.body)
+        headers = self._headers(request)
+        path = request.path
+        upstream_body = request.body
+        if api == "chat" and not inspected.stream and not inspected.return_meta_info:
+            upstream_body = sglang.with_return_meta_info(inspected.body)
         for mirror in decision.mirrors:
             if mirror in down:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
         exchange = Exchange(arm=decision.arm, route=api, start=start)
-        await self.forward(exchange, b"POST", path, upstream_body, headers, send, receive,
-                           strip_meta=upstream_body is not body)
+        await self.forward(exchange, b"POST", path, upstream_body, headers, reply,
+                           strip_meta=upstream_body is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
         """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
         try:
-            await self.forward(exchange, b"POST", path, body, headers, _discard, None, strip_meta=False)
+            await self.forward(exchange, b"POST", path, body, headers, Discard(), strip_meta=False)
             outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
         except Exception:
             outcome = "error"
@@ -262,39 +223,28 @@ class GatewayApp:
         path: str,
         body: bytes,
         headers: bytes,
-        send: Send,
-        receive: Receive | None,
+        reply: Responder,
         strip_meta: bool = False,
     ) -> None:
-        """Send one request to `exchange.arm` and relay the answer, cancelling upstream if the client leaves."""
+        """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
+        (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
         gateway = self.gateway
         in_flight = gateway.metrics.child(gateway.metrics.in_flight, exchange.arm, exchange.route)
         in_flight.inc()
         opened: Opened | None = None
-        task = asyncio.current_task()
-        watch = watcher = None
-        if receive is not None and task is not None:
-            watch = _DisconnectWatch(task)
-            watcher = asyncio.ensure_future(watch.run(receive))
         try:
             try:
                 opened = await gateway.upstream.open(exchange.arm, method, path, body, headers)
             except UpstreamFailure as failure:
                 exchange.status, exchange.error = failure.status, failure.kind
-                await send_error(send, failure.status, str(failure), "upstream_error",
-                                 [(ARM_HEADER, exchange.arm.encode())])
+                send_error(reply, failure.status, str(failure), "upstream_error", [(ARM_HEADER, exchange.arm.encode())])
             else:
-                await self._relay(opened, exchange, send, strip_meta)
-            if watch is not None:
-                watch.complete = True  # no await since the last send: the disconnect that follows is not a cancel
+                await self._relay(opened, exchange, reply, strip_meta)
         except asyncio.CancelledError:
-            if watcher is None or not watcher.done() or task is None:
+            if not reply.disconnected:
                 raise
-            task.uncancel()
             exchange.error = "client_disconnect"
         finally:
-            if watcher is not None:
-                watcher.cancel()
             exchange.end = time.perf_counter()
             if opened is not None:
                 failed = exchange.error in ("stream_cut", "timeout")
@@ -302,23 +252,23 @@ class GatewayApp:
             in_flight.dec()
             record(gateway.metrics, exchange)
 
-    async def _relay(self, opened: Opened, exchange: Exchange, send: Send, strip_meta: bool) -> None:
+    async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_meta: bool) -> None:
         response = opened.response
         exchange.replica, exchange.status = opened.replica.url, response.status
         arm, replica = opened.arm.name, opened.replica.url
+        headers = response_headers(response.headers, arm, replica, drop_length=True)
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
-            headers = response_headers(response.headers, arm, replica, drop_length=True)
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            reply.start(response.status, headers)
             observer = NativeStream() if exchange.route == "native" else OpenAIStream()
-            await relay_stream(opened, send, observer, exchange)
+            await relay_stream(opened, reply, observer, exchange)
             return
         try:
             await opened.call.finish()
             payload = response.body()
         except MID_STREAM as exc:
             exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
-            await send_error(send, 502, f"upstream replica failed mid-response ({type(exc).__name__})",
-                             "upstream_error", [(ARM_HEADER, arm.encode())])
+            send_error(reply, 502, f"upstream replica failed mid-response ({type(exc).__name__})", "upstream_error",
+                       [(ARM_HEADER, arm.encode())])
             return
         if response.status == 200 and exchange.route in PROXIED.values():
             try:
@@ -327,25 +277,4 @@ class GatewayApp:
                     payload = sglang.strip_meta_info(payload)
             except ProtocolError as exc:
                 exchange.unparsed = str(exc)
-        headers = response_headers(response.headers, arm, replica, drop_length=True)
-        headers.append((b"content-length", str(len(payload)).encode()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
-
-
-class _DisconnectWatch:
-    """Cancels a request's task when its client goes away mid-response, so the upstream request is cancelled too.
-
-    The server also reports a disconnect once the response is complete; that one must not cancel anything, hence
-    `complete`, set by the request's task right after its last send (no wrapper on the per-chunk `send`).
-    """
-
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self._task = task
-        self.complete = False
-
-    async def run(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self.complete:
-            self._task.cancel()
+        reply.whole(response.status, headers, payload)

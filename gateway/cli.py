@@ -1,17 +1,16 @@
 """`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM.
 
-Both listeners share one uvloop event loop with httptools parsing; uvloop sets TCP_NODELAY on every accepted
-socket (and asyncio on the upstream connections of `dfserve.http1`), so no chunk waits for a delayed ACK.
+Both listeners (`gateway.server`) share one uvloop event loop; uvloop sets TCP_NODELAY on every accepted socket (and
+asyncio on the upstream connections of `dfserve.http1`), so no chunk waits for a delayed ACK.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,44 +23,23 @@ from gateway.config import GatewayConfig, load_config, parse_arm_flag
 log = logging.getLogger("dfserve.gateway")
 
 
-class _Server:
-    """A uvicorn server that leaves signal handling to the caller, so two can share one event loop."""
-
-    def __init__(self, app: Any, host: str, port: int, flag: str) -> None:
-        import uvicorn
-
-        class Quiet(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
-        config = uvicorn.Config(app, host=host, port=port, loop="none", http="httptools", lifespan="off",
-                                access_log=False, server_header=False, date_header=False, proxy_headers=False,
-                                log_level="warning", timeout_keep_alive=75)
-        self.server = Quiet(config)
-        self.sock = bind(host, port, flag)
-
-    async def serve(self) -> None:
-        await self.server.serve(sockets=[self.sock])
-
-
 async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
     """Run the gateway listener and, when configured, the admin listener, until SIGINT/SIGTERM.
 
     SIGHUP calls `reload` and applies the routing it returns, atomically; a bad file is logged and changes nothing.
     """
-    from gateway.admin import AdminApp
+    from gateway.admin import MAX_ADMIN_BODY_BYTES, AdminApp
     from gateway.app import Gateway, GatewayApp
+    from gateway.server import Server, ServerLimits
 
     token = config.admin_token()
     gateway = Gateway(config)
-    servers = [_Server(GatewayApp(gateway), config.host, config.port, "--port")]
+    listeners = [(Server(GatewayApp(gateway), ServerLimits(config.limits.max_body_bytes)),
+                  bind(config.host, config.port, "--port"))]
     if config.admin.port is not None and token is not None:
-        servers.append(_Server(AdminApp(gateway, token), config.admin.host, config.admin.port, "--admin-port"))
-
-    def stop() -> None:
-        for server in servers:
-            server.server.should_exit = True
+        listeners.append((Server(AdminApp(gateway, token), ServerLimits(MAX_ADMIN_BODY_BYTES)),
+                          bind(config.admin.host, config.admin.port, "--admin-port")))
+    stopping = asyncio.Event()
 
     def hangup(reload: Callable[[], GatewayConfig]) -> None:
         try:
@@ -73,15 +51,18 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop)
+        loop.add_signal_handler(signum, stopping.set)
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, hangup, reload)
     await gateway.start()
     gc.collect()
     gc.freeze()  # start-up objects (imports, config, metrics) never need scanning again: short full collections
     try:
-        await asyncio.gather(*(s.serve() for s in servers))
+        for server, sock in listeners:
+            await server.start(sock)
+        await stopping.wait()
     finally:
+        await asyncio.gather(*(server.stop() for server, _ in listeners))
         await gateway.stop()
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-import types
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,9 +26,9 @@ from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
 from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics
+from gateway.server import Responder
 from gateway.upstream import MID_STREAM, Opened
 
-Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
 Measure = Literal["exact", "estimated"]
 
 HOP_BY_HOP = frozenset({
@@ -148,45 +147,24 @@ class OpenAIStream:
 Observer = NativeStream | OpenAIStream
 
 
-@types.coroutine
-def _rest_of(coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[Any, Any, None]:
-    """The rest of `coroutine`, which yielded `waiting_on` when stepped by hand, as an awaitable: it does what
-    `await coroutine` would have done from there on (yield what it yields, pass results and exceptions in)."""
-    value = waiting_on
-    while True:
-        try:
-            try:
-                sent = yield value
-            except BaseException as exc:
-                value = coroutine.throw(exc)
-            else:
-                value = coroutine.send(sent)
-        except StopIteration:
-            return
-
-
 class StreamRelay:
     """Relays an SSE body from the upstream connection's data callback: each piece is cut at event boundaries,
-    observed (timed at its arrival, tokens counted) and handed to the client's `send` before the next upstream
-    socket is read: no task is woken per chunk, and when a verify round makes every stream's chunk arrive at once,
-    each leaves as soon as it is read instead of after all of them (bench/RESULTS.md).
+    observed (timed at its arrival, tokens counted) and written to the client before the next upstream socket is
+    read: no task is woken per chunk, and when a verify round makes every stream's chunk arrive at once, each
+    leaves as soon as it is read instead of after all of them (bench/RESULTS.md).
 
-    An ASGI `send` completes at once unless the client's socket pushes back; such a send is finished in a task
-    and later pieces queue behind it, in order. Observation never blocks the bytes: a body the observer cannot
-    read is still relayed. The request's task waits on `settled`, then ends the stream (`relay_stream`).
+    Observation never blocks the bytes: a body the observer cannot read is still relayed. The request's task
+    waits on `settled`, then ends the stream (`relay_stream`).
     """
 
-    def __init__(self, send: Send, observer: Observer, exchange: Exchange) -> None:
-        self.send = send
+    def __init__(self, reply: Responder, observer: Observer, exchange: Exchange) -> None:
+        self.reply = reply
         self.observer = observer
         self.exchange = exchange
         self.pending = b""
         """Bytes after the last whole event, held until their event is complete."""
         self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        """Resolved when the upstream response has ended (its call's `done` says how) or a send failed."""
-        self.failure: Exception | None = None
-        self.catching_up: asyncio.Task[None] | None = None
-        self._backlog: list[bytes] = []
+        """Resolved when the upstream response has ended (its call's `done` says how)."""
         self._previous: float | None = None
         self._watching = True
 
@@ -201,18 +179,7 @@ class StreamRelay:
             data, self.pending = self.pending[:cut], self.pending[cut:]
         if self._watching:
             self._observe(now, data)
-        if self.catching_up is not None:
-            self._backlog.append(data)
-            return
-        sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
-        try:
-            waiting_on = sending.send(None)
-        except StopIteration:
-            return
-        except Exception as exc:
-            self._fail(exc)
-            return
-        self.catching_up = asyncio.ensure_future(self._catch_up(_rest_of(sending, waiting_on)))
+        self.reply.write(data)
 
     def ended(self) -> None:
         if not self.settled.done():
@@ -235,23 +202,6 @@ class StreamRelay:
                 exchange.token_gaps.append((now - self._previous, produced))
         self._previous = now
 
-    async def _catch_up(self, rest: Awaitable[None]) -> None:
-        """Finish a send that had to wait for the client, then send what queued behind it until none is left."""
-        try:
-            await rest
-            while self._backlog:
-                body = b"".join(self._backlog)
-                self._backlog.clear()
-                await self.send({"type": "http.response.body", "body": body, "more_body": True})
-        except Exception as exc:
-            self._fail(exc)
-        finally:
-            self.catching_up = None
-
-    def _fail(self, exc: Exception) -> None:
-        self.failure = exc
-        self.ended()
-
     def conclude(self) -> None:
         """Record the request's acceptance, once the stream is complete."""
         if self._watching:
@@ -261,31 +211,27 @@ class StreamRelay:
                 self.exchange.unparsed = str(exc)
 
 
-async def relay_stream(opened: Opened, send: Send, observer: Observer, exchange: Exchange) -> None:
-    """Pass an SSE body through as it arrives, whole events at a time (`StreamRelay`); a failure after the first
-    byte ends it with an error event, never half an event."""
-    relay = StreamRelay(send, observer, exchange)
+async def relay_stream(opened: Opened, reply: Responder, observer: Observer, exchange: Exchange) -> None:
+    """Pass an SSE body through as it arrives, whole events at a time (`StreamRelay`), reading the upstream only
+    as fast as the client takes it; a failure after the first byte ends it with an error event, never half an
+    event."""
+    relay = StreamRelay(reply, observer, exchange)
+    reply.hook(opened.call.pause_reading, opened.call.resume_reading)
     opened.response.attach(relay)
     try:
         await relay.settled
-        if relay.catching_up is not None:  # no new one starts once settled
-            await relay.catching_up
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
-        if relay.catching_up is not None:
-            relay.catching_up.cancel()
-    if relay.failure is not None:
-        raise relay.failure
+        reply.unhook()
     try:
         opened.call.done.result()
     except MID_STREAM as exc:
         exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
-        message = f"upstream replica failed mid-stream ({type(exc).__name__})"
-        await send({"type": "http.response.body", "body": sglang.stream_error_events(message, "upstream_error", 502),
-                    "more_body": False})
+        reply.end(sglang.stream_error_events(f"upstream replica failed mid-stream ({type(exc).__name__})",
+                                             "upstream_error", 502))
         return
     relay.conclude()
-    await send({"type": "http.response.body", "body": relay.pending, "more_body": False})
+    reply.end(relay.pending)
 
 
 def measure_whole(api: str, body: bytes) -> Acceptance:

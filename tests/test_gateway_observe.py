@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
@@ -22,6 +21,7 @@ from gateway.relay import (
     observe_many,
     response_headers,
 )
+from gateway.server import Discard
 
 
 def test_event_boundary() -> None:
@@ -115,62 +115,33 @@ def test_observe_many_equals_repeated_observe() -> None:
     assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
 
 
-class PushBack:
-    """An ASGI `send` whose client pushes back on chosen messages until `release` (as uvicorn's flow control)."""
+class Recorder(Discard):
+    """A client that keeps what the relay writes."""
 
-    def __init__(self, blocked: set[int]) -> None:
-        self.blocked = blocked
+    def __init__(self) -> None:
         self.bodies: list[bytes] = []
-        self.gate = asyncio.Event()
 
-    async def __call__(self, message: dict[str, Any]) -> None:
-        if len(self.bodies) in self.blocked:
-            self.blocked.discard(len(self.bodies))
-            await self.gate.wait()
-        self.bodies.append(message["body"])
+    def write(self, body: bytes) -> None:
+        self.bodies.append(body)
 
 
-def test_stream_relay_sends_whole_events_in_order_through_push_back() -> None:
-    async def scenario() -> tuple[PushBack, Exchange, StreamRelay, list[int]]:
-        send, exchange = PushBack({1}), Exchange(arm="a", route="native")
-        relay = StreamRelay(send, NativeStream(), exchange)
-        event = native(2)
-        sizes = []
-        relay.received(1.0, event)
+def test_stream_relay_writes_whole_events_in_order_and_times_them() -> None:
+    async def scenario() -> tuple[Recorder, Exchange, StreamRelay]:
+        reply, exchange = Recorder(), Exchange(arm="a", route="native")
+        relay = StreamRelay(reply, NativeStream(), exchange)
+        relay.received(1.0, native(2))
         relay.received(2.0, native(4)[:9])  # half an event: held back
-        relay.received(3.0, native(4)[9:])  # the first send to push back
-        relay.received(4.0, native(6))  # queued behind it
-        relay.received(5.0, native(8, final=True))
-        sizes.append(len(send.bodies))
-        await asyncio.sleep(0)
-        sizes.append(len(send.bodies))
-        send.gate.set()
+        relay.received(3.0, native(4)[9:] + native(6)[:5])
+        relay.received(4.0, native(6)[5:] + native(8, final=True))
         relay.ended()
+        relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
         await relay.settled
-        while relay.catching_up is not None:
-            await relay.catching_up
         relay.conclude()
-        return send, exchange, relay, sizes
+        return reply, exchange, relay
 
-    send, exchange, relay, sizes = asyncio.run(scenario())
-    assert sizes == [1, 1]
-    assert send.bodies == [native(2), native(4), native(6) + native(8, final=True)]
-    assert relay.failure is None and relay.pending == b""
-    assert exchange.first == 1.0 and exchange.chunk_gaps == [2.0, 1.0, 1.0]
-    assert exchange.token_gaps == [(2.0, 2), (1.0, 2), (1.0, 2)]
+    reply, exchange, relay = asyncio.run(scenario())
+    assert reply.bodies == [native(2), native(4), native(6) + native(8, final=True)]
+    assert relay.pending == b""
+    assert exchange.first == 1.0 and exchange.chunk_gaps == [2.0, 1.0]
+    assert exchange.token_gaps == [(2.0, 2), (1.0, 4)]
     assert exchange.acceptance.verify_ct == 4 and exchange.acceptance.measure == "exact"
-
-
-def test_stream_relay_settles_with_a_failed_send() -> None:
-    async def broken(message: dict[str, Any]) -> None:
-        raise OSError("client socket gone")
-
-    async def scenario() -> StreamRelay:
-        relay = StreamRelay(broken, OpenAIStream(), Exchange(arm="a", route="chat"))
-        relay.received(1.0, b"data: {}\n\n")
-        relay.received(2.0, b"data: {}\n\n")
-        await relay.settled
-        return relay
-
-    relay = asyncio.run(scenario())
-    assert isinstance(relay.failure, OSError) and relay.catching_up is None

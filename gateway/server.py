@@ -1,0 +1,393 @@
+"""The gateway's client-facing HTTP/1.1 server: requests parsed by httptools, responses written straight to the
+client's socket.
+
+The gateway relays each streamed chunk from the upstream connection's data callback to this socket with one write
+and no task, coroutine or message in between (bench/RESULTS.md: most of a proxy's cost is per chunk), and it
+applies back-pressure the way a proxy should: when the client's socket is full, the upstream connection stops
+being read (`Reply.hook`) instead of the stream piling up in memory. A client that goes away mid-response cancels
+its request's task, which closes the upstream connection, and so SGLang aborts the request.
+
+One request at a time per connection: a pipelined request waits (reading paused) until the one before is answered.
+The server's own refusals (malformed HTTP, an oversize body, a bug) are OpenAI-style JSON errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Protocol
+from urllib.parse import unquote
+
+import httptools
+
+from dfserve import sglang
+
+log = logging.getLogger("dfserve.gateway")
+
+_MAX_HEAD_BYTES = 64 * 1024
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@dataclass(eq=False)
+class Request:
+    method: str
+    path: str
+    """Percent-decoded, without the query string."""
+    headers: list[tuple[bytes, bytes]]
+    """Names lower-cased, values as sent."""
+    body: bytes = b""
+
+
+class Responder(Protocol):
+    """Where a handler's response goes: a client's socket (`Reply`) or nowhere (`Discard`, for shadow requests)."""
+
+    @property
+    def disconnected(self) -> bool: ...
+
+    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def write(self, body: bytes) -> None: ...
+
+    def end(self, body: bytes = b"") -> None: ...
+
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+
+    def unhook(self) -> None: ...
+
+
+_STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
+    line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
+    return b"".join([line, *(name + b": " + value + b"\r\n" for name, value in headers), framing, b"\r\n"])
+
+
+class Reply:
+    """The response to one request, written to the client's transport as it is produced.
+
+    A streamed body (`start` then `write`s then `end`) is chunked for HTTP/1.1 clients and delimited by the
+    connection's end for HTTP/1.0 ones; a response to HEAD carries no body. Writes after the client has gone are
+    dropped (its request's task is being cancelled)."""
+
+    def __init__(self, connection: ClientConnection, head_only: bool, chunked: bool, keep_alive: bool) -> None:
+        self.connection = connection
+        self.head_only = head_only
+        self.chunked = chunked
+        self.keep_alive = keep_alive
+        self.started = False
+        self.complete = False
+        self._hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self._paused = False
+
+    @property
+    def disconnected(self) -> bool:
+        return self.connection.closed
+
+    def _framing(self, length: int | None) -> bytes:
+        framing = b"" if length is None else b"content-length: %d\r\n" % length
+        if length is None and self.chunked:
+            framing += b"transfer-encoding: chunked\r\n"
+        if not self.keep_alive:
+            framing += b"connection: close\r\n"
+        return framing
+
+    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole response (Content-Length framed)."""
+        self.started = self.complete = True
+        head = _head(status, headers, self._framing(len(body)))
+        self.connection.write(head if self.head_only else head + body)
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The head of a streamed response; the body follows in `write`s and `end`."""
+        self.started = True
+        if self.head_only:
+            self.chunked = False
+        elif not self.chunked:
+            self.keep_alive = False  # an HTTP/1.0 stream ends with its connection
+        self.connection.write(_head(status, headers, self._framing(None)))
+
+    def write(self, body: bytes) -> None:
+        if body and not self.head_only:
+            self.connection.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+
+    def end(self, body: bytes = b"") -> None:
+        self.write(body)
+        self.complete = True
+        if self.chunked and not self.head_only:
+            self.connection.write(b"0\r\n\r\n")
+
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """Call `pause` while the client's socket is full and `resume` once it drains (the upstream's reading)."""
+        self._hooks = (pause, resume)
+        if self.connection.writes_paused:
+            self.pause()
+
+    def unhook(self) -> None:
+        """Stop applying back-pressure, resuming what was paused."""
+        if self._hooks is not None and self._paused:
+            self._hooks[1]()
+        self._hooks, self._paused = None, False
+
+    def pause(self) -> None:
+        if self._hooks is not None and not self._paused:
+            self._paused = True
+            self._hooks[0]()
+
+    def resume(self) -> None:
+        if self._hooks is not None and self._paused:
+            self._paused = False
+            self._hooks[1]()
+
+
+class Discard:
+    """The client side of a shadow request: nobody is listening."""
+
+    disconnected = False
+
+    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        pass
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        pass
+
+    def write(self, body: bytes) -> None:
+        pass
+
+    def end(self, body: bytes = b"") -> None:
+        pass
+
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        pass
+
+    def unhook(self) -> None:
+        pass
+
+
+Handler = Callable[[Request, Reply], Awaitable[None]]
+
+
+@dataclass
+class ServerLimits:
+    max_body_bytes: int
+    idle_timeout_s: float = 75.0
+    """A kept-alive connection with no request under way is closed after this long."""
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """A request being parsed."""
+
+    url: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    head_bytes: int = 0
+    body: list[bytes] = field(default_factory=list)
+    body_bytes: int = 0
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: parses its requests, runs `handler` for each in a task of its own, one at a time."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits, connections: set[ClientConnection]) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.connections = connections
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.writes_paused = False
+        self.incoming = _Incoming()
+        self.waiting: list[tuple[Request, Reply]] = []
+        self.reply: Reply | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+
+    # asyncio callbacks ------------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.connections.add(self)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, _Refused):
+                raise
+            self.refuse(refused.status, str(refused))
+        except httptools.HttpParserError as exc:
+            self.refuse(400, f"malformed HTTP request ({exc})")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.connections.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        if self.task is not None and self.reply is not None and not self.reply.complete:
+            self.task.cancel()
+
+    def pause_writing(self) -> None:
+        self.writes_paused = True
+        if self.reply is not None:
+            self.reply.pause()
+
+    def resume_writing(self) -> None:
+        self.writes_paused = False
+        if self.reply is not None:
+            self.reply.resume()
+
+    # httptools callbacks ----------------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.incoming = _Incoming()
+
+    def on_url(self, url: bytes) -> None:
+        self.incoming.url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.incoming.headers.append((name.lower(), value))
+        self._count_head(len(name) + len(value))
+
+    def on_headers_complete(self) -> None:
+        limit = self.limits.max_body_bytes
+        for name, value in self.incoming.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _Refused(413, f"request body over the {limit}-byte limit")
+            if name == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
+                self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        incoming = self.incoming
+        incoming.body.append(body)
+        incoming.body_bytes += len(body)
+        if incoming.body_bytes > self.limits.max_body_bytes:
+            raise _Refused(413, f"request body over the {self.limits.max_body_bytes}-byte limit")
+
+    def on_message_complete(self) -> None:
+        incoming, parser = self.incoming, self.parser
+        method = parser.get_method().decode("ascii", "replace")
+        path = unquote(httptools.parse_url(incoming.url).path.decode("latin-1"))
+        http11 = parser.get_http_version() == "1.1"
+        reply = Reply(self, head_only=method == "HEAD", chunked=http11, keep_alive=parser.should_keep_alive())
+        self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body)), reply))
+        if self.task is None:
+            self._next()
+        elif self.transport is not None:
+            self.transport.pause_reading()  # pipelined: the rest waits in the socket
+
+    # requests ---------------------------------------------------------------------------------------------------
+
+    def _count_head(self, size: int) -> None:
+        self.incoming.head_bytes += size
+        if self.incoming.head_bytes > _MAX_HEAD_BYTES:
+            raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
+
+    def _next(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        request, reply = self.waiting.pop(0)
+        self.reply = reply
+        self.task = asyncio.ensure_future(self._run(request, reply))
+
+    async def _run(self, request: Request, reply: Reply) -> None:
+        try:
+            await self.handler(request, reply)
+        except asyncio.CancelledError:
+            if not self.closed:
+                raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            if not reply.started:
+                reply.keep_alive = False
+                reply.whole(500, _JSON, sglang.error_body("internal error in the gateway", "internal_error", 500))
+            else:
+                self.abort()
+        finally:
+            self.task = self.reply = None
+        if self.closed:
+            return
+        if not reply.complete or not reply.keep_alive:
+            self.close()
+        elif self.waiting:
+            self._next()
+        else:
+            assert self.transport is not None
+            self.transport.resume_reading()
+            self._arm_idle()
+
+    def refuse(self, status: int, message: str) -> None:
+        """Answer the server's own error and close the connection (what follows in it cannot be parsed)."""
+        if self.task is None and self.transport is not None and not self.closed:
+            body = sglang.error_body(message, "invalid_request_error", status)
+            self.write(_head(status, _JSON, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body)
+        self.close()
+
+    def write(self, data: bytes) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(data)
+
+    def _arm_idle(self) -> None:
+        self._idle = asyncio.get_running_loop().call_later(self.limits.idle_timeout_s, self.close)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.closed = True
+            self.transport.abort()
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: httptools wraps it, and `data_received` answers it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_JSON = [(b"content-type", b"application/json")]
+
+
+class Server:
+    """The client listener: accepts connections on a bound socket and, on `stop`, lets answers under way finish."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.connections: set[ClientConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ClientConnection(self.handler, self.limits, self.connections), sock=sock)
+
+    async def stop(self, drain_s: float = 10.0) -> None:
+        """Stop accepting; close idle connections now and busy ones once their answer is out (at most `drain_s`)."""
+        if self._server is not None:
+            self._server.close()
+        deadline = asyncio.get_running_loop().time() + drain_s
+        while True:
+            busy = [c for c in self.connections if c.task is not None]
+            for connection in self.connections - set(busy):
+                connection.close()
+            if not busy or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        for connection in list(self.connections):
+            connection.abort()

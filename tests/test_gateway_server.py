@@ -1,0 +1,232 @@
+"""The gateway's HTTP/1.1 server on loopback, talked to with raw sockets: framing, keep-alive, pipelining, limits,
+disconnects and back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from gateway.server import Reply, Request, Server, ServerLimits
+
+LOOPBACK = "127.0.0.1"
+JSON = [(b"content-type", b"application/json")]
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
+                 idle_timeout_s: float = 30.0) -> AsyncIterator[int]:
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    listener = Server(handler, ServerLimits(max_body_bytes, idle_timeout_s))
+    await listener.start(sock)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        await listener.stop(drain_s=1.0)
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One response: Content-Length, chunked, or (neither) up to the connection's end."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
+    status = int(lines[0].split()[1])
+    if b"content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        return status, headers, body
+    return status, headers, await reader.read()
+
+
+async def echo(request: Request, reply: Reply) -> None:
+    body = json.dumps({"method": request.method, "path": request.path, "body": request.body.decode(),
+                       "headers": {k.decode(): v.decode() for k, v in request.headers}}).encode()
+    reply.whole(200, JSON, body)
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+
+def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
+    async def scenario() -> list[dict[str, str]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/a%20b?q=1", b"one"))
+            first = await read_response(reader)
+            writer.write(post("/second", b"two") + post("/third", b"three"))  # pipelined
+            second, third = await read_response(reader), await read_response(reader)
+            writer.close()
+        return [json.loads(r[2]) for r in (first, second, third)]
+
+    first, second, third = asyncio.run(scenario())
+    assert (first["method"], first["path"], first["body"]) == ("POST", "/a b", "one")
+    assert first["headers"]["host"] == "x"
+    assert [second["body"], third["body"]] == ["two", "three"]
+
+
+def test_expect_continue_then_body() -> None:
+    async def scenario() -> tuple[bytes, dict[str, str]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+            interim = await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"hello")
+            _, _, body = await read_response(reader)
+            writer.close()
+        return interim, json.loads(body)
+
+    interim, echoed = asyncio.run(scenario())
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n" and echoed["body"] == "hello"
+
+
+def test_refusals_are_json_errors_that_close_the_connection() -> None:
+    cases = {
+        "declared too large": post("/x", b"", b"Content-Length: 5000\r\n").replace(b"Content-Length: 0\r\n", b""),
+        "chunked too large": b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"200\r\n" + b"x" * 512 + b"\r\n" + b"300\r\n" + b"x" * 768 + b"\r\n0\r\n\r\n",
+        "malformed": b"POST /x HTTP/9\r\n\r\n",
+        "head too large": b"GET /x HTTP/1.1\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n",
+    }
+
+    async def scenario() -> dict[str, tuple[int, dict[bytes, bytes], bytes, bytes]]:
+        answers = {}
+        async with server(echo) as port:
+            for name, raw in cases.items():
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(raw)
+                status, headers, body = await read_response(reader)
+                answers[name] = (status, headers, body, await reader.read())
+                writer.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert {name: a[0] for name, a in answers.items()} == {
+        "declared too large": 413, "chunked too large": 413, "malformed": 400, "head too large": 431}
+    for status, headers, body, after in answers.values():
+        assert headers[b"connection"] == b"close" and after == b""
+        assert json.loads(body)["error"]["code"] == status
+
+
+def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_for_head() -> None:
+    async def stream(request: Request, reply: Reply) -> None:
+        reply.start(200, [(b"content-type", b"text/event-stream")])
+        reply.write(b"data: 1\n\n")
+        await asyncio.sleep(0)
+        reply.end(b"data: 2\n\n")
+
+    async def scenario() -> tuple[list[tuple[int, dict[bytes, bytes], bytes]], bytes]:
+        answers = []
+        async with server(stream) as port:
+            for request in (b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /s HTTP/1.0\r\n\r\n"):
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(request)
+                answers.append(await read_response(reader))
+                writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"HEAD /s HTTP/1.1\r\nHost: x\r\n\r\n" + post("/s", b""))
+            head = await reader.readuntil(b"\r\n\r\n")
+            next_one = await read_response(reader)  # the connection carries on: the HEAD answer had no body
+            writer.close()
+        return answers, head + next_one[2]
+
+    (http11, http10), head = asyncio.run(scenario())
+    assert http11[1][b"transfer-encoding"] == b"chunked" and http11[2] == b"data: 1\n\ndata: 2\n\n"
+    assert b"transfer-encoding" not in http10[1] and http10[1][b"connection"] == b"close"
+    assert http10[2] == b"data: 1\n\ndata: 2\n\n"
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\ndata: 1\n\ndata: 2\n\n")
+
+
+def test_a_client_that_leaves_cancels_its_request() -> None:
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started = asyncio.Event()
+
+        async def endless(request: Request, reply: Reply) -> None:
+            reply.start(200, [])
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                events.append(f"cancelled, disconnected={reply.disconnected}")
+                raise
+
+        async with server(endless) as port:
+            _, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(started.wait(), 5)
+            writer.close()
+            for _ in range(100):
+                if events:
+                    break
+                await asyncio.sleep(0.01)
+        return events
+
+    assert asyncio.run(scenario()) == ["cancelled, disconnected=True"]
+
+
+def test_a_full_client_socket_pauses_the_source_until_it_drains() -> None:
+    piece = b"x" * 65536
+
+    async def scenario() -> tuple[list[str], int]:
+        events: list[str] = []
+        paused, resumed = asyncio.Event(), asyncio.Event()
+
+        async def flood(request: Request, reply: Reply) -> None:
+            reply.start(200, [])
+            reply.hook(lambda: (events.append("pause"), paused.set()), lambda: (events.append("resume"), resumed.set()))
+            while not paused.is_set():
+                reply.write(piece)
+                await asyncio.sleep(0)
+            await resumed.wait()
+            reply.unhook()
+            reply.end()
+
+        async with server(flood) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.3)  # not reading: the server's socket fills
+            _, _, body = await asyncio.wait_for(read_response(reader), 10)
+            writer.close()
+        return events, len(body)
+
+    events, size = asyncio.run(scenario())
+    assert events == ["pause", "resume"]
+    assert size > 0 and size % len(piece) == 0
+
+
+def test_a_handler_bug_is_a_500_json_error() -> None:
+    async def broken(request: Request, reply: Reply) -> None:
+        raise RuntimeError("bug")
+
+    async def scenario() -> tuple[int, bytes]:
+        async with server(broken) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, body = await read_response(reader)
+            writer.close()
+        return status, body
+
+    status, body = asyncio.run(scenario())
+    assert status == 500 and json.loads(body)["error"]["code"] == 500
+
+
+def test_an_idle_kept_alive_connection_is_closed() -> None:
+    async def scenario() -> bytes:
+        async with server(echo, idle_timeout_s=0.2) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/x", b"1"))
+            await read_response(reader)
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+        return rest
+
+    assert asyncio.run(scenario()) == b""
