@@ -33,6 +33,11 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+FLOOD_EVENT = sse({"id": "c1", "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"content": "x" * 4000}}]})
+FLOOD_EVENTS = 4000
+
+
 class Stub:
     """A scripted SGLang stand-in in a background thread. `x-stub` request header picks a behaviour."""
 
@@ -40,6 +45,7 @@ class Stub:
         self.status = status
         self.seen: list[dict[str, Any]] = []
         self.cancelled = threading.Event()
+        self.flood_written = 0
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -96,6 +102,12 @@ class Stub:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": "stub"})
         await response.prepare(request)
         try:
+            if mode == "flood":
+                for _ in range(FLOOD_EVENTS):
+                    await response.write(FLOOD_EVENT)
+                    self.flood_written += 1
+                await response.write_eof()
+                return response
             if mode == "slow":
                 for _ in range(200):
                     await response.write(sse(CHAT_EVENTS[1]))
@@ -318,6 +330,17 @@ def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
         time.sleep(0.05)
     assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_disconnect") == 1
     assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
+
+
+def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
+                      timeout=30) as response:
+        time.sleep(1.0)  # the client reads nothing: every socket buffer on the way fills, then the upstream waits
+        written_while_paused = stub.flood_written
+        body = b"".join(response.iter_raw())
+    assert written_while_paused < FLOOD_EVENTS / 2
+    assert body == FLOOD_EVENT * FLOOD_EVENTS
 
 
 def test_models_and_health(one_arm: tuple[Stub, str]) -> None:
