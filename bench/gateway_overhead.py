@@ -243,9 +243,10 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
         sample.unattributed += 1  # a path that re-encodes the stream (LiteLLM) drops the sim's times
 
 
-async def closed_loop(url: str, headers: dict[str, str], concurrency: int, requests: int, args: argparse.Namespace,
-                      native: bool) -> Sample:
-    """`concurrency` workers each streaming one request after another until `requests` are done or time is up.
+async def closed_loop(targets: Sequence[tuple[str, dict[str, str]]], concurrency: int, requests: int,
+                      args: argparse.Namespace, native: bool) -> list[Sample]:
+    """`concurrency` workers per target (URL and headers), all at once, each streaming one request after another
+    until its target has had `requests` or time is up; one sample per target.
 
     Each worker pauses a random 0-10 ms (seeded) between requests, so arrivals do not lock onto the simulator's
     step clock: a closed loop would otherwise send each request right after a step and measure the phase of the
@@ -263,29 +264,30 @@ async def closed_loop(url: str, headers: dict[str, str], concurrency: int, reque
                                        sampling, stream=True)
         return json.dumps(payload).encode()
 
-    headers = {"Content-Type": "application/json", **headers}
-    sample = Sample()
-    issued = 0
+    samples = [Sample() for _ in targets]
+    issued = [0] * len(targets)
+    numbered = itertools.count()
     deadline = time.perf_counter() + args.budget_s
     rng = random.Random(concurrency)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         # Warm-up: open the connections and let every path settle, unmeasured.
-        await asyncio.gather(*(one_stream(session, url, body(-1 - n), headers, Sample(), native)
-                               for n in range(concurrency)))
+        await asyncio.gather(*(one_stream(session, url, body(-1 - n), {"Content-Type": "application/json", **h},
+                                          Sample(), native) for url, h in targets for n in range(concurrency)))
 
-        async def worker() -> None:
-            nonlocal issued
-            while issued < requests and time.perf_counter() < deadline:
-                issued += 1
-                request = body(issued)
+        async def worker(target: int) -> None:
+            url, headers = targets[target][0], {"Content-Type": "application/json", **targets[target][1]}
+            while issued[target] < requests and time.perf_counter() < deadline:
+                issued[target] += 1
+                request = body(next(numbered))
                 await asyncio.sleep(rng.uniform(0, ROUND_S))
-                await one_stream(session, url, request, headers, sample, native)
+                await one_stream(session, url, request, headers, samples[target], native)
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    sample.elapsed_s = time.perf_counter() - started
-    return sample
+        await asyncio.gather(*(worker(t) for t in range(len(targets)) for _ in range(concurrency)))
+    for sample in samples:
+        sample.elapsed_s = time.perf_counter() - started
+    return samples
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -309,18 +311,21 @@ class Row:
     chunks_per_s: float
 
 
-def measure(api: str, url: str, headers: dict[str, str], pgid: int | None, concurrency: int,
-            args: argparse.Namespace) -> Sample:
+def measure(api: str, targets: Sequence[tuple[str, dict[str, str], int | None]], concurrency: int,
+            args: argparse.Namespace) -> list[Sample]:
+    """One run through each of `targets` (URL, headers, the proxy's process group) at once; CPU per target."""
     requests = max(args.min_requests, concurrency * args.rounds)
     gc.collect()
     gc.disable()  # a full collection of this client's heap takes ~25 ms: one would show up as every path's latency
     try:
-        cpu_before = group_cpu_s(pgid) if pgid else 0.0
-        sample = uvloop.run(closed_loop(url, headers, concurrency, requests, args, api == "native"))
-        sample.cpu_s = (group_cpu_s(pgid) - cpu_before) if pgid else None
+        cpu_before = [group_cpu_s(pgid) if pgid else 0.0 for _, _, pgid in targets]
+        samples = uvloop.run(closed_loop([(url, headers) for url, headers, _ in targets], concurrency, requests, args,
+                                         api == "native"))
+        for sample, before, (_, _, pgid) in zip(samples, cpu_before, targets, strict=True):
+            sample.cpu_s = (group_cpu_s(pgid) - before) if pgid else None
     finally:
         gc.enable()
-    return sample
+    return samples
 
 
 def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
@@ -433,21 +438,26 @@ class Cost:
 
 
 SPLIT_TOKENS = (64, 1024)
-SPLIT_STREAMS = 64
+SPLIT_STREAMS = 32
+SPLIT_ROUNDS = 6
+SPLIT_BUDGET_S = 60.0
 
 
 def cpu_split(endpoints: dict[str, tuple[str, dict[str, str], int | None]], args: argparse.Namespace) -> list[Cost]:
-    """Each proxy's CPU time split into a cost per request and a cost per chunk: native streams of two lengths at
-    64 streams, interleaved, then CPU = per_request x requests + per_chunk x chunks solved from the two."""
+    """Each proxy's CPU time split into a cost per request and a cost per chunk: native streams of two lengths,
+    `SPLIT_STREAMS` through every proxy at the same time, so that a slow spell of the shared host falls on all of
+    them alike; then CPU = per_request x requests + per_chunk x chunks, solved from the two lengths."""
     pooled: dict[tuple[str, int], Sample] = {}
+    paths = list(endpoints)
     for _ in range(args.repeats):
         for tokens in SPLIT_TOKENS:
-            for path, (base, headers, pgid) in endpoints.items():
-                run_args = argparse.Namespace(**{**vars(args), "max_tokens": tokens})
-                sample = measure("native", base + "/generate", headers, pgid, SPLIT_STREAMS, run_args)
+            run_args = argparse.Namespace(**{**vars(args), "max_tokens": tokens, "rounds": SPLIT_ROUNDS,
+                                              "min_requests": 0, "budget_s": SPLIT_BUDGET_S})
+            targets = [(base + "/generate", headers, pgid) for base, headers, pgid in endpoints.values()]
+            for path, sample in zip(paths, measure("native", targets, SPLIT_STREAMS, run_args), strict=True):
                 pooled.setdefault((path, tokens), Sample()).absorb(sample)
     costs = []
-    for path in endpoints:
+    for path in paths:
         (short, long) = (pooled[path, tokens] for tokens in SPLIT_TOKENS)
         matrix = [[len(s.ttft_s), s.chunks] for s in (short, long)]
         per_request_s, per_chunk_s = np.linalg.solve(np.asarray(matrix, float), [short.cpu_s or 0, long.cpu_s or 0])
@@ -515,9 +525,11 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
         "",
         *behind(rows),
         verdict(rows),
-        *(["", f"**Where the CPU goes.** Native streams of {SPLIT_TOKENS[0]} and {SPLIT_TOKENS[1]} tokens at "
-            f"{SPLIT_STREAMS} streams, each proxy's CPU time solved into a cost per request and a cost per chunk "
-            "(`--cpu-split`). The syscalls per chunk are the same for every proxy (strace: one read and one write "
+        *(["", f"**Where the CPU goes.** Native streams of {SPLIT_TOKENS[0]} and {SPLIT_TOKENS[1]} tokens, "
+            f"{SPLIT_STREAMS} at a time through every proxy at once (so that the host's slow spells fall on all "
+            "of them alike; run after run, the CPU figures of proxies measured one after the other moved by a "
+            "third), each proxy's CPU time solved into a cost per request and a cost per chunk "
+            f"(`--cpu-split`, {repeats} runs pooled). The syscalls per chunk are the same for every proxy (strace: one read and one write "
             "per chunk, one epoll wait per burst). *tcp-floor* (`bench/tcp_floor_proxy.py`) relays the same "
             "bytes without parsing them, on the event loop the gateway runs on (CPython and uvloop): the least any "
             "proxy on that loop can cost, so each proxy's cost above it is its own work.", "", cost_table(costs)]
@@ -602,7 +614,7 @@ def main() -> None:
                         # LiteLLM speaks only the OpenAI routes.
                         if path in endpoints and not (api == "native" and path == "litellm"):
                             base, headers, group = endpoints[path]
-                            sample = measure(api, base + route, headers, group, concurrency, args)
+                            [sample] = measure(api, [(base + route, headers, group)], concurrency, args)
                             print(f"  run {repeat + 1}/{args.repeats}: ", end="")
                             summarize(api, path, concurrency, [sample])
                             runs.setdefault((api, path), []).append(sample)
