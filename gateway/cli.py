@@ -1,4 +1,5 @@
-"""`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM.
+"""`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM, then give the answers
+under way up to 10 s to finish.
 
 Both listeners (`gateway.server`) share one uvloop event loop; uvloop sets TCP_NODELAY on every accepted socket (and
 asyncio on the upstream connections of `dfserve.http1`), so no chunk waits for a delayed ACK.

@@ -277,7 +277,10 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         incoming, parser = self.incoming, self.parser
         method = parser.get_method().decode("ascii", "replace")
-        path = unquote(httptools.parse_url(incoming.url).path.decode("latin-1"))
+        try:
+            path = unquote(httptools.parse_url(incoming.url).path.decode("latin-1"))
+        except httptools.HttpParserInvalidURLError:
+            raise _Refused(400, f"malformed request target {incoming.url[:80]!r}") from None
         http11 = parser.get_http_version() == "1.1"
         reply = Reply(self, head_only=method == "HEAD", chunked=http11, keep_alive=parser.should_keep_alive())
         self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body)), reply))

@@ -94,6 +94,7 @@ def test_refusals_are_json_errors_that_close_the_connection() -> None:
         "chunked too large": b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                              + b"200\r\n" + b"x" * 512 + b"\r\n" + b"300\r\n" + b"x" * 768 + b"\r\n0\r\n\r\n",
         "malformed": b"POST /x HTTP/9\r\n\r\n",
+        "bad target": b"GET http:// HTTP/1.1\r\nHost: x\r\n\r\n",
         "head too large": b"GET /x HTTP/1.1\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n",
     }
 
@@ -110,7 +111,8 @@ def test_refusals_are_json_errors_that_close_the_connection() -> None:
 
     answers = asyncio.run(scenario())
     assert {name: a[0] for name, a in answers.items()} == {
-        "declared too large": 413, "chunked too large": 413, "malformed": 400, "head too large": 431}
+        "declared too large": 413, "chunked too large": 413, "malformed": 400, "bad target": 400,
+        "head too large": 431}
     for status, headers, body, after in answers.values():
         assert headers[b"connection"] == b"close" and after == b""
         assert json.loads(body)["error"]["code"] == status
