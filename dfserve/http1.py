@@ -77,6 +77,8 @@ class _Connection(asyncio.Protocol):
         self.read_timeout_s = read_timeout_s
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.reading_paused = False
+        """Paused by the reader's back-pressure: a quiet upstream is then not the server's fault."""
         self._reset()
 
     def _reset(self) -> None:
@@ -135,6 +137,8 @@ class _Connection(asyncio.Protocol):
         """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
         assert self.read_timeout_s is not None
         idle = self.clock() - self._last
+        if self.reading_paused:
+            idle = 0.0
         if idle >= self.read_timeout_s:
             self._fail(ReadTimeout(f"nothing received for {idle:.1f} s"))
         else:
@@ -293,14 +297,17 @@ class Call:
 
     def pause_reading(self) -> None:
         """Stop reading the body (the server's sends then wait in its socket): back-pressure from a slow reader."""
-        transport = self.connection.transport
+        connection, transport = self.connection, self.connection.transport
         if transport is not None and not transport.is_closing():
             transport.pause_reading()
+            connection.reading_paused = True
 
     def resume_reading(self) -> None:
-        transport = self.connection.transport
+        connection, transport = self.connection, self.connection.transport
         if transport is not None and not transport.is_closing():
             transport.resume_reading()
+            connection.reading_paused = False
+            connection._last = connection.clock()  # the read timeout starts again from here
 
     def close(self) -> None:
         """Done with the call: a complete response frees its connection for reuse, anything else closes it."""

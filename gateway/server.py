@@ -8,7 +8,9 @@ being read (`Reply.hook`) instead of the stream piling up in memory. A client th
 its request's task, which closes the upstream connection, and so SGLang aborts the request.
 
 One request at a time per connection: a pipelined request waits (reading paused) until the one before is answered.
-The server's own refusals (malformed HTTP, an oversize body, a bug) are OpenAI-style JSON errors.
+The server's own refusals (malformed HTTP, an oversize request, a handler's bug) are OpenAI-style JSON errors. A
+client that shuts down its sending side is taken as gone, as uvicorn does: an LLM request is too expensive to leave
+running for a client that may have left.
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ class Reply:
     connection's end for HTTP/1.0 ones; a response to HEAD carries no body. Writes after the client has gone are
     dropped (its request's task is being cancelled)."""
 
-    def __init__(self, connection: ClientConnection, head_only: bool, chunked: bool, keep_alive: bool) -> None:
+    def __init__(self, connection: ClientConnection, head_only: bool, http11: bool, keep_alive: bool) -> None:
         self.connection = connection
         self.head_only = head_only
-        self.chunked = chunked
+        self.http11 = http11
+        self.chunked = http11
         self.keep_alive = keep_alive
         self.started = False
         self.complete = False
@@ -96,6 +99,8 @@ class Reply:
             framing += b"transfer-encoding: chunked\r\n"
         if not self.keep_alive:
             framing += b"connection: close\r\n"
+        elif not self.http11:
+            framing += b"connection: keep-alive\r\n"  # HTTP/1.0 closes unless told otherwise
         return framing
 
     def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -177,7 +182,7 @@ Handler = Callable[[Request, Reply], Awaitable[None]]
 class ServerLimits:
     max_body_bytes: int
     idle_timeout_s: float = 75.0
-    """A kept-alive connection with no request under way is closed after this long."""
+    """A connection that receives nothing for this long while no request is being answered is closed."""
 
 
 @dataclass(eq=False)
@@ -186,13 +191,17 @@ class _Incoming:
 
     url: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    in_head: bool = True
     head_bytes: int = 0
     body: list[bytes] = field(default_factory=list)
     body_bytes: int = 0
 
 
 class ClientConnection(asyncio.Protocol):
-    """One client connection: parses its requests, runs `handler` for each in a task of its own, one at a time."""
+    """One client connection: parses its requests, runs `handler` for each in a task of its own, one at a time.
+
+    Requests that arrive while one is being answered wait their turn (pipelining); so does a refusal of what follows
+    (malformed, oversize), which is answered after them and closes the connection."""
 
     def __init__(self, handler: Handler, limits: ServerLimits, connections: set[ClientConnection]) -> None:
         self.handler = handler
@@ -201,11 +210,17 @@ class ClientConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.stopping = False
         self.writes_paused = False
         self.incoming = _Incoming()
         self.waiting: list[tuple[Request, Reply]] = []
         self.reply: Reply | None = None
         self.task: asyncio.Task[None] | None = None
+        self.refusal: bytes | None = None
+        """The error answer owed to a request that could not be parsed; sent once the ones before it are answered."""
+        self.continue_owed = False
+        """A request waiting its turn expects `100 Continue` before sending its body."""
+        self._last_read = 0.0
         self._idle: asyncio.TimerHandle | None = None
 
     # asyncio callbacks ------------------------------------------------------------------------------------------
@@ -213,20 +228,29 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.connections.add(self)
-        self._arm_idle()
+        self._last_read = asyncio.get_running_loop().time()
+        self._arm_idle(self.limits.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        self._last_read = asyncio.get_running_loop().time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as upgrade:  # served as plain HTTP/1.1: what follows is the next request
+            self.data_received(data[upgrade.args[0] :])
+            return
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
-            if not isinstance(refused, _Refused):
-                raise
-            self.refuse(refused.status, str(refused))
+            self.refuse(*((refused.status, str(refused)) if isinstance(refused, _Refused)
+                          else (400, "malformed HTTP request")))
+            return
         except httptools.HttpParserError as exc:
             self.refuse(400, f"malformed HTTP request ({exc})")
+            return
+        incoming = self.incoming
+        if incoming.in_head and incoming.url:  # a head still coming: httptools holds it whole until it ends
+            incoming.head_bytes += len(data)
+            if incoming.head_bytes > _MAX_HEAD_BYTES:
+                self.refuse(431, f"request head over {_MAX_HEAD_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -253,19 +277,32 @@ class ClientConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.incoming.url += url
-        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.incoming.headers.append((name.lower(), value))
-        self._count_head(len(name) + len(value))
 
     def on_headers_complete(self) -> None:
+        incoming, parser = self.incoming, self.parser
+        incoming.in_head = False
+        if len(incoming.url) + sum(len(name) + len(value) for name, value in incoming.headers) > _MAX_HEAD_BYTES:
+            raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
+        if parser.get_method() == b"CONNECT":
+            raise _Refused(405, "CONNECT is not supported")
+        names = {name for name, _ in incoming.headers}
+        http11 = parser.get_http_version() == "1.1"
+        if http11 and b"host" not in names:
+            raise _Refused(400, "an HTTP/1.1 request needs a Host header")
         limit = self.limits.max_body_bytes
-        for name, value in self.incoming.headers:
+        for name, value in incoming.headers:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise _Refused(413, f"request body over the {limit}-byte limit")
-            if name == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
-                self.transport.write(_CONTINUE)
+        expects = any(name == b"expect" and value.lower() == b"100-continue" for name, value in incoming.headers)
+        if expects and http11:
+            if self.task is None:
+                self.write(_CONTINUE)
+            else:
+                self.continue_owed = True  # after the answer under way, never inside it
+                self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
         incoming = self.incoming
@@ -282,25 +319,19 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserInvalidURLError:
             raise _Refused(400, f"malformed request target {incoming.url[:80]!r}") from None
         http11 = parser.get_http_version() == "1.1"
-        reply = Reply(self, head_only=method == "HEAD", chunked=http11, keep_alive=parser.should_keep_alive())
+        reply = Reply(self, head_only=method == "HEAD", http11=http11, keep_alive=parser.should_keep_alive())
         self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body)), reply))
         if self.task is None:
             self._next()
-        elif self.transport is not None:
-            self.transport.pause_reading()  # pipelined: the rest waits in the socket
+        else:
+            self._pause_reading()  # pipelined: the rest waits in the socket
 
     # requests ---------------------------------------------------------------------------------------------------
 
-    def _count_head(self, size: int) -> None:
-        self.incoming.head_bytes += size
-        if self.incoming.head_bytes > _MAX_HEAD_BYTES:
-            raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
-
     def _next(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
         request, reply = self.waiting.pop(0)
+        if self.stopping:
+            reply.keep_alive = False
         self.reply = reply
         self.task = asyncio.ensure_future(self._run(request, reply))
 
@@ -309,13 +340,14 @@ class ClientConnection(asyncio.Protocol):
             await self.handler(request, reply)
         except asyncio.CancelledError:
             if not self.closed:
+                self.abort()
                 raise
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             if not reply.started:
                 reply.keep_alive = False
                 reply.whole(500, _JSON, sglang.error_body("internal error in the gateway", "internal_error", 500))
-            else:
+            elif not reply.complete:
                 self.abort()
         finally:
             self.task = self.reply = None
@@ -325,24 +357,62 @@ class ClientConnection(asyncio.Protocol):
             self.close()
         elif self.waiting:
             self._next()
+        elif self.refusal is not None:
+            self.write(self.refusal)
+            self.close()
+        elif self.stopping:
+            self.close()
         else:
+            if self.continue_owed:
+                self.continue_owed = False
+                self.write(_CONTINUE)
             assert self.transport is not None
             self.transport.resume_reading()
-            self._arm_idle()
+            self._arm_idle(self.limits.idle_timeout_s)
 
     def refuse(self, status: int, message: str) -> None:
-        """Answer the server's own error and close the connection (what follows in it cannot be parsed)."""
-        if self.task is None and self.transport is not None and not self.closed:
-            body = sglang.error_body(message, "invalid_request_error", status)
-            self.write(_head(status, _JSON, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body)
-        self.close()
+        """Answer the server's own error, after the answers still owed, and close the connection (what follows in
+        it cannot be parsed)."""
+        body = sglang.error_body(message, "invalid_request_error", status)
+        self.refusal = _head(status, _JSON, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
+        if self.task is None:
+            self.write(self.refusal)
+            self.close()
+        else:
+            self._pause_reading()
+
+    def stop(self) -> None:
+        """Finish the answer under way, if any, and close; nothing more is read."""
+        self.stopping = True
+        if self.task is None:
+            self.close()
+            return
+        self._pause_reading()
+        if self.reply is not None and not self.reply.started:
+            self.reply.keep_alive = False
 
     def write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:
             self.transport.write(data)
 
-    def _arm_idle(self) -> None:
-        self._idle = asyncio.get_running_loop().call_later(self.limits.idle_timeout_s, self.close)
+    def _pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def _arm_idle(self, delay_s: float) -> None:
+        self._idle = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """One timer per quiet spell, re-armed for the time left since the last read; a request being answered
+        is never idle."""
+        self._idle = None
+        if self.task is not None or self.closed:
+            return
+        quiet_s = asyncio.get_running_loop().time() - self._last_read
+        if quiet_s >= self.limits.idle_timeout_s:
+            self.close()
+        else:
+            self._arm_idle(self.limits.idle_timeout_s - quiet_s)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -381,16 +451,16 @@ class Server:
             lambda: ClientConnection(self.handler, self.limits, self.connections), sock=sock)
 
     async def stop(self, drain_s: float = 10.0) -> None:
-        """Stop accepting; close idle connections now and busy ones once their answer is out (at most `drain_s`)."""
+        """Stop accepting; close idle connections now and busy ones once their answer is out (at most `drain_s`),
+        then wait for every request's task to end."""
         if self._server is not None:
             self._server.close()
-        deadline = asyncio.get_running_loop().time() + drain_s
-        while True:
-            busy = [c for c in self.connections if c.task is not None]
-            for connection in self.connections - set(busy):
-                connection.close()
-            if not busy or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.05)
         for connection in list(self.connections):
-            connection.abort()
+            connection.stop()
+        busy = [c.task for c in self.connections if c.task is not None]
+        if busy:
+            await asyncio.wait(busy, timeout=drain_s)
+        tasks = [c.task for c in self.connections if c.task is not None]
+        for connection in list(self.connections):
+            connection.abort()  # cancels what is still running
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -232,3 +232,73 @@ def test_an_idle_kept_alive_connection_is_closed() -> None:
         return rest
 
     assert asyncio.run(scenario()) == b""
+
+
+async def slow_stream(request: Request, reply: Reply) -> None:
+    reply.start(200, [(b"content-type", b"text/event-stream")])
+    for n in range(3):
+        reply.write(b"data: %d\n\n" % n)
+        await asyncio.sleep(0.05)
+    reply.end()
+
+
+def test_what_follows_an_answer_under_way_waits_for_it() -> None:
+    """A pipelined bad request is refused after the good one is answered; a pipelined `Expect: 100-continue` is
+    answered after the stream under way, never inside it."""
+    async def scenario() -> tuple[bytes, bytes]:
+        async with server(slow_stream) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n" + b"BAD REQUEST\r\n\r\n")
+            refused = await reader.read(-1)
+            writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n"
+                         + b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            await read_response(reader)
+            interim = await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"ok")
+            second = await read_response(reader)
+            writer.close()
+        return refused, interim + second[2]
+
+    refused, continued = asyncio.run(scenario())
+    first, _, error = refused.partition(b"0\r\n\r\n")
+    assert first.endswith(b"data: 2\n\n\r\n") and error.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert continued == b"HTTP/1.1 100 Continue\r\n\r\ndata: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
+def test_upgrades_are_served_as_plain_http_and_connect_is_refused() -> None:
+    async def scenario() -> list[bytes]:
+        answers = []
+        async with server(echo) as port:
+            for raw in (b"GET /u HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+                        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n"):
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(raw)
+                answers.append((await read_response(reader))[2])
+                writer.close()
+        return answers
+
+    upgraded, connect = asyncio.run(scenario())
+    assert json.loads(upgraded)["path"] == "/u"
+    assert json.loads(connect)["error"]["code"] == 405
+
+
+def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
+    async def scenario() -> tuple[tuple[int, dict[bytes, bytes], bytes], bytes, bool]:
+        sock = socket.socket()
+        sock.bind((LOOPBACK, 0))
+        sock.listen()
+        listener = Server(slow_stream, ServerLimits(1000))
+        await listener.start(sock)
+        reader, writer = await asyncio.open_connection(LOOPBACK, sock.getsockname()[1])
+        writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")  # the answer is under way
+        stopping = asyncio.ensure_future(listener.stop(drain_s=5))
+        rest = await reader.read(-1)
+        await stopping
+        writer.close()
+        return (0, {}, b""), rest, not listener.connections
+
+    _, rest, all_closed = asyncio.run(scenario())
+    assert rest.endswith(b"data: 2\n\n\r\n0\r\n\r\n") and all_closed
