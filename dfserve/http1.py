@@ -45,6 +45,11 @@ class ReadTimeout(Exception):
     """Nothing arrived for the pool's `read_timeout_s` while a response was due."""
 
 
+class ReaderStalled(Exception):
+    """The response's reader kept reading paused (`Call.pause_reading`) for `read_timeout_s`: its fault, not the
+    server's."""
+
+
 @dataclass
 class Response:
     status: int = 0
@@ -78,7 +83,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reading_paused = False
-        """Paused by the reader's back-pressure: a quiet upstream is then not the server's fault."""
+        """Paused by the reader's back-pressure: quiet time is then the reader's, not the server's."""
         self._reset()
 
     def _reset(self) -> None:
@@ -137,10 +142,9 @@ class _Connection(asyncio.Protocol):
         """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
         assert self.read_timeout_s is not None
         idle = self.clock() - self._last
-        if self.reading_paused:
-            idle = 0.0
         if idle >= self.read_timeout_s:
-            self._fail(ReadTimeout(f"nothing received for {idle:.1f} s"))
+            self._fail(ReaderStalled(f"the reader took nothing for {idle:.1f} s") if self.reading_paused
+                       else ReadTimeout(f"nothing received for {idle:.1f} s"))
         else:
             self._timer = asyncio.get_running_loop().call_later(self.read_timeout_s - idle, self._check_idle)
 
@@ -301,6 +305,7 @@ class Call:
         if transport is not None and not transport.is_closing():
             transport.pause_reading()
             connection.reading_paused = True
+            connection._last = connection.clock()  # from here, quiet time is the reader's
 
     def resume_reading(self) -> None:
         connection, transport = self.connection, self.connection.transport

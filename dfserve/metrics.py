@@ -83,9 +83,9 @@ REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
 
 So `status!="2xx"` selects every failure, `status="5xx"` the server errors, and `error` says why."""
 STATUS_OK = "2xx"
-CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "cancelled"})
-"""Failure kinds where the client side gave up, not the arm: the gateway's client went away, or the load tester
-cancelled the request when its run stopped."""
+CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", "cancelled"})
+"""Failure kinds where the client side gave up, not the arm: the gateway's client went away or stopped reading, or
+the load tester cancelled the request when its run stopped."""
 MEASURES = ("exact", "estimated")
 """Values of the `measure` label on acceptance: exact from meta_info, estimated from chunk counts."""
 

@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
-from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics
 from gateway.config import GatewayConfig, RoutingConfig
 from gateway.relay import (
@@ -36,7 +35,7 @@ from gateway.relay import (
 from gateway.routing import Router, UnknownArm
 from gateway.scrape import Scraper
 from gateway.server import Discard, Reply, Request, Responder
-from gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure
+from gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
@@ -266,7 +265,7 @@ class GatewayApp:
             await opened.call.finish()
             payload = response.body()
         except MID_STREAM as exc:
-            exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
+            exchange.error = mid_stream_error(exc)
             send_error(reply, 502, f"upstream replica failed mid-response ({type(exc).__name__})", "upstream_error",
                        [(ARM_HEADER, arm.encode())])
             return

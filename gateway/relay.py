@@ -24,10 +24,9 @@ from prometheus_client import Histogram
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
-from dfserve.http1 import ReadTimeout
 from dfserve.metrics import DfserveMetrics
 from gateway.server import Responder
-from gateway.upstream import MID_STREAM, Opened
+from gateway.upstream import MID_STREAM, Opened, mid_stream_error
 
 Measure = Literal["exact", "estimated"]
 
@@ -226,9 +225,10 @@ async def relay_stream(opened: Opened, reply: Responder, observer: Observer, exc
     try:
         opened.call.done.result()
     except MID_STREAM as exc:
-        exchange.error = "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
-        reply.end(sglang.stream_error_events(f"upstream replica failed mid-stream ({type(exc).__name__})",
-                                             "upstream_error", 502))
+        exchange.error = mid_stream_error(exc)
+        message = str(exc) if exchange.error == "client_stalled" else \
+            f"upstream replica failed mid-stream ({type(exc).__name__})"
+        reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     relay.conclude()
     reply.end(relay.pending)

@@ -16,6 +16,7 @@ running for a client that may have left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -203,10 +204,10 @@ class ClientConnection(asyncio.Protocol):
     Requests that arrive while one is being answered wait their turn (pipelining); so does a refusal of what follows
     (malformed, oversize), which is answered after them and closes the connection."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits, connections: set[ClientConnection]) -> None:
+    def __init__(self, handler: Handler, limits: ServerLimits, server: Server) -> None:
         self.handler = handler
         self.limits = limits
-        self.connections = connections
+        self.server = server
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -227,34 +228,37 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.connections.add(self)
+        self.server.connections.add(self)
         self._last_read = asyncio.get_running_loop().time()
         self._arm_idle(self.limits.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         self._last_read = asyncio.get_running_loop().time()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as upgrade:  # served as plain HTTP/1.1: what follows is the next request
-            self.data_received(data[upgrade.args[0] :])
-            return
-        except httptools.HttpParserCallbackError as exc:
-            refused = exc.__context__
-            self.refuse(*((refused.status, str(refused)) if isinstance(refused, _Refused)
-                          else (400, "malformed HTTP request")))
-            return
-        except httptools.HttpParserError as exc:
-            self.refuse(400, f"malformed HTTP request ({exc})")
-            return
+        head_under_way = self.incoming if self.incoming.in_head and self.incoming.url else None
+        while True:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as upgrade:  # served as plain HTTP/1.1: what follows is a request
+                data = data[upgrade.args[0] :]
+                continue
+            except httptools.HttpParserCallbackError as exc:
+                refused = exc.__context__
+                self.refuse(*((refused.status, str(refused)) if isinstance(refused, _Refused)
+                              else (400, "malformed HTTP request")))
+                return
+            except httptools.HttpParserError as exc:
+                self.refuse(400, f"malformed HTTP request ({exc})")
+                return
+            break
         incoming = self.incoming
-        if incoming.in_head and incoming.url:  # a head still coming: httptools holds it whole until it ends
+        if incoming is head_under_way and incoming.in_head:  # httptools holds a head whole until it ends
             incoming.head_bytes += len(data)
             if incoming.head_bytes > _MAX_HEAD_BYTES:
                 self.refuse(431, f"request head over {_MAX_HEAD_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.connections.discard(self)
+        self.server.lost(self)
         if self._idle is not None:
             self._idle.cancel()
         if self.task is not None and self.reply is not None and not self.reply.complete:
@@ -289,6 +293,10 @@ class ClientConnection(asyncio.Protocol):
         if parser.get_method() == b"CONNECT":
             raise _Refused(405, "CONNECT is not supported")
         names = {name for name, _ in incoming.headers}
+        if parser.should_upgrade() and (b"transfer-encoding" in names or any(
+                name == b"content-length" and value.strip(b"0") for name, value in incoming.headers)):
+            # httptools stops at the head of an upgrade: its body would be read as the next request
+            raise _Refused(400, "an Upgrade request with a body is not supported")
         http11 = parser.get_http_version() == "1.1"
         if http11 and b"host" not in names:
             raise _Refused(400, "an HTTP/1.1 request needs a Host header")
@@ -312,6 +320,7 @@ class ClientConnection(asyncio.Protocol):
             raise _Refused(413, f"request body over the {self.limits.max_body_bytes}-byte limit")
 
     def on_message_complete(self) -> None:
+        self.continue_owed = False  # the body came without it
         incoming, parser = self.incoming, self.parser
         method = parser.get_method().decode("ascii", "replace")
         try:
@@ -368,6 +377,7 @@ class ClientConnection(asyncio.Protocol):
                 self.write(_CONTINUE)
             assert self.transport is not None
             self.transport.resume_reading()
+            self._last_read = asyncio.get_running_loop().time()  # quiet from the end of the answer
             self._arm_idle(self.limits.idle_timeout_s)
 
     def refuse(self, status: int, message: str) -> None:
@@ -400,6 +410,8 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _arm_idle(self, delay_s: float) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
         self._idle = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
 
     def _check_idle(self) -> None:
@@ -444,22 +456,28 @@ class Server:
         self.limits = limits
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.Server | None = None
+        self._drained: asyncio.Event | None = None
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ClientConnection(self.handler, self.limits, self.connections), sock=sock)
+        self._server = await loop.create_server(lambda: ClientConnection(self.handler, self.limits, self), sock=sock)
+
+    def lost(self, connection: ClientConnection) -> None:
+        self.connections.discard(connection)
+        if self._drained is not None and not self.connections:
+            self._drained.set()
 
     async def stop(self, drain_s: float = 10.0) -> None:
-        """Stop accepting; close idle connections now and busy ones once their answer is out (at most `drain_s`),
-        then wait for every request's task to end."""
+        """Stop accepting; close idle connections now and busy ones once their answers are out and sent (at most
+        `drain_s`), then wait for every request's task to end."""
         if self._server is not None:
             self._server.close()
+        self._drained = asyncio.Event()
         for connection in list(self.connections):
             connection.stop()
-        busy = [c.task for c in self.connections if c.task is not None]
-        if busy:
-            await asyncio.wait(busy, timeout=drain_s)
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), drain_s)
         tasks = [c.task for c in self.connections if c.task is not None]
         for connection in list(self.connections):
             connection.abort()  # cancels what is still running

@@ -18,7 +18,16 @@ from typing import Protocol
 
 import aiohttp
 
-from dfserve.http1 import BadResponse, Call, ConnectFailed, Disconnected, Pool, ReadTimeout, Response
+from dfserve.http1 import (
+    BadResponse,
+    Call,
+    ConnectFailed,
+    Disconnected,
+    Pool,
+    ReaderStalled,
+    ReadTimeout,
+    Response,
+)
 from dfserve.metrics import DfserveMetrics
 from gateway.config import ArmConfig, HealthConfig, Limits
 from gateway.routing import pick_replica
@@ -96,8 +105,16 @@ class Incoming(Response):
             sink.ended()
 
 
-MID_STREAM = (Disconnected, BadResponse, ReadTimeout)
+MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled)
 """What a response can fail with once its head has arrived."""
+
+
+def mid_stream_error(exc: Exception) -> str:
+    """The failure kind of a response cut after its head: the replica's (`timeout`, `stream_cut`) unless the
+    gateway's own client stopped reading (`client_stalled`)."""
+    if isinstance(exc, ReaderStalled):
+        return "client_stalled"
+    return "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
 
 
 @dataclass(eq=False)

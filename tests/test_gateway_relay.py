@@ -332,19 +332,30 @@ def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
     assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
 
 
-def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(tmp_path: Path) -> None:
-    """The pause is longer than the read timeout: the replica is not blamed for the client's slowness."""
+def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
+                      timeout=30) as response:
+        time.sleep(1.0)  # the client reads nothing: every socket buffer on the way fills, then the upstream waits
+        written_while_paused = stub.flood_written
+        body = b"".join(response.iter_raw())
+    assert written_while_paused < FLOOD_EVENTS / 2
+    assert body == FLOOD_EVENT * FLOOD_EVENTS
+
+
+def test_a_stalled_client_is_abandoned_without_blaming_the_replica(tmp_path: Path) -> None:
     with Stub() as stub, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
                                                      limits={"read_timeout_s": 0.5})) as gw:
         with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
                           timeout=30) as response:
-            time.sleep(1.0)  # the client reads nothing: every socket buffer on the way fills, then the upstream waits
-            written_while_paused = stub.flood_written
+            time.sleep(1.5)  # reads nothing for longer than the read timeout
             body = b"".join(response.iter_raw())
         text = httpx.get(gw + "/metrics").text
-    assert written_while_paused < FLOOD_EVENTS / 2
-    assert body == FLOOD_EVENT * FLOOD_EVENTS
+    events = body.split(b"\n\n")
+    assert b'"upstream_error"' in events[-3] and events[-2] == b"data: [DONE]"
+    assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_stalled") == 1
     assert metric(text, "dfserve_upstream_errors_total", arm="a") == 0
+    assert metric(text, "dfserve_replica_healthy", arm="a") == 1
 
 
 def test_models_and_health(one_arm: tuple[Stub, str]) -> None:

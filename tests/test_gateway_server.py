@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.server import Reply, Request, Server, ServerLimits
@@ -221,17 +222,24 @@ def test_a_handler_bug_is_a_500_json_error() -> None:
     assert status == 500 and json.loads(body)["error"]["code"] == 500
 
 
-def test_an_idle_kept_alive_connection_is_closed() -> None:
-    async def scenario() -> bytes:
-        async with server(echo, idle_timeout_s=0.2) as port:
+def test_an_idle_kept_alive_connection_is_closed_a_full_idle_period_after_its_last_answer() -> None:
+    async def slow_echo(request: Request, reply: Reply) -> None:
+        await asyncio.sleep(0.3)  # answering is not idling: the quiet time starts when the answer is out
+        await echo(request, reply)
+
+    async def scenario() -> tuple[bytes, float]:
+        async with server(slow_echo, idle_timeout_s=0.4) as port:
             reader, writer = await asyncio.open_connection(LOOPBACK, port)
             writer.write(post("/x", b"1"))
             await read_response(reader)
+            answered = time.perf_counter()
             rest = await asyncio.wait_for(reader.read(), 5)
+            open_for_s = time.perf_counter() - answered
             writer.close()
-        return rest
+        return rest, open_for_s
 
-    assert asyncio.run(scenario()) == b""
+    rest, open_for_s = asyncio.run(scenario())
+    assert rest == b"" and 0.25 < open_for_s < 3.0
 
 
 async def slow_stream(request: Request, reply: Reply) -> None:
@@ -268,20 +276,45 @@ def test_what_follows_an_answer_under_way_waits_for_it() -> None:
 
 
 def test_upgrades_are_served_as_plain_http_and_connect_is_refused() -> None:
-    async def scenario() -> list[bytes]:
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario() -> tuple[list[bytes], bytes]:
         answers = []
         async with server(echo) as port:
             for raw in (b"GET /u HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
-                        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n"):
+                        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n",
+                        b"POST /u HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: websocket\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)):
                 reader, writer = await asyncio.open_connection(LOOPBACK, port)
                 writer.write(raw)
-                answers.append((await read_response(reader))[2])
+                status, _, body = await read_response(reader)
+                answers.append(body)
+                rest = await reader.read(-1) if status >= 400 else b""
                 writer.close()
-        return answers
+        return answers, rest
 
-    upgraded, connect = asyncio.run(scenario())
+    (upgraded, connect, with_body), after_body = asyncio.run(scenario())
     assert json.loads(upgraded)["path"] == "/u"
     assert json.loads(connect)["error"]["code"] == 405
+    assert json.loads(with_body)["error"]["code"] == 400 and after_body == b""  # the body was not taken for a request
+
+
+def test_a_long_pipelined_body_and_a_continue_sent_anyway_are_ordinary_requests() -> None:
+    async def scenario() -> list[tuple[int, bytes]]:
+        async with server(echo, max_body_bytes=200_000) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/a", b"x" * 100_000) + b"GET /b HTTP/1.1\r\nHo")
+            first = await read_response(reader)
+            writer.write(b"st: x\r\n\r\n" + post("/c", b"body", b"Expect: 100-continue\r\n"))
+            answers = [first, await read_response(reader), await read_response(reader)]
+            writer.write(post("/d", b""))
+            answers.append(await read_response(reader))  # no stray 100 Continue in front of it
+            writer.close()
+        return [(status, body) for status, _, body in answers]
+
+    answers = asyncio.run(scenario())
+    assert [status for status, _ in answers] == [200, 200, 200, 200]
+    assert [json.loads(body)["path"] for _, body in answers] == ["/a", "/b", "/c", "/d"]
 
 
 def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
@@ -302,3 +335,41 @@ def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
 
     _, rest, all_closed = asyncio.run(scenario())
     assert rest.endswith(b"data: 2\n\n\r\n0\r\n\r\n") and all_closed
+
+
+def test_stop_sends_whole_answers_including_a_pipelined_one() -> None:
+    """The answer under way started before the stop (so it could not say `connection: close`): the request
+    pipelined behind it is answered too, with `connection: close`, and every byte of both is delivered."""
+    piece = b"z" * 1_000_000
+
+    async def answer(request: Request, reply: Reply) -> None:
+        if request.path == "/big":
+            reply.start(200, [])
+            for _ in range(8):
+                reply.write(piece)
+                await asyncio.sleep(0.01)
+            reply.end()
+        else:
+            reply.whole(200, [], b"small")
+
+    async def scenario() -> tuple[tuple[int, dict[bytes, bytes], bytes], ...]:
+        sock = socket.socket()
+        sock.bind((LOOPBACK, 0))
+        sock.listen()
+        listener = Server(answer, ServerLimits(1000))
+        await listener.start(sock)
+        reader, writer = await asyncio.open_connection(LOOPBACK, sock.getsockname()[1])
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        stopping = asyncio.ensure_future(listener.stop(drain_s=10))
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        second = await read_response(reader)
+        await stopping
+        writer.close()
+        return (200, {}, head + body), second
+
+    first, second = asyncio.run(scenario())
+    assert first[2].endswith(piece * 8) and second[2] == b"small" and second[1][b"connection"] == b"close"
