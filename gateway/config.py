@@ -88,7 +88,8 @@ class Limits(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
     connect_timeout_s: float = Field(3.0, gt=0)
-    read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk.")
+    read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk, "
+                                  "and for a client that reads nothing of a stream.")
     max_retries: int = Field(2, ge=0, description="Other replicas of the same arm tried before the first byte.")
 
 
