@@ -16,16 +16,23 @@ LOOPBACK = "127.0.0.1"
 JSON = [(b"content-type", b"application/json")]
 
 
-@contextlib.asynccontextmanager
-async def server(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
-                 idle_timeout_s: float = 30.0) -> AsyncIterator[int]:
+async def listen(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
+                 idle_timeout_s: float = 30.0) -> tuple[Server, int]:
+    """A started server on a free loopback port, and the port."""
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
     sock.listen()
     listener = Server(handler, ServerLimits(max_body_bytes, idle_timeout_s))
     await listener.start(sock)
+    return listener, sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
+                 idle_timeout_s: float = 30.0) -> AsyncIterator[int]:
+    listener, port = await listen(handler, max_body_bytes, idle_timeout_s)
     try:
-        yield sock.getsockname()[1]
+        yield port
     finally:
         await listener.stop(drain_s=1.0)
 
@@ -318,22 +325,18 @@ def test_a_long_pipelined_body_and_a_continue_sent_anyway_are_ordinary_requests(
 
 
 def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
-    async def scenario() -> tuple[tuple[int, dict[bytes, bytes], bytes], bytes, bool]:
-        sock = socket.socket()
-        sock.bind((LOOPBACK, 0))
-        sock.listen()
-        listener = Server(slow_stream, ServerLimits(1000))
-        await listener.start(sock)
-        reader, writer = await asyncio.open_connection(LOOPBACK, sock.getsockname()[1])
+    async def scenario() -> tuple[bytes, bool]:
+        listener, port = await listen(slow_stream)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
         writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
         await reader.readuntil(b"\r\n\r\n")  # the answer is under way
         stopping = asyncio.ensure_future(listener.stop(drain_s=5))
         rest = await reader.read(-1)
         await stopping
         writer.close()
-        return (0, {}, b""), rest, not listener.connections
+        return rest, not listener.connections
 
-    _, rest, all_closed = asyncio.run(scenario())
+    rest, all_closed = asyncio.run(scenario())
     assert rest.endswith(b"data: 2\n\n\r\n0\r\n\r\n") and all_closed
 
 
@@ -352,13 +355,9 @@ def test_stop_sends_whole_answers_including_a_pipelined_one() -> None:
         else:
             reply.whole(200, [], b"small")
 
-    async def scenario() -> tuple[tuple[int, dict[bytes, bytes], bytes], ...]:
-        sock = socket.socket()
-        sock.bind((LOOPBACK, 0))
-        sock.listen()
-        listener = Server(answer, ServerLimits(1000))
-        await listener.start(sock)
-        reader, writer = await asyncio.open_connection(LOOPBACK, sock.getsockname()[1])
+    async def scenario() -> tuple[bytes, tuple[int, dict[bytes, bytes], bytes]]:
+        listener, port = await listen(answer)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
         writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await reader.readuntil(b"\r\n\r\n")
         stopping = asyncio.ensure_future(listener.stop(drain_s=10))
@@ -369,7 +368,7 @@ def test_stop_sends_whole_answers_including_a_pipelined_one() -> None:
         second = await read_response(reader)
         await stopping
         writer.close()
-        return (200, {}, head + body), second
+        return head + body, second
 
     first, second = asyncio.run(scenario())
-    assert first[2].endswith(piece * 8) and second[2] == b"small" and second[1][b"connection"] == b"close"
+    assert first.endswith(piece * 8) and second[2] == b"small" and second[1][b"connection"] == b"close"
