@@ -138,6 +138,17 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
         return sent, self.done
 
+    def set_reading(self, paused: bool) -> None:
+        """Pause or resume reading; either way the read timeout counts afresh, and while paused, running out means
+        the reader stalled (`ReaderStalled`), not the server."""
+        if self.transport is not None and not self.transport.is_closing():
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
+            self.reading_paused = paused
+            self._last = self.clock()
+
     def _check_idle(self) -> None:
         """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
         assert self.read_timeout_s is not None
@@ -301,18 +312,10 @@ class Call:
 
     def pause_reading(self) -> None:
         """Stop reading the body (the server's sends then wait in its socket): back-pressure from a slow reader."""
-        connection, transport = self.connection, self.connection.transport
-        if transport is not None and not transport.is_closing():
-            transport.pause_reading()
-            connection.reading_paused = True
-            connection._last = connection.clock()  # from here, quiet time is the reader's
+        self.connection.set_reading(paused=True)
 
     def resume_reading(self) -> None:
-        connection, transport = self.connection, self.connection.transport
-        if transport is not None and not transport.is_closing():
-            transport.resume_reading()
-            connection.reading_paused = False
-            connection._last = connection.clock()  # the read timeout starts again from here
+        self.connection.set_reading(paused=False)
 
     def close(self) -> None:
         """Done with the call: a complete response frees its connection for reuse, anything else closes it."""

@@ -15,9 +15,9 @@ import hmac
 import json
 
 from dfserve.errors import UserError
-from gateway.app import JSON, Gateway, send_error
+from gateway.app import Gateway
 from gateway.config import parse_routing
-from gateway.server import Reply, Request
+from gateway.server import JSON_HEADERS, Reply, Request, send_error
 
 MAX_ADMIN_BODY_BYTES = 1024 * 1024
 
@@ -44,7 +44,7 @@ class AdminApp:
         if path != "/admin/arms":
             send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")
         elif method == "GET":
-            reply.whole(200, JSON, self.describe())
+            reply.whole(200, JSON_HEADERS, self.describe())
         elif method == "PUT":
             self.put(request.body, reply)
         else:
@@ -72,4 +72,4 @@ class AdminApp:
         except (UserError, ValueError) as exc:
             send_error(reply, 422, str(exc), "invalid_request_error")
             return
-        reply.whole(200, JSON, self.describe())
+        reply.whole(200, JSON_HEADERS, self.describe())

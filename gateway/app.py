@@ -1,8 +1,8 @@
 """The gateway's request handler: routes, arm choice, shadow mirrors, client disconnects.
 
 A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
-path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`, `POST /v1/completions`,
-`POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
+path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
+`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
 
@@ -34,7 +34,7 @@ from gateway.relay import (
 )
 from gateway.routing import Router, UnknownArm
 from gateway.scrape import Scraper
-from gateway.server import Discard, Reply, Request, Responder
+from gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
@@ -115,14 +115,6 @@ class Gateway:
             await self._upstream.session.close()
 
 
-JSON = [(b"content-type", b"application/json")]
-
-
-def send_error(reply: Responder, status: int, message: str, kind: str,
-               extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    reply.whole(status, JSON + (extra or []), sglang.error_body(message, kind, status))
-
-
 class GatewayApp:
     """The client-facing listener's handler (`gateway.server`)."""
 
@@ -156,8 +148,8 @@ class GatewayApp:
         down = self.gateway.upstream.down()
         arms = {name: name not in down for name in self.gateway.routing.arms}
         status = 200 if any(arms.values()) else 503
-        reply.whole(status, JSON, json.dumps({"status": "ok" if status == 200 else "unavailable",
-                                              "arms": arms}).encode())
+        reply.whole(status, JSON_HEADERS, json.dumps({"status": "ok" if status == 200 else "unavailable",
+                                                      "arms": arms}).encode())
 
     @staticmethod
     def _headers(request: Request) -> bytes:

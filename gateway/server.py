@@ -67,6 +67,15 @@ class Responder(Protocol):
 _STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
 
 
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def send_error(reply: Responder, status: int, message: str, kind: str,
+               extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An OpenAI-style JSON error as the whole answer."""
+    reply.whole(status, JSON_HEADERS + (extra or []), sglang.error_body(message, kind, status))
+
+
 def _head(status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
     line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
     return b"".join([line, *(name + b": " + value + b"\r\n" for name, value in headers), framing, b"\r\n"])
@@ -355,7 +364,7 @@ class ClientConnection(asyncio.Protocol):
             log.exception("%s %s failed", request.method, request.path)
             if not reply.started:
                 reply.keep_alive = False
-                reply.whole(500, _JSON, sglang.error_body("internal error in the gateway", "internal_error", 500))
+                send_error(reply, 500, "internal error in the gateway", "internal_error")
             elif not reply.complete:
                 self.abort()
         finally:
@@ -384,7 +393,7 @@ class ClientConnection(asyncio.Protocol):
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
         it cannot be parsed)."""
         body = sglang.error_body(message, "invalid_request_error", status)
-        self.refusal = _head(status, _JSON, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
+        self.refusal = _head(status, JSON_HEADERS, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
         if self.task is None:
             self.write(self.refusal)
             self.close()
@@ -443,9 +452,6 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-_JSON = [(b"content-type", b"application/json")]
 
 
 class Server:
