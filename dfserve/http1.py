@@ -3,8 +3,9 @@
 Why not aiohttp: with 128 streams a verify round makes every stream's chunk arrive at once, and a client that wakes
 a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
 bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol stamps `perf_counter()` as
-`data_received` is called, before any other work, and only de-chunks the body there, handing each piece to
-`Response.received` (kept by default; a relay overrides it to pass the piece on).
+`data_received` is called, before any other work, and only de-chunks the body there (in C, `dfserve._relay`),
+handing each read's piece to the response's sink: the `Response`, which keeps it, until a relay is attached
+(`Call.attach`); from then on pieces go straight from the de-chunker to the relay.
 
 What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies (no
 trailers expected, tolerated), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
@@ -23,9 +24,10 @@ import asyncio
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
+from dfserve._relay import BadChunk, Dechunker
 from dfserve.errors import UserError
 
 
@@ -48,6 +50,14 @@ class ReadTimeout(Exception):
 class ReaderStalled(Exception):
     """The response's reader kept reading paused (`Call.pause_reading`) for `read_timeout_s`: its fault, not the
     server's."""
+
+
+class Sink(Protocol):
+    """Where a response's body goes, piece by piece (one piece per read, with the clock reading of its arrival)."""
+
+    def received(self, now: float, data: bytes) -> None: ...
+
+    def ended(self) -> None: ...
 
 
 @dataclass
@@ -88,6 +98,7 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.response = Response()
+        self.sink: Sink = self.response
         self.done: asyncio.Future[Response] | None = None
         self.head: asyncio.Future[None] | None = None
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
@@ -95,10 +106,11 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._buffer = bytearray()
         self._head_done = False
-        self._chunked = False
-        self._remaining: int | None = None  # bytes left in the body (content-length) or in the current chunk
+        self._dechunker: Dechunker | None = None
+        self._remaining: int | None = None  # bytes left in a Content-Length body
         self._keep_alive = True
         self._finished = False
+        self._over = False
 
     # asyncio callbacks ------------------------------------------------------------------------------------------
 
@@ -110,14 +122,20 @@ class _Connection(asyncio.Protocol):
         if self.done is None or self.done.done():
             return
         try:
-            self._feed(now, data)
+            if self._dechunker is not None:  # a chunked body: one call per read, all of it in C
+                if self._dechunker.feed(now, data):
+                    self._finish()
+            else:
+                self._feed(now, data)
+        except BadChunk as exc:
+            self._fail(BadResponse(str(exc)))
         except BadResponse as exc:
             self._fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.done is not None and not self.done.done():
-            if self._head_done and not self._chunked and self._remaining is None:
+            if self._head_done and self._dechunker is None and self._remaining is None:
                 self._finish()  # a body delimited by the connection's end
             else:
                 self._fail(Disconnected(f"connection closed mid-response ({exc or 'EOF'})"))
@@ -128,7 +146,7 @@ class _Connection(asyncio.Protocol):
         """Write one request; returns the clock reading just before the write and the response future."""
         assert self.transport is not None
         self._reset()
-        self.response = response
+        self.response = self.sink = response
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
         self.head = loop.create_future()
@@ -159,6 +177,18 @@ class _Connection(asyncio.Protocol):
         else:
             self._timer = asyncio.get_running_loop().call_later(self.read_timeout_s - idle, self._check_idle)
 
+    def attach(self, sink: Sink) -> None:
+        """Send the body to `sink` from now on: first the pieces kept so far, then each read's piece as it comes
+        (straight from the de-chunker), then the end."""
+        for now, data in self.response.pieces:
+            sink.received(now, data)
+        self.response.pieces = []
+        self.sink = sink
+        if self._dechunker is not None:
+            self._dechunker.sink = sink
+        if self._over:
+            sink.ended()
+
     @property
     def reusable(self) -> bool:
         return self._finished and self._keep_alive and not self.closed and self.transport is not None \
@@ -178,7 +208,8 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
-        self.response.ended()
+        self._over = True
+        self.sink.ended()
 
     def _fail(self, exc: Exception) -> None:
         if self.done is not None and not self.done.done():
@@ -192,20 +223,22 @@ class _Connection(asyncio.Protocol):
         self._ended()
 
     def _feed(self, now: float, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
         if not self._head_done:
+            buffer = self._buffer
+            buffer += data
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(buffer) > _MAX_HEAD:
                     raise BadResponse("response head too large")
                 return
             self._parse_head(bytes(buffer[:end]))
-            del buffer[: end + 4]
-        if self._chunked:
-            self._dechunk(now)
+            data = bytes(buffer[end + 4 :])
+            buffer.clear()
+        if self._dechunker is not None:
+            if self._dechunker.feed(now, data):
+                self._finish()
         else:
-            self._plain(now)
+            self._plain(now, data)
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
@@ -213,7 +246,7 @@ class _Connection(asyncio.Protocol):
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise BadResponse(f"bad status line {lines[0][:80]!r}")
         self.response.status = int(parts[1])
-        length = None
+        length, chunked = None, False
         headers = self.response.headers
         for line in lines[1:]:
             name, _, raw = line.partition(b":")
@@ -221,7 +254,7 @@ class _Connection(asyncio.Protocol):
             headers.append((name, raw))
             value = raw.lower()
             if name == b"transfer-encoding" and value == b"chunked":
-                self._chunked = True
+                chunked = True
             elif name == b"content-length":
                 if not value.isdigit():
                     raise BadResponse(f"bad content-length {value!r}")
@@ -231,8 +264,8 @@ class _Connection(asyncio.Protocol):
         if parts[0] == b"HTTP/1.0":
             self._keep_alive = False
         self._head_done = True
-        if self._chunked:
-            self._remaining = None
+        if chunked:
+            self._dechunker = Dechunker(self.sink)
         elif length is not None:
             self._remaining = length
         else:
@@ -240,59 +273,17 @@ class _Connection(asyncio.Protocol):
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
-    def _plain(self, now: float) -> None:
-        buffer = self._buffer
+    def _plain(self, now: float, data: bytes) -> None:
         if self._remaining is None:
-            if buffer:
-                self.response.received(now, bytes(buffer))
-                buffer.clear()
+            if data:
+                self.sink.received(now, data)
             return
-        take = min(self._remaining, len(buffer))
+        take = min(self._remaining, len(data))
         if take:
-            self.response.received(now, bytes(buffer[:take]))
-            del buffer[:take]
+            self.sink.received(now, data[:take])
             self._remaining -= take
         if self._remaining == 0:
             self._finish()
-
-    def _dechunk(self, now: float) -> None:
-        buffer = self._buffer
-        got = bytearray()
-        while True:
-            if self._remaining is None:  # at a chunk-size line
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    break
-                size_text = bytes(buffer[:end]).split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise BadResponse(f"bad chunk size {size_text[:20]!r}") from None
-                del buffer[: end + 2]
-                if size == 0:
-                    if buffer.find(b"\r\n") < 0:  # wait for the (empty) trailer section's end
-                        buffer[:0] = b"0\r\n"
-                        break
-                    self._trailers_done(got, now)
-                    return
-                self._remaining = size + 2  # payload and its CRLF
-            take = min(self._remaining, len(buffer))
-            if not take:
-                break
-            payload = min(take, max(0, self._remaining - 2))  # the chunk's CRLF is not payload
-            got += buffer[:payload]
-            del buffer[:take]
-            self._remaining -= take
-            if self._remaining == 0:
-                self._remaining = None
-        if got:
-            self.response.received(now, bytes(got))
-
-    def _trailers_done(self, got: bytearray, now: float) -> None:
-        if got:
-            self.response.received(now, bytes(got))
-        self._buffer.clear()
-        self._finish()
 
 
 _POST_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -309,6 +300,10 @@ class Call:
     async def finish(self) -> None:
         """Wait for the end of the body; raises `Disconnected`, `BadResponse` or `ReadTimeout` on a failure."""
         await self.done
+
+    def attach(self, sink: Sink) -> None:
+        """Hand the body to `sink` (`_Connection.attach`): a relay's hot path, with no Python between reads."""
+        self.connection.attach(sink)
 
     def pause_reading(self) -> None:
         """Stop reading the body (the server's sends then wait in its socket): back-pressure from a slow reader."""

@@ -13,11 +13,11 @@ requests it is ``sum(completion_tokens) / sum(spec_verify_ct)``, never the mean 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dfserve._relay import read_marks
 from dfserve.errors import ProtocolError
 
 SIM_CHUNK_SENT_KEY = "dfserve_sim_chunk_sent_unix_s"
@@ -490,28 +490,43 @@ class SSEDecoder:
 
 
 # Byte-level reading of whole events for a relay's hot path: no JSON decoding per chunk. Safe because JSON escapes
-# quotes and newlines inside strings, so these patterns only match SGLang's own keys and line starts.
-_CONTENT = re.compile(rb'"(?:content|reasoning_content|text)":\s*"(?!")')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-_SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct":\s*(\d+)')
+# quotes and newlines inside strings, so a key's quoted name followed by a colon only occurs as a key. The reading
+# itself is in C (`dfserve._relay.read_marks`), where the relay applies it to every piece it passes on.
+
+
+@dataclass(frozen=True)
+class TokenMarks:
+    """JSON keys whose values show a stream's output. `cumulative`: the integer after the last key is a running
+    total (native `meta_info` repeats the request's counts in every event); else each key with a non-empty string
+    value is one chunk of text (OpenAI deltas)."""
+
+    keys: tuple[bytes, ...]
+    cumulative: bool
+
+    def read(self, events: bytes) -> int | None:
+        """The last running total in `events` (None if none), or the chunks of text counted in them."""
+        return read_marks(events, self.keys, self.cumulative)
+
+
+NATIVE_TOKENS = TokenMarks((b'"completion_tokens":',), cumulative=True)
+CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":'), cumulative=False)
+_SPEC_VERIFY_CT = TokenMarks((b'"spec_verify_ct":',), cumulative=True)
 
 
 def count_content_events(events: bytes) -> int:
     """Streamed chat/completions events in `events` (whole events only) that carry text, reasoning included."""
-    return len(_CONTENT.findall(events))
+    return CONTENT_CHUNKS.read(events) or 0
 
 
 def last_completion_tokens(events: bytes) -> int | None:
     """The cumulative `completion_tokens` of the last native event in `events`, None if none is there."""
-    matches = _COMPLETION_TOKENS.findall(events)
-    return int(matches[-1]) if matches else None
+    return NATIVE_TOKENS.read(events)
 
 
 def last_spec_verify_ct(events: bytes) -> int | None:
     """The cumulative `spec_verify_ct` of the last native event in `events` that has one; None where speculative
     decoding is off (SGLang then leaves the key out)."""
-    matches = _SPEC_VERIFY_CT.findall(events)
-    return int(matches[-1]) if matches else None
+    return _SPEC_VERIFY_CT.read(events)
 
 
 def mentions_usage(events: bytes) -> bool:

@@ -250,8 +250,8 @@ class GatewayApp:
         headers = response_headers(response.headers, arm, replica, drop_length=True)
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
             reply.start(response.status, headers)
-            observer = NativeStream() if exchange.route == "native" else OpenAIStream()
-            await relay_stream(opened, reply, observer, exchange)
+            await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
+                               exchange)
             return
         try:
             await opened.call.finish()

@@ -1,8 +1,12 @@
 """Relay one upstream response to the client, byte for byte, while timing it and reading acceptance as it passes.
 
 Streams go out as they arrive (no buffering of whole streams), cut only at event boundaries so that a stream that
-fails after its first byte can still end with a well-formed error event. Whole responses are read, measured and
-sent; for non-streamed chat the gateway asked SGLang for `meta_info` itself and strips it again here.
+fails after its first byte can still end with a well-formed error event. That per-read work runs in C
+(`dfserve._relay.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
+client, then notes its arrival time and the tokens it carried, found by the JSON keys `dfserve.sglang` names
+(`TokenMarks`). Timings become gaps and histogram counts here, once per request, with numpy. Whole responses
+are read, measured and sent; for non-streamed chat the gateway asked SGLang for `meta_info` itself and strips it
+again here.
 
 Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
@@ -13,15 +17,17 @@ Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, prin
 from __future__ import annotations
 
 import asyncio
-import bisect
+import functools
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import Histogram
 
 from dfserve import sglang
+from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
 from dfserve.metrics import DfserveMetrics
@@ -36,13 +42,6 @@ HOP_BY_HOP = frozenset({
 })
 ARM_HEADER = ARM.encode()
 REPLICA_HEADER = REPLICA.encode()
-
-
-def event_boundary(buffer: bytes) -> int:
-    """Length of the longest prefix of `buffer` that ends with a complete server-sent event (0 if none)."""
-    lf = buffer.rfind(b"\n\n")
-    crlf = buffer.rfind(b"\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
 
 
 def response_headers(raw: Any, arm: str, replica: str, drop_length: bool) -> list[tuple[bytes, bytes]]:
@@ -77,151 +76,94 @@ class Exchange:
     first: float | None = None
     end: float | None = None
     status: int = 0
-    chunk_gaps: list[float] = field(default_factory=list)
-    token_gaps: list[tuple[float, int]] = field(default_factory=list)
+    chunk_gaps: npt.NDArray[np.float64] = field(default_factory=lambda: np.empty(0))
+    """Between the pieces of a stream that carried output."""
+    gap_tokens: npt.NDArray[np.int64] | None = None
+    """The tokens that ended each of those gaps, where the stream says exactly (native)."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     error: str | None = None
     unparsed: str | None = None
 
 
+class StreamKind(Protocol):
+    @property
+    def marks(self) -> sglang.TokenMarks:
+        """What the relay counts in each piece."""
+
+    @property
+    def exact_tokens(self) -> bool:
+        """The count is tokens (else chunks of text)."""
+
+    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
+        """From the relay's count and the stream's last events, once it is complete."""
+
+
 class NativeStream:
-    """Reads native `/generate` events: cumulative `completion_tokens` per chunk, then the final `spec_verify_ct`.
+    """Native `/generate`: cumulative `completion_tokens` in every event's `meta_info`, and the final
+    `spec_verify_ct`, both read from the bytes (no JSON decoding per request either)."""
 
-    Both are read from the bytes (no JSON decoding per request either): SGLang repeats the cumulative counts in
-    every event's `meta_info`, so the last ones seen are the request's totals."""
-
+    marks = sglang.NATIVE_TOKENS
     exact_tokens = True
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.latest = b""
-        """The last events that carried tokens; the final `spec_verify_ct` is read from them once the stream ends."""
-
-    def feed(self, events: bytes) -> int:
-        """Tokens these whole events added."""
-        cumulative = sglang.last_completion_tokens(events)
-        if cumulative is None:
-            return 0
-        self.latest = events
-        added, self.tokens = max(cumulative - self.tokens, 0), max(cumulative, self.tokens)
-        return added
-
-    def acceptance(self) -> Acceptance:
-        if not self.latest:
+    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
+        if count is None:
             return Acceptance()
-        verify_ct = sglang.last_spec_verify_ct(self.latest)
+        verify_ct = sglang.last_spec_verify_ct(tail)
         if verify_ct is None:
-            return Acceptance(output_tokens=self.tokens)
-        return Acceptance(self.tokens, verify_ct, sglang.accept_length(self.tokens, verify_ct), "exact")
+            return Acceptance(output_tokens=count)
+        return Acceptance(count, verify_ct, sglang.accept_length(count, verify_ct), "exact")
 
 
 class OpenAIStream:
-    """Reads streamed chat/completions events: content chunks, and usage when the client asked for it."""
+    """Streamed chat/completions: content chunks counted, and usage read from the final chunk when the client
+    asked for it (`include_usage`)."""
 
+    marks = sglang.CONTENT_CHUNKS
     exact_tokens = False
 
-    def __init__(self) -> None:
-        self.chunks = 0
-        self.usage: sglang.Usage | None = None
-
-    def feed(self, events: bytes) -> int:
-        """Content chunks these whole events carried."""
-        if sglang.mentions_usage(events):
-            last = sglang.last_data_event(events)
-            parsed = sglang.parse_openai_event(last) if last is not None else None
-            if isinstance(parsed, sglang.OpenAIChunk) and parsed.usage is not None:
-                self.usage = parsed.usage
-        produced = sglang.count_content_events(events)
-        self.chunks += produced
-        return produced
-
-    def acceptance(self) -> Acceptance:
-        if self.usage is None:
+    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
+        last = sglang.last_data_event(tail) if sglang.mentions_usage(tail) else None
+        parsed = sglang.parse_openai_event(last) if last is not None else None
+        if not isinstance(parsed, sglang.OpenAIChunk) or parsed.usage is None:
             return Acceptance()
-        estimate = sglang.ChatAcceptanceEstimate(self.usage.completion_tokens, self.chunks)
-        length = estimate.accept_length
-        return Acceptance(self.usage.completion_tokens, None, length, "estimated" if length is not None else None)
+        tokens = parsed.usage.completion_tokens
+        length = sglang.ChatAcceptanceEstimate(tokens, count or 0).accept_length
+        return Acceptance(tokens, None, length, "estimated" if length is not None else None)
 
 
-Observer = NativeStream | OpenAIStream
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
-class StreamRelay:
-    """Relays an SSE body from the upstream connection's data callback: each piece is cut at event boundaries,
-    observed (timed at its arrival, tokens counted) and written to the client before the next upstream socket is
-    read: no task is woken per chunk, and when a verify round makes every stream's chunk arrive at once, each
-    leaves as soon as it is read instead of after all of them (bench/RESULTS.md).
-
-    Observation never blocks the bytes: a body the observer cannot read is still relayed. The request's task
-    waits on `settled`, then ends the stream (`relay_stream`).
-    """
-
-    def __init__(self, reply: Responder, observer: Observer, exchange: Exchange) -> None:
-        self.reply = reply
-        self.observer = observer
-        self.exchange = exchange
-        self.pending = b""
-        """Bytes after the last whole event, held until their event is complete."""
-        self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        """Resolved when the upstream response has ended (its call's `done` says how)."""
-        self._previous: float | None = None
-        self._watching = True
-
-    def received(self, now: float, data: bytes) -> None:
-        if self.settled.done():
-            return
-        if self.pending or not data.endswith(b"\n\n"):
-            self.pending += data
-            cut = event_boundary(self.pending)
-            if not cut:
-                return
-            data, self.pending = self.pending[:cut], self.pending[cut:]
-        if self._watching:
-            self._observe(now, data)
-        self.reply.write(data)
-
-    def ended(self) -> None:
-        if not self.settled.done():
-            self.settled.set_result(None)
-
-    def _observe(self, now: float, events: bytes) -> None:
-        exchange = self.exchange
-        try:
-            produced = self.observer.feed(events)
-        except ProtocolError as exc:
-            exchange.unparsed, self._watching = str(exc), False
-            return
-        if produced <= 0:
-            return
-        if self._previous is None:
-            exchange.first = now
-        else:
-            exchange.chunk_gaps.append(now - self._previous)
-            if self.observer.exact_tokens:
-                exchange.token_gaps.append((now - self._previous, produced))
-        self._previous = now
-
-    def conclude(self) -> None:
-        """Record the request's acceptance, once the stream is complete."""
-        if self._watching:
-            try:
-                self.exchange.acceptance = self.observer.acceptance()
-            except ProtocolError as exc:
-                self.exchange.unparsed = str(exc)
+def meter(relay: EventRelay, kind: StreamKind, exchange: Exchange) -> None:
+    """The stream's first-output time and gaps, from the arrival times the relay noted (what was relayed, also of a
+    stream cut short)."""
+    arrivals = np.frombuffer(relay.arrivals, dtype=np.float64)
+    if not len(arrivals):
+        return
+    exchange.first = float(arrivals[0])
+    exchange.chunk_gaps = np.diff(arrivals)
+    if kind.exact_tokens:
+        exchange.gap_tokens = np.frombuffer(relay.produced, dtype=np.int64)[1:]
 
 
-async def relay_stream(opened: Opened, reply: Responder, observer: Observer, exchange: Exchange) -> None:
-    """Pass an SSE body through as it arrives, whole events at a time (`StreamRelay`), reading the upstream only
-    as fast as the client takes it; a failure after the first byte ends it with an error event, never half an
-    event."""
-    relay = StreamRelay(reply, observer, exchange)
-    reply.hook(opened.call.pause_reading, opened.call.resume_reading)
-    opened.response.attach(relay)
+async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange) -> None:
+    """Pass an SSE body through as it arrives, whole events at a time (`EventRelay`, fed by the upstream
+    connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it;
+    a failure after the first byte ends it with an error event, never half an event. The relay holds no reference
+    to this coroutine's objects but a future, so a finished request leaves no cycle for the garbage collector."""
+    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    write, chunked = reply.body_writer()
+    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, functools.partial(_settle, settled))
+    reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
+    opened.call.attach(relay)
     try:
-        await relay.settled
+        await settled
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
         reply.unhook()
+        meter(relay, kind, exchange)
     try:
         opened.call.done.result()
     except MID_STREAM as exc:
@@ -230,7 +172,10 @@ async def relay_stream(opened: Opened, reply: Responder, observer: Observer, exc
             f"upstream replica failed mid-stream ({type(exc).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
-    relay.conclude()
+    try:
+        exchange.acceptance = kind.acceptance(relay.tokens, relay.tail)
+    except ProtocolError as exc:
+        exchange.unparsed = str(exc)
     reply.end(relay.pending)
 
 
@@ -251,16 +196,16 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
-def observe_many(histogram: Histogram, weighted: Iterable[tuple[float, int]]) -> None:
-    """`histogram.observe(value)` `count` times for each `(value, count)`, with one locked update per bucket: a
-    request carries hundreds of gaps (and a verify round's tokens share one). prometheus_client has no weighted or
-    batched observe, so this does what `observe` does inside."""
-    bounds, counts, total = histogram._upper_bounds, [0] * len(histogram._buckets), 0.0
-    for value, count in weighted:
-        counts[bisect.bisect_left(bounds, value)] += count
-        total += value * count
-    histogram._sum.inc(total)
-    for bucket, count in zip(histogram._buckets, counts, strict=True):
+def observe_many(histogram: Histogram, values: npt.NDArray[np.float64],
+                 weights: npt.NDArray[np.int64] | None = None) -> None:
+    """`histogram.observe(value)` for each value (`weight` times, if given), with one locked update per bucket: a
+    request carries hundreds of gaps. prometheus_client has no batched observe, so this does what `observe` does
+    inside (a value goes to the first bucket whose bound is not below it)."""
+    buckets = histogram._buckets
+    index = np.searchsorted(histogram._upper_bounds, values, side="left")
+    counts = np.bincount(index, weights=weights, minlength=len(buckets))
+    histogram._sum.inc(float(values.sum() if weights is None else values @ weights))
+    for bucket, count in zip(buckets, counts.tolist(), strict=True):
         if count:
             bucket.inc(count)
 
@@ -273,11 +218,11 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
         child(metrics.ttft, arm, route).observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
         child(metrics.e2e, arm, route).observe(exchange.end - exchange.start)
-    if exchange.chunk_gaps:
-        observe_many(child(metrics.itl_per_chunk, arm, route), ((gap, 1) for gap in exchange.chunk_gaps))
-    if exchange.token_gaps:
-        observe_many(child(metrics.itl_per_token, arm, route),
-                     ((gap / tokens, tokens) for gap, tokens in exchange.token_gaps))
+    if len(exchange.chunk_gaps):
+        observe_many(child(metrics.itl_per_chunk, arm, route), exchange.chunk_gaps)
+        if exchange.gap_tokens is not None:
+            observe_many(child(metrics.itl_per_token, arm, route), exchange.chunk_gaps / exchange.gap_tokens,
+                         exchange.gap_tokens)
     if exchange.unparsed is not None:
         child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance

@@ -2,7 +2,8 @@
 client's socket.
 
 The gateway relays each streamed chunk from the upstream connection's data callback to this socket with one write
-and no task, coroutine or message in between (bench/RESULTS.md: most of a proxy's cost is per chunk), and it
+and no task, coroutine or message in between (`Reply.body_writer`; bench/RESULTS.md: most of a proxy's cost is per
+chunk), and it
 applies back-pressure the way a proxy should: when the client's socket is full, the upstream connection stops
 being read (`Reply.hook`) instead of the stream piling up in memory. A client that goes away mid-response cancels
 its request's task, which closes the upstream connection, and so SGLang aborts the request.
@@ -28,6 +29,7 @@ from urllib.parse import unquote
 import httptools
 
 from dfserve import sglang
+from dfserve._relay import frame
 
 log = logging.getLogger("dfserve.gateway")
 
@@ -59,7 +61,9 @@ class Responder(Protocol):
 
     def end(self, body: bytes = b"") -> None: ...
 
-    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+    def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]: ...
+
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None], gone: Callable[[], None]) -> None: ...
 
     def unhook(self) -> None: ...
 
@@ -96,7 +100,7 @@ class Reply:
         self.keep_alive = keep_alive
         self.started = False
         self.complete = False
-        self._hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self._hooks: tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None = None
         self._paused = False
 
     @property
@@ -130,7 +134,16 @@ class Reply:
 
     def write(self, body: bytes) -> None:
         if body and not self.head_only:
-            self.connection.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+            self.connection.write(frame(body) if self.chunked else body)
+
+    def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]:
+        """The call that writes body bytes straight to the client's socket and whether they must be framed as
+        chunks, for a relay that writes from C (`dfserve._relay`); None when no body is to be sent (HEAD, a client
+        already gone). `hook`'s `gone` says when to stop using it."""
+        transport = self.connection.transport
+        if self.head_only or self.connection.closed or transport is None:
+            return None, False
+        return transport.write, self.chunked
 
     def end(self, body: bytes = b"") -> None:
         self.write(body)
@@ -138,9 +151,10 @@ class Reply:
         if self.chunked and not self.head_only:
             self.connection.write(b"0\r\n\r\n")
 
-    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
-        """Call `pause` while the client's socket is full and `resume` once it drains (the upstream's reading)."""
-        self._hooks = (pause, resume)
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None], gone: Callable[[], None]) -> None:
+        """Call `pause` while the client's socket is full and `resume` once it drains (the upstream's reading), and
+        `gone` as soon as the client's connection is lost."""
+        self._hooks = (pause, resume, gone)
         if self.connection.writes_paused:
             self.pause()
 
@@ -160,6 +174,10 @@ class Reply:
             self._paused = False
             self._hooks[1]()
 
+    def lost(self) -> None:
+        if self._hooks is not None:
+            self._hooks[2]()
+
 
 class Discard:
     """The client side of a shadow request: nobody is listening."""
@@ -178,7 +196,10 @@ class Discard:
     def end(self, body: bytes = b"") -> None:
         pass
 
-    def hook(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+    def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]:
+        return None, False
+
+    def hook(self, pause: Callable[[], None], resume: Callable[[], None], gone: Callable[[], None]) -> None:
         pass
 
     def unhook(self) -> None:
@@ -271,6 +292,7 @@ class ClientConnection(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
         if self.task is not None and self.reply is not None and not self.reply.complete:
+            self.reply.lost()
             self.task.cancel()
 
     def pause_writing(self) -> None:

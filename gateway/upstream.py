@@ -14,7 +14,6 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import aiohttp
 
@@ -65,46 +64,6 @@ class UpstreamFailure(Exception):
         self.kind = kind
 
 
-class Sink(Protocol):
-    """Where a response's body pieces go once attached: called from the connection's data callback."""
-
-    def received(self, now: float, data: bytes) -> None: ...
-
-    def ended(self) -> None: ...
-
-
-class Incoming(Response):
-    """An upstream response as it arrives. Body pieces are kept (a whole response is read once complete) until a
-    `Sink` is attached (a stream's relay); from then on each piece goes to it from the connection's data callback,
-    so no task is woken per chunk."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sink: Sink | None = None
-        self._ended = False
-
-    def received(self, now: float, data: bytes) -> None:
-        if self.sink is None:
-            self.pieces.append((now, data))
-        else:
-            self.sink.received(now, data)
-
-    def ended(self) -> None:
-        self._ended = True
-        if self.sink is not None:
-            self.sink.ended()
-
-    def attach(self, sink: Sink) -> None:
-        """Give `sink` what arrived so far, then each piece as it arrives, then the end (the call's `done` says
-        how it ended)."""
-        self.sink = sink
-        for now, data in self.pieces:
-            sink.received(now, data)
-        self.pieces = []
-        if self._ended:
-            sink.ended()
-
-
 MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled)
 """What a response can fail with once its head has arrived."""
 
@@ -122,7 +81,7 @@ class Opened:
     """An upstream response whose headers have arrived; `release` must be called once it is finished with."""
 
     call: Call
-    response: Incoming
+    response: Response
     arm: Arm
     replica: Replica
     retries: int
@@ -215,7 +174,7 @@ class Upstream:
             tried.add(index)
             replica.in_flight += 1
             arm.in_flight += 1
-            response = Incoming()
+            response = Response()
             try:
                 call = await replica.pool.open(method, path, body, headers, response)
             except ReadTimeout:

@@ -1,34 +1,27 @@
-"""What the relay reads from bytes as they pass, without sockets: event boundaries, observers, whole bodies."""
+"""What the relay reads from bytes as they pass, without sockets: observers, the stream meter, whole bodies."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from dfserve import sglang
+from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
 from gateway.relay import (
     Acceptance,
     Exchange,
     NativeStream,
     OpenAIStream,
-    StreamRelay,
-    event_boundary,
+    StreamKind,
     measure_whole,
+    meter,
     observe_many,
     response_headers,
 )
-from gateway.server import Discard
-
-
-def test_event_boundary() -> None:
-    assert event_boundary(b"data: {}\n\ndata: {") == 10
-    assert event_boundary(b"data: {}\r\n\r\n") == 12
-    assert event_boundary(b"data: {") == 0
-    assert event_boundary(b"") == 0
 
 
 def test_response_headers_drop_hop_by_hop_and_name_the_arm() -> None:
@@ -46,32 +39,47 @@ def native(tokens: int, final: bool = False) -> bytes:
     return b"data: " + json.dumps({"text": "t", "meta_info": meta}).encode() + b"\n\n"
 
 
-def test_native_stream_counts_tokens_per_batch_of_events() -> None:
-    observer = NativeStream()
-    assert observer.feed(native(1)) == 1
-    assert observer.feed(b": keep-alive\n\n") == 0
-    assert observer.feed(native(4) + native(10, final=True) + b"data: [DONE]\n\n") == 9
-    acceptance = observer.acceptance()
+def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[bytes], list[str]]:
+    """An EventRelay fed `pieces` at times 1, 2, ...; what it wrote and whether it ended."""
+    written: list[bytes] = []
+    ends: list[str] = []
+    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, lambda: ends.append("end"))
+    for at, piece in enumerate(pieces, start=1):
+        relay.received(float(at), piece)
+    return relay, written, ends
+
+
+def arrivals(relay: EventRelay) -> list[tuple[float, int]]:
+    return list(zip(np.frombuffer(relay.arrivals).tolist(), np.frombuffer(relay.produced, np.int64).tolist(),
+                    strict=True))
+
+
+def test_native_stream_counts_tokens_per_piece_of_events() -> None:
+    relay, _, _ = relayed(NativeStream(), [native(1), b": keep-alive\n\n",
+                                           native(4) + native(10, final=True) + b"data: [DONE]\n\n"])
+    assert relay.tokens == 10 and arrivals(relay) == [(1.0, 1), (3.0, 9)]
+    acceptance = NativeStream().acceptance(relay.tokens, relay.tail)
     assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
         10, 4, 2.5, "exact")
 
 
 def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
-    observer = NativeStream()
-    assert observer.acceptance() == Acceptance()
-    observer.feed(native(3) + native(7))
-    assert observer.acceptance() == Acceptance(output_tokens=7)
+    assert NativeStream().acceptance(None, b"") == Acceptance()
+    relay, _, _ = relayed(NativeStream(), [native(3) + native(7)])
+    assert NativeStream().acceptance(relay.tokens, relay.tail) == Acceptance(output_tokens=7)
 
 
 def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
-    observer = OpenAIStream()
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-    assert observer.feed(b": ping\n\n" + role + chunk + chunk) == 2
-    assert observer.acceptance().accept_length is None
-    assert observer.feed(chunk + usage + b"data: [DONE]\n\n") == 1
-    assert observer.acceptance().accept_length == 3.0 and observer.acceptance().measure == "estimated"
+    relay, _, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
+    assert relay.tokens == 2 and OpenAIStream().acceptance(relay.tokens, relay.tail).accept_length is None
+    relay.received(2.0, chunk + usage)
+    relay.received(3.0, b"data: [DONE]\n\n")
+    assert arrivals(relay) == [(1.0, 2), (2.0, 1)]
+    acceptance = OpenAIStream().acceptance(relay.tokens, relay.tail)
+    assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated"
 
 
 def test_measure_whole() -> None:
@@ -102,46 +110,36 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
 def test_observe_many_equals_repeated_observe() -> None:
     one_by_one = Histogram("a", "a", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
     at_once = Histogram("b", "b", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
-    weighted = ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5), (0.004, 1))
+    weighted = ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5), (0.004, 1), (0.001, 2))
     for value, count in weighted:
         for _ in range(count):
             one_by_one.observe(value)
-    observe_many(at_once, weighted)
+    values, weights = (np.array(column) for column in zip(*weighted, strict=True))
+    observe_many(at_once, values, weights)
+    unweighted = Histogram("c", "c", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
+    observe_many(unweighted, np.repeat(values, weights))
+
     def samples(histogram: Histogram) -> list[tuple[str, dict[str, str], float]]:
         return [(s.name[1:], s.labels, s.value) for s in histogram.collect()[0].samples if "created" not in s.name]
 
-    expected, got = samples(one_by_one), samples(at_once)
-    assert [(n, labels) for n, labels, _ in got] == [(n, labels) for n, labels, _ in expected]
-    assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
+    expected = samples(one_by_one)
+    for got in (samples(at_once), samples(unweighted)):
+        assert [(n, labels) for n, labels, _ in got] == [(n, labels) for n, labels, _ in expected]
+        assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
 
 
-class Recorder(Discard):
-    """A client that keeps what the relay writes."""
-
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-
-    def write(self, body: bytes) -> None:
-        self.bodies.append(body)
-
-
-def test_stream_relay_writes_whole_events_in_order_and_times_them() -> None:
-    async def scenario() -> tuple[Recorder, Exchange, StreamRelay]:
-        reply, exchange = Recorder(), Exchange(arm="a", route="native")
-        relay = StreamRelay(reply, NativeStream(), exchange)
-        relay.received(1.0, native(2))
-        relay.received(2.0, native(4)[:9])  # half an event: held back
-        relay.received(3.0, native(4)[9:] + native(6)[:5])
-        relay.received(4.0, native(6)[5:] + native(8, final=True))
-        relay.ended()
-        relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
-        await relay.settled
-        relay.conclude()
-        return reply, exchange, relay
-
-    reply, exchange, relay = asyncio.run(scenario())
-    assert reply.bodies == [native(2), native(4), native(6) + native(8, final=True)]
+def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
+    relay, written, ends = relayed(NativeStream(), [
+        native(2),
+        native(4)[:9],  # half an event: held back
+        native(4)[9:] + native(6)[:5],
+        native(6)[5:] + native(8, final=True)])
+    relay.ended()
+    relay.ended()
+    relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
+    exchange = Exchange(arm="a", route="native")
+    meter(relay, NativeStream(), exchange)
+    assert written == [native(2), native(4), native(6) + native(8, final=True)] and ends == ["end"]
     assert relay.pending == b""
-    assert exchange.first == 1.0 and exchange.chunk_gaps == [2.0, 1.0]
-    assert exchange.token_gaps == [(2.0, 2), (1.0, 4)]
-    assert exchange.acceptance.verify_ct == 4 and exchange.acceptance.measure == "exact"
+    assert exchange.first == 1.0 and exchange.chunk_gaps.tolist() == [2.0, 1.0]
+    assert exchange.gap_tokens is not None and exchange.gap_tokens.tolist() == [2, 4]

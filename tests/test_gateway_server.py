@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from dfserve._relay import EventRelay
 from gateway.server import Reply, Request, Server, ServerLimits
 
 LOOPBACK = "127.0.0.1"
@@ -128,8 +129,11 @@ def test_refusals_are_json_errors_that_close_the_connection() -> None:
 
 def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_for_head() -> None:
     async def stream(request: Request, reply: Reply) -> None:
+        """Half through the C relay's writer, half through `Reply`: both must frame alike."""
         reply.start(200, [(b"content-type", b"text/event-stream")])
-        reply.write(b"data: 1\n\n")
+        write, chunked = reply.body_writer()
+        relay = EventRelay(write, chunked, (b'"text":',), False, lambda: None)
+        relay.received(0.0, b"data: 1\n\n")
         await asyncio.sleep(0)
         reply.end(b"data: 2\n\n")
 
@@ -155,13 +159,16 @@ def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\ndata: 1\n\ndata: 2\n\n")
 
 
-def test_a_client_that_leaves_cancels_its_request() -> None:
+def test_a_client_that_leaves_cancels_its_request_and_stops_its_body_writer() -> None:
     async def scenario() -> list[str]:
         events: list[str] = []
         started = asyncio.Event()
 
         async def endless(request: Request, reply: Reply) -> None:
             reply.start(200, [])
+            write, chunked = reply.body_writer()
+            assert write is not None and chunked
+            reply.hook(lambda: None, lambda: None, lambda: events.append("gone"))
             started.set()
             try:
                 await asyncio.sleep(30)
@@ -180,7 +187,7 @@ def test_a_client_that_leaves_cancels_its_request() -> None:
                 await asyncio.sleep(0.01)
         return events
 
-    assert asyncio.run(scenario()) == ["cancelled, disconnected=True"]
+    assert asyncio.run(scenario()) == ["gone", "cancelled, disconnected=True"]
 
 
 def test_a_full_client_socket_pauses_the_source_until_it_drains() -> None:
@@ -192,7 +199,8 @@ def test_a_full_client_socket_pauses_the_source_until_it_drains() -> None:
 
         async def flood(request: Request, reply: Reply) -> None:
             reply.start(200, [])
-            reply.hook(lambda: (events.append("pause"), paused.set()), lambda: (events.append("resume"), resumed.set()))
+            reply.hook(lambda: (events.append("pause"), paused.set()), lambda: (events.append("resume"), resumed.set()),
+                       lambda: events.append("gone"))
             while not paused.is_set():
                 reply.write(piece)
                 await asyncio.sleep(0)

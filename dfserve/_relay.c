@@ -1,0 +1,671 @@
+/* The per-read work of a streamed response, in C: HTTP/1.1 de-chunking (`Dechunker`) and relaying whole
+ * server-sent events to the client (`EventRelay`).
+ *
+ * Why C: a relayed chunk costs a proxy one socket read and one write, and whatever it runs between them. In
+ * Python that work (de-chunk, cut at event boundaries, re-frame, time-stamp) cost the gateway more CPU per chunk
+ * than the whole of sglang-router's, with the syscalls being the same (bench/RESULTS.md). Here a read costs one
+ * Python call from the connection's `data_received`, and no Python at all between the upstream read and the
+ * client write. What the events say (tokens, acceptance) is still read in Python, by `dfserve.sglang`, on
+ * batches of events (`observe`), so the SGLang format is known in one place only.
+ */
+#define _GNU_SOURCE /* memmem */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LINE_LIMIT 4096 /* a chunk-size line, or a trailer line */
+
+static PyObject *BadChunk;
+static PyObject *str_received;
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* frame: one HTTP/1.1 chunk                                                                                    */
+
+static PyObject *
+frame_chunk(const char *body, Py_ssize_t length)
+{
+    char size[32];
+    int size_length = snprintf(size, sizeof size, "%zx\r\n", (size_t)length);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size_length + length + 2);
+    if (out == NULL)
+        return NULL;
+    char *w = PyBytes_AS_STRING(out);
+    memcpy(w, size, size_length);
+    memcpy(w + size_length, body, length);
+    memcpy(w + size_length + length, "\r\n", 2);
+    return out;
+}
+
+static PyObject *
+relay_frame(PyObject *module, PyObject *body)
+{
+    if (!PyBytes_Check(body)) {
+        PyErr_SetString(PyExc_TypeError, "frame() takes bytes");
+        return NULL;
+    }
+    return frame_chunk(PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body));
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Token marks: JSON keys found in the bytes, without decoding (JSON escapes quotes inside strings, so a key's
+ * quoted name followed by a colon only occurs as a key). Which keys, and what they mean, is `dfserve.sglang`'s. */
+
+static int
+check_keys(PyObject *keys)
+{
+    if (!PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) == 0) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a non-empty tuple of bytes");
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(keys); k++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, k);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) == 0) {
+            PyErr_SetString(PyExc_TypeError, "keys must be a non-empty tuple of bytes");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static Py_ssize_t
+skip_space(const char *buf, Py_ssize_t i, Py_ssize_t length)
+{
+    while (i < length && (buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\r' || buf[i] == '\n'))
+        i++;
+    return i;
+}
+
+/* cumulative: the integer after the last key that has one (-1 if none); else: how many keys have a non-empty
+ * string as their value. */
+static int64_t
+read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative)
+{
+    int64_t found = cumulative ? -1 : 0;
+    Py_ssize_t last_at = -1;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(keys); k++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, k);
+        const char *needle = PyBytes_AS_STRING(key);
+        Py_ssize_t needle_length = PyBytes_GET_SIZE(key);
+        const char *at = buf, *hit;
+        while ((hit = memmem(at, buf + length - at, needle, needle_length)) != NULL) {
+            Py_ssize_t key_at = hit - buf, i = skip_space(buf, key_at + needle_length, length);
+            at = hit + needle_length;
+            if (!cumulative) {
+                found += i + 1 < length && buf[i] == '"' && buf[i + 1] != '"';
+                continue;
+            }
+            if (i >= length || buf[i] < '0' || buf[i] > '9' || key_at < last_at)
+                continue;
+            int64_t value = 0;
+            for (; i < length && buf[i] >= '0' && buf[i] <= '9' && value < (INT64_MAX - 9) / 10; i++)
+                value = value * 10 + (buf[i] - '0');
+            found = value;
+            last_at = key_at;
+        }
+    }
+    return found;
+}
+
+static PyObject *
+relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[0]) || check_keys(args[1]) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "read_marks(events: bytes, keys: tuple[bytes, ...], cumulative)");
+        return NULL;
+    }
+    int cumulative = PyObject_IsTrue(args[2]);
+    if (cumulative < 0)
+        return NULL;
+    int64_t found = read_marks(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), args[1], cumulative);
+    if (found < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(found);
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* EventRelay                                                                                                   */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *write;    /* writes bytes to the client's socket, or None: nothing is sent (HEAD, a shadow) */
+    int chunked;        /* frame what is written as HTTP chunks */
+    PyObject *keys;     /* token marks (see read_marks) */
+    int cumulative;
+    PyObject *on_end;   /* on_end(), once */
+    PyObject *pending;  /* bytes after the last whole event */
+    PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
+    int64_t tokens;     /* cumulative: the running total seen so far (-1: none); else: marks counted */
+    double *times;      /* arrival time of each piece of events that carried tokens */
+    int64_t *produced;  /* and how many it carried */
+    Py_ssize_t count, capacity;
+    int closed;
+} EventRelay;
+
+static PyTypeObject EventRelayType;
+
+/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"); 0 if none. */
+static Py_ssize_t
+event_boundary(const char *buf, Py_ssize_t length)
+{
+    for (Py_ssize_t i = length - 1; i >= 1; i--) {
+        if (buf[i] != '\n')
+            continue;
+        if (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'))
+            return i + 1;
+    }
+    return 0;
+}
+
+static int
+relay_meter(EventRelay *self, PyObject *now, PyObject *events)
+{
+    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
+    int64_t produced = found;
+    if (self->cumulative) {
+        produced = found > self->tokens ? found - Py_MAX(self->tokens, 0) : 0;
+        self->tokens = Py_MAX(self->tokens, found);
+    }
+    else
+        self->tokens += found;
+    if (produced <= 0)
+        return 0;
+    double arrival = PyFloat_AsDouble(now);
+    if (arrival == -1.0 && PyErr_Occurred())
+        return -1;
+    if (self->count == self->capacity) {
+        Py_ssize_t capacity = self->capacity ? self->capacity * 2 : 256;
+        double *times = PyMem_Realloc(self->times, capacity * sizeof(double));
+        if (times == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->times = times;
+        int64_t *counts = PyMem_Realloc(self->produced, capacity * sizeof(int64_t));
+        if (counts == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->produced = counts;
+        self->capacity = capacity;
+    }
+    self->times[self->count] = arrival;
+    self->produced[self->count] = produced;
+    self->count++;
+    return 0;
+}
+
+/* The relay's whole job for one piece of body: whole events go to the client, then are metered. */
+static int
+relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
+{
+    if (self->closed)
+        return 0;
+    const char *data = PyBytes_AS_STRING(payload);
+    Py_ssize_t length = PyBytes_GET_SIZE(payload);
+    Py_ssize_t held = PyBytes_GET_SIZE(self->pending);
+    PyObject *events;
+    if (held == 0 && length >= 2 && data[length - 1] == '\n' && data[length - 2] == '\n') {
+        events = Py_NewRef(payload); /* the usual read: whole events, nothing held */
+    }
+    else {
+        PyObject *joined = PyBytes_FromStringAndSize(NULL, held + length);
+        if (joined == NULL)
+            return -1;
+        char *w = PyBytes_AS_STRING(joined);
+        memcpy(w, PyBytes_AS_STRING(self->pending), held);
+        memcpy(w + held, data, length);
+        Py_ssize_t cut = event_boundary(w, held + length);
+        if (cut == 0) {
+            Py_SETREF(self->pending, joined);
+            return 0;
+        }
+        events = PyBytes_FromStringAndSize(w, cut);
+        PyObject *rest = PyBytes_FromStringAndSize(w + cut, held + length - cut);
+        Py_DECREF(joined);
+        if (events == NULL || rest == NULL) {
+            Py_XDECREF(events);
+            Py_XDECREF(rest);
+            return -1;
+        }
+        Py_SETREF(self->pending, rest);
+    }
+    if (self->write != Py_None) {
+        PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events))
+                                      : Py_NewRef(events);
+        PyObject *result = out ? PyObject_CallOneArg(self->write, out) : NULL;
+        Py_XDECREF(out);
+        if (result == NULL) {
+            Py_DECREF(events);
+            return -1;
+        }
+        Py_DECREF(result);
+    }
+    int failed = relay_meter(self, now, events);
+    Py_SETREF(self->tail[0], self->tail[1]);
+    self->tail[1] = events;
+    return failed;
+}
+
+static int
+EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"write", "chunked", "keys", "cumulative", "on_end", NULL};
+    PyObject *write, *keys, *on_end;
+    int chunked, cumulative;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO", names, &write, &chunked, &keys, &cumulative, &on_end))
+        return -1;
+    if (check_keys(keys) < 0)
+        return -1;
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    if (empty == NULL)
+        return -1;
+    Py_XSETREF(self->write, Py_NewRef(write));
+    Py_XSETREF(self->keys, Py_NewRef(keys));
+    Py_XSETREF(self->on_end, Py_NewRef(on_end));
+    Py_XSETREF(self->pending, Py_NewRef(empty));
+    Py_XSETREF(self->tail[0], Py_NewRef(empty));
+    Py_XSETREF(self->tail[1], empty);
+    self->chunked = chunked;
+    self->cumulative = cumulative;
+    self->tokens = cumulative ? -1 : 0;
+    self->count = 0;
+    self->closed = 0;
+    return 0;
+}
+
+static PyObject *
+EventRelay_received(EventRelay *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "received(now, payload: bytes)");
+        return NULL;
+    }
+    if (relay_receive(self, args[0], args[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventRelay_ended(EventRelay *self, PyObject *unused)
+{
+    if (self->closed)
+        Py_RETURN_NONE;
+    self->closed = 1;
+    return PyObject_CallNoArgs(self->on_end);
+}
+
+static PyObject *
+EventRelay_detach(EventRelay *self, PyObject *unused)
+{
+    Py_SETREF(self->write, Py_NewRef(Py_None));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventRelay_get_pending(EventRelay *self, void *closure)
+{
+    return Py_NewRef(self->pending);
+}
+
+static PyObject *
+EventRelay_get_tail(EventRelay *self, void *closure)
+{
+    return PySequence_Concat(self->tail[0], self->tail[1]);
+}
+
+static PyObject *
+EventRelay_get_tokens(EventRelay *self, void *closure)
+{
+    if (self->tokens < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(self->tokens);
+}
+
+static PyObject *
+EventRelay_get_arrivals(EventRelay *self, void *closure)
+{
+    return PyBytes_FromStringAndSize((const char *)self->times, self->count * (Py_ssize_t)sizeof(double));
+}
+
+static PyObject *
+EventRelay_get_produced(EventRelay *self, void *closure)
+{
+    return PyBytes_FromStringAndSize((const char *)self->produced, self->count * (Py_ssize_t)sizeof(int64_t));
+}
+
+static int
+EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->write);
+    Py_VISIT(self->on_end);
+    return 0;
+}
+
+static int
+EventRelay_clear(EventRelay *self)
+{
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->on_end);
+    return 0;
+}
+
+static void
+EventRelay_dealloc(EventRelay *self)
+{
+    PyObject_GC_UnTrack(self);
+    EventRelay_clear(self);
+    Py_CLEAR(self->keys);
+    Py_CLEAR(self->pending);
+    Py_CLEAR(self->tail[0]);
+    Py_CLEAR(self->tail[1]);
+    PyMem_Free(self->times);
+    PyMem_Free(self->produced);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef EventRelay_methods[] = {
+    {"received", (PyCFunction)(void (*)(void))EventRelay_received, METH_FASTCALL,
+     "received(now, payload): relay the whole events now complete, meter them, keep the rest for the next piece."},
+    {"ended", (PyCFunction)EventRelay_ended, METH_NOARGS,
+     "The response is over (or abandoned): nothing more is relayed; calls on_end() the first time."},
+    {"detach", (PyCFunction)EventRelay_detach, METH_NOARGS, "The client is gone: stop writing to it."},
+    {NULL},
+};
+
+static PyGetSetDef EventRelay_getset[] = {
+    {"pending", (getter)EventRelay_get_pending, NULL, "Bytes after the last whole event.", NULL},
+    {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
+    {"tokens", (getter)EventRelay_get_tokens, NULL,
+     "cumulative: the last running total seen (None if none); else the marks counted.", NULL},
+    {"arrivals", (getter)EventRelay_get_arrivals, NULL,
+     "Arrival times (float64, native byte order) of the pieces that carried tokens.", NULL},
+    {"produced", (getter)EventRelay_get_produced, NULL, "Tokens (int64) each of those pieces carried.", NULL},
+    {NULL},
+};
+
+static PyTypeObject EventRelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dfserve._relay.EventRelay",
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, on_end): relays a server-sent-event body to a client "
+              "whole events at a time, and records when each piece of events arrived and the tokens it carried.",
+    .tp_basicsize = sizeof(EventRelay),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)EventRelay_init,
+    .tp_dealloc = (destructor)EventRelay_dealloc,
+    .tp_traverse = (traverseproc)EventRelay_traverse,
+    .tp_clear = (inquiry)EventRelay_clear,
+    .tp_methods = EventRelay_methods,
+    .tp_getset = EventRelay_getset,
+};
+
+/* ------------------------------------------------------------------------------------------------------------ */
+/* Dechunker                                                                                                    */
+
+enum { AT_SIZE, IN_DATA, AT_DATA_END, IN_TRAILER, DONE };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *sink;       /* receives each read's payload: an EventRelay directly, anything else by received() */
+    int state;
+    Py_ssize_t remaining; /* IN_DATA: payload bytes left in the chunk; AT_DATA_END: bytes of its CRLF left */
+    Py_ssize_t line_length;
+    char line[LINE_LIMIT];
+} Dechunker;
+
+static PyTypeObject DechunkerType;
+
+static int
+bad_chunk(const char *what, const char *line, Py_ssize_t length)
+{
+    PyObject *text = PyBytes_FromStringAndSize(line, length < 40 ? length : 40);
+    if (text != NULL) {
+        PyErr_Format(BadChunk, "%s: %R", what, text);
+        Py_DECREF(text);
+    }
+    return -1;
+}
+
+/* A chunk-size line without its CRLF: hex digits, then optional whitespace and extensions after ';'. */
+static int
+parse_size(const char *line, Py_ssize_t length, Py_ssize_t *size)
+{
+    Py_ssize_t value = 0, i = 0;
+    for (; i < length; i++) {
+        char c = line[i];
+        int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (digit < 0)
+            break;
+        if (value > (PY_SSIZE_T_MAX >> 5))
+            return bad_chunk("chunk size too large", line, length);
+        value = value * 16 + digit;
+    }
+    Py_ssize_t rest = i;
+    while (rest < length && (line[rest] == ' ' || line[rest] == '\t'))
+        rest++;
+    if (i == 0 || (rest < length && line[rest] != ';'))
+        return bad_chunk("bad chunk size", line, length);
+    *size = value;
+    return 0;
+}
+
+static int
+deliver(Dechunker *self, PyObject *now, PyObject *payload)
+{
+    if (Py_IS_TYPE(self->sink, &EventRelayType))
+        return relay_receive((EventRelay *)self->sink, now, payload);
+    PyObject *result = PyObject_CallMethodObjArgs(self->sink, str_received, now, payload, NULL);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int
+Dechunker_init(Dechunker *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"sink", NULL};
+    PyObject *sink;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &sink))
+        return -1;
+    Py_XSETREF(self->sink, Py_NewRef(sink));
+    self->state = AT_SIZE;
+    self->remaining = 0;
+    self->line_length = 0;
+    return 0;
+}
+
+/* feed(now, data) -> bool: de-chunk one read, pass its payload (if any) to the sink in one piece, and say whether
+ * the body is complete. Bytes after the end of the body are ignored. */
+static PyObject *
+Dechunker_feed(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "feed(now, data: bytes)");
+        return NULL;
+    }
+    PyObject *now = args[0];
+    const char *data = PyBytes_AS_STRING(args[1]);
+    Py_ssize_t length = PyBytes_GET_SIZE(args[1]), i = 0, payload_length = 0;
+    PyObject *payload = NULL;
+    while (i < length && self->state != DONE) {
+        if (self->state == IN_DATA) {
+            Py_ssize_t take = Py_MIN(self->remaining, length - i);
+            if (payload == NULL && (payload = PyBytes_FromStringAndSize(NULL, length - i)) == NULL)
+                return NULL;
+            memcpy(PyBytes_AS_STRING(payload) + payload_length, data + i, take);
+            payload_length += take;
+            i += take;
+            self->remaining -= take;
+            if (self->remaining == 0) {
+                self->state = AT_DATA_END;
+                self->remaining = 2;
+            }
+        }
+        else if (self->state == AT_DATA_END) {
+            if (data[i] != (self->remaining == 2 ? '\r' : '\n')) {
+                bad_chunk("chunk data not followed by CRLF", data + i, length - i);
+                goto error;
+            }
+            i++;
+            if (--self->remaining == 0)
+                self->state = AT_SIZE;
+        }
+        else { /* AT_SIZE or IN_TRAILER: a line */
+            const char *newline = memchr(data + i, '\n', length - i);
+            Py_ssize_t take = newline ? newline - (data + i) + 1 : length - i;
+            if (self->line_length + take > LINE_LIMIT) {
+                bad_chunk("chunk line too long", self->line, self->line_length);
+                goto error;
+            }
+            memcpy(self->line + self->line_length, data + i, take);
+            self->line_length += take;
+            i += take;
+            if (newline == NULL)
+                break;
+            Py_ssize_t line_length = self->line_length - 2;
+            self->line_length = 0;
+            if (line_length < 0 || self->line[line_length] != '\r') {
+                bad_chunk("chunk line not ended by CRLF", self->line, line_length + 2);
+                goto error;
+            }
+            if (self->state == IN_TRAILER) {
+                if (line_length == 0)
+                    self->state = DONE;
+                continue;
+            }
+            Py_ssize_t size;
+            if (parse_size(self->line, line_length, &size) < 0)
+                goto error;
+            self->state = size == 0 ? IN_TRAILER : IN_DATA;
+            self->remaining = size;
+        }
+    }
+    if (payload != NULL) {
+        if (_PyBytes_Resize(&payload, payload_length) < 0)
+            return NULL;
+        int failed = deliver(self, now, payload);
+        Py_DECREF(payload);
+        if (failed)
+            return NULL;
+    }
+    return PyBool_FromLong(self->state == DONE);
+error:
+    Py_XDECREF(payload);
+    return NULL;
+}
+
+static PyObject *
+Dechunker_get_sink(Dechunker *self, void *closure)
+{
+    return Py_NewRef(self->sink);
+}
+
+static int
+Dechunker_set_sink(Dechunker *self, PyObject *sink, void *closure)
+{
+    if (sink == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "sink cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(self->sink, Py_NewRef(sink));
+    return 0;
+}
+
+static PyObject *
+Dechunker_get_done(Dechunker *self, void *closure)
+{
+    return PyBool_FromLong(self->state == DONE);
+}
+
+static int
+Dechunker_traverse(Dechunker *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sink);
+    return 0;
+}
+
+static int
+Dechunker_clear(Dechunker *self)
+{
+    Py_CLEAR(self->sink);
+    return 0;
+}
+
+static void
+Dechunker_dealloc(Dechunker *self)
+{
+    PyObject_GC_UnTrack(self);
+    Dechunker_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Dechunker_methods[] = {
+    {"feed", (PyCFunction)(void (*)(void))Dechunker_feed, METH_FASTCALL,
+     "feed(now, data) -> bool: de-chunk one read into sink.received(now, payload); True once the body is complete."},
+    {NULL},
+};
+
+static PyGetSetDef Dechunker_getset[] = {
+    {"sink", (getter)Dechunker_get_sink, (setter)Dechunker_set_sink, "Where payload goes.", NULL},
+    {"done", (getter)Dechunker_get_done, NULL, "The last chunk and the trailers have been read.", NULL},
+    {NULL},
+};
+
+static PyTypeObject DechunkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dfserve._relay.Dechunker",
+    .tp_doc = "Dechunker(sink): an HTTP/1.1 chunked body, read by read.",
+    .tp_basicsize = sizeof(Dechunker),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Dechunker_init,
+    .tp_dealloc = (destructor)Dechunker_dealloc,
+    .tp_traverse = (traverseproc)Dechunker_traverse,
+    .tp_clear = (inquiry)Dechunker_clear,
+    .tp_methods = Dechunker_methods,
+    .tp_getset = Dechunker_getset,
+};
+
+/* ------------------------------------------------------------------------------------------------------------ */
+
+static PyMethodDef module_methods[] = {
+    {"frame", (PyCFunction)relay_frame, METH_O, "frame(body) -> bytes: body as one HTTP/1.1 chunk."},
+    {"read_marks", (PyCFunction)(void (*)(void))relay_read_marks, METH_FASTCALL,
+     "read_marks(events, keys, cumulative) -> int | None: the integer after the last key (cumulative; None if "
+     "none), else how many keys have a non-empty string value."},
+    {NULL},
+};
+
+static struct PyModuleDef relay_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dfserve._relay",
+    .m_doc = "HTTP/1.1 de-chunking and server-sent-event relaying, per read, without Python in between.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__relay(void)
+{
+    if (PyType_Ready(&EventRelayType) < 0 || PyType_Ready(&DechunkerType) < 0)
+        return NULL;
+    str_received = PyUnicode_InternFromString("received");
+    if (str_received == NULL)
+        return NULL;
+    PyObject *module = PyModule_Create(&relay_module);
+    if (module == NULL)
+        return NULL;
+    BadChunk = PyErr_NewExceptionWithDoc("dfserve._relay.BadChunk", "A chunked body that breaks HTTP/1.1's framing.",
+                                         PyExc_ValueError, NULL);
+    if (BadChunk == NULL || PyModule_AddObjectRef(module, "BadChunk", BadChunk) < 0
+        || PyModule_AddObjectRef(module, "EventRelay", (PyObject *)&EventRelayType) < 0
+        || PyModule_AddObjectRef(module, "Dechunker", (PyObject *)&DechunkerType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,181 @@
+"""The C relay (`dfserve._relay`) on byte streams cut every way: de-chunking, event cutting, framing, metering."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import weakref
+
+import numpy as np
+import pytest
+
+from dfserve import sglang
+from dfserve._relay import BadChunk, Dechunker, EventRelay, frame, read_marks
+
+EVENT = b'data: {"completion_tokens":1}\n\n'
+PAYLOAD = EVENT + b"data: "
+BODY = (b"1a;name=value\r\n" + PAYLOAD[:26] + b"\r\n"  # an extension, and an upper-case size below
+        + b"%X\r\n%b\r\n" % (len(PAYLOAD[26:]), PAYLOAD[26:])
+        + b"0\r\nX-Trailer: yes\r\n\r\n")
+
+
+class Pieces:
+    """A sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[float, bytes]] = []
+        self.ended = False
+
+    def received(self, now: float, data: bytes) -> None:
+        self.pieces.append((now, data))
+
+
+def dechunk(reads: list[bytes]) -> tuple[Pieces, list[bool]]:
+    sink = Pieces()
+    dechunker = Dechunker(sink)
+    done = [dechunker.feed(float(at), read) for at, read in enumerate(reads)]
+    return sink, done
+
+
+def test_a_body_cut_at_every_pair_of_points_gives_the_same_payload_one_piece_per_read() -> None:
+    for first in range(1, len(BODY)):
+        for second in range(first, len(BODY)):
+            reads = [BODY[:first], BODY[first:second], BODY[second:]]
+            sink, done = dechunk(reads)
+            assert b"".join(piece for _, piece in sink.pieces) == PAYLOAD, (first, second)
+            assert done == [False, False, True] if second < len(BODY) else done[-2:] == [True, True]
+            assert len({at for at, _ in sink.pieces}) == len(sink.pieces)  # one piece per read at most
+
+
+def test_bytes_after_the_last_chunk_are_ignored_and_the_body_stays_done() -> None:
+    sink, done = dechunk([b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n", b"more"])
+    assert done == [True, True] and sink.pieces == [(0.0, b"abc")]
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    (b"zz\r\nabc\r\n", "bad chunk size"),
+    (b"3 x\r\nabc\r\n", "bad chunk size"),
+    (b"\r\nabc\r\n", "bad chunk size"),
+    (b"3\r\nabcXY", "chunk data not followed by CRLF"),
+    (b"3\nabc\r\n", "chunk line not ended by CRLF"),
+    (b"3;" + b"e" * 5000 + b"\r\n", "chunk line too long"),
+    (b"fffffffffffffffffff\r\n", "chunk size too large"),
+])
+def test_broken_framing_is_refused_by_name(body: bytes, problem: str) -> None:
+    with pytest.raises(BadChunk, match=problem):
+        dechunk([body])
+    assert issubclass(BadChunk, ValueError)
+
+
+def test_the_sink_can_change_mid_body() -> None:
+    first, second = Pieces(), Pieces()
+    dechunker = Dechunker(first)
+    dechunker.feed(0.0, b"3\r\nabc\r\n3\r\nd")
+    dechunker.sink = second
+    assert dechunker.feed(1.0, b"ef\r\n0\r\n\r\n") and dechunker.done
+    assert first.pieces == [(0.0, b"abcd")] and second.pieces == [(1.0, b"ef")]
+
+
+def test_read_marks_reads_the_last_running_total_or_counts_text() -> None:
+    keys = (b'"completion_tokens":', b'"tokens":')
+    events = b'data: {"tokens": 4, "completion_tokens":7}\n\ndata: {"completion_tokens":9, "tokens":  12}\n\n'
+    assert read_marks(events, keys, True) == 12
+    assert read_marks(b'data: {"completion_tokens":null}\n\n', keys, True) is None
+    chat = b'{"content":"a"} {"content": ""} {"content":null} {"text": "b"} {"content":"\\"q"}'
+    assert read_marks(chat, (b'"content":', b'"text":'), False) == 2 + 0 + 1
+    assert read_marks(b"", keys, False) == 0
+    with pytest.raises(TypeError):
+        read_marks(b"", (), True)
+
+
+def test_frame_is_one_http_chunk() -> None:
+    assert frame(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
+
+
+def native(tokens: int) -> bytes:
+    return b"data: " + json.dumps({"text": "t", "meta_info": {"completion_tokens": tokens}}).encode() + b"\n\n"
+
+
+def relay_for(write: list[bytes] | None, chunked: bool) -> tuple[EventRelay, list[str]]:
+    ends: list[str] = []
+    marks = sglang.NATIVE_TOKENS
+    return EventRelay(write.append if write is not None else None, chunked, marks.keys, marks.cumulative,
+                      lambda: ends.append("end")), ends
+
+
+def test_crlf_events_are_cut_whole_and_framed_as_chunks() -> None:
+    written: list[bytes] = []
+    relay, _ = relay_for(written, chunked=True)
+    crlf = native(2).replace(b"\n", b"\r\n")
+    relay.received(1.0, crlf[:-1])
+    assert written == [] and relay.pending == crlf[:-1]
+    relay.received(2.0, crlf[-1:] + b"data: {")
+    assert written == [frame(crlf)] and relay.pending == b"data: {"
+    assert np.frombuffer(relay.arrivals).tolist() == [2.0]
+
+
+def test_without_a_writer_or_once_detached_nothing_is_written_but_all_is_metered() -> None:
+    relay, _ = relay_for(None, chunked=True)
+    relay.received(1.0, native(1))
+    assert relay.tokens == 1
+    written: list[bytes] = []
+    relay, ends = relay_for(written, chunked=False)
+    relay.received(1.0, native(1))
+    relay.detach()
+    relay.received(2.0, native(3))
+    relay.ended()
+    relay.received(3.0, native(5))
+    assert written == [native(1)] and relay.tokens == 3 and ends == ["end"]
+    assert np.frombuffer(relay.produced, np.int64).tolist() == [1, 2]
+    assert relay.tail == native(1) + native(3)
+
+
+def test_a_long_stream_is_metered_whole() -> None:
+    relay, _ = relay_for(None, chunked=True)
+    for n in range(1, 5001):
+        relay.received(n / 100, native(3 * n))
+    assert relay.tokens == 15000
+    assert np.frombuffer(relay.produced, np.int64).tolist() == [3] * 5000
+    assert np.frombuffer(relay.arrivals).tolist() == [n / 100 for n in range(1, 5001)]
+
+
+def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        totals = np.cumsum([rng.randrange(1, 5) for _ in range(rng.randrange(1, 30))]).tolist()
+        events = [native(total) if rng.random() < 0.8 else b": ping\n\n" for total in totals]
+        stream = b"".join(events)
+        chunks, at = [], 0
+        while at < len(stream):
+            size = rng.randrange(1, 200)
+            chunks.append(b"%X\r\n%b\r\n" % (len(stream[at:at + size]), stream[at:at + size]))
+            at += size
+        body = b"".join(chunks) + b"0\r\n\r\n"
+        cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randrange(0, 12))))
+        written: list[bytes] = []
+        relay, _ = relay_for(written, chunked=False)
+        dechunker = Dechunker(relay)
+        done = [dechunker.feed(float(n), body[a:b]) for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(body)],
+                                                                                    strict=True))]
+        assert done[-1] and not any(done[:-1])
+        assert b"".join(written) == stream and relay.pending == b""
+        assert all(piece.endswith(b"\n\n") for piece in written)
+        shown = [total for total, event in zip(totals, events, strict=True) if event.startswith(b"data")]
+        assert relay.tokens == (shown[-1] if shown else None)
+        assert int(np.frombuffer(relay.produced, np.int64).sum()) == (shown[-1] if shown else 0)
+
+
+def test_a_relay_in_a_reference_cycle_is_collected() -> None:
+    class Holder:
+        def end(self) -> None:
+            pass
+
+    def cycle() -> weakref.ref[Holder]:
+        holder = Holder()
+        holder.relay = EventRelay(None, True, (b'"x":',), True, holder.end)  # type: ignore[attr-defined]
+        return weakref.ref(holder)
+
+    gone = cycle()
+    gc.collect()
+    assert gone() is None
