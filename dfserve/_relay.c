@@ -409,6 +409,9 @@ enum { AT_SIZE, IN_DATA, AT_DATA_END, IN_TRAILER, DONE };
 typedef struct {
     PyObject_HEAD
     PyObject *sink;       /* receives each read's payload: an EventRelay directly, anything else by received() */
+    PyObject *clock;      /* clock() -> float, for the reads it takes as the transport's protocol */
+    PyObject *owner;      /* the connection's protocol, while this reads the body in its place (else None) */
+    double last_read;     /* clock reading of the last read it took as the protocol */
     int state;
     Py_ssize_t remaining; /* IN_DATA: payload bytes left in the chunk; AT_DATA_END: bytes of its CRLF left */
     Py_ssize_t line_length;
@@ -464,38 +467,18 @@ deliver(Dechunker *self, PyObject *now, PyObject *payload)
     return 0;
 }
 
+/* De-chunk one read, pass its payload (if any) to the sink in one piece: 1 once the body is complete, 0 if not,
+ * -1 on an error (BadChunk for broken framing). Bytes after the end of the body are ignored. */
 static int
-Dechunker_init(Dechunker *self, PyObject *args, PyObject *kwargs)
+dechunk(Dechunker *self, PyObject *now, const char *data, Py_ssize_t length)
 {
-    static char *names[] = {"sink", NULL};
-    PyObject *sink;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &sink))
-        return -1;
-    Py_XSETREF(self->sink, Py_NewRef(sink));
-    self->state = AT_SIZE;
-    self->remaining = 0;
-    self->line_length = 0;
-    return 0;
-}
-
-/* feed(now, data) -> bool: de-chunk one read, pass its payload (if any) to the sink in one piece, and say whether
- * the body is complete. Bytes after the end of the body are ignored. */
-static PyObject *
-Dechunker_feed(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2 || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "feed(now, data: bytes)");
-        return NULL;
-    }
-    PyObject *now = args[0];
-    const char *data = PyBytes_AS_STRING(args[1]);
-    Py_ssize_t length = PyBytes_GET_SIZE(args[1]), i = 0, payload_length = 0;
+    Py_ssize_t i = 0, payload_length = 0;
     PyObject *payload = NULL;
     while (i < length && self->state != DONE) {
         if (self->state == IN_DATA) {
             Py_ssize_t take = Py_MIN(self->remaining, length - i);
             if (payload == NULL && (payload = PyBytes_FromStringAndSize(NULL, length - i)) == NULL)
-                return NULL;
+                return -1;
             memcpy(PyBytes_AS_STRING(payload) + payload_length, data + i, take);
             payload_length += take;
             i += take;
@@ -546,16 +529,110 @@ Dechunker_feed(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (payload != NULL) {
         if (_PyBytes_Resize(&payload, payload_length) < 0)
-            return NULL;
+            return -1;
         int failed = deliver(self, now, payload);
         Py_DECREF(payload);
         if (failed)
-            return NULL;
+            return -1;
     }
-    return PyBool_FromLong(self->state == DONE);
+    return self->state == DONE;
 error:
     Py_XDECREF(payload);
-    return NULL;
+    return -1;
+}
+
+static int
+Dechunker_init(Dechunker *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"sink", "clock", NULL};
+    PyObject *sink, *clock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &sink, &clock))
+        return -1;
+    Py_XSETREF(self->sink, Py_NewRef(sink));
+    Py_XSETREF(self->clock, Py_NewRef(clock));
+    Py_XSETREF(self->owner, Py_NewRef(Py_None));
+    self->last_read = 0.0;
+    self->state = AT_SIZE;
+    self->remaining = 0;
+    self->line_length = 0;
+    return 0;
+}
+
+static PyObject *
+Dechunker_feed(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "feed(now, data: bytes)");
+        return NULL;
+    }
+    int done = dechunk(self, args[0], PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]));
+    return done < 0 ? NULL : PyBool_FromLong(done);
+}
+
+/* The protocol's side: uvloop calls this for each read with no Python frame in between; the owner hears of the
+ * body's end (body_done()) or of broken framing (body_failed(exc)) and takes its transport back. */
+static PyObject *
+Dechunker_data_received(Dechunker *self, PyObject *data)
+{
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "data_received(data: bytes)");
+        return NULL;
+    }
+    if (self->owner == Py_None)
+        Py_RETURN_NONE; /* the owner took its transport back: what still comes is not this body's */
+    PyObject *now = PyObject_CallNoArgs(self->clock);
+    if (now == NULL)
+        return NULL;
+    self->last_read = PyFloat_AsDouble(now);
+    int done = dechunk(self, now, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
+    Py_DECREF(now);
+    if (done == 0)
+        Py_RETURN_NONE;
+    if (done > 0)
+        return PyObject_CallMethod(self->owner, "body_done", NULL);
+    if (!PyErr_ExceptionMatches(BadChunk))
+        return NULL;
+    PyObject *type, *exc, *traceback;
+    PyErr_Fetch(&type, &exc, &traceback);
+    PyErr_NormalizeException(&type, &exc, &traceback);
+    PyObject *result = PyObject_CallMethod(self->owner, "body_failed", "O", exc);
+    Py_XDECREF(type);
+    Py_XDECREF(exc);
+    Py_XDECREF(traceback);
+    return result;
+}
+
+static PyObject *
+forward(Dechunker *self, const char *method, PyObject *arg)
+{
+    if (self->owner == Py_None)
+        Py_RETURN_NONE;
+    return arg == NULL ? PyObject_CallMethod(self->owner, method, NULL)
+                       : PyObject_CallMethod(self->owner, method, "O", arg);
+}
+
+static PyObject *
+Dechunker_eof_received(Dechunker *self, PyObject *unused)
+{
+    return forward(self, "eof_received", NULL);
+}
+
+static PyObject *
+Dechunker_connection_lost(Dechunker *self, PyObject *exc)
+{
+    return forward(self, "connection_lost", exc);
+}
+
+static PyObject *
+Dechunker_pause_writing(Dechunker *self, PyObject *unused)
+{
+    return forward(self, "pause_writing", NULL);
+}
+
+static PyObject *
+Dechunker_resume_writing(Dechunker *self, PyObject *unused)
+{
+    return forward(self, "resume_writing", NULL);
 }
 
 static PyObject *
@@ -576,15 +653,36 @@ Dechunker_set_sink(Dechunker *self, PyObject *sink, void *closure)
 }
 
 static PyObject *
+Dechunker_get_owner(Dechunker *self, void *closure)
+{
+    return Py_NewRef(self->owner);
+}
+
+static int
+Dechunker_set_owner(Dechunker *self, PyObject *owner, void *closure)
+{
+    Py_SETREF(self->owner, Py_NewRef(owner == NULL ? Py_None : owner));
+    return 0;
+}
+
+static PyObject *
 Dechunker_get_done(Dechunker *self, void *closure)
 {
     return PyBool_FromLong(self->state == DONE);
+}
+
+static PyObject *
+Dechunker_get_last_read(Dechunker *self, void *closure)
+{
+    return PyFloat_FromDouble(self->last_read);
 }
 
 static int
 Dechunker_traverse(Dechunker *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->sink);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->owner);
     return 0;
 }
 
@@ -592,6 +690,8 @@ static int
 Dechunker_clear(Dechunker *self)
 {
     Py_CLEAR(self->sink);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->owner);
     return 0;
 }
 
@@ -606,19 +706,29 @@ Dechunker_dealloc(Dechunker *self)
 static PyMethodDef Dechunker_methods[] = {
     {"feed", (PyCFunction)(void (*)(void))Dechunker_feed, METH_FASTCALL,
      "feed(now, data) -> bool: de-chunk one read into sink.received(now, payload); True once the body is complete."},
+    {"data_received", (PyCFunction)Dechunker_data_received, METH_O,
+     "As the transport's protocol (while `owner` is set): feed one read, stamped by clock()."},
+    {"eof_received", (PyCFunction)Dechunker_eof_received, METH_NOARGS, "Forwarded to the owner."},
+    {"connection_lost", (PyCFunction)Dechunker_connection_lost, METH_O, "Forwarded to the owner."},
+    {"pause_writing", (PyCFunction)Dechunker_pause_writing, METH_NOARGS, "Forwarded to the owner."},
+    {"resume_writing", (PyCFunction)Dechunker_resume_writing, METH_NOARGS, "Forwarded to the owner."},
     {NULL},
 };
 
 static PyGetSetDef Dechunker_getset[] = {
     {"sink", (getter)Dechunker_get_sink, (setter)Dechunker_set_sink, "Where payload goes.", NULL},
+    {"owner", (getter)Dechunker_get_owner, (setter)Dechunker_set_owner,
+     "The protocol this reads the body for, while it is the transport's protocol (else None).", NULL},
     {"done", (getter)Dechunker_get_done, NULL, "The last chunk and the trailers have been read.", NULL},
+    {"last_read", (getter)Dechunker_get_last_read, NULL, "When it last took a read as the protocol.", NULL},
     {NULL},
 };
 
 static PyTypeObject DechunkerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.Dechunker",
-    .tp_doc = "Dechunker(sink): an HTTP/1.1 chunked body, read by read.",
+    .tp_doc = "Dechunker(sink, clock): an HTTP/1.1 chunked body, read by read; also an asyncio protocol that reads "
+              "the body in its owner's place.",
     .tp_basicsize = sizeof(Dechunker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,

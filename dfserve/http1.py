@@ -3,9 +3,11 @@
 Why not aiohttp: with 128 streams a verify round makes every stream's chunk arrive at once, and a client that wakes
 a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
 bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol stamps `perf_counter()` as
-`data_received` is called, before any other work, and only de-chunks the body there (in C, `dfserve._relay`),
-handing each read's piece to the response's sink: the `Response`, which keeps it, until a relay is attached
-(`Call.attach`); from then on pieces go straight from the de-chunker to the relay.
+`data_received` is called, before any other work, and only de-chunks the body there. A chunked body is read by
+`dfserve._relay.Dechunker` (C), which becomes the transport's protocol from the end of the head to the end of the
+body, so a read costs no Python frame; it hands each read's piece to the response's sink: the `Response`, which
+keeps it, until a relay is attached (`Call.attach`); from then on pieces go straight from the de-chunker to the
+relay.
 
 What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies (no
 trailers expected, tolerated), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
@@ -122,11 +124,7 @@ class _Connection(asyncio.Protocol):
         if self.done is None or self.done.done():
             return
         try:
-            if self._dechunker is not None:  # a chunked body: one call per read, all of it in C
-                if self._dechunker.feed(now, data):
-                    self._finish()
-            else:
-                self._feed(now, data)
+            self._feed(now, data)
         except BadChunk as exc:
             self._fail(BadResponse(str(exc)))
         except BadResponse as exc:
@@ -134,6 +132,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._dechunker is not None:
+            self._dechunker.owner = None
         if self.done is not None and not self.done.done():
             if self._head_done and self._dechunker is None and self._remaining is None:
                 self._finish()  # a body delimited by the connection's end
@@ -170,7 +170,8 @@ class _Connection(asyncio.Protocol):
     def _check_idle(self) -> None:
         """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
         assert self.read_timeout_s is not None
-        idle = self.clock() - self._last
+        last = self._last if self._dechunker is None else max(self._last, self._dechunker.last_read)
+        idle = self.clock() - last
         if idle >= self.read_timeout_s:
             self._fail(ReaderStalled(f"the reader took nothing for {idle:.1f} s") if self.reading_paused
                        else ReadTimeout(f"nothing received for {idle:.1f} s"))
@@ -234,11 +235,29 @@ class _Connection(asyncio.Protocol):
             self._parse_head(bytes(buffer[:end]))
             data = bytes(buffer[end + 4 :])
             buffer.clear()
-        if self._dechunker is not None:
-            if self._dechunker.feed(now, data):
-                self._finish()
-        else:
+        if self._dechunker is None:
             self._plain(now, data)
+        elif self._dechunker.feed(now, data):
+            self._finish()
+        elif self._dechunker.owner is None and self.transport is not None:
+            # The rest of the body is read by the de-chunker as the transport's protocol: no Python per read.
+            self._dechunker.owner = self
+            self.transport.set_protocol(self._dechunker)  # type: ignore[arg-type]
+
+    def body_done(self) -> None:
+        """From the de-chunker: the body is complete; the connection takes its transport back."""
+        self._take_back()
+        self._finish()
+
+    def body_failed(self, exc: BadChunk) -> None:
+        """From the de-chunker: the body's framing is broken."""
+        self._take_back()
+        self._fail(BadResponse(str(exc)))
+
+    def _take_back(self) -> None:
+        assert self._dechunker is not None and self.transport is not None
+        self._dechunker.owner = None
+        self.transport.set_protocol(self)
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
@@ -265,7 +284,7 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
         self._head_done = True
         if chunked:
-            self._dechunker = Dechunker(self.sink)
+            self._dechunker = Dechunker(self.sink, self.clock)
         elif length is not None:
             self._remaining = length
         else:

@@ -18,9 +18,23 @@ PAYLOAD = b'data: {"a":1}\n\ndata: {"bb":22}\n\n'
 
 
 class FakeTransport:
-    def __init__(self) -> None:
+    """Keeps what the connection writes and hands reads to the protocol of the moment, which the connection
+    changes for the length of a chunked body."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        self.protocol = protocol
         self.written = b""
         self.aborted = False
+        protocol.connection_made(self)  # type: ignore[arg-type]
+
+    def set_protocol(self, protocol: asyncio.Protocol) -> None:
+        self.protocol = protocol
+
+    def deliver(self, data: bytes) -> None:
+        self.protocol.data_received(data)
+
+    def lose(self) -> None:
+        self.protocol.connection_lost(None)
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -36,13 +50,13 @@ def feed(parts: list[bytes], close: bool = False) -> tuple[_Connection, Response
     async def go() -> tuple[_Connection, Response, asyncio.Future[Response]]:
         ticks = itertools.count()
         connection = _Connection(lambda: float(next(ticks)))
-        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+        transport = FakeTransport(connection)
         response = Response()
         _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", response)
         for part in parts:
-            connection.data_received(part)
+            transport.deliver(part)
         if close:
-            connection.connection_lost(None)
+            transport.lose()
         return connection, response, done
 
     return asyncio.run(go())
@@ -54,6 +68,15 @@ def test_chunked_body_cut_at_every_byte_gives_the_same_payload() -> None:
         assert done.done() and not done.exception(), cut
         assert response.status == 200 and response.body() == PAYLOAD, cut
         assert connection.reusable
+        assert connection.transport.protocol is connection, cut  # type: ignore[union-attr]  # taken back
+
+
+def test_a_chunk_broken_while_the_dechunker_reads_is_a_bad_response() -> None:
+    crlf = CHUNKED.index(b"\r\n11\r\n")  # after the first chunk's data
+    connection, response, done = feed([CHUNKED[:crlf], b"XX" + CHUNKED[crlf + 2 :]])
+    assert isinstance(done.exception(), BadResponse) and "CRLF" in str(done.exception())
+    assert connection.transport.protocol is connection and connection.closed  # type: ignore[union-attr]
+    assert response.body() == b'data: {"a":1}\n\n'
 
 
 def test_each_read_keeps_its_own_arrival_time() -> None:
@@ -110,12 +133,12 @@ def test_head_is_signalled_before_the_body_with_header_values_as_sent() -> None:
 def test_read_timeout_fires_only_after_a_quiet_period() -> None:
     async def go(gaps: list[float]) -> BaseException | None:
         connection = _Connection(time.perf_counter, read_timeout_s=0.05)
-        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+        transport = FakeTransport(connection)
         _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
-        connection.data_received(CHUNKED[:60])
+        transport.deliver(CHUNKED[:60])
         for gap in gaps:
             await asyncio.sleep(gap)
-            connection.data_received(b"")
+            transport.deliver(b"")
         await asyncio.sleep(0.02)
         return done.exception() if done.done() else None
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import random
+import time
 import weakref
 
 import numpy as np
@@ -33,7 +35,7 @@ class Pieces:
 
 def dechunk(reads: list[bytes]) -> tuple[Pieces, list[bool]]:
     sink = Pieces()
-    dechunker = Dechunker(sink)
+    dechunker = Dechunker(sink, time.perf_counter)
     done = [dechunker.feed(float(at), read) for at, read in enumerate(reads)]
     return sink, done
 
@@ -70,11 +72,62 @@ def test_broken_framing_is_refused_by_name(body: bytes, problem: str) -> None:
 
 def test_the_sink_can_change_mid_body() -> None:
     first, second = Pieces(), Pieces()
-    dechunker = Dechunker(first)
+    dechunker = Dechunker(first, time.perf_counter)
     dechunker.feed(0.0, b"3\r\nabc\r\n3\r\nd")
     dechunker.sink = second
     assert dechunker.feed(1.0, b"ef\r\n0\r\n\r\n") and dechunker.done
     assert first.pieces == [(0.0, b"abcd")] and second.pieces == [(1.0, b"ef")]
+
+
+class Owner:
+    """A connection's protocol, as the de-chunker sees it while it reads the body in its place."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def body_done(self) -> None:
+        self.calls.append("done")
+
+    def body_failed(self, exc: BadChunk) -> None:
+        self.calls.append(f"failed: {exc}")
+
+    def eof_received(self) -> bool:
+        self.calls.append("eof")
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.calls.append(f"lost: {exc}")
+
+    def pause_writing(self) -> None:
+        self.calls.append("pause")
+
+    def resume_writing(self) -> None:
+        self.calls.append("resume")
+
+
+def test_as_the_protocol_it_stamps_reads_and_reports_the_end_to_its_owner() -> None:
+    ticks = itertools.count(10)
+    sink, owner = Pieces(), Owner()
+    dechunker = Dechunker(sink, lambda: float(next(ticks)))
+    dechunker.data_received(b"3\r\nabc\r\n")
+    assert sink.pieces == [] and owner.calls == []  # no owner: not its body (any more)
+    dechunker.owner = owner
+    dechunker.data_received(b"3\r\nabc\r\n")
+    dechunker.data_received(b"0\r\n\r\n")
+    assert sink.pieces == [(10.0, b"abc")] and dechunker.last_read == 11.0 and owner.calls == ["done"]
+    assert dechunker.eof_received() is True
+    dechunker.pause_writing()
+    dechunker.resume_writing()
+    dechunker.connection_lost(None)
+    assert owner.calls == ["done", "eof", "pause", "resume", "lost: None"]
+
+
+def test_as_the_protocol_it_reports_broken_framing_to_its_owner() -> None:
+    owner = Owner()
+    dechunker = Dechunker(Pieces(), time.perf_counter)
+    dechunker.owner = owner
+    dechunker.data_received(b"3\r\nabcXY")
+    assert owner.calls == ["failed: chunk data not followed by CRLF: b'XY'"]
 
 
 def test_read_marks_reads_the_last_running_total_or_counts_text() -> None:
@@ -155,7 +208,7 @@ def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
         cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randrange(0, 12))))
         written: list[bytes] = []
         relay, _ = relay_for(written, chunked=False)
-        dechunker = Dechunker(relay)
+        dechunker = Dechunker(relay, time.perf_counter)
         done = [dechunker.feed(float(n), body[a:b]) for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(body)],
                                                                                     strict=True))]
         assert done[-1] and not any(done[:-1])
