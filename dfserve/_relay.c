@@ -2,11 +2,12 @@
  * server-sent events to the client (`EventRelay`).
  *
  * Why C: a relayed chunk costs a proxy one socket read and one write, and whatever it runs between them. In
- * Python that work (de-chunk, cut at event boundaries, re-frame, time-stamp) cost the gateway more CPU per chunk
- * than the whole of sglang-router's, with the syscalls being the same (bench/RESULTS.md). Here a read costs one
- * Python call from the connection's `data_received`, and no Python at all between the upstream read and the
- * client write. What the events say (tokens, acceptance) is still read in Python, by `dfserve.sglang`, on
- * batches of events (`observe`), so the SGLang format is known in one place only.
+ * Python that work (de-chunk, cut at event boundaries, re-frame, time-stamp, count tokens) cost the gateway more
+ * CPU per chunk than the whole of sglang-router's, with the syscalls being the same (bench/RESULTS.md). Here the
+ * de-chunker is the upstream transport's protocol for the length of a body, so the event loop hands each read
+ * straight to C; the relay writes the whole events to the client's transport, then notes the piece's arrival time
+ * and the tokens it carried, found by JSON keys that `dfserve.sglang` names (`TokenMarks`), so the SGLang format
+ * is still known in one place. Python sees the stream again when it ends (`gateway.relay.meter`).
  */
 #define _GNU_SOURCE /* memmem */
 #define PY_SSIZE_T_CLEAN
@@ -25,8 +26,17 @@ static PyObject *str_received;
 static PyObject *
 frame_chunk(const char *body, Py_ssize_t length)
 {
-    char size[32];
-    int size_length = snprintf(size, sizeof size, "%zx\r\n", (size_t)length);
+    char size[24];
+    int size_length = 0;
+    for (size_t rest = (size_t)length; size_length == 0 || rest; rest >>= 4)
+        size[size_length++] = "0123456789abcdef"[rest & 15];
+    for (int i = 0; i < size_length / 2; i++) { /* the digits came out least significant first */
+        char digit = size[i];
+        size[i] = size[size_length - 1 - i];
+        size[size_length - 1 - i] = digit;
+    }
+    size[size_length++] = '\r';
+    size[size_length++] = '\n';
     PyObject *out = PyBytes_FromStringAndSize(NULL, size_length + length + 2);
     if (out == NULL)
         return NULL;
@@ -125,6 +135,95 @@ relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* ------------------------------------------------------------------------------------------------------------ */
+/* Bins: histogram observations counted as a Prometheus histogram counts them (a value goes to the first bucket
+ * whose upper bound is not below it; the last bucket is +Inf), to be added to one once per request.           */
+
+typedef struct {
+    double *bounds;
+    int64_t *counts; /* one more than bounds: +Inf */
+    Py_ssize_t size;
+    double sum;
+} Bins;
+
+static int
+bins_init(Bins *bins, PyObject *bounds)
+{
+    PyObject *sequence = PySequence_Fast(bounds, "gap_bounds must be a sequence of floats");
+    if (sequence == NULL)
+        return -1;
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(sequence);
+    double *values = PyMem_Calloc(size + 1, sizeof(double));
+    int64_t *counts = PyMem_Calloc(size + 1, sizeof(int64_t));
+    if (values == NULL || counts == NULL) {
+        PyMem_Free(values);
+        PyMem_Free(counts);
+        Py_DECREF(sequence);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        values[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(sequence, i));
+        if ((values[i] == -1.0 && PyErr_Occurred()) || (i > 0 && values[i] <= values[i - 1])) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "gap_bounds must increase");
+            PyMem_Free(values);
+            PyMem_Free(counts);
+            Py_DECREF(sequence);
+            return -1;
+        }
+    }
+    Py_DECREF(sequence);
+    PyMem_Free(bins->bounds);
+    PyMem_Free(bins->counts);
+    bins->bounds = values;
+    bins->counts = counts;
+    bins->size = size;
+    bins->sum = 0.0;
+    return 0;
+}
+
+static void
+bins_add(Bins *bins, double value, int64_t weight)
+{
+    Py_ssize_t low = 0, high = bins->size;
+    while (low < high) {
+        Py_ssize_t middle = (low + high) / 2;
+        if (bins->bounds[middle] < value)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    bins->counts[low] += weight;
+    bins->sum += value * (double)weight;
+}
+
+static PyObject *
+bins_result(Bins *bins)
+{
+    PyObject *counts = PyTuple_New(bins->size + 1);
+    if (counts == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i <= bins->size; i++) {
+        PyObject *count = PyLong_FromLongLong(bins->counts[i]);
+        if (count == NULL) {
+            Py_DECREF(counts);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(counts, i, count);
+    }
+    return Py_BuildValue("(Nd)", counts, bins->sum);
+}
+
+static void
+bins_free(Bins *bins)
+{
+    PyMem_Free(bins->bounds);
+    PyMem_Free(bins->counts);
+    bins->bounds = NULL;
+    bins->counts = NULL;
+}
+
+/* ------------------------------------------------------------------------------------------------------------ */
 /* EventRelay                                                                                                   */
 
 typedef struct {
@@ -137,9 +236,10 @@ typedef struct {
     PyObject *pending;  /* bytes after the last whole event */
     PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
     int64_t tokens;     /* cumulative: the running total seen so far (-1: none); else: marks counted */
-    double *times;      /* arrival time of each piece of events that carried tokens */
-    int64_t *produced;  /* and how many it carried */
-    Py_ssize_t count, capacity;
+    double first;       /* arrival time of the first piece that carried tokens (-1: none yet) */
+    double previous;    /* and of the latest */
+    Bins chunk_gaps;    /* gaps between pieces that carried tokens */
+    Bins token_gaps;    /* the same gaps per token, one per token (cumulative marks: exact token counts) */
     int closed;
 } EventRelay;
 
@@ -174,25 +274,15 @@ relay_meter(EventRelay *self, PyObject *now, PyObject *events)
     double arrival = PyFloat_AsDouble(now);
     if (arrival == -1.0 && PyErr_Occurred())
         return -1;
-    if (self->count == self->capacity) {
-        Py_ssize_t capacity = self->capacity ? self->capacity * 2 : 256;
-        double *times = PyMem_Realloc(self->times, capacity * sizeof(double));
-        if (times == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->times = times;
-        int64_t *counts = PyMem_Realloc(self->produced, capacity * sizeof(int64_t));
-        if (counts == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->produced = counts;
-        self->capacity = capacity;
+    if (self->first < 0)
+        self->first = arrival;
+    else {
+        double gap = arrival - self->previous;
+        bins_add(&self->chunk_gaps, gap, 1);
+        if (self->cumulative)
+            bins_add(&self->token_gaps, gap / (double)produced, produced);
     }
-    self->times[self->count] = arrival;
-    self->produced[self->count] = produced;
-    self->count++;
+    self->previous = arrival;
     return 0;
 }
 
@@ -251,12 +341,14 @@ relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
 static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"write", "chunked", "keys", "cumulative", "on_end", NULL};
-    PyObject *write, *keys, *on_end;
+    static char *names[] = {"write", "chunked", "keys", "cumulative", "on_end", "gap_bounds", NULL};
+    PyObject *write, *keys, *on_end, *gap_bounds;
     int chunked, cumulative;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO", names, &write, &chunked, &keys, &cumulative, &on_end))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpOO", names, &write, &chunked, &keys, &cumulative, &on_end,
+                                     &gap_bounds))
         return -1;
-    if (check_keys(keys) < 0)
+    if (check_keys(keys) < 0 || bins_init(&self->chunk_gaps, gap_bounds) < 0
+        || bins_init(&self->token_gaps, gap_bounds) < 0)
         return -1;
     PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
     if (empty == NULL)
@@ -270,7 +362,8 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
     self->chunked = chunked;
     self->cumulative = cumulative;
     self->tokens = cumulative ? -1 : 0;
-    self->count = 0;
+    self->first = -1.0;
+    self->previous = 0.0;
     self->closed = 0;
     return 0;
 }
@@ -324,15 +417,25 @@ EventRelay_get_tokens(EventRelay *self, void *closure)
 }
 
 static PyObject *
-EventRelay_get_arrivals(EventRelay *self, void *closure)
+EventRelay_get_first(EventRelay *self, void *closure)
 {
-    return PyBytes_FromStringAndSize((const char *)self->times, self->count * (Py_ssize_t)sizeof(double));
+    if (self->first < 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->first);
 }
 
 static PyObject *
-EventRelay_get_produced(EventRelay *self, void *closure)
+EventRelay_get_chunk_gaps(EventRelay *self, void *closure)
 {
-    return PyBytes_FromStringAndSize((const char *)self->produced, self->count * (Py_ssize_t)sizeof(int64_t));
+    return bins_result(&self->chunk_gaps);
+}
+
+static PyObject *
+EventRelay_get_token_gaps(EventRelay *self, void *closure)
+{
+    if (!self->cumulative)
+        Py_RETURN_NONE;
+    return bins_result(&self->token_gaps);
 }
 
 static int
@@ -360,8 +463,8 @@ EventRelay_dealloc(EventRelay *self)
     Py_CLEAR(self->pending);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
-    PyMem_Free(self->times);
-    PyMem_Free(self->produced);
+    bins_free(&self->chunk_gaps);
+    bins_free(&self->token_gaps);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -379,17 +482,20 @@ static PyGetSetDef EventRelay_getset[] = {
     {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
     {"tokens", (getter)EventRelay_get_tokens, NULL,
      "cumulative: the last running total seen (None if none); else the marks counted.", NULL},
-    {"arrivals", (getter)EventRelay_get_arrivals, NULL,
-     "Arrival times (float64, native byte order) of the pieces that carried tokens.", NULL},
-    {"produced", (getter)EventRelay_get_produced, NULL, "Tokens (int64) each of those pieces carried.", NULL},
+    {"first", (getter)EventRelay_get_first, NULL, "When the first piece with tokens arrived (None if none).", NULL},
+    {"chunk_gaps", (getter)EventRelay_get_chunk_gaps, NULL,
+     "(counts per bucket of gap_bounds, then +Inf; sum) of the gaps between pieces that carried tokens.", NULL},
+    {"token_gaps", (getter)EventRelay_get_token_gaps, NULL,
+     "The same gaps per token, counted once per token (None unless cumulative: counts of text are not tokens).",
+     NULL},
     {NULL},
 };
 
 static PyTypeObject EventRelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.EventRelay",
-    .tp_doc = "EventRelay(write, chunked, keys, cumulative, on_end): relays a server-sent-event body to a client "
-              "whole events at a time, and records when each piece of events arrived and the tokens it carried.",
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, on_end, gap_bounds): relays a server-sent-event body to "
+              "a client whole events at a time, and meters the gaps between the pieces that carried tokens.",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,

@@ -1,6 +1,6 @@
 """Types of the C extension `dfserve/_relay.c` (see its header for why it is in C)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 class BadChunk(ValueError):
@@ -19,8 +19,9 @@ class _Owner(Protocol):
     def resume_writing(self) -> None: ...
 
 class EventRelay:
-    """Relays a server-sent-event body to a client whole events at a time, and notes when each piece of events
-    arrived and the tokens it carried (`read_marks` with `keys` and `cumulative`)."""
+    """Relays a server-sent-event body to a client whole events at a time, counts the tokens each piece carried
+    (`read_marks` with `keys` and `cumulative`), and counts the gaps between the pieces that carried tokens into
+    histogram buckets (`gap_bounds`, then +Inf)."""
 
     pending: bytes
     """Bytes after the last whole event."""
@@ -28,13 +29,15 @@ class EventRelay:
     """The last two pieces of whole events relayed."""
     tokens: int | None
     """`cumulative`: the last running total seen (None if none); else the marks counted."""
-    arrivals: bytes
-    """Arrival times (float64, native byte order) of the pieces that carried tokens."""
-    produced: bytes
-    """Tokens (int64) each of those pieces carried."""
+    first: float | None
+    """When the first piece with tokens arrived."""
+    chunk_gaps: tuple[tuple[int, ...], float]
+    """Counts per bucket and sum of the gaps between pieces that carried tokens."""
+    token_gaps: tuple[tuple[int, ...], float] | None
+    """The same gaps per token, counted once per token; None unless `cumulative` (counts of text are not tokens)."""
 
     def __init__(self, write: Callable[[bytes], object] | None, chunked: bool, keys: tuple[bytes, ...],
-                 cumulative: bool, on_end: Callable[[], None]) -> None: ...
+                 cumulative: bool, on_end: Callable[[], None], gap_bounds: Sequence[float]) -> None: ...
     def received(self, now: float, data: bytes) -> None: ...
     def ended(self) -> None: ...
     def detach(self) -> None: ...

@@ -9,8 +9,8 @@ body, so a read costs no Python frame; it hands each read's piece to the respons
 keeps it, until a relay is attached (`Call.attach`); from then on pieces go straight from the de-chunker to the
 relay.
 
-What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies (no
-trailers expected, tolerated), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
+What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies
+(trailers read and dropped), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
 timeouts. Failures raise the exceptions below so the caller can classify them.
 
     pool = Pool("http://127.0.0.1:30000", time.perf_counter)
@@ -96,6 +96,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reading_paused = False
         """Paused by the reader's back-pressure: quiet time is then the reader's, not the server's."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The read timeout's one timer, kept across the requests of a kept-alive connection."""
         self._reset()
 
     def _reset(self) -> None:
@@ -105,7 +107,6 @@ class _Connection(asyncio.Protocol):
         self.head: asyncio.Future[None] | None = None
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
         self._last = 0.0
-        self._timer: asyncio.TimerHandle | None = None
         self._buffer = bytearray()
         self._head_done = False
         self._dechunker: Dechunker | None = None
@@ -132,6 +133,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         if self._dechunker is not None:
             self._dechunker.owner = None
         if self.done is not None and not self.done.done():
@@ -151,7 +153,7 @@ class _Connection(asyncio.Protocol):
         self.done = loop.create_future()
         self.head = loop.create_future()
         sent = self._last = self.clock()
-        if self.read_timeout_s is not None:
+        if self.read_timeout_s is not None and self._timer is None:
             self._timer = loop.call_later(self.read_timeout_s, self._check_idle)
         self.transport.write(request)
         return sent, self.done
@@ -168,8 +170,12 @@ class _Connection(asyncio.Protocol):
             self._last = self.clock()
 
     def _check_idle(self) -> None:
-        """One timer per quiet period, not one per piece: it re-arms itself for the time left since the last read."""
+        """One timer per connection, not one per piece or per request: while a response is due it re-arms itself
+        for the time left since the last read; then it stops until the next request."""
         assert self.read_timeout_s is not None
+        if self.done is None or self.done.done():
+            self._timer = None
+            return
         last = self._last if self._dechunker is None else max(self._last, self._dechunker.last_read)
         idle = self.clock() - last
         if idle >= self.read_timeout_s:
@@ -200,13 +206,17 @@ class _Connection(asyncio.Protocol):
         if self.done is not None and not self.done.done():
             self.done.cancel()
         self._ended()
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
         self.closed = True
 
-    def _ended(self) -> None:
+    def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+
+    def _ended(self) -> None:
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
         self._over = True

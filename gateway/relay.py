@@ -3,10 +3,10 @@
 Streams go out as they arrive (no buffering of whole streams), cut only at event boundaries so that a stream that
 fails after its first byte can still end with a well-formed error event. That per-read work runs in C
 (`dfserve._relay.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
-client, then notes its arrival time and the tokens it carried, found by the JSON keys `dfserve.sglang` names
-(`TokenMarks`). Timings become gaps and histogram counts here, once per request, with numpy. Whole responses
-are read, measured and sent; for non-streamed chat the gateway asked SGLang for `meta_info` itself and strips it
-again here.
+client, then counts the tokens it carried, found by the JSON keys `dfserve.sglang` names (`TokenMarks`), and
+counts the gap since the last piece with tokens into histogram buckets; the buckets go into the metrics once per
+request (`record`). Whole responses are read, measured and sent; for non-streamed chat the gateway asked SGLang
+for `meta_info` itself and strips it again here.
 
 Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
@@ -22,15 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import numpy as np
-import numpy.typing as npt
 from prometheus_client import Histogram
 
 from dfserve import sglang
 from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM, REPLICA
-from dfserve.metrics import DfserveMetrics
+from dfserve.metrics import ITL_BUCKETS_S, DfserveMetrics
 from gateway.server import Responder
 from gateway.upstream import MID_STREAM, Opened, mid_stream_error
 
@@ -65,6 +63,14 @@ class Acceptance:
     measure: Measure | None = None
 
 
+@dataclass(frozen=True)
+class Binned:
+    """Observations already counted into the buckets of `ITL_BUCKETS_S` (then +Inf), and their sum."""
+
+    counts: tuple[int, ...]
+    total: float
+
+
 @dataclass
 class Exchange:
     """Raw facts about one relayed request (perf_counter seconds), turned into metrics by `record`."""
@@ -76,23 +82,23 @@ class Exchange:
     first: float | None = None
     end: float | None = None
     status: int = 0
-    chunk_gaps: npt.NDArray[np.float64] = field(default_factory=lambda: np.empty(0))
+    chunk_gaps: Binned | None = None
     """Between the pieces of a stream that carried output."""
-    gap_tokens: npt.NDArray[np.int64] | None = None
-    """The tokens that ended each of those gaps, where the stream says exactly (native)."""
+    token_gaps: Binned | None = None
+    """The same gaps spread over the tokens that ended them, once per token, where a stream counts tokens exactly
+    (native)."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     error: str | None = None
     unparsed: str | None = None
 
 
 class StreamKind(Protocol):
-    @property
-    def marks(self) -> sglang.TokenMarks:
-        """What the relay counts in each piece."""
+    """How a stream's events show its output: what the relay counts in each piece, and how acceptance is read once
+    the stream is complete."""
 
     @property
-    def exact_tokens(self) -> bool:
-        """The count is tokens (else chunks of text)."""
+    def marks(self) -> sglang.TokenMarks:
+        """What the relay counts in each piece: tokens (cumulative marks) or chunks of text."""
 
     def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
         """From the relay's count and the stream's last events, once it is complete."""
@@ -103,7 +109,6 @@ class NativeStream:
     `spec_verify_ct`, both read from the bytes (no JSON decoding per request either)."""
 
     marks = sglang.NATIVE_TOKENS
-    exact_tokens = True
 
     def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
         if count is None:
@@ -119,7 +124,6 @@ class OpenAIStream:
     asked for it (`include_usage`)."""
 
     marks = sglang.CONTENT_CHUNKS
-    exact_tokens = False
 
     def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
         last = sglang.last_data_event(tail) if sglang.mentions_usage(tail) else None
@@ -136,16 +140,13 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def meter(relay: EventRelay, kind: StreamKind, exchange: Exchange) -> None:
-    """The stream's first-output time and gaps, from the arrival times the relay noted (what was relayed, also of a
-    stream cut short)."""
-    arrivals = np.frombuffer(relay.arrivals, dtype=np.float64)
-    if not len(arrivals):
-        return
-    exchange.first = float(arrivals[0])
-    exchange.chunk_gaps = np.diff(arrivals)
-    if kind.exact_tokens:
-        exchange.gap_tokens = np.frombuffer(relay.produced, dtype=np.int64)[1:]
+def meter(relay: EventRelay, exchange: Exchange) -> None:
+    """The stream's first output and its gaps, as the relay counted them (what was relayed, also of a stream cut
+    short)."""
+    exchange.first = relay.first
+    exchange.chunk_gaps = Binned(*relay.chunk_gaps)
+    token_gaps = relay.token_gaps
+    exchange.token_gaps = Binned(*token_gaps) if token_gaps is not None else None
 
 
 async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange) -> None:
@@ -155,7 +156,8 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     to this coroutine's objects but a future, so a finished request leaves no cycle for the garbage collector."""
     settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     write, chunked = reply.body_writer()
-    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, functools.partial(_settle, settled))
+    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, functools.partial(_settle, settled),
+                       ITL_BUCKETS_S)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
     try:
@@ -163,7 +165,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
         reply.unhook()
-        meter(relay, kind, exchange)
+        meter(relay, exchange)
     try:
         opened.call.done.result()
     except MID_STREAM as exc:
@@ -196,16 +198,11 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
-def observe_many(histogram: Histogram, values: npt.NDArray[np.float64],
-                 weights: npt.NDArray[np.int64] | None = None) -> None:
-    """`histogram.observe(value)` for each value (`weight` times, if given), with one locked update per bucket: a
-    request carries hundreds of gaps. prometheus_client has no batched observe, so this does what `observe` does
-    inside (a value goes to the first bucket whose bound is not below it)."""
-    buckets = histogram._buckets
-    index = np.searchsorted(histogram._upper_bounds, values, side="left")
-    counts = np.bincount(index, weights=weights, minlength=len(buckets))
-    histogram._sum.inc(float(values.sum() if weights is None else values @ weights))
-    for bucket, count in zip(buckets, counts.tolist(), strict=True):
+def add_binned(histogram: Histogram, binned: Binned) -> None:
+    """Add observations counted elsewhere (by the relay, into the same buckets) with one locked update per bucket:
+    prometheus_client has no batched observe, so this does what `observe` does inside."""
+    histogram._sum.inc(binned.total)
+    for bucket, count in zip(histogram._buckets, binned.counts, strict=True):
         if count:
             bucket.inc(count)
 
@@ -218,11 +215,10 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
         child(metrics.ttft, arm, route).observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
         child(metrics.e2e, arm, route).observe(exchange.end - exchange.start)
-    if len(exchange.chunk_gaps):
-        observe_many(child(metrics.itl_per_chunk, arm, route), exchange.chunk_gaps)
-        if exchange.gap_tokens is not None:
-            observe_many(child(metrics.itl_per_token, arm, route), exchange.chunk_gaps / exchange.gap_tokens,
-                         exchange.gap_tokens)
+    if exchange.chunk_gaps is not None:
+        add_binned(child(metrics.itl_per_chunk, arm, route), exchange.chunk_gaps)
+    if exchange.token_gaps is not None:
+        add_binned(child(metrics.itl_per_token, arm, route), exchange.token_gaps)
     if exchange.unparsed is not None:
         child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance

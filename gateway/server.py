@@ -409,7 +409,6 @@ class ClientConnection(asyncio.Protocol):
             assert self.transport is not None
             self.transport.resume_reading()
             self._last_read = asyncio.get_running_loop().time()  # quiet from the end of the answer
-            self._arm_idle(self.limits.idle_timeout_s)
 
     def refuse(self, status: int, message: str) -> None:
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
@@ -441,17 +440,15 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _arm_idle(self, delay_s: float) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
         self._idle = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
 
     def _check_idle(self) -> None:
-        """One timer per quiet spell, re-armed for the time left since the last read; a request being answered
-        is never idle."""
+        """One timer per connection, not one per request: it re-arms itself for the time left since the last read
+        (the end of an answer counts as one); a request being answered is never idle."""
         self._idle = None
-        if self.task is not None or self.closed:
+        if self.closed:
             return
-        quiet_s = asyncio.get_running_loop().time() - self._last_read
+        quiet_s = 0.0 if self.task is not None else asyncio.get_running_loop().time() - self._last_read
         if quiet_s >= self.limits.idle_timeout_s:
             self.close()
         else:

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from dfserve import sglang
 from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
+from dfserve.metrics import ITL_BUCKETS_S
 from gateway.relay import (
     Acceptance,
+    Binned,
     Exchange,
     NativeStream,
     OpenAIStream,
     StreamKind,
+    add_binned,
     measure_whole,
     meter,
-    observe_many,
     response_headers,
 )
 
@@ -43,21 +44,21 @@ def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[byt
     """An EventRelay fed `pieces` at times 1, 2, ...; what it wrote and whether it ended."""
     written: list[bytes] = []
     ends: list[str] = []
-    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, lambda: ends.append("end"))
+    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, lambda: ends.append("end"),
+                       BOUNDS)
     for at, piece in enumerate(pieces, start=1):
         relay.received(float(at), piece)
     return relay, written, ends
 
 
-def arrivals(relay: EventRelay) -> list[tuple[float, int]]:
-    return list(zip(np.frombuffer(relay.arrivals).tolist(), np.frombuffer(relay.produced, np.int64).tolist(),
-                    strict=True))
+BOUNDS = (1.5, 2.5)
 
 
 def test_native_stream_counts_tokens_per_piece_of_events() -> None:
     relay, _, _ = relayed(NativeStream(), [native(1), b": keep-alive\n\n",
                                            native(4) + native(10, final=True) + b"data: [DONE]\n\n"])
-    assert relay.tokens == 10 and arrivals(relay) == [(1.0, 1), (3.0, 9)]
+    assert relay.tokens == 10 and relay.first == 1.0
+    assert relay.chunk_gaps == ((0, 1, 0), 2.0) and relay.token_gaps == ((9, 0, 0), 2.0)  # 2 s over 9 tokens
     acceptance = NativeStream().acceptance(relay.tokens, relay.tail)
     assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
         10, 4, 2.5, "exact")
@@ -77,7 +78,7 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     assert relay.tokens == 2 and OpenAIStream().acceptance(relay.tokens, relay.tail).accept_length is None
     relay.received(2.0, chunk + usage)
     relay.received(3.0, b"data: [DONE]\n\n")
-    assert arrivals(relay) == [(1.0, 2), (2.0, 1)]
+    assert relay.first == 1.0 and relay.chunk_gaps == ((1, 0, 0), 1.0) and relay.token_gaps is None
     acceptance = OpenAIStream().acceptance(relay.tokens, relay.tail)
     assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated"
 
@@ -107,23 +108,30 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
     assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
 
 
-def test_observe_many_equals_repeated_observe() -> None:
-    one_by_one = Histogram("a", "a", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
-    at_once = Histogram("b", "b", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
-    weighted = ((0.004, 3), (0.0005, 2), (0.02, 1), (0.0041, 5), (0.004, 1), (0.001, 2))
-    for value, count in weighted:
+def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:
+    arrivals, tokens = [0.0, 0.01, 0.0125, 0.5, 0.503, 3.0], [1, 2, 5, 1, 4, 3]
+    relay = EventRelay(None, True, sglang.NATIVE_TOKENS.keys, True, lambda: None, ITL_BUCKETS_S)
+    total = 0
+    for at, count in zip(arrivals, tokens, strict=True):
+        total += count
+        relay.received(at, native(total))
+    observed = {name: Histogram(name, name, buckets=ITL_BUCKETS_S, registry=CollectorRegistry())
+                for name in ("chunk", "token", "chunk_binned", "token_binned")}
+    for earlier, later, count in zip(arrivals, arrivals[1:], tokens[1:], strict=False):
+        observed["chunk"].observe(later - earlier)
         for _ in range(count):
-            one_by_one.observe(value)
-    values, weights = (np.array(column) for column in zip(*weighted, strict=True))
-    observe_many(at_once, values, weights)
-    unweighted = Histogram("c", "c", buckets=(0.001, 0.004, 0.01), registry=CollectorRegistry())
-    observe_many(unweighted, np.repeat(values, weights))
+            observed["token"].observe((later - earlier) / count)
+    assert relay.token_gaps is not None
+    add_binned(observed["chunk_binned"], Binned(*relay.chunk_gaps))
+    add_binned(observed["token_binned"], Binned(*relay.token_gaps))
 
     def samples(histogram: Histogram) -> list[tuple[str, dict[str, str], float]]:
-        return [(s.name[1:], s.labels, s.value) for s in histogram.collect()[0].samples if "created" not in s.name]
+        [family] = histogram.collect()
+        return [(s.name.removeprefix(family.name), s.labels, s.value) for s in family.samples
+                if "created" not in s.name]
 
-    expected = samples(one_by_one)
-    for got in (samples(at_once), samples(unweighted)):
+    for name in ("chunk", "token"):
+        expected, got = samples(observed[name]), samples(observed[name + "_binned"])
         assert [(n, labels) for n, labels, _ in got] == [(n, labels) for n, labels, _ in expected]
         assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
 
@@ -138,8 +146,8 @@ def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
     relay.ended()
     relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
     exchange = Exchange(arm="a", route="native")
-    meter(relay, NativeStream(), exchange)
+    meter(relay, exchange)
     assert written == [native(2), native(4), native(6) + native(8, final=True)] and ends == ["end"]
     assert relay.pending == b""
-    assert exchange.first == 1.0 and exchange.chunk_gaps.tolist() == [2.0, 1.0]
-    assert exchange.gap_tokens is not None and exchange.gap_tokens.tolist() == [2, 4]
+    assert exchange.first == 1.0 and exchange.chunk_gaps == Binned((1, 1, 0), 3.0)  # gaps of 2 s and 1 s
+    assert exchange.token_gaps == Binned((6, 0, 0), 3.0)  # 2 s over 2 tokens, 1 s over 4

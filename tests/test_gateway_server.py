@@ -132,7 +132,7 @@ def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_
         """Half through the C relay's writer, half through `Reply`: both must frame alike."""
         reply.start(200, [(b"content-type", b"text/event-stream")])
         write, chunked = reply.body_writer()
-        relay = EventRelay(write, chunked, (b'"text":',), False, lambda: None)
+        relay = EventRelay(write, chunked, (b'"text":',), False, lambda: None, ())
         relay.received(0.0, b"data: 1\n\n")
         await asyncio.sleep(0)
         reply.end(b"data: 2\n\n")

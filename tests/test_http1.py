@@ -182,3 +182,24 @@ def test_open_returns_at_the_head_then_the_connection_is_reused() -> None:
 
     bodies, accepted = asyncio.run(go())
     assert bodies == [PAYLOAD, PAYLOAD] and accepted == 1
+
+
+def test_the_read_timeout_holds_for_each_request_of_a_kept_alive_connection() -> None:
+    async def go(pause_s: float) -> list[BaseException | None]:
+        connection = _Connection(time.perf_counter, read_timeout_s=0.05)
+        transport = FakeTransport(connection)
+        outcomes: list[BaseException | None] = []
+        for _ in range(2):
+            _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
+            transport.deliver(CHUNKED)
+            outcomes.append(done.exception())
+            await asyncio.sleep(pause_s)
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
+        transport.deliver(CHUNKED[:60])
+        await asyncio.sleep(0.2)
+        outcomes.append(done.exception() if done.done() else None)
+        return outcomes
+
+    for pause_s in (0.0, 0.03, 0.08):  # the timer of an earlier request still pending, or long gone
+        first, second, stalled = asyncio.run(go(pause_s))
+        assert first is None and second is None and isinstance(stalled, ReadTimeout), pause_s
