@@ -309,6 +309,7 @@ class Row:
     sim_late: tuple[float, float]
     cpu_us_per_chunk: float | None
     chunks_per_s: float
+    chunks_per_request: float
 
 
 def measure(api: str, targets: Sequence[tuple[str, dict[str, str], int | None]], concurrency: int,
@@ -343,7 +344,8 @@ def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
     row = Row(api, path, concurrency, len(pooled.ttft_s), pooled.errors, p50_p99("ttft_s"), p50_p99("gaps_s"),
               p50_p99("transport_s"), p50_p99("delivery_s"), p50_p99("gap_path_s"), p50_p99("sim_late_s"),
               cpu / pooled.chunks * 1e6 if cpu is not None and pooled.chunks else None,
-              pooled.chunks / pooled.elapsed_s if pooled.elapsed_s else 0.0)
+              pooled.chunks / pooled.elapsed_s if pooled.elapsed_s else 0.0,
+              pooled.chunks / len(pooled.ttft_s) if pooled.ttft_s else 0.0)
     print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
           f"unattributed={pooled.unattributed:<5} "
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
@@ -466,6 +468,25 @@ def cpu_split(endpoints: dict[str, tuple[str, dict[str, str], int | None]], args
     return costs
 
 
+def cost_at(costs: list[Cost], rows: list[Row], streams: int = 64) -> str:
+    """Each proxy's CPU per chunk all in (its cost per request spread over the chunks) at the stream length of the
+    native rows at `streams`, from the at-once split: the fair comparison, since CPU measured one path after another
+    moves by a third between runs. Also where the gateway's total falls below the router's."""
+    row = next((r for r in rows if (r.api, r.path, r.concurrency) == ("native", "gateway", streams)), None)
+    if row is None or not row.chunks_per_request:
+        return ""
+    n = row.chunks_per_request
+    totals = ", ".join(f"{c.path} {c.per_chunk_us + c.per_request_us / n:.1f} µs" for c in costs)
+    line = f"At the stream length of the native rows at {streams} streams ({n:.0f} chunks per request), all in: {totals}."
+    by_path = {c.path: c for c in costs}
+    gateway, router = by_path.get("gateway"), by_path.get("sglang-router")
+    if gateway is not None and router is not None and gateway.per_chunk_us < router.per_chunk_us:
+        even = (gateway.per_request_us - router.per_request_us) / (router.per_chunk_us - gateway.per_chunk_us)
+        line += (f" The gateway costs less than sglang-router for every stream longer than {max(even, 0):.0f} "
+                 "chunks.")
+    return line
+
+
 def cost_table(costs: list[Cost]) -> str:
     if not costs:
         return ""
@@ -532,7 +553,8 @@ def write_results(rows: list[Row], command: str, versions: str, pinned: bool, re
             f"(`--cpu-split`, {repeats} runs pooled). The syscalls per chunk are the same for every proxy (strace: one read and one write "
             "per chunk, one epoll wait per burst). *tcp-floor* (`bench/tcp_floor_proxy.py`) relays the same "
             "bytes without parsing them, on the event loop the gateway runs on (CPython and uvloop): the least any "
-            "proxy on that loop can cost, so each proxy's cost above it is its own work.", "", cost_table(costs)]
+            "proxy on that loop can cost, so each proxy's cost above it is its own work.", "", cost_table(costs),
+            "", cost_at(costs, rows)]
           if costs else []),
     ])
     write_section(SECTION, section)
@@ -627,6 +649,7 @@ def main() -> None:
     print(table(rows, "native"))
     print(table(rows, "chat"))
     print(cost_table(costs))
+    print(cost_at(costs, rows))
     print(f"logs: {logs}")
     if not args.no_write:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
