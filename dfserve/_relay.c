@@ -18,7 +18,8 @@
 #define LINE_LIMIT 4096 /* a chunk-size line, or a trailer line */
 
 static PyObject *BadChunk;
-static PyObject *str_received;
+static PyObject *str_received, *name_body_done, *name_body_failed, *name_eof_received, *name_connection_lost,
+    *name_pause_writing, *name_resume_writing;
 
 /* ------------------------------------------------------------------------------------------------------------ */
 /* frame: one HTTP/1.1 chunk                                                                                    */
@@ -52,6 +53,10 @@ relay_frame(PyObject *module, PyObject *body)
 {
     if (!PyBytes_Check(body)) {
         PyErr_SetString(PyExc_TypeError, "frame() takes bytes");
+        return NULL;
+    }
+    if (PyBytes_GET_SIZE(body) == 0) {
+        PyErr_SetString(PyExc_ValueError, "frame(b\"\") would be the last chunk, which ends the body");
         return NULL;
     }
     return frame_chunk(PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body));
@@ -110,6 +115,8 @@ read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative)
             int64_t value = 0;
             for (; i < length && buf[i] >= '0' && buf[i] <= '9' && value < (INT64_MAX - 9) / 10; i++)
                 value = value * 10 + (buf[i] - '0');
+            if (i < length && buf[i] >= '0' && buf[i] <= '9')
+                continue; /* beyond int64: not a count */
             found = value;
             last_at = key_at;
         }
@@ -163,7 +170,7 @@ bins_init(Bins *bins, PyObject *bounds)
     }
     for (Py_ssize_t i = 0; i < size; i++) {
         values[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(sequence, i));
-        if ((values[i] == -1.0 && PyErr_Occurred()) || (i > 0 && values[i] <= values[i - 1])) {
+        if ((values[i] == -1.0 && PyErr_Occurred()) || values[i] != values[i] || (i > 0 && !(values[i] > values[i - 1]))) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "gap_bounds must increase");
             PyMem_Free(values);
@@ -233,7 +240,8 @@ typedef struct {
     PyObject *keys;     /* token marks (see read_marks) */
     int cumulative;
     PyObject *on_end;   /* on_end(), once */
-    PyObject *pending;  /* bytes after the last whole event */
+    char *held;         /* bytes after the last whole event, kept until their event is complete */
+    Py_ssize_t held_length, held_capacity;
     PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
     int64_t tokens;     /* cumulative: the running total seen so far (-1: none); else: marks counted */
     double first;       /* arrival time of the first piece that carried tokens (-1: none yet) */
@@ -245,11 +253,12 @@ typedef struct {
 
 static PyTypeObject EventRelayType;
 
-/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"); 0 if none. */
+/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"), looking only at
+ * lines that end at or after `from`; 0 if none. */
 static Py_ssize_t
-event_boundary(const char *buf, Py_ssize_t length)
+event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
 {
-    for (Py_ssize_t i = length - 1; i >= 1; i--) {
+    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--) {
         if (buf[i] != '\n')
             continue;
         if (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'))
@@ -286,6 +295,24 @@ relay_meter(EventRelay *self, PyObject *now, PyObject *events)
     return 0;
 }
 
+static int
+hold(EventRelay *self, const char *data, Py_ssize_t length)
+{
+    if (self->held_length + length > self->held_capacity) {
+        Py_ssize_t capacity = Py_MAX(self->held_capacity * 2, self->held_length + length);
+        char *held = PyMem_Realloc(self->held, capacity);
+        if (held == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->held = held;
+        self->held_capacity = capacity;
+    }
+    memcpy(self->held + self->held_length, data, length);
+    self->held_length += length;
+    return 0;
+}
+
 /* The relay's whole job for one piece of body: whole events go to the client, then are metered. */
 static int
 relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
@@ -294,38 +321,34 @@ relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
         return 0;
     const char *data = PyBytes_AS_STRING(payload);
     Py_ssize_t length = PyBytes_GET_SIZE(payload);
-    Py_ssize_t held = PyBytes_GET_SIZE(self->pending);
     PyObject *events;
-    if (held == 0 && length >= 2 && data[length - 1] == '\n' && data[length - 2] == '\n') {
-        events = Py_NewRef(payload); /* the usual read: whole events, nothing held */
+    if (self->held_length == 0 && length >= 2 && data[length - 1] == '\n' && data[length - 2] == '\n') {
+        events = PyBytes_CheckExact(payload) ? Py_NewRef(payload) /* the usual read: whole events, nothing held */
+                                             : PyBytes_FromStringAndSize(data, length);
+        if (events == NULL)
+            return -1;
     }
     else {
-        PyObject *joined = PyBytes_FromStringAndSize(NULL, held + length);
-        if (joined == NULL)
+        Py_ssize_t before = self->held_length;
+        if (hold(self, data, length) < 0)
             return -1;
-        char *w = PyBytes_AS_STRING(joined);
-        memcpy(w, PyBytes_AS_STRING(self->pending), held);
-        memcpy(w + held, data, length);
-        Py_ssize_t cut = event_boundary(w, held + length);
-        if (cut == 0) {
-            Py_SETREF(self->pending, joined);
+        /* what was held had no boundary, so a boundary's last newline can only be a new byte */
+        Py_ssize_t cut = event_boundary(self->held, self->held_length, before);
+        if (cut == 0)
             return 0;
-        }
-        events = PyBytes_FromStringAndSize(w, cut);
-        PyObject *rest = PyBytes_FromStringAndSize(w + cut, held + length - cut);
-        Py_DECREF(joined);
-        if (events == NULL || rest == NULL) {
-            Py_XDECREF(events);
-            Py_XDECREF(rest);
+        events = PyBytes_FromStringAndSize(self->held, cut);
+        if (events == NULL)
             return -1;
-        }
-        Py_SETREF(self->pending, rest);
+        memmove(self->held, self->held + cut, self->held_length - cut);
+        self->held_length -= cut;
     }
     if (self->write != Py_None) {
+        PyObject *write = Py_NewRef(self->write); /* the call may detach it */
         PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events))
                                       : Py_NewRef(events);
-        PyObject *result = out ? PyObject_CallOneArg(self->write, out) : NULL;
+        PyObject *result = out ? PyObject_CallOneArg(write, out) : NULL;
         Py_XDECREF(out);
+        Py_DECREF(write);
         if (result == NULL) {
             Py_DECREF(events);
             return -1;
@@ -338,6 +361,39 @@ relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
     return failed;
 }
 
+/* Every object field set to something harmless, so that no method meets a NULL: after __new__ without
+ * __init__, and after the garbage collector has cleared the object. */
+static int
+EventRelay_reset_fields(EventRelay *self)
+{
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    PyObject *no_keys = PyTuple_New(0);
+    if (empty == NULL || no_keys == NULL) {
+        Py_XDECREF(empty);
+        Py_XDECREF(no_keys);
+        return -1;
+    }
+    Py_XSETREF(self->write, Py_NewRef(Py_None));
+    Py_XSETREF(self->on_end, Py_NewRef(Py_None));
+    Py_XSETREF(self->keys, no_keys);
+    Py_XSETREF(self->tail[0], Py_NewRef(empty));
+    Py_XSETREF(self->tail[1], empty);
+    return 0;
+}
+
+static PyObject *
+EventRelay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    EventRelay *self = (EventRelay *)type->tp_alloc(type, 0);
+    if (self != NULL && EventRelay_reset_fields(self) < 0)
+        Py_CLEAR(self);
+    if (self != NULL) {
+        self->closed = 1; /* until __init__ */
+        self->first = -1.0;
+    }
+    return (PyObject *)self;
+}
+
 static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
@@ -348,17 +404,12 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
                                      &gap_bounds))
         return -1;
     if (check_keys(keys) < 0 || bins_init(&self->chunk_gaps, gap_bounds) < 0
-        || bins_init(&self->token_gaps, gap_bounds) < 0)
+        || bins_init(&self->token_gaps, gap_bounds) < 0 || EventRelay_reset_fields(self) < 0)
         return -1;
-    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
-    if (empty == NULL)
-        return -1;
-    Py_XSETREF(self->write, Py_NewRef(write));
-    Py_XSETREF(self->keys, Py_NewRef(keys));
-    Py_XSETREF(self->on_end, Py_NewRef(on_end));
-    Py_XSETREF(self->pending, Py_NewRef(empty));
-    Py_XSETREF(self->tail[0], Py_NewRef(empty));
-    Py_XSETREF(self->tail[1], empty);
+    Py_SETREF(self->write, Py_NewRef(write));
+    Py_SETREF(self->keys, Py_NewRef(keys));
+    Py_SETREF(self->on_end, Py_NewRef(on_end));
+    self->held_length = 0;
     self->chunked = chunked;
     self->cumulative = cumulative;
     self->tokens = cumulative ? -1 : 0;
@@ -399,7 +450,7 @@ EventRelay_detach(EventRelay *self, PyObject *unused)
 static PyObject *
 EventRelay_get_pending(EventRelay *self, void *closure)
 {
-    return Py_NewRef(self->pending);
+    return PyBytes_FromStringAndSize(self->held, self->held_length);
 }
 
 static PyObject *
@@ -443,26 +494,29 @@ EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->write);
     Py_VISIT(self->on_end);
+    Py_VISIT(self->keys);
+    Py_VISIT(self->tail[0]);
+    Py_VISIT(self->tail[1]);
     return 0;
 }
 
 static int
 EventRelay_clear(EventRelay *self)
 {
-    Py_CLEAR(self->write);
-    Py_CLEAR(self->on_end);
-    return 0;
+    self->closed = 1;
+    return EventRelay_reset_fields(self);
 }
 
 static void
 EventRelay_dealloc(EventRelay *self)
 {
     PyObject_GC_UnTrack(self);
-    EventRelay_clear(self);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->on_end);
     Py_CLEAR(self->keys);
-    Py_CLEAR(self->pending);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
+    PyMem_Free(self->held);
     bins_free(&self->chunk_gaps);
     bins_free(&self->token_gaps);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -498,7 +552,7 @@ static PyTypeObject EventRelayType = {
               "a client whole events at a time, and meters the gaps between the pieces that carried tokens.",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    .tp_new = EventRelay_new,
     .tp_init = (initproc)EventRelay_init,
     .tp_dealloc = (destructor)EventRelay_dealloc,
     .tp_traverse = (traverseproc)EventRelay_traverse,
@@ -518,6 +572,7 @@ typedef struct {
     PyObject *clock;      /* clock() -> float, for the reads it takes as the transport's protocol */
     PyObject *owner;      /* the connection's protocol, while this reads the body in its place (else None) */
     double last_read;     /* clock reading of the last read it took as the protocol */
+    int overrun;          /* bytes came after the end of the body: the server's framing is out of step */
     int state;
     Py_ssize_t remaining; /* IN_DATA: payload bytes left in the chunk; AT_DATA_END: bytes of its CRLF left */
     Py_ssize_t line_length;
@@ -564,17 +619,22 @@ parse_size(const char *line, Py_ssize_t length, Py_ssize_t *size)
 static int
 deliver(Dechunker *self, PyObject *now, PyObject *payload)
 {
-    if (Py_IS_TYPE(self->sink, &EventRelayType))
-        return relay_receive((EventRelay *)self->sink, now, payload);
-    PyObject *result = PyObject_CallMethodObjArgs(self->sink, str_received, now, payload, NULL);
-    if (result == NULL)
-        return -1;
-    Py_DECREF(result);
-    return 0;
+    PyObject *sink = Py_NewRef(self->sink); /* the call may replace it */
+    int failed = 0;
+    if (Py_IS_TYPE(sink, &EventRelayType))
+        failed = relay_receive((EventRelay *)sink, now, payload);
+    else {
+        PyObject *result = PyObject_CallMethodObjArgs(sink, str_received, now, payload, NULL);
+        failed = result == NULL ? -1 : 0;
+        Py_XDECREF(result);
+    }
+    Py_DECREF(sink);
+    return failed;
 }
 
 /* De-chunk one read, pass its payload (if any) to the sink in one piece: 1 once the body is complete, 0 if not,
- * -1 on an error (BadChunk for broken framing). Bytes after the end of the body are ignored. */
+ * -1 on an error (BadChunk for broken framing). Bytes after the end of the body are dropped and noted
+ * (`overrun`). */
 static int
 dechunk(Dechunker *self, PyObject *now, const char *data, Py_ssize_t length)
 {
@@ -633,6 +693,8 @@ dechunk(Dechunker *self, PyObject *now, const char *data, Py_ssize_t length)
             self->remaining = size;
         }
     }
+    if (self->state == DONE && i < length)
+        self->overrun = 1;
     if (payload != NULL) {
         if (_PyBytes_Resize(&payload, payload_length) < 0)
             return -1;
@@ -654,10 +716,11 @@ Dechunker_init(Dechunker *self, PyObject *args, PyObject *kwargs)
     PyObject *sink, *clock;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &sink, &clock))
         return -1;
-    Py_XSETREF(self->sink, Py_NewRef(sink));
-    Py_XSETREF(self->clock, Py_NewRef(clock));
-    Py_XSETREF(self->owner, Py_NewRef(Py_None));
+    Py_SETREF(self->sink, Py_NewRef(sink));
+    Py_SETREF(self->clock, Py_NewRef(clock));
+    Py_SETREF(self->owner, Py_NewRef(Py_None));
     self->last_read = 0.0;
+    self->overrun = 0;
     self->state = AT_SIZE;
     self->remaining = 0;
     self->line_length = 0;
@@ -675,6 +738,8 @@ Dechunker_feed(Dechunker *self, PyObject *const *args, Py_ssize_t nargs)
     return done < 0 ? NULL : PyBool_FromLong(done);
 }
 
+static PyObject *forward(Dechunker *self, PyObject *method, PyObject *arg);
+
 /* The protocol's side: uvloop calls this for each read with no Python frame in between; the owner hears of the
  * body's end (body_done()) or of broken framing (body_failed(exc)) and takes its transport back. */
 static PyObject *
@@ -689,19 +754,24 @@ Dechunker_data_received(Dechunker *self, PyObject *data)
     PyObject *now = PyObject_CallNoArgs(self->clock);
     if (now == NULL)
         return NULL;
-    self->last_read = PyFloat_AsDouble(now);
+    double read_at = PyFloat_AsDouble(now);
+    if (read_at == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(now);
+        return NULL;
+    }
+    self->last_read = read_at;
     int done = dechunk(self, now, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data));
     Py_DECREF(now);
     if (done == 0)
         Py_RETURN_NONE;
     if (done > 0)
-        return PyObject_CallMethod(self->owner, "body_done", NULL);
+        return forward(self, name_body_done, NULL);
     if (!PyErr_ExceptionMatches(BadChunk))
         return NULL;
     PyObject *type, *exc, *traceback;
     PyErr_Fetch(&type, &exc, &traceback);
     PyErr_NormalizeException(&type, &exc, &traceback);
-    PyObject *result = PyObject_CallMethod(self->owner, "body_failed", "O", exc);
+    PyObject *result = forward(self, name_body_failed, exc);
     Py_XDECREF(type);
     Py_XDECREF(exc);
     Py_XDECREF(traceback);
@@ -709,36 +779,39 @@ Dechunker_data_received(Dechunker *self, PyObject *data)
 }
 
 static PyObject *
-forward(Dechunker *self, const char *method, PyObject *arg)
+forward(Dechunker *self, PyObject *method, PyObject *arg)
 {
     if (self->owner == Py_None)
         Py_RETURN_NONE;
-    return arg == NULL ? PyObject_CallMethod(self->owner, method, NULL)
-                       : PyObject_CallMethod(self->owner, method, "O", arg);
+    PyObject *owner = Py_NewRef(self->owner); /* the call may let it go */
+    PyObject *result = arg == NULL ? PyObject_CallMethodNoArgs(owner, method)
+                                   : PyObject_CallMethodOneArg(owner, method, arg);
+    Py_DECREF(owner);
+    return result;
 }
 
 static PyObject *
 Dechunker_eof_received(Dechunker *self, PyObject *unused)
 {
-    return forward(self, "eof_received", NULL);
+    return forward(self, name_eof_received, NULL);
 }
 
 static PyObject *
 Dechunker_connection_lost(Dechunker *self, PyObject *exc)
 {
-    return forward(self, "connection_lost", exc);
+    return forward(self, name_connection_lost, exc);
 }
 
 static PyObject *
 Dechunker_pause_writing(Dechunker *self, PyObject *unused)
 {
-    return forward(self, "pause_writing", NULL);
+    return forward(self, name_pause_writing, NULL);
 }
 
 static PyObject *
 Dechunker_resume_writing(Dechunker *self, PyObject *unused)
 {
-    return forward(self, "resume_writing", NULL);
+    return forward(self, name_resume_writing, NULL);
 }
 
 static PyObject *
@@ -778,6 +851,12 @@ Dechunker_get_done(Dechunker *self, void *closure)
 }
 
 static PyObject *
+Dechunker_get_overrun(Dechunker *self, void *closure)
+{
+    return PyBool_FromLong(self->overrun);
+}
+
+static PyObject *
 Dechunker_get_last_read(Dechunker *self, void *closure)
 {
     return PyFloat_FromDouble(self->last_read);
@@ -792,20 +871,33 @@ Dechunker_traverse(Dechunker *self, visitproc visit, void *arg)
     return 0;
 }
 
+/* Every object field None, so that no method meets a NULL: after __new__ without __init__, and after the
+ * garbage collector has cleared the object. */
 static int
 Dechunker_clear(Dechunker *self)
 {
-    Py_CLEAR(self->sink);
-    Py_CLEAR(self->clock);
-    Py_CLEAR(self->owner);
+    Py_XSETREF(self->sink, Py_NewRef(Py_None));
+    Py_XSETREF(self->clock, Py_NewRef(Py_None));
+    Py_XSETREF(self->owner, Py_NewRef(Py_None));
     return 0;
+}
+
+static PyObject *
+Dechunker_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Dechunker *self = (Dechunker *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        Dechunker_clear(self);
+    return (PyObject *)self;
 }
 
 static void
 Dechunker_dealloc(Dechunker *self)
 {
     PyObject_GC_UnTrack(self);
-    Dechunker_clear(self);
+    Py_CLEAR(self->sink);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -827,6 +919,9 @@ static PyGetSetDef Dechunker_getset[] = {
      "The protocol this reads the body for, while it is the transport's protocol (else None).", NULL},
     {"done", (getter)Dechunker_get_done, NULL, "The last chunk and the trailers have been read.", NULL},
     {"last_read", (getter)Dechunker_get_last_read, NULL, "When it last took a read as the protocol.", NULL},
+    {"overrun", (getter)Dechunker_get_overrun, NULL,
+     "Bytes came after the end of the body (dropped): the connection cannot be trusted for another response.",
+     NULL},
     {NULL},
 };
 
@@ -837,7 +932,7 @@ static PyTypeObject DechunkerType = {
               "the body in its owner's place.",
     .tp_basicsize = sizeof(Dechunker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Dechunker_new,
     .tp_init = (initproc)Dechunker_init,
     .tp_dealloc = (destructor)Dechunker_dealloc,
     .tp_traverse = (traverseproc)Dechunker_traverse,
@@ -869,9 +964,14 @@ PyInit__relay(void)
 {
     if (PyType_Ready(&EventRelayType) < 0 || PyType_Ready(&DechunkerType) < 0)
         return NULL;
-    str_received = PyUnicode_InternFromString("received");
-    if (str_received == NULL)
-        return NULL;
+    struct { PyObject **name; const char *text; } names[] = {
+        {&str_received, "received"}, {&name_body_done, "body_done"}, {&name_body_failed, "body_failed"},
+        {&name_eof_received, "eof_received"}, {&name_connection_lost, "connection_lost"},
+        {&name_pause_writing, "pause_writing"}, {&name_resume_writing, "resume_writing"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
     PyObject *module = PyModule_Create(&relay_module);
     if (module == NULL)
         return NULL;

@@ -51,6 +51,8 @@ class Dechunker:
     owner: _Owner | None
     done: bool
     last_read: float
+    overrun: bool
+    """Bytes came after the end of the body (dropped): the connection cannot be trusted for another response."""
 
     def __init__(self, sink: _Sink, clock: Callable[[], float]) -> None: ...
     def feed(self, now: float, data: bytes) -> bool: ...

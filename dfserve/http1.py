@@ -123,6 +123,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = self._last = self.clock()
         if self.done is None or self.done.done():
+            if data:
+                self._keep_alive = False  # bytes no request asked for: the server's framing is out of step
             return
         try:
             self._feed(now, data)
@@ -190,11 +192,12 @@ class _Connection(asyncio.Protocol):
         for now, data in self.response.pieces:
             sink.received(now, data)
         self.response.pieces = []
+        if self._over:
+            sink.ended()
+            return
         self.sink = sink
         if self._dechunker is not None:
             self._dechunker.sink = sink
-        if self._over:
-            sink.ended()
 
     @property
     def reusable(self) -> bool:
@@ -221,6 +224,9 @@ class _Connection(asyncio.Protocol):
             self.head.set_result(None)
         self._over = True
         self.sink.ended()
+        self.sink = self.response  # a kept-alive connection holds on to no relay (nor to its client)
+        if self._dechunker is not None:
+            self._dechunker.sink = self.response
 
     def _fail(self, exc: Exception) -> None:
         if self.done is not None and not self.done.done():
@@ -248,7 +254,7 @@ class _Connection(asyncio.Protocol):
         if self._dechunker is None:
             self._plain(now, data)
         elif self._dechunker.feed(now, data):
-            self._finish()
+            self._body_done()
         elif self._dechunker.owner is None and self.transport is not None:
             # The rest of the body is read by the de-chunker as the transport's protocol: no Python per read.
             self._dechunker.owner = self
@@ -257,6 +263,12 @@ class _Connection(asyncio.Protocol):
     def body_done(self) -> None:
         """From the de-chunker: the body is complete; the connection takes its transport back."""
         self._take_back()
+        self._body_done()
+
+    def _body_done(self) -> None:
+        assert self._dechunker is not None
+        if self._dechunker.overrun:
+            self._keep_alive = False
         self._finish()
 
     def body_failed(self, exc: BadChunk) -> None:
@@ -282,7 +294,9 @@ class _Connection(asyncio.Protocol):
             name, raw = name.strip().lower(), raw.strip()
             headers.append((name, raw))
             value = raw.lower()
-            if name == b"transfer-encoding" and value == b"chunked":
+            if name == b"transfer-encoding":
+                if value != b"chunked":  # another coding, or a list: the body could not be relayed as sent
+                    raise BadResponse(f"unsupported transfer-encoding {value[:40]!r}")
                 chunked = True
             elif name == b"content-length":
                 if not value.isdigit():
@@ -311,6 +325,8 @@ class _Connection(asyncio.Protocol):
         if take:
             self.sink.received(now, data[:take])
             self._remaining -= take
+        if len(data) > take:
+            self._keep_alive = False  # bytes after the body: the server's framing is out of step
         if self._remaining == 0:
             self._finish()
 

@@ -203,3 +203,48 @@ def test_the_read_timeout_holds_for_each_request_of_a_kept_alive_connection() ->
     for pause_s in (0.0, 0.03, 0.08):  # the timer of an earlier request still pending, or long gone
         first, second, stalled = asyncio.run(go(pause_s))
         assert first is None and second is None and isinstance(stalled, ReadTimeout), pause_s
+
+
+@pytest.mark.parametrize("extra", [
+    CHUNKED + b"HTTP/1.1 200 OK\r\n",  # after a chunked body
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokjunk",  # after a Content-Length body
+])
+def test_bytes_after_a_body_make_the_connection_unfit_for_reuse(extra: bytes) -> None:
+    connection, _, done = feed([extra])
+    assert done.done() and not done.exception() and not connection.reusable
+    connection, _, done = feed([extra[:-6], extra[-6:]])  # the stray bytes in a read of their own
+    assert done.done() and not done.exception() and not connection.reusable
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused() -> None:
+    _, _, done = feed([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"])
+    assert isinstance(done.exception(), BadResponse) and "transfer-encoding" in str(done.exception())
+
+
+def test_a_kept_alive_connection_lets_go_of_the_sink_it_served() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.pieces: list[bytes] = []
+            self.over = False
+
+        def received(self, now: float, data: bytes) -> None:
+            self.pieces.append(data)
+
+        def ended(self) -> None:
+            self.over = True
+
+    async def go() -> tuple[_Connection, Sink]:
+        connection = _Connection(time.perf_counter)
+        transport = FakeTransport(connection)
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
+        transport.deliver(CHUNKED[:90])
+        sink = Sink()
+        connection.attach(sink)
+        transport.deliver(CHUNKED[90:])
+        await done
+        return connection, sink
+
+    connection, sink = asyncio.run(go())
+    assert b"".join(sink.pieces) == PAYLOAD and sink.over and connection.reusable
+    assert connection.sink is connection.response and connection._dechunker is not None
+    assert connection._dechunker.sink is connection.response

@@ -50,9 +50,12 @@ def test_a_body_cut_at_every_pair_of_points_gives_the_same_payload_one_piece_per
             assert len({at for at, _ in sink.pieces}) == len(sink.pieces)  # one piece per read at most
 
 
-def test_bytes_after_the_last_chunk_are_ignored_and_the_body_stays_done() -> None:
-    sink, done = dechunk([b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n", b"more"])
-    assert done == [True, True] and sink.pieces == [(0.0, b"abc")]
+def test_bytes_after_the_last_chunk_are_dropped_and_noted() -> None:
+    sink = Pieces()
+    dechunker = Dechunker(sink, time.perf_counter)
+    assert dechunker.feed(0.0, b"3\r\nabc\r\n0\r\n\r\n") and not dechunker.overrun
+    assert dechunker.feed(1.0, b"HTTP/1.1 200 OK\r\n") and dechunker.overrun
+    assert sink.pieces == [(0.0, b"abc")]
 
 
 @pytest.mark.parametrize(("body", "problem"), [
@@ -138,12 +141,16 @@ def test_read_marks_reads_the_last_running_total_or_counts_text() -> None:
     chat = b'{"content":"a"} {"content": ""} {"content":null} {"text": "b"} {"content":"\\"q"}'
     assert read_marks(chat, (b'"content":', b'"text":'), False) == 2 + 0 + 1
     assert read_marks(b"", keys, False) == 0
+    assert read_marks(b'{"tokens": 7} {"tokens": 99999999999999999999999}', keys, True) == 7  # beyond int64
     with pytest.raises(TypeError):
         read_marks(b"", (), True)
 
 
 def test_frame_is_one_http_chunk() -> None:
     assert frame(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
+    assert frame(b"x" * 4096).startswith(b"1000\r\n")
+    with pytest.raises(ValueError, match="last chunk"):
+        frame(b"")
 
 
 def native(tokens: int) -> bytes:
@@ -235,3 +242,60 @@ def test_a_relay_in_a_reference_cycle_is_collected() -> None:
     gone = cycle()
     gc.collect()
     assert gone() is None
+
+
+def test_an_event_spread_over_many_reads_is_relayed_once_and_whole() -> None:
+    written: list[bytes] = []
+    relay, _ = relay_for(written, chunked=False)
+    event = b"data: " + json.dumps({"text": "x" * 300_000, "meta_info": {"completion_tokens": 5}}).encode() + b"\n\n"
+    for at in range(0, len(event), 1000):
+        relay.received(1.0, event[at:at + 1000])
+    assert written == [event] and relay.pending == b"" and relay.tokens == 5
+
+
+def test_a_bad_clock_or_bad_bounds_raise_instead_of_corrupting_state() -> None:
+    dechunker = Dechunker(Pieces(), lambda: "noon")  # type: ignore[arg-type, return-value]
+    dechunker.owner = Owner()
+    with pytest.raises(TypeError):
+        dechunker.data_received(b"3\r\nab")
+    for bounds in ((0.1, float("nan")), (0.2, 0.1)):
+        with pytest.raises(ValueError, match="increase"):
+            EventRelay(None, True, (b'"x":',), True, lambda: None, bounds)
+
+
+def test_objects_made_without_init_are_inert() -> None:
+    dechunker = Dechunker.__new__(Dechunker)
+    assert dechunker.sink is None and dechunker.owner is None
+    dechunker.data_received(b"3\r\nabc\r\n")  # no owner: not its body
+    relay = EventRelay.__new__(EventRelay)
+    relay.received(1.0, b"data: {}\n\n")
+    relay.ended()
+    assert relay.tail == b"" and relay.pending == b"" and relay.first is None
+
+
+def test_cycles_through_subclassed_keys_or_payloads_are_collected() -> None:
+    class Keys(tuple):  # type: ignore[type-arg]
+        pass
+
+    class Payload(bytes):
+        pass
+
+    class Sentinel:
+        """Weakly referable, and reachable only through the cycle (tuple and bytes subclasses are not)."""
+
+    def through_keys() -> weakref.ref[Sentinel]:
+        keys = Keys((b'"x":',))
+        keys.relay = EventRelay(None, True, keys, True, lambda: None, ())  # type: ignore[attr-defined]
+        keys.sentinel = Sentinel()  # type: ignore[attr-defined]
+        return weakref.ref(keys.sentinel)  # type: ignore[attr-defined]
+
+    def through_payload() -> weakref.ref[Sentinel]:
+        payload = Payload(b"data: {}\n\n")
+        relay = EventRelay(None, True, (b'"x":',), True, lambda: None, ())
+        relay.received(1.0, payload)
+        payload.relay, payload.sentinel = relay, Sentinel()  # type: ignore[attr-defined]
+        return weakref.ref(payload.sentinel)  # type: ignore[attr-defined]
+
+    gone: list[weakref.ref[object]] = [through_keys(), through_payload()]
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
