@@ -133,13 +133,14 @@ class Reply:
         self.connection.write(_head(status, headers, self._framing(None)))
 
     def write(self, body: bytes) -> None:
-        if body and not self.head_only:
-            self.connection.write(frame(body) if self.chunked else body)
+        write, chunked = self.body_writer()
+        if body and write is not None:
+            write(frame(body) if chunked else body)
 
     def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]:
         """The call that writes body bytes straight to the client's socket and whether they must be framed as
-        chunks, for a relay that writes from C (`dfserve._relay`); None when no body is to be sent (HEAD, a client
-        already gone). `hook`'s `gone` says when to stop using it."""
+        chunks: what `write` uses, and what a relay that writes from C (`dfserve._relay`) is given; None when no body
+        is to be sent (HEAD, a client already gone). `hook`'s `gone` says when a relay must stop using it."""
         transport = self.connection.transport
         if self.head_only or self.connection.closed or transport is None:
             return None, False

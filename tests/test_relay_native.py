@@ -232,7 +232,7 @@ def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
 def test_a_relay_in_a_reference_cycle_is_collected() -> None:
     class Holder:
         def end(self) -> None:
-            pass
+            """The relay's on_end: a bound method, so the relay holds its holder."""
 
     def cycle() -> weakref.ref[Holder]:
         holder = Holder()
@@ -275,10 +275,10 @@ def test_objects_made_without_init_are_inert() -> None:
 
 def test_cycles_through_subclassed_keys_or_payloads_are_collected() -> None:
     class Keys(tuple):  # type: ignore[type-arg]
-        pass
+        """A tuple that can carry attributes, so it can point back at its relay."""
 
     class Payload(bytes):
-        pass
+        """Bytes that can carry attributes, likewise."""
 
     class Sentinel:
         """Weakly referable, and reachable only through the cycle (tuple and bytes subclasses are not)."""
