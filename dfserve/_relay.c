@@ -24,8 +24,12 @@ static PyObject *str_received, *name_body_done, *name_body_failed, *name_eof_rec
 /* ------------------------------------------------------------------------------------------------------------ */
 /* frame: one HTTP/1.1 chunk                                                                                    */
 
+static const char LAST_CHUNK[] = "0\r\n\r\n";
+#define LAST_CHUNK_LENGTH ((Py_ssize_t)sizeof(LAST_CHUNK) - 1)
+
+/* One chunk of body, followed by the last chunk (which ends the body) if `last`. */
 static PyObject *
-frame_chunk(const char *body, Py_ssize_t length)
+frame_chunk(const char *body, Py_ssize_t length, int last)
 {
     char size[24];
     int size_length = 0;
@@ -38,13 +42,15 @@ frame_chunk(const char *body, Py_ssize_t length)
     }
     size[size_length++] = '\r';
     size[size_length++] = '\n';
-    PyObject *out = PyBytes_FromStringAndSize(NULL, size_length + length + 2);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size_length + length + 2 + (last ? LAST_CHUNK_LENGTH : 0));
     if (out == NULL)
         return NULL;
     char *w = PyBytes_AS_STRING(out);
     memcpy(w, size, size_length);
     memcpy(w + size_length, body, length);
     memcpy(w + size_length + length, "\r\n", 2);
+    if (last)
+        memcpy(w + size_length + length + 2, LAST_CHUNK, LAST_CHUNK_LENGTH);
     return out;
 }
 
@@ -59,7 +65,7 @@ relay_frame(PyObject *module, PyObject *body)
         PyErr_SetString(PyExc_ValueError, "frame(b\"\") would be the last chunk, which ends the body");
         return NULL;
     }
-    return frame_chunk(PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body));
+    return frame_chunk(PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body), 0);
 }
 
 /* ------------------------------------------------------------------------------------------------------------ */
@@ -239,7 +245,6 @@ typedef struct {
     int chunked;        /* frame what is written as HTTP chunks */
     PyObject *keys;     /* token marks (see read_marks) */
     int cumulative;
-    PyObject *on_end;   /* on_end(), once */
     char *held;         /* bytes after the last whole event, kept until their event is complete */
     Py_ssize_t held_length, held_capacity;
     PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
@@ -249,6 +254,7 @@ typedef struct {
     Bins chunk_gaps;    /* gaps between pieces that carried tokens */
     Bins token_gaps;    /* the same gaps per token, one per token (cumulative marks: exact token counts) */
     int closed;
+    int last_chunk_written; /* the body's end went out with its last events */
 } EventRelay;
 
 static PyTypeObject EventRelayType;
@@ -313,9 +319,11 @@ hold(EventRelay *self, const char *data, Py_ssize_t length)
     return 0;
 }
 
-/* The relay's whole job for one piece of body: whole events go to the client, then are metered. */
+/* The relay's whole job for one piece of body: whole events go to the client, then are metered. `last`: the
+ * upstream body ends with this piece; when it leaves nothing held, the client's body is ended in the same write
+ * (one system call fewer per request). */
 static int
-relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
+relay_receive(EventRelay *self, PyObject *now, PyObject *payload, int last)
 {
     if (self->closed)
         return 0;
@@ -344,7 +352,8 @@ relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
     }
     if (self->write != Py_None) {
         PyObject *write = Py_NewRef(self->write); /* the call may detach it */
-        PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events))
+        int end = last && self->chunked && self->held_length == 0;
+        PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), end)
                                       : Py_NewRef(events);
         PyObject *result = out ? PyObject_CallOneArg(write, out) : NULL;
         Py_XDECREF(out);
@@ -354,6 +363,8 @@ relay_receive(EventRelay *self, PyObject *now, PyObject *payload)
             return -1;
         }
         Py_DECREF(result);
+        if (end)
+            self->last_chunk_written = self->closed = 1; /* the client's body is over: nothing more goes out */
     }
     int failed = relay_meter(self, now, events);
     Py_SETREF(self->tail[0], self->tail[1]);
@@ -374,7 +385,6 @@ EventRelay_reset_fields(EventRelay *self)
         return -1;
     }
     Py_XSETREF(self->write, Py_NewRef(Py_None));
-    Py_XSETREF(self->on_end, Py_NewRef(Py_None));
     Py_XSETREF(self->keys, no_keys);
     Py_XSETREF(self->tail[0], Py_NewRef(empty));
     Py_XSETREF(self->tail[1], empty);
@@ -397,10 +407,10 @@ EventRelay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"write", "chunked", "keys", "cumulative", "on_end", "gap_bounds", NULL};
-    PyObject *write, *keys, *on_end, *gap_bounds;
+    static char *names[] = {"write", "chunked", "keys", "cumulative", "gap_bounds", NULL};
+    PyObject *write, *keys, *gap_bounds;
     int chunked, cumulative;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpOO", names, &write, &chunked, &keys, &cumulative, &on_end,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO", names, &write, &chunked, &keys, &cumulative,
                                      &gap_bounds))
         return -1;
     if (check_keys(keys) < 0 || bins_init(&self->chunk_gaps, gap_bounds) < 0
@@ -408,7 +418,6 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
         return -1;
     Py_SETREF(self->write, Py_NewRef(write));
     Py_SETREF(self->keys, Py_NewRef(keys));
-    Py_SETREF(self->on_end, Py_NewRef(on_end));
     self->held_length = 0;
     self->chunked = chunked;
     self->cumulative = cumulative;
@@ -416,17 +425,19 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
     self->first = -1.0;
     self->previous = 0.0;
     self->closed = 0;
+    self->last_chunk_written = 0;
     return 0;
 }
 
 static PyObject *
 EventRelay_received(EventRelay *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "received(now, payload: bytes)");
+    if (nargs < 2 || nargs > 3 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "received(now, payload: bytes, last=False)");
         return NULL;
     }
-    if (relay_receive(self, args[0], args[1]) < 0)
+    int last = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (last < 0 || relay_receive(self, args[0], args[1], last) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -434,10 +445,8 @@ EventRelay_received(EventRelay *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 EventRelay_ended(EventRelay *self, PyObject *unused)
 {
-    if (self->closed)
-        Py_RETURN_NONE;
     self->closed = 1;
-    return PyObject_CallNoArgs(self->on_end);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -451,6 +460,12 @@ static PyObject *
 EventRelay_get_pending(EventRelay *self, void *closure)
 {
     return PyBytes_FromStringAndSize(self->held, self->held_length);
+}
+
+static PyObject *
+EventRelay_get_last_chunk_written(EventRelay *self, void *closure)
+{
+    return PyBool_FromLong(self->last_chunk_written);
 }
 
 static PyObject *
@@ -493,7 +508,6 @@ static int
 EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->write);
-    Py_VISIT(self->on_end);
     Py_VISIT(self->keys);
     Py_VISIT(self->tail[0]);
     Py_VISIT(self->tail[1]);
@@ -512,7 +526,6 @@ EventRelay_dealloc(EventRelay *self)
 {
     PyObject_GC_UnTrack(self);
     Py_CLEAR(self->write);
-    Py_CLEAR(self->on_end);
     Py_CLEAR(self->keys);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
@@ -524,9 +537,10 @@ EventRelay_dealloc(EventRelay *self)
 
 static PyMethodDef EventRelay_methods[] = {
     {"received", (PyCFunction)(void (*)(void))EventRelay_received, METH_FASTCALL,
-     "received(now, payload): relay the whole events now complete, meter them, keep the rest for the next piece."},
+     "received(now, payload, last=False): relay the whole events now complete, meter them, keep the rest for the "
+     "next piece; `last`: the body ends here, so a chunked body is ended in the same write if nothing is held."},
     {"ended", (PyCFunction)EventRelay_ended, METH_NOARGS,
-     "The response is over (or abandoned): nothing more is relayed; calls on_end() the first time."},
+     "The response is over (or abandoned): nothing more is relayed."},
     {"detach", (PyCFunction)EventRelay_detach, METH_NOARGS, "The client is gone: stop writing to it."},
     {NULL},
 };
@@ -534,6 +548,8 @@ static PyMethodDef EventRelay_methods[] = {
 static PyGetSetDef EventRelay_getset[] = {
     {"pending", (getter)EventRelay_get_pending, NULL, "Bytes after the last whole event.", NULL},
     {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
+    {"last_chunk_written", (getter)EventRelay_get_last_chunk_written, NULL,
+     "The client's chunked body was ended (its last chunk written) with the upstream body's last events.", NULL},
     {"tokens", (getter)EventRelay_get_tokens, NULL,
      "cumulative: the last running total seen (None if none); else the marks counted.", NULL},
     {"first", (getter)EventRelay_get_first, NULL, "When the first piece with tokens arrived (None if none).", NULL},
@@ -548,7 +564,7 @@ static PyGetSetDef EventRelay_getset[] = {
 static PyTypeObject EventRelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.EventRelay",
-    .tp_doc = "EventRelay(write, chunked, keys, cumulative, on_end, gap_bounds): relays a server-sent-event body to "
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds): relays a server-sent-event body to "
               "a client whole events at a time, and meters the gaps between the pieces that carried tokens.",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -622,7 +638,7 @@ deliver(Dechunker *self, PyObject *now, PyObject *payload)
     PyObject *sink = Py_NewRef(self->sink); /* the call may replace it */
     int failed = 0;
     if (Py_IS_TYPE(sink, &EventRelayType))
-        failed = relay_receive((EventRelay *)sink, now, payload);
+        failed = relay_receive((EventRelay *)sink, now, payload, self->state == DONE);
     else {
         PyObject *result = PyObject_CallMethodObjArgs(sink, str_received, now, payload, NULL);
         failed = result == NULL ? -1 : 0;

@@ -98,11 +98,11 @@ class _Connection(asyncio.Protocol):
         """Paused by the reader's back-pressure: quiet time is then the reader's, not the server's."""
         self._timer: asyncio.TimerHandle | None = None
         """The read timeout's one timer, kept across the requests of a kept-alive connection."""
-        self._reset()
+        self._reset(Response())
 
-    def _reset(self) -> None:
-        self.response = Response()
-        self.sink: Sink = self.response
+    def _reset(self, response: Response) -> None:
+        self.response = response
+        self.sink: Sink = response
         self.done: asyncio.Future[Response] | None = None
         self.head: asyncio.Future[None] | None = None
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
@@ -119,6 +119,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
+        self.loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup is a getpid() system call
 
     def data_received(self, data: bytes) -> None:
         now = self._last = self.clock()
@@ -149,14 +150,12 @@ class _Connection(asyncio.Protocol):
     def start(self, request: bytes, response: Response) -> tuple[float, asyncio.Future[Response]]:
         """Write one request; returns the clock reading just before the write and the response future."""
         assert self.transport is not None
-        self._reset()
-        self.response = self.sink = response
-        loop = asyncio.get_running_loop()
-        self.done = loop.create_future()
-        self.head = loop.create_future()
+        self._reset(response)
+        self.done = self.loop.create_future()
+        self.head = self.loop.create_future()
         sent = self._last = self.clock()
         if self.read_timeout_s is not None and self._timer is None:
-            self._timer = loop.call_later(self.read_timeout_s, self._check_idle)
+            self._timer = self.loop.call_later(self.read_timeout_s, self._check_idle)
         self.transport.write(request)
         return sent, self.done
 
@@ -184,7 +183,7 @@ class _Connection(asyncio.Protocol):
             self._fail(ReaderStalled(f"the reader took nothing for {idle:.1f} s") if self.reading_paused
                        else ReadTimeout(f"nothing received for {idle:.1f} s"))
         else:
-            self._timer = asyncio.get_running_loop().call_later(self.read_timeout_s - idle, self._check_idle)
+            self._timer = self.loop.call_later(self.read_timeout_s - idle, self._check_idle)
 
     def attach(self, sink: Sink) -> None:
         """Send the body to `sink` from now on: first the pieces kept so far, then each read's piece as it comes

@@ -16,8 +16,6 @@ Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, prin
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -135,11 +133,6 @@ class OpenAIStream:
         return Acceptance(tokens, None, length, "estimated" if length is not None else None)
 
 
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def meter(relay: EventRelay, exchange: Exchange) -> None:
     """The stream's first output and its gaps, as the relay counted them (what was relayed, also of a stream cut
     short)."""
@@ -152,33 +145,32 @@ def meter(relay: EventRelay, exchange: Exchange) -> None:
 async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange) -> None:
     """Pass an SSE body through as it arrives, whole events at a time (`EventRelay`, fed by the upstream
     connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it;
-    a failure after the first byte ends it with an error event, never half an event. The relay holds no reference
-    to this coroutine's objects but a future, so a finished request leaves no cycle for the garbage collector."""
-    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    a failure after the first byte ends it with an error event, never half an event. The relay holds nothing of
+    this coroutine's, so a finished request leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
-    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, functools.partial(_settle, settled),
-                       ITL_BUCKETS_S)
+    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
+    failure: Exception | None = None
     try:
-        await settled
+        await opened.call.done
+    except MID_STREAM as exc:
+        failure = exc
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
         reply.unhook()
         meter(relay, exchange)
-    try:
-        opened.call.done.result()
-    except MID_STREAM as exc:
-        exchange.error = mid_stream_error(exc)
-        message = str(exc) if exchange.error == "client_stalled" else \
-            f"upstream replica failed mid-stream ({type(exc).__name__})"
+    if failure is not None:
+        exchange.error = mid_stream_error(failure)
+        message = str(failure) if exchange.error == "client_stalled" else \
+            f"upstream replica failed mid-stream ({type(failure).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     try:
         exchange.acceptance = kind.acceptance(relay.tokens, relay.tail)
     except ProtocolError as exc:
         exchange.unparsed = str(exc)
-    reply.end(relay.pending)
+    reply.end(relay.pending, relay.last_chunk_written)
 
 
 def measure_whole(api: str, body: bytes) -> Acceptance:

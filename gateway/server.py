@@ -59,7 +59,7 @@ class Responder(Protocol):
 
     def write(self, body: bytes) -> None: ...
 
-    def end(self, body: bytes = b"") -> None: ...
+    def end(self, body: bytes = b"", last_chunk_written: bool = False) -> None: ...
 
     def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]: ...
 
@@ -146,9 +146,13 @@ class Reply:
             return None, False
         return transport.write, self.chunked
 
-    def end(self, body: bytes = b"") -> None:
-        self.write(body)
+    def end(self, body: bytes = b"", last_chunk_written: bool = False) -> None:
+        """The body's last bytes, then its end; `last_chunk_written`: a relay already ended the chunked body in its
+        last write (`EventRelay.last_chunk_written`)."""
         self.complete = True
+        if last_chunk_written:
+            return
+        self.write(body)
         if self.chunked and not self.head_only:
             self.connection.write(b"0\r\n\r\n")
 
@@ -194,7 +198,7 @@ class Discard:
     def write(self, body: bytes) -> None:
         pass
 
-    def end(self, body: bytes = b"") -> None:
+    def end(self, body: bytes = b"", last_chunk_written: bool = False) -> None:
         pass
 
     def body_writer(self) -> tuple[Callable[[bytes], object] | None, bool]:
@@ -259,12 +263,13 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup is a getpid() system call
         self.server.connections.add(self)
-        self._last_read = asyncio.get_running_loop().time()
+        self._last_read = self.loop.time()
         self._arm_idle(self.limits.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        self._last_read = asyncio.get_running_loop().time()
+        self._last_read = self.loop.time()
         head_under_way = self.incoming if self.incoming.in_head and self.incoming.url else None
         while True:
             try:
@@ -374,7 +379,7 @@ class ClientConnection(asyncio.Protocol):
         if self.stopping:
             reply.keep_alive = False
         self.reply = reply
-        self.task = asyncio.ensure_future(self._run(request, reply))
+        self.task = self.loop.create_task(self._run(request, reply))
 
     async def _run(self, request: Request, reply: Reply) -> None:
         try:
@@ -409,7 +414,7 @@ class ClientConnection(asyncio.Protocol):
                 self.write(_CONTINUE)
             assert self.transport is not None
             self.transport.resume_reading()
-            self._last_read = asyncio.get_running_loop().time()  # quiet from the end of the answer
+            self._last_read = self.loop.time()  # quiet from the end of the answer
 
     def refuse(self, status: int, message: str) -> None:
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
@@ -441,7 +446,7 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _arm_idle(self, delay_s: float) -> None:
-        self._idle = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
+        self._idle = self.loop.call_later(delay_s, self._check_idle)
 
     def _check_idle(self) -> None:
         """One timer per connection, not one per request: it re-arms itself for the time left since the last read
@@ -449,7 +454,7 @@ class ClientConnection(asyncio.Protocol):
         self._idle = None
         if self.closed:
             return
-        quiet_s = 0.0 if self.task is not None else asyncio.get_running_loop().time() - self._last_read
+        quiet_s = 0.0 if self.task is not None else self.loop.time() - self._last_read
         if quiet_s >= self.limits.idle_timeout_s:
             self.close()
         else:

@@ -40,22 +40,20 @@ def native(tokens: int, final: bool = False) -> bytes:
     return b"data: " + json.dumps({"text": "t", "meta_info": meta}).encode() + b"\n\n"
 
 
-def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[bytes], list[str]]:
-    """An EventRelay fed `pieces` at times 1, 2, ...; what it wrote and whether it ended."""
+def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[bytes]]:
+    """An EventRelay fed `pieces` at times 1, 2, ...; and what it wrote."""
     written: list[bytes] = []
-    ends: list[str] = []
-    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, lambda: ends.append("end"),
-                       BOUNDS)
+    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, BOUNDS)
     for at, piece in enumerate(pieces, start=1):
         relay.received(float(at), piece)
-    return relay, written, ends
+    return relay, written
 
 
 BOUNDS = (1.5, 2.5)
 
 
 def test_native_stream_counts_tokens_per_piece_of_events() -> None:
-    relay, _, _ = relayed(NativeStream(), [native(1), b": keep-alive\n\n",
+    relay, _ = relayed(NativeStream(), [native(1), b": keep-alive\n\n",
                                            native(4) + native(10, final=True) + b"data: [DONE]\n\n"])
     assert relay.tokens == 10 and relay.first == 1.0
     assert relay.chunk_gaps == ((0, 1, 0), 2.0) and relay.token_gaps == ((9, 0, 0), 2.0)  # 2 s over 9 tokens
@@ -66,7 +64,7 @@ def test_native_stream_counts_tokens_per_piece_of_events() -> None:
 
 def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
     assert NativeStream().acceptance(None, b"") == Acceptance()
-    relay, _, _ = relayed(NativeStream(), [native(3) + native(7)])
+    relay, _ = relayed(NativeStream(), [native(3) + native(7)])
     assert NativeStream().acceptance(relay.tokens, relay.tail) == Acceptance(output_tokens=7)
 
 
@@ -74,7 +72,7 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-    relay, _, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
+    relay, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
     assert relay.tokens == 2 and OpenAIStream().acceptance(relay.tokens, relay.tail).accept_length is None
     relay.received(2.0, chunk + usage)
     relay.received(3.0, b"data: [DONE]\n\n")
@@ -110,7 +108,7 @@ def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
 
 def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:
     arrivals, tokens = [0.0, 0.01, 0.0125, 0.5, 0.503, 3.0], [1, 2, 5, 1, 4, 3]
-    relay = EventRelay(None, True, sglang.NATIVE_TOKENS.keys, True, lambda: None, ITL_BUCKETS_S)
+    relay = EventRelay(None, True, sglang.NATIVE_TOKENS.keys, True, ITL_BUCKETS_S)
     total = 0
     for at, count in zip(arrivals, tokens, strict=True):
         total += count
@@ -137,7 +135,7 @@ def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:
 
 
 def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
-    relay, written, ends = relayed(NativeStream(), [
+    relay, written = relayed(NativeStream(), [
         native(2),
         native(4)[:9],  # half an event: held back
         native(4)[9:] + native(6)[:5],
@@ -147,7 +145,7 @@ def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
     relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
     exchange = Exchange(arm="a", route="native")
     meter(relay, exchange)
-    assert written == [native(2), native(4), native(6) + native(8, final=True)] and ends == ["end"]
+    assert written == [native(2), native(4), native(6) + native(8, final=True)]
     assert relay.pending == b""
     assert exchange.first == 1.0 and exchange.chunk_gaps == Binned((1, 1, 0), 3.0)  # gaps of 2 s and 1 s
     assert exchange.token_gaps == Binned((6, 0, 0), 3.0)  # 2 s over 2 tokens, 1 s over 4

@@ -132,7 +132,7 @@ def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_
         """Half through the C relay's writer, half through `Reply`: both must frame alike."""
         reply.start(200, [(b"content-type", b"text/event-stream")])
         write, chunked = reply.body_writer()
-        relay = EventRelay(write, chunked, (b'"text":',), False, lambda: None, ())
+        relay = EventRelay(write, chunked, (b'"text":',), False, ())
         relay.received(0.0, b"data: 1\n\n")
         await asyncio.sleep(0)
         reply.end(b"data: 2\n\n")
@@ -157,6 +157,29 @@ def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_
     assert b"transfer-encoding" not in http10[1] and http10[1][b"connection"] == b"close"
     assert http10[2] == b"data: 1\n\ndata: 2\n\n"
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\ndata: 1\n\ndata: 2\n\n")
+
+
+def test_a_body_ended_by_the_relay_is_not_ended_twice_and_the_connection_carries_on() -> None:
+    async def stream(request: Request, reply: Reply) -> None:
+        reply.start(200, [(b"content-type", b"text/event-stream")])
+        write, chunked = reply.body_writer()
+        relay = EventRelay(write, chunked, (b'"text":',), False, ())
+        relay.received(0.0, b"data: 1\n\n", request.path == "/last")
+        reply.end(relay.pending, relay.last_chunk_written)
+
+    async def scenario() -> tuple[list[tuple[int, dict[bytes, bytes], bytes]], bytes]:
+        async with server(stream) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/last", b"") + post("/not-last", b"") + post("/last", b""))
+            answers = [await read_response(reader) for _ in range(3)]
+            writer.write_eof()
+            rest = await reader.read()
+            writer.close()
+        return answers, rest
+
+    answers, rest = asyncio.run(scenario())
+    assert [(status, body) for status, _, body in answers] == [(200, b"data: 1\n\n")] * 3
+    assert rest == b""
 
 
 def test_a_client_that_leaves_cancels_its_request_and_stops_its_body_writer() -> None:
