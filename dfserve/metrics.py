@@ -159,10 +159,27 @@ class SGLangMetrics:
 
 
 @dataclass(frozen=True)
+class ArmRouteSeries:
+    """The series of one arm and route, resolved once (`DfserveMetrics.series`): a relay updates most of them for
+    every request."""
+
+    in_flight: Gauge
+    ttft: Histogram
+    itl_per_token: Histogram
+    itl_per_chunk: Histogram
+    e2e: Histogram
+    output_tokens: Counter
+    spec_output_tokens: Counter
+    spec_verify_rounds: Counter
+    accept_length: dict[str, Histogram]
+    """By `measure` (`MEASURES`)."""
+
+
+@dataclass(frozen=True)
 class DfserveMetrics:
     """dfserve's per-arm families, measured at the client side of each arm (gateway relay or load tester).
 
-    Record through `child` and `finished`, which look each labelled series up once."""
+    Record through `series`, `child` and `finished`, which look each labelled series up once."""
 
     requests: Counter
     in_flight: Gauge
@@ -191,6 +208,18 @@ class DfserveMetrics:
         if found is None:
             found = self._children[key] = family.labels(*labels)
         return cast(Family, found)
+
+    def series(self, arm: str, route: str) -> ArmRouteSeries:
+        """The series labelled `arm` and `route`."""
+        found = self._children.get((arm, route))
+        if found is None:
+            found = self._children[(arm, route)] = ArmRouteSeries(
+                self.in_flight.labels(arm, route), self.ttft.labels(arm, route),
+                self.itl_per_token.labels(arm, route), self.itl_per_chunk.labels(arm, route),
+                self.e2e.labels(arm, route), self.output_tokens.labels(arm, route),
+                self.spec_output_tokens.labels(arm, route), self.spec_verify_rounds.labels(arm, route),
+                {measure: self.accept_length.labels(arm, route, measure) for measure in MEASURES})
+        return cast(ArmRouteSeries, found)
 
     def finished(self, arm: str, route: str, replica: str, status: int | None, error: str | None) -> Counter:
         """The `requests` series of one finished request (labels as `request_labels` sets them)."""

@@ -220,7 +220,7 @@ class GatewayApp:
         """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
         (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
         gateway = self.gateway
-        in_flight = gateway.metrics.child(gateway.metrics.in_flight, exchange.arm, exchange.route)
+        in_flight = gateway.metrics.series(exchange.arm, exchange.route).in_flight
         in_flight.inc()
         opened: Opened | None = None
         try:
@@ -247,7 +247,7 @@ class GatewayApp:
         response = opened.response
         exchange.replica, exchange.status = opened.replica.url, response.status
         arm, replica = opened.arm.name, opened.replica.url
-        headers = response_headers(response.headers, arm, replica, drop_length=True)
+        headers = response_headers(response.headers, arm, replica)
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
             reply.start(response.status, headers)
             await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from prometheus_client import Histogram
 
@@ -40,15 +40,17 @@ ARM_HEADER = ARM.encode()
 REPLICA_HEADER = REPLICA.encode()
 
 
-def response_headers(raw: Any, arm: str, replica: str, drop_length: bool) -> list[tuple[bytes, bytes]]:
-    """Upstream headers minus hop-by-hop ones (and Content-Length when the body changes), plus arm and replica."""
-    headers = [
-        (name.lower(), value) for name, value in raw
-        if name.lower() not in HOP_BY_HOP and not (drop_length and name.lower() == b"content-length")
-    ]
-    headers.append((ARM_HEADER, arm.encode()))
-    headers.append((REPLICA_HEADER, replica.encode()))
-    return headers
+_NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
+"""Hop-by-hop headers, and Content-Length: the gateway frames each body it sends itself."""
+
+
+def response_headers(headers: list[tuple[bytes, bytes]], arm: str, replica: str) -> list[tuple[bytes, bytes]]:
+    """Upstream headers (names lower-cased, as `dfserve.http1` reads them) minus `_NOT_RELAYED`, plus arm and
+    replica."""
+    kept = [(name, value) for name, value in headers if name not in _NOT_RELAYED]
+    kept.append((ARM_HEADER, arm.encode()))
+    kept.append((REPLICA_HEADER, replica.encode()))
+    return kept
 
 
 @dataclass
@@ -201,23 +203,23 @@ def add_binned(histogram: Histogram, binned: Binned) -> None:
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
-    arm, route, child = exchange.arm, exchange.route, metrics.child
+    arm, route, series = exchange.arm, exchange.route, metrics.series(exchange.arm, exchange.route)
     metrics.finished(arm, route, exchange.replica, exchange.status, exchange.error).inc()
     if exchange.first is not None:
-        child(metrics.ttft, arm, route).observe(exchange.first - exchange.start)
+        series.ttft.observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
-        child(metrics.e2e, arm, route).observe(exchange.end - exchange.start)
+        series.e2e.observe(exchange.end - exchange.start)
     if exchange.chunk_gaps is not None:
-        add_binned(child(metrics.itl_per_chunk, arm, route), exchange.chunk_gaps)
+        add_binned(series.itl_per_chunk, exchange.chunk_gaps)
     if exchange.token_gaps is not None:
-        add_binned(child(metrics.itl_per_token, arm, route), exchange.token_gaps)
+        add_binned(series.itl_per_token, exchange.token_gaps)
     if exchange.unparsed is not None:
-        child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
+        metrics.child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance
     if acceptance.output_tokens:
-        child(metrics.output_tokens, arm, route).inc(acceptance.output_tokens)
+        series.output_tokens.inc(acceptance.output_tokens)
     if acceptance.verify_ct:
-        child(metrics.spec_verify_rounds, arm, route).inc(acceptance.verify_ct)
-        child(metrics.spec_output_tokens, arm, route).inc(acceptance.output_tokens or 0)
+        series.spec_verify_rounds.inc(acceptance.verify_ct)
+        series.spec_output_tokens.inc(acceptance.output_tokens or 0)
     if acceptance.accept_length is not None and acceptance.measure is not None:
-        child(metrics.accept_length, arm, route, acceptance.measure).observe(acceptance.accept_length)
+        series.accept_length[acceptance.measure].observe(acceptance.accept_length)

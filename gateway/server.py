@@ -325,23 +325,30 @@ class ClientConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         incoming, parser = self.incoming, self.parser
         incoming.in_head = False
-        if len(incoming.url) + sum(len(name) + len(value) for name, value in incoming.headers) > _MAX_HEAD_BYTES:
+        size, host, length, coded, expects = len(incoming.url), False, b"", False, False
+        for name, value in incoming.headers:
+            size += len(name) + len(value)
+            if name == b"host":
+                host = True
+            elif name == b"content-length":
+                length = value  # llhttp refuses a second one
+            elif name == b"transfer-encoding":
+                coded = True
+            elif name == b"expect":
+                expects = value.lower() == b"100-continue"
+        if size > _MAX_HEAD_BYTES:
             raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
         if parser.get_method() == b"CONNECT":
             raise _Refused(405, "CONNECT is not supported")
-        names = {name for name, _ in incoming.headers}
-        if parser.should_upgrade() and (b"transfer-encoding" in names or any(
-                name == b"content-length" and value.strip(b"0") for name, value in incoming.headers)):
+        if parser.should_upgrade() and (coded or length.strip(b"0")):
             # httptools stops at the head of an upgrade: its body would be read as the next request
             raise _Refused(400, "an Upgrade request with a body is not supported")
         http11 = parser.get_http_version() == "1.1"
-        if http11 and b"host" not in names:
+        if http11 and not host:
             raise _Refused(400, "an HTTP/1.1 request needs a Host header")
         limit = self.limits.max_body_bytes
-        for name, value in incoming.headers:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _Refused(413, f"request body over the {limit}-byte limit")
-        expects = any(name == b"expect" and value.lower() == b"100-continue" for name, value in incoming.headers)
+        if length.isdigit() and int(length) > limit:
+            raise _Refused(413, f"request body over the {limit}-byte limit")
         if expects and http11:
             if self.task is None:
                 self.write(_CONTINUE)

@@ -33,23 +33,23 @@ class Exporter:
         m.finished(arm, route, "", r.http_status, r.error_kind).inc()
         if not r.ok:
             return
+        series = m.series(arm, route)
         ttft, e2e = rec.ttft_s(r), rec.e2e_s(r)
         if ttft is not None:
-            m.child(m.ttft, arm, route).observe(ttft)
+            series.ttft.observe(ttft)
         if e2e is not None:
-            m.child(m.e2e, arm, route).observe(e2e)
-        per_token, per_chunk = m.child(m.itl_per_token, arm, route), m.child(m.itl_per_chunk, arm, route)
+            series.e2e.observe(e2e)
         for gap in rec.itl_per_token_s(r):
-            per_token.observe(gap)
+            series.itl_per_token.observe(gap)
         for gap in rec.itl_per_chunk_s(r):
-            per_chunk.observe(gap)
-        m.child(m.output_tokens, arm, route).inc(r.completion_tokens or 0)
+            series.itl_per_chunk.observe(gap)
+        series.output_tokens.inc(r.completion_tokens or 0)
         rounds, length = rec.verify_rounds(r), rec.request_accept_length(r)
         if rounds and r.acceptance == "exact":
-            m.child(m.spec_verify_rounds, arm, route).inc(rounds)
-            m.child(m.spec_output_tokens, arm, route).inc(r.completion_tokens or 0)
+            series.spec_verify_rounds.inc(rounds)
+            series.spec_output_tokens.inc(r.completion_tokens or 0)
         if length is not None and r.acceptance != "unknown":
-            m.child(m.accept_length, arm, route, r.acceptance).observe(length)
+            series.accept_length[r.acceptance].observe(length)
 
     def serve(self, port: int) -> None:
         try:
