@@ -120,20 +120,22 @@ def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] 
 
 
 def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of every live process in a process group."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+    """CPU seconds run by every live process in a process group, from the scheduler's nanosecond counts
+    (/proc/PID/task/TID/schedstat): user and system time in /proc/PID/stat come in whole clock ticks (10 ms), too
+    coarse for runs that use a fraction of a second."""
+    total_ns = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+            if int(stat[stat.rfind(")") + 2 :].split()[2]) != pgid:
+                continue
+            for task in os.listdir(f"/proc/{entry}/task"):
+                total_ns += int(Path(f"/proc/{entry}/task/{task}/schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            continue  # a process or thread that ended meanwhile
+    return total_ns / 1e9
 
 
 @dataclass
@@ -576,6 +578,9 @@ def main() -> None:
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
     args = parser.parse_args()
+    if not Path("/proc/self/schedstat").exists():
+        sys.exit("gateway_overhead: /proc/PID/schedstat is missing (a kernel without scheduler statistics): "
+                 "proxies' CPU time cannot be read")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers it started are stopped too
     gc.collect()
     gc.freeze()  # start-up objects are never scanned again

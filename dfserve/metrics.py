@@ -16,6 +16,8 @@ from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dfserve import families
+
 Family = TypeVar("Family", Counter, Gauge, Histogram)
 
 # Latency buckets in seconds: fine at the low end (a token every few ms), reaching minutes for long generations.
@@ -163,15 +165,15 @@ class ArmRouteSeries:
     """The series of one arm and route, resolved once (`DfserveMetrics.series`): a relay updates most of them for
     every request."""
 
-    in_flight: Gauge
-    ttft: Histogram
-    itl_per_token: Histogram
-    itl_per_chunk: Histogram
-    e2e: Histogram
-    output_tokens: Counter
-    spec_output_tokens: Counter
-    spec_verify_rounds: Counter
-    accept_length: dict[str, Histogram]
+    in_flight: families.GaugeSeries
+    ttft: families.HistogramSeries
+    itl_per_token: families.HistogramSeries
+    itl_per_chunk: families.HistogramSeries
+    e2e: families.HistogramSeries
+    output_tokens: families.CounterSeries
+    spec_output_tokens: families.CounterSeries
+    spec_verify_rounds: families.CounterSeries
+    accept_length: dict[str, families.HistogramSeries]
     """By `measure` (`MEASURES`)."""
 
 
@@ -179,18 +181,19 @@ class ArmRouteSeries:
 class DfserveMetrics:
     """dfserve's per-arm families, measured at the client side of each arm (gateway relay or load tester).
 
-    Record through `series`, `child` and `finished`, which look each labelled series up once."""
+    Record through `series`, `finished` and `child`. The families updated on every request are dfserve's own
+    (`dfserve.families`: no lock per update); the rest are prometheus_client's."""
 
-    requests: Counter
-    in_flight: Gauge
-    ttft: Histogram
-    itl_per_token: Histogram
-    itl_per_chunk: Histogram
-    e2e: Histogram
-    output_tokens: Counter
-    spec_output_tokens: Counter
-    spec_verify_rounds: Counter
-    accept_length: Histogram
+    requests: families.Counter
+    in_flight: families.Gauge
+    ttft: families.Histogram
+    itl_per_token: families.Histogram
+    itl_per_chunk: families.Histogram
+    e2e: families.Histogram
+    output_tokens: families.Counter
+    spec_output_tokens: families.Counter
+    spec_verify_rounds: families.Counter
+    accept_length: families.Histogram
     upstream_errors: Counter
     retries: Counter
     ejections: Counter
@@ -201,8 +204,8 @@ class DfserveMetrics:
     _children: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def child(self, family: Family, *labels: str) -> Family:
-        """`family.labels(*labels)`, looked up once: `labels()` builds a key and takes a lock on every call, and a
-        relay records about ten series per request."""
+        """`family.labels(*labels)` of a prometheus_client family, looked up once: `labels()` builds a key and takes
+        a lock on every call."""
         key = (family, *labels)
         found = self._children.get(key)
         if found is None:
@@ -221,34 +224,35 @@ class DfserveMetrics:
                 {measure: self.accept_length.labels(arm, route, measure) for measure in MEASURES})
         return cast(ArmRouteSeries, found)
 
-    def finished(self, arm: str, route: str, replica: str, status: int | None, error: str | None) -> Counter:
+    def finished(self, arm: str, route: str, replica: str, status: int | None,
+                 error: str | None) -> families.CounterSeries:
         """The `requests` series of one finished request (labels as `request_labels` sets them)."""
-        return self.child(self.requests, arm, route, replica, *request_labels(status, error))
+        return self.requests.labels(arm, route, replica, *request_labels(status, error))
 
     @classmethod
     def build(cls, registry: CollectorRegistry) -> DfserveMetrics:
         arm = ARM_LABELS
         return cls(
-            requests=Counter(REQUESTS, "Requests finished; status: 2xx, 4xx, 5xx, 499 (client gave up) or error "
-                             "(no complete answer); error: the failure kind, empty on success.", REQUEST_LABELS,
-                             registry=registry),
-            in_flight=Gauge(REQUESTS_IN_FLIGHT, "Requests in flight.", arm, registry=registry),
-            ttft=Histogram(TTFT, "Time to first token seen by the client side, seconds.", arm,
-                           buckets=TTFT_BUCKETS_S, registry=registry),
-            itl_per_token=Histogram(ITL_PER_TOKEN, "Gap between chunks divided over the tokens the chunk carried, "
-                                    "one sample per token, seconds.", arm, buckets=ITL_BUCKETS_S, registry=registry),
-            itl_per_chunk=Histogram(ITL_PER_CHUNK, "Gap between successive stream chunks, one sample per chunk, "
-                                    "seconds.", arm, buckets=ITL_BUCKETS_S, registry=registry),
-            e2e=Histogram(E2E, "End-to-end request latency, seconds.", arm, buckets=E2E_BUCKETS_S, registry=registry),
-            output_tokens=Counter(OUTPUT_TOKENS, "Completion tokens received.", arm, registry=registry),
-            spec_output_tokens=Counter(SPEC_OUTPUT_TOKENS, "Completion tokens of the requests counted in "
-                                       "dfserve_spec_verify_rounds: the numerator of pooled acceptance.", arm,
-                                       registry=registry),
-            spec_verify_rounds=Counter(SPEC_VERIFY_ROUNDS, "Speculative verify rounds reported by meta_info.", arm,
-                                       registry=registry),
-            accept_length=Histogram(ACCEPT_LENGTH, "Per-request acceptance length (tokens per verify round, bonus "
-                                    "included); measure=exact from meta_info, estimated from chunk counts.",
-                                    (*arm, "measure"), buckets=ACCEPT_LENGTH_BUCKETS, registry=registry),
+            requests=families.Counter(REQUESTS, "Requests finished; status: 2xx, 4xx, 5xx, 499 (client gave up) or "
+                                      "error (no complete answer); error: the failure kind, empty on success.",
+                                      REQUEST_LABELS, registry),
+            in_flight=families.Gauge(REQUESTS_IN_FLIGHT, "Requests in flight.", arm, registry),
+            ttft=families.Histogram(TTFT, "Time to first token seen by the client side, seconds.", arm, TTFT_BUCKETS_S,
+                                    registry),
+            itl_per_token=families.Histogram(ITL_PER_TOKEN, "Gap between chunks divided over the tokens the chunk "
+                                             "carried, one sample per token, seconds.", arm, ITL_BUCKETS_S, registry),
+            itl_per_chunk=families.Histogram(ITL_PER_CHUNK, "Gap between successive stream chunks, one sample per "
+                                             "chunk, seconds.", arm, ITL_BUCKETS_S, registry),
+            e2e=families.Histogram(E2E, "End-to-end request latency, seconds.", arm, E2E_BUCKETS_S, registry),
+            output_tokens=families.Counter(OUTPUT_TOKENS, "Completion tokens received.", arm, registry),
+            spec_output_tokens=families.Counter(SPEC_OUTPUT_TOKENS, "Completion tokens of the requests counted in "
+                                                "dfserve_spec_verify_rounds: the numerator of pooled acceptance.", arm,
+                                                registry),
+            spec_verify_rounds=families.Counter(SPEC_VERIFY_ROUNDS, "Speculative verify rounds reported by meta_info.",
+                                                arm, registry),
+            accept_length=families.Histogram(ACCEPT_LENGTH, "Per-request acceptance length (tokens per verify round, "
+                                             "bonus included); measure=exact from meta_info, estimated from chunk "
+                                             "counts.", (*arm, "measure"), ACCEPT_LENGTH_BUCKETS, registry),
             upstream_errors=Counter(UPSTREAM_ERRORS, "Upstream failures by kind.", ("arm", "replica", "kind"),
                                     registry=registry),
             retries=Counter(RETRIES, "Requests retried on another replica of the same arm.", ("arm", "replica"),

@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from prometheus_client import Histogram
-
 from dfserve import sglang
 from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
@@ -192,15 +190,6 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
-def add_binned(histogram: Histogram, binned: Binned) -> None:
-    """Add observations counted elsewhere (by the relay, into the same buckets) with one locked update per bucket:
-    prometheus_client has no batched observe, so this does what `observe` does inside."""
-    histogram._sum.inc(binned.total)
-    for bucket, count in zip(histogram._buckets, binned.counts, strict=True):
-        if count:
-            bucket.inc(count)
-
-
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
     arm, route, series = exchange.arm, exchange.route, metrics.series(exchange.arm, exchange.route)
@@ -210,9 +199,9 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
         series.e2e.observe(exchange.end - exchange.start)
     if exchange.chunk_gaps is not None:
-        add_binned(series.itl_per_chunk, exchange.chunk_gaps)
+        series.itl_per_chunk.add_binned(exchange.chunk_gaps.counts, exchange.chunk_gaps.total)
     if exchange.token_gaps is not None:
-        add_binned(series.itl_per_token, exchange.token_gaps)
+        series.itl_per_token.add_binned(exchange.token_gaps.counts, exchange.token_gaps.total)
     if exchange.unparsed is not None:
         metrics.child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance

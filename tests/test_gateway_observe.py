@@ -7,7 +7,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from dfserve import sglang
+from dfserve import families, sglang
 from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
 from dfserve.metrics import ITL_BUCKETS_S
@@ -18,7 +18,6 @@ from gateway.relay import (
     NativeStream,
     OpenAIStream,
     StreamKind,
-    add_binned,
     measure_whole,
     meter,
     response_headers,
@@ -113,25 +112,25 @@ def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:
     for at, count in zip(arrivals, tokens, strict=True):
         total += count
         relay.received(at, native(total))
-    observed = {name: Histogram(name, name, buckets=ITL_BUCKETS_S, registry=CollectorRegistry())
-                for name in ("chunk", "token", "chunk_binned", "token_binned")}
+    registry = CollectorRegistry()
+    observed = {name: Histogram(name, name, buckets=ITL_BUCKETS_S, registry=registry) for name in ("chunk", "token")}
     for earlier, later, count in zip(arrivals, arrivals[1:], tokens[1:], strict=False):
         observed["chunk"].observe(later - earlier)
         for _ in range(count):
             observed["token"].observe((later - earlier) / count)
     assert relay.token_gaps is not None
-    add_binned(observed["chunk_binned"], Binned(*relay.chunk_gaps))
-    add_binned(observed["token_binned"], Binned(*relay.token_gaps))
-
-    def samples(histogram: Histogram) -> list[tuple[str, dict[str, str], float]]:
-        [family] = histogram.collect()
-        return [(s.name.removeprefix(family.name), s.labels, s.value) for s in family.samples
-                if "created" not in s.name]
+    binned = families.Histogram("binned", "binned", ("gaps",), ITL_BUCKETS_S, registry)
+    binned.labels("chunk").add_binned(*relay.chunk_gaps)
+    binned.labels("token").add_binned(*relay.token_gaps)
+    [family] = binned.collect()
 
     for name in ("chunk", "token"):
-        expected, got = samples(observed[name]), samples(observed[name + "_binned"])
-        assert [(n, labels) for n, labels, _ in got] == [(n, labels) for n, labels, _ in expected]
-        assert [v for *_, v in got] == pytest.approx([v for *_, v in expected])
+        [expected] = observed[name].collect()
+        want = {(s.name.removeprefix(name), s.labels.get("le")): s.value for s in expected.samples
+                if "created" not in s.name}
+        got = {(s.name.removeprefix("binned"), s.labels.get("le")): s.value for s in family.samples
+               if s.labels["gaps"] == name}
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx([want[key] for key in got])
 
 
 def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
