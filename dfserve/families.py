@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from bisect import bisect_left
-from collections.abc import Sequence
-from typing import Generic, TypeVar, cast
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import (
@@ -103,45 +103,34 @@ class _Family(Collector, Generic[Series]):
                 found = self._series[key] = self._new()
         return found
 
-    def describe(self) -> list[Metric]:
-        return [self._empty()]
-
-    def collect(self) -> list[Metric]:
-        family = self._empty()
-        for values, series in list(self._series.items()):
-            self._add(family, list(values), series)
-        return [family]
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()  # so that the registry refuses a second family of the same name
 
     @abstractmethod
     def _new(self) -> Series: ...
 
-    @abstractmethod
-    def _empty(self) -> Metric: ...
 
-    @abstractmethod
-    def _add(self, family: Metric, values: list[str], series: Series) -> None: ...
+def _numbers(metric: CounterMetricFamily | GaugeMetricFamily,
+             series: Mapping[tuple[str, ...], CounterSeries | GaugeSeries]) -> list[Metric]:
+    for values, one in list(series.items()):
+        metric.add_metric(list(values), one.value)
+    return [metric]
 
 
 class Counter(_Family[CounterSeries]):
     def _new(self) -> CounterSeries:
         return CounterSeries()
 
-    def _empty(self) -> CounterMetricFamily:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def _add(self, family: Metric, values: list[str], series: CounterSeries) -> None:
-        cast(CounterMetricFamily, family).add_metric(values, series.value)
+    def collect(self) -> list[Metric]:
+        return _numbers(CounterMetricFamily(self.name, self.documentation, labels=self.labelnames), self._series)
 
 
 class Gauge(_Family[GaugeSeries]):
     def _new(self) -> GaugeSeries:
         return GaugeSeries()
 
-    def _empty(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def _add(self, family: Metric, values: list[str], series: GaugeSeries) -> None:
-        cast(GaugeMetricFamily, family).add_metric(values, series.value)
+    def collect(self) -> list[Metric]:
+        return _numbers(GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames), self._series)
 
 
 class Histogram(_Family[HistogramSeries]):
@@ -156,12 +145,12 @@ class Histogram(_Family[HistogramSeries]):
     def _new(self) -> HistogramSeries:
         return HistogramSeries(self.bounds)
 
-    def _empty(self) -> HistogramMetricFamily:
-        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def _add(self, family: Metric, values: list[str], series: HistogramSeries) -> None:
-        cumulative, buckets = 0, []
-        for edge, count in zip(self._edges, list(series.counts), strict=True):
-            cumulative += count
-            buckets.append((edge, float(cumulative)))
-        cast(HistogramMetricFamily, family).add_metric(values, buckets, series.total)
+    def collect(self) -> list[Metric]:
+        metric = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in list(self._series.items()):
+            cumulative, buckets = 0, []
+            for edge, count in zip(self._edges, list(series.counts), strict=True):
+                cumulative += count
+                buckets.append((edge, float(cumulative)))
+            metric.add_metric(list(values), buckets, series.total)
+        return [metric]
