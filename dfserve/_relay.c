@@ -993,9 +993,13 @@ PyInit__relay(void)
         return NULL;
     BadChunk = PyErr_NewExceptionWithDoc("dfserve._relay.BadChunk", "A chunked body that breaks HTTP/1.1's framing.",
                                          PyExc_ValueError, NULL);
-    if (BadChunk == NULL || PyModule_AddObjectRef(module, "BadChunk", BadChunk) < 0
-        || PyModule_AddObjectRef(module, "EventRelay", (PyObject *)&EventRelayType) < 0
-        || PyModule_AddObjectRef(module, "Dechunker", (PyObject *)&DechunkerType) < 0) {
+    PyObject *last_chunk = PyBytes_FromStringAndSize(LAST_CHUNK, LAST_CHUNK_LENGTH);
+    int failed = BadChunk == NULL || last_chunk == NULL || PyModule_AddObjectRef(module, "BadChunk", BadChunk) < 0
+                 || PyModule_AddObjectRef(module, "LAST_CHUNK", last_chunk) < 0
+                 || PyModule_AddObjectRef(module, "EventRelay", (PyObject *)&EventRelayType) < 0
+                 || PyModule_AddObjectRef(module, "Dechunker", (PyObject *)&DechunkerType) < 0;
+    Py_XDECREF(last_chunk);
+    if (failed) {
         Py_DECREF(module);
         return NULL;
     }

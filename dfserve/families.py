@@ -66,8 +66,9 @@ class HistogramSeries:
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
         self.total += value
+        if value == value:  # NaN goes in no bucket, as in prometheus_client
+            self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
 
     def add_binned(self, counts: Sequence[int], total: float) -> None:
         """Observations already counted into these buckets elsewhere (`dfserve._relay.EventRelay`)."""
@@ -136,8 +137,11 @@ class Gauge(_Family[GaugeSeries]):
 class Histogram(_Family[HistogramSeries]):
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
                  registry: CollectorRegistry) -> None:
-        self.bounds = tuple(float(bound) for bound in buckets)
-        if list(self.bounds) != sorted(set(self.bounds)):
+        bounds = [float(bound) for bound in buckets]
+        if bounds and bounds[-1] == float("inf"):
+            bounds.pop()  # +Inf is always the last bucket
+        self.bounds = tuple(bounds)
+        if bounds != sorted(set(bounds)):
             raise ValueError(f"{name}: bucket bounds must increase")
         self._edges = [floatToGoString(bound) for bound in self.bounds] + ["+Inf"]
         super().__init__(name, documentation, labelnames, registry)

@@ -161,28 +161,11 @@ class SGLangMetrics:
 
 
 @dataclass(frozen=True)
-class ArmRouteSeries:
-    """The series of one arm and route, resolved once (`DfserveMetrics.series`): a relay updates most of them for
-    every request."""
-
-    in_flight: families.GaugeSeries
-    ttft: families.HistogramSeries
-    itl_per_token: families.HistogramSeries
-    itl_per_chunk: families.HistogramSeries
-    e2e: families.HistogramSeries
-    output_tokens: families.CounterSeries
-    spec_output_tokens: families.CounterSeries
-    spec_verify_rounds: families.CounterSeries
-    accept_length: dict[str, families.HistogramSeries]
-    """By `measure` (`MEASURES`)."""
-
-
-@dataclass(frozen=True)
 class DfserveMetrics:
     """dfserve's per-arm families, measured at the client side of each arm (gateway relay or load tester).
 
-    Record through `series`, `finished` and `child`. The families updated on every request are dfserve's own
-    (`dfserve.families`: no lock per update); the rest are prometheus_client's."""
+    The families updated on every request are dfserve's own (`dfserve.families`: no lock per update, and
+    `labels()` is one dictionary lookup); the rest are prometheus_client's, looked up through `child`."""
 
     requests: families.Counter
     in_flight: families.Gauge
@@ -211,18 +194,6 @@ class DfserveMetrics:
         if found is None:
             found = self._children[key] = family.labels(*labels)
         return cast(Family, found)
-
-    def series(self, arm: str, route: str) -> ArmRouteSeries:
-        """The series labelled `arm` and `route`."""
-        found = self._children.get((arm, route))
-        if found is None:
-            found = self._children[(arm, route)] = ArmRouteSeries(
-                self.in_flight.labels(arm, route), self.ttft.labels(arm, route),
-                self.itl_per_token.labels(arm, route), self.itl_per_chunk.labels(arm, route),
-                self.e2e.labels(arm, route), self.output_tokens.labels(arm, route),
-                self.spec_output_tokens.labels(arm, route), self.spec_verify_rounds.labels(arm, route),
-                {measure: self.accept_length.labels(arm, route, measure) for measure in MEASURES})
-        return cast(ArmRouteSeries, found)
 
     def finished(self, arm: str, route: str, replica: str, status: int | None,
                  error: str | None) -> families.CounterSeries:

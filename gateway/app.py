@@ -220,7 +220,7 @@ class GatewayApp:
         """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
         (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
         gateway = self.gateway
-        in_flight = gateway.metrics.series(exchange.arm, exchange.route).in_flight
+        in_flight = gateway.metrics.in_flight.labels(exchange.arm, exchange.route)
         in_flight.inc()
         opened: Opened | None = None
         try:

@@ -192,23 +192,23 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
     """Turn one exchange's raw facts into the per-arm metrics."""
-    arm, route, series = exchange.arm, exchange.route, metrics.series(exchange.arm, exchange.route)
+    arm, route = exchange.arm, exchange.route
     metrics.finished(arm, route, exchange.replica, exchange.status, exchange.error).inc()
     if exchange.first is not None:
-        series.ttft.observe(exchange.first - exchange.start)
+        metrics.ttft.labels(arm, route).observe(exchange.first - exchange.start)
     if exchange.end is not None and exchange.status < 400 and exchange.error is None:
-        series.e2e.observe(exchange.end - exchange.start)
+        metrics.e2e.labels(arm, route).observe(exchange.end - exchange.start)
     if exchange.chunk_gaps is not None:
-        series.itl_per_chunk.add_binned(exchange.chunk_gaps.counts, exchange.chunk_gaps.total)
+        metrics.itl_per_chunk.labels(arm, route).add_binned(exchange.chunk_gaps.counts, exchange.chunk_gaps.total)
     if exchange.token_gaps is not None:
-        series.itl_per_token.add_binned(exchange.token_gaps.counts, exchange.token_gaps.total)
+        metrics.itl_per_token.labels(arm, route).add_binned(exchange.token_gaps.counts, exchange.token_gaps.total)
     if exchange.unparsed is not None:
         metrics.child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
     acceptance = exchange.acceptance
     if acceptance.output_tokens:
-        series.output_tokens.inc(acceptance.output_tokens)
+        metrics.output_tokens.labels(arm, route).inc(acceptance.output_tokens)
     if acceptance.verify_ct:
-        series.spec_verify_rounds.inc(acceptance.verify_ct)
-        series.spec_output_tokens.inc(acceptance.output_tokens or 0)
+        metrics.spec_verify_rounds.labels(arm, route).inc(acceptance.verify_ct)
+        metrics.spec_output_tokens.labels(arm, route).inc(acceptance.output_tokens or 0)
     if acceptance.accept_length is not None and acceptance.measure is not None:
-        series.accept_length[acceptance.measure].observe(acceptance.accept_length)
+        metrics.accept_length.labels(arm, route, acceptance.measure).observe(acceptance.accept_length)

@@ -29,7 +29,7 @@ from urllib.parse import unquote
 import httptools
 
 from dfserve import sglang
-from dfserve._relay import frame
+from dfserve._relay import LAST_CHUNK, frame
 
 log = logging.getLogger("dfserve.gateway")
 
@@ -148,13 +148,12 @@ class Reply:
 
     def end(self, body: bytes = b"", last_chunk_written: bool = False) -> None:
         """The body's last bytes, then its end; `last_chunk_written`: a relay already ended the chunked body in its
-        last write (`EventRelay.last_chunk_written`)."""
+        last write (`EventRelay.last_chunk_written`), and `body` is empty."""
+        if not last_chunk_written:
+            self.write(body)
+            if self.chunked and not self.head_only:
+                self.connection.write(LAST_CHUNK)
         self.complete = True
-        if last_chunk_written:
-            return
-        self.write(body)
-        if self.chunked and not self.head_only:
-            self.connection.write(b"0\r\n\r\n")
 
     def hook(self, pause: Callable[[], None], resume: Callable[[], None], gone: Callable[[], None]) -> None:
         """Call `pause` while the client's socket is full and `resume` once it drains (the upstream's reading), and
@@ -335,7 +334,7 @@ class ClientConnection(asyncio.Protocol):
             elif name == b"transfer-encoding":
                 coded = True
             elif name == b"expect":
-                expects = value.lower() == b"100-continue"
+                expects = expects or value.lower() == b"100-continue"
         if size > _MAX_HEAD_BYTES:
             raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
         if parser.get_method() == b"CONNECT":

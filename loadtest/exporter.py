@@ -33,23 +33,23 @@ class Exporter:
         m.finished(arm, route, "", r.http_status, r.error_kind).inc()
         if not r.ok:
             return
-        series = m.series(arm, route)
         ttft, e2e = rec.ttft_s(r), rec.e2e_s(r)
         if ttft is not None:
-            series.ttft.observe(ttft)
+            m.ttft.labels(arm, route).observe(ttft)
         if e2e is not None:
-            series.e2e.observe(e2e)
+            m.e2e.labels(arm, route).observe(e2e)
+        per_token, per_chunk = m.itl_per_token.labels(arm, route), m.itl_per_chunk.labels(arm, route)
         for gap in rec.itl_per_token_s(r):
-            series.itl_per_token.observe(gap)
+            per_token.observe(gap)
         for gap in rec.itl_per_chunk_s(r):
-            series.itl_per_chunk.observe(gap)
-        series.output_tokens.inc(r.completion_tokens or 0)
+            per_chunk.observe(gap)
+        m.output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
         rounds, length = rec.verify_rounds(r), rec.request_accept_length(r)
         if rounds and r.acceptance == "exact":
-            series.spec_verify_rounds.inc(rounds)
-            series.spec_output_tokens.inc(r.completion_tokens or 0)
+            m.spec_verify_rounds.labels(arm, route).inc(rounds)
+            m.spec_output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
         if length is not None and r.acceptance != "unknown":
-            series.accept_length[r.acceptance].observe(length)
+            m.accept_length.labels(arm, route, r.acceptance).observe(length)
 
     def serve(self, port: int) -> None:
         try:

@@ -42,6 +42,16 @@ def test_random_updates_expose_the_same_text_as_prometheus_client() -> None:
     assert exposition(ours) == exposition(theirs)
 
 
+def test_nan_and_a_trailing_inf_bound_are_handled_as_prometheus_client_does() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = families.Histogram("t_odd", "Odd.", (), (0.5, float("inf")), ours)
+    reference = prometheus_client.Histogram("t_odd", "Odd.", buckets=(0.5, float("inf")), registry=theirs)
+    for value in (0.1, float("nan"), 3.0):
+        mine.labels().observe(value)
+        reference.observe(value)
+    assert exposition(ours) == exposition(theirs)
+
+
 def test_binned_observations_add_up_like_single_ones() -> None:
     registry = CollectorRegistry()
     histogram = families.Histogram("t_binned", "Binned.", ("how",), (0.1, 1.0), registry)
@@ -63,5 +73,6 @@ def test_misuse_is_refused_by_name() -> None:
         counter.labels("a").inc(-1)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         families.Counter("t_total_things", "Again.", ("arm",), registry)
-    with pytest.raises(ValueError, match="t_h: bucket bounds must increase"):
-        families.Histogram("t_h", "H.", (), (1.0, 0.5), registry)
+    for bounds in ((1.0, 0.5), (1.0, float("inf"), 2.0)):
+        with pytest.raises(ValueError, match="t_h: bucket bounds must increase"):
+            families.Histogram("t_h", "H.", (), bounds, registry)

@@ -27,26 +27,30 @@ def test_request_labels(http_status: int | None, error: str | None, labels: tupl
     assert (labels[0] == m.STATUS_OK) == (labels[1] == ""), "an empty error label means success and only that"
 
 
-def test_child_and_finished_record_under_the_right_labels_and_are_looked_up_once() -> None:
+def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_once() -> None:
     registry = CollectorRegistry()
     metrics = m.DfserveMetrics.build(registry)
-    ttft = metrics.child(metrics.ttft, "cand", "native")
-    assert metrics.child(metrics.ttft, "cand", "native") is ttft
-    assert metrics.child(metrics.ttft, "base", "native") is not ttft
-    assert metrics.child(metrics.e2e, "cand", "native") is not ttft  # same labels, another family
+    ttft = metrics.ttft.labels("cand", "native")
+    assert metrics.ttft.labels("cand", "native") is ttft
+    assert metrics.ttft.labels("base", "native") is not ttft
     ttft.observe(0.25)
-    metrics.child(metrics.accept_length, "cand", "native", "exact").observe(6.0)
-    metrics.child(metrics.accept_length, "cand", "native", "estimated").observe(5.0)
+    metrics.accept_length.labels("cand", "native", "exact").observe(6.0)
+    metrics.accept_length.labels("cand", "native", "estimated").observe(5.0)
     metrics.finished("cand", "native", "http://r1", 200, None).inc()
     metrics.finished("cand", "native", "http://r1", 503, "connect").inc()
     assert metrics.finished("cand", "native", "http://r1", 200, None) is metrics.finished(
         "cand", "native", "http://r1", 204, None)
+    errors = metrics.child(metrics.upstream_errors, "cand", "http://r1", "connect")
+    assert metrics.child(metrics.upstream_errors, "cand", "http://r1", "connect") is errors
+    assert metrics.child(metrics.retries, "cand", "http://r1") is not errors  # same labels, another family
+    errors.inc()
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)
 
     assert value(m.TTFT + "_count", arm="cand", route="native") == 1
-    assert value(m.E2E + "_count", arm="cand", route="native") == 0
+    assert value(m.E2E + "_count", arm="cand", route="native") is None  # a series appears when first recorded
+    assert value(m.UPSTREAM_ERRORS + "_total", arm="cand", replica="http://r1", kind="connect") == 1
     assert value(m.ACCEPT_LENGTH + "_sum", arm="cand", route="native", measure="exact") == 6.0
     assert value(m.ACCEPT_LENGTH + "_sum", arm="cand", route="native", measure="estimated") == 5.0
     assert value(m.REQUESTS + "_total", arm="cand", route="native", replica="http://r1", status="2xx", error="") == 1

@@ -1,13 +1,20 @@
-"""Routing choices: weighted split within binomial bounds, sticky keys stable and weighted, shadow pairing, shedding."""
+"""Routing choices: weighted split within binomial bounds, sticky keys stable and weighted, shadow pairing, shedding,
+and which arms are down."""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import cast
 
+import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
+from dfserve.metrics import DfserveMetrics
+from gateway.config import ArmConfig, HealthConfig, Limits
 from gateway.routing import Decision, Router, UnknownArm, WeightedChoice, pick_replica, sticky_choice
+from gateway.upstream import Upstream
 
 
 def within_binomial(count: int, n: int, p: float, z: float = 4.0) -> bool:
@@ -96,3 +103,24 @@ def test_pinning_an_unknown_arm_is_refused() -> None:
     router = Router("split", {"baseline": 1, "candidate": 1})
     with pytest.raises(UnknownArm, match="no arm named 'other'"):
         router.decide(random.Random(0), pinned="other")
+
+
+def test_the_arms_down_follow_every_change_of_replica_health() -> None:
+    """`Upstream.down()` is kept between calls: ejection, re-admission and a new set of arms must each show."""
+    arms = {"a": ArmConfig(replicas=("http://127.0.0.1:1", "http://127.0.0.1:2"), weight=1),
+            "b": ArmConfig(replicas=("http://127.0.0.1:3",), weight=1)}
+    upstream = Upstream(cast(aiohttp.ClientSession, None), arms, Limits(), HealthConfig(eject_after_failures=1),
+                        DfserveMetrics.build(CollectorRegistry()))
+    a, b = upstream.arms["a"], upstream.arms["b"]
+    assert upstream.down() == frozenset()
+    upstream._failed(a, a.replicas[0], "connect")
+    assert upstream.down() == frozenset()  # one replica of a is still up
+    upstream._failed(a, a.replicas[1], "connect")
+    upstream._failed(b, b.replicas[0], "health")
+    assert upstream.down() == {"a", "b"}
+    upstream._succeeded(a, a.replicas[1])
+    assert upstream.down() == {"b"}
+    upstream.set_arms({"a": arms["a"]})  # b is gone, a keeps its replicas' state
+    assert upstream.down() == frozenset()
+    upstream._failed(upstream.arms["a"], upstream.arms["a"].replicas[1], "connect")
+    assert upstream.down() == {"a"}
