@@ -320,6 +320,8 @@ class Row:
     """Interquartile range of the runs' own p99 chunk gap: how far a p99 moves from run to run."""
     gap_path_p99_spread: float
     """The same for the gap on path."""
+    cpu_us_per_chunk_runs: tuple[float, ...]
+    """Each run's own, in run order: run i of every path was measured in the same round, one path after another."""
 
 
 def measure(api: str, targets: Sequence[tuple[str, dict[str, str], int | None]], concurrency: int,
@@ -360,7 +362,8 @@ def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
               cpu / pooled.chunks * 1e6 if cpu is not None and pooled.chunks else None,
               pooled.chunks / pooled.elapsed_s if pooled.elapsed_s else 0.0,
               pooled.chunks / len(pooled.ttft_s) if pooled.ttft_s else 0.0, p99_spread("gaps_s"),
-              p99_spread("gap_path_s"))
+              p99_spread("gap_path_s"),
+              tuple(run.cpu_s / run.chunks * 1e6 for run in runs if run.cpu_s is not None and run.chunks))
     print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
           f"unattributed={pooled.unattributed:<5} "
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
@@ -405,7 +408,9 @@ def table(rows: list[Row], api: str) -> str:
 def verdict(rows: list[Row], streams: int = 64) -> str:
     """The targets at `streams`, checked on this run's exact figures (transport and gap on path): p99 added TTFT
     < 2 ms, p99 added chunk gap < 1 ms, less added latency than each peer, and CPU per chunk beside each peer's.
-    A p99 gap within either path's run-to-run spread of a peer's is called level: two proxies that both add next
+    CPU per chunk is pooled over the runs, and each run is also set against the peer's run of the same round
+    (measured next to it in time), so that a slow spell of the host shows as one odd pair. A p99 gap within either
+    path's run-to-run spread of a peer's is called level: two proxies that both add next
     to nothing to a gap differ there by noise, whichever is lower in one run. LiteLLM drops the sim's
     comment, so it is compared on what its clients see, where its overhead is hundreds of times the step clock's
     noise."""
@@ -437,7 +442,12 @@ def verdict(rows: list[Row], streams: int = 64) -> str:
             checks.append(f"{api} vs {peer}: {gap_name} p99 {extra:+.2f} ms, {gap_verdict}")
             if gateway.cpu_us_per_chunk is not None and other.cpu_us_per_chunk is not None:
                 ratio = gateway.cpu_us_per_chunk / other.cpu_us_per_chunk
-                checks.append(f"{api} CPU per chunk {ratio:.2f}x {peer}'s ({'lower' if ratio < 1 else 'NOT lower'})")
+                paired = [mine / theirs for mine, theirs in zip(gateway.cpu_us_per_chunk_runs,
+                                                                 other.cpu_us_per_chunk_runs, strict=False)]
+                runs = (f"; run by run {min(paired):.2f}-{max(paired):.2f}, lower in {sum(r < 1 for r in paired)} "
+                        f"of {len(paired)}") if paired else ""
+                checks.append(f"{api} CPU per chunk {ratio:.2f}x {peer}'s ({'lower' if ratio < 1 else 'NOT lower'}"
+                              f"{runs})")
     return f"Targets at {streams} streams, this run: " + "; ".join(checks) + "."
 
 
