@@ -104,7 +104,6 @@ class Upstream:
         self.health = health
         self.metrics = metrics
         self.arms: dict[str, Arm] = {}
-        self._down: frozenset[str] | None = None
         self.set_arms(arms)
 
     def set_arms(self, arms: Mapping[str, ArmConfig]) -> None:
@@ -121,7 +120,6 @@ class Upstream:
             self.metrics.replica_healthy.remove(name, url)
             known[(name, url)].pool.close()
         self.arms = new
-        self._down = None
 
     def _replica(self, url: str) -> Replica:
         return Replica(url, Pool(url, time.perf_counter, connect_timeout_s=self.limits.connect_timeout_s,
@@ -133,17 +131,14 @@ class Upstream:
                 replica.pool.close()
 
     def down(self) -> frozenset[str]:
-        """Arms with no healthy replica right now (worked out again only after a replica's health changed)."""
-        if self._down is None:
-            self._down = frozenset(name for name, arm in self.arms.items() if not arm.up)
-        return self._down
+        """Arms with no healthy replica right now."""
+        return frozenset(name for name, arm in self.arms.items() if not arm.up)
 
     def _failed(self, arm: Arm, replica: Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(arm.name, replica.url, kind).inc()
         replica.failures += 1
         if replica.healthy and replica.failures >= self.health.eject_after_failures:
             replica.healthy = False
-            self._down = None
             self.metrics.ejections.labels(arm.name, replica.url).inc()
             self.metrics.replica_healthy.labels(arm.name, replica.url).set(0)
 
@@ -151,7 +146,6 @@ class Upstream:
         replica.failures = 0
         if not replica.healthy:
             replica.healthy = True
-            self._down = None
             self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
 
     async def open(

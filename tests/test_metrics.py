@@ -42,7 +42,8 @@ def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_onc
         "cand", "native", "http://r1", 204, None)
     errors = metrics.child(metrics.upstream_errors, "cand", "http://r1", "connect")
     assert metrics.child(metrics.upstream_errors, "cand", "http://r1", "connect") is errors
-    assert metrics.child(metrics.retries, "cand", "http://r1") is not errors  # same labels, another family
+    assert metrics.child(metrics.retries, "cand", "http://r1") is not metrics.child(
+        metrics.ejections, "cand", "http://r1")  # same labels, another family
     errors.inc()
 
     def value(name: str, **labels: str) -> float | None:

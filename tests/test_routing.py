@@ -106,7 +106,7 @@ def test_pinning_an_unknown_arm_is_refused() -> None:
 
 
 def test_the_arms_down_follow_every_change_of_replica_health() -> None:
-    """`Upstream.down()` is kept between calls: ejection, re-admission and a new set of arms must each show."""
+    """Ejection, re-admission and a new set of arms each show in `Upstream.down()`."""
     arms = {"a": ArmConfig(replicas=("http://127.0.0.1:1", "http://127.0.0.1:2"), weight=1),
             "b": ArmConfig(replicas=("http://127.0.0.1:3",), weight=1)}
     upstream = Upstream(cast(aiohttp.ClientSession, None), arms, Limits(), HealthConfig(eject_after_failures=1),
