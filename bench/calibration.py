@@ -6,7 +6,7 @@ FAIL one whose acceptance is 3% lower when the rule allows 2% (target: at least 
 
 How: one real run over HTTP against the simulated engine (`zlab`, seed 0, HumanEval, the default max-new-tokens)
 gives each task's completion length and spec_verify_ct. The simulator draws a request's rounds from a generator
-seeded by (engine seed, sampling key, prompt) (`deploy/sim/engine.py`, `Engine.submit`), so a prompt's rounds are a
+seeded by (engine seed, sampling key, prompt) (`dfserve/deploy/sim/engine.py`, `Engine.submit`), so a prompt's rounds are a
 pure function of the engine's seed: this script replays that draw in-process for any seed, first checking that it
 reproduces the HTTP run's spec_verify_ct for every task exactly. Each comparison then uses fresh engine seeds and a
 fresh seeded task order:
@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section  # noqa: E402
-from deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
-from deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402
-from loadtest import cli as loadtest_cli  # noqa: E402
-from loadtest.judge import DEFAULT_GATE, Gate, judge  # noqa: E402
-from loadtest.records import RequestRecord, read_records  # noqa: E402
-from loadtest.tasks import Task, load_tasks  # noqa: E402
+from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
+from dfserve.deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402
+from dfserve.loadtest import cli as loadtest_cli  # noqa: E402
+from dfserve.loadtest.judge import DEFAULT_GATE, Gate, judge  # noqa: E402
+from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
+from dfserve.loadtest.tasks import Task, load_tasks  # noqa: E402
 from tests.servers import dfserve_argv, sim_server  # noqa: E402
 
 SECTION = "loadtest_calibration"

@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section  # noqa: E402
-from deploy.drafters import (  # noqa: E402
+from dfserve.deploy.drafters import (  # noqa: E402
     expected_tensors,
     file_sha256,
     resolve_drafter,
     target_from_config,
     verify_drafter_config,
 )
-from deploy.profiles import load_profile  # noqa: E402
+from dfserve.deploy.profiles import load_profile  # noqa: E402
 
 
 def configs(hidden: int) -> tuple[dict, dict]:  # type: ignore[type-arg]

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section  # noqa: E402
 from dfserve import sglang  # noqa: E402
-from tests.servers import serve  # noqa: E402
+from tests.integration.servers import serve  # noqa: E402
 
 PEERS_VENV = ROOT / "bench" / ".peers"
 PEER_PINS = ("sglang-router==0.3.2", "litellm[proxy]==1.108.7")
@@ -70,8 +70,8 @@ SIM_CONFIG = {
 }
 SIM_SNIPPET = (
     "import json, sys\n"
-    "from deploy.sim.config import SimConfig\n"
-    "from deploy.sim.server import run\n"
+    "from dfserve.deploy.sim.config import SimConfig\n"
+    "from dfserve.deploy.sim.server import run\n"
     "run(SimConfig.model_validate(json.loads(sys.argv[1])))\n"
 )
 
@@ -111,12 +111,13 @@ def pin_processes() -> str | None:
 @contextmanager
 def process(argv: Sequence[str], ready_url: str, log: Path, env: dict[str, str] | None = None,
             cpus: str | None = None) -> Iterator[int]:
-    """Run `argv` (on `cpus`, every thread, if given) in its own process group until the block ends; yields the
-    group id (for its CPU time)."""
+    """Run `argv` (on `cpus`, every thread, if given) in its own process group until `ready_url` answers and the
+    block ends; yields the group id (for its CPU time)."""
     if cpus is not None:
         argv = ["taskset", "-c", cpus, *argv]
-    with serve(argv, ready_url, log, timeout_s=120, env=env) as proc:
-        yield proc.pid
+    base, _, path = ready_url.partition("//")[2].partition("/")
+    with serve(argv, log, "/" + path, timeout_s=120, env=env, url="http://" + base) as started:
+        yield started.process.pid
 
 
 def group_cpu_s(pgid: int) -> float:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section  # noqa: E402
 from dfserve import sglang as proto  # noqa: E402
-from tests.servers import LOOPBACK, dfserve_argv, free_port, serve  # noqa: E402
+from tests.integration.servers import LOOPBACK, dfserve_argv, serve  # noqa: E402
 
 SECTION = "sim_lateness"
 
@@ -118,16 +118,16 @@ def rounds(samples: Samples) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace, max_running: int) -> tuple[str, float]:
-    port = free_port()
-    argv = dfserve_argv("sim", "--host", LOOPBACK, "--port", str(port), "--time-scale", "1", "--seed", "0",
+    argv = dfserve_argv("sim", "--host", LOOPBACK, "--port", "0", "--time-scale", "1", "--seed", "0",
                         "--record-chunk-times", "--max-running-requests", str(max_running))
-    with serve(argv, f"http://{LOOPBACK}:{port}/health") as process:
+    with serve(argv) as sim:
+        process = sim.process
         if args.pin and (os.cpu_count() or 1) >= 2:
             os.sched_setaffinity(process.pid, {0})  # the sim alone on one core, as the target is stated
             os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)))
         cpu_before = cpu_seconds(process.pid)
         wall_before = time.monotonic()
-        samples = uvloop.run(drive(f"http://{LOOPBACK}:{port}", args.streams, args.seconds, args.warmup,
+        samples = uvloop.run(drive(sim.url, args.streams, args.seconds, args.warmup,
                                    args.max_new_tokens))
         cpu = (cpu_seconds(process.pid) - cpu_before) / (time.monotonic() - wall_before) * 100
     if not samples.lateness_ms:

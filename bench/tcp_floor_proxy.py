@@ -80,7 +80,10 @@ class Client(Pipe):
 
 
 async def serve(listen_port: int, upstream_port: int) -> None:
+    """Port 0 takes a free port; the line `tcp-floor: listening on http://HOST:PORT` says which."""
     server = await asyncio.get_running_loop().create_server(lambda: Client(upstream_port), LOOPBACK, listen_port)
+    port = server.sockets[0].getsockname()[1]
+    print(f"tcp-floor: listening on http://{LOOPBACK}:{port}", file=sys.stderr, flush=True)
     await server.serve_forever()
 
 

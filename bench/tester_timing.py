@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section as _write  # noqa: E402
-from loadtest.records import RequestRecord, read_records  # noqa: E402
-from tests.servers import LOOPBACK, dfserve_argv, free_port, serve  # noqa: E402
+from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
+from tests.integration.servers import LOOPBACK, dfserve_argv, serve  # noqa: E402
 
 SECTION = "loadtest_tester_timing"
 PIN = shutil.which("taskset") is not None
@@ -81,11 +81,10 @@ def ttft_error(records: list[RequestRecord], t0_unix: float) -> dict[str, list[f
 
 
 def run_ttft(work: Path, streams: int, requests: int, trial: int) -> str:
-    port = free_port()
-    argv = pinned(0, dfserve_argv("sim", "--host", LOOPBACK, "--port", str(port), "--profile", "zlab", "--time-scale",
+    argv = pinned(0, dfserve_argv("sim", "--host", LOOPBACK, "--port", "0", "--profile", "zlab", "--time-scale",
                                   "1", "--record-chunk-times", "--max-running-requests", str(streams)))
-    with serve(argv, f"http://{LOOPBACK}:{port}/health"):
-        wall, cpu = tester(["--arm", f"zlab=http://{LOOPBACK}:{port}", "--concurrency", str(streams), "--num-requests",
+    with serve(argv) as sim:
+        wall, cpu = tester(["--arm", f"zlab={sim.url}", "--concurrency", str(streams), "--num-requests",
                             str(requests), "--warmup", str(streams), "--max-new-tokens", "256", "--out", str(work),
                             "--name", f"ttft-{streams}-{trial}"])
     run = work / f"ttft-{streams}-{trial}"
@@ -99,12 +98,11 @@ def run_ttft(work: Path, streams: int, requests: int, trial: int) -> str:
 
 
 def run_rate(work: Path, rate: float, seconds: float, arrival: str) -> str:
-    port = free_port()
     count = int(rate * seconds)
-    argv = pinned(0, dfserve_argv("sim", "--host", LOOPBACK, "--port", str(port), "--profile", "zlab", "--time-scale",
+    argv = pinned(0, dfserve_argv("sim", "--host", LOOPBACK, "--port", "0", "--profile", "zlab", "--time-scale",
                                   "1", "--max-running-requests", "512"))
-    with serve(argv, f"http://{LOOPBACK}:{port}/health"):
-        wall, cpu = tester(["--arm", f"zlab=http://{LOOPBACK}:{port}", "--rate", str(rate), "--arrival", arrival,
+    with serve(argv) as sim:
+        wall, cpu = tester(["--arm", f"zlab={sim.url}", "--rate", str(rate), "--arrival", arrival,
                             "--num-requests", str(count), "--warmup", "0", "--max-new-tokens", "16", "--out", str(work),
                             "--name", f"rate-{arrival}"])
     records = sorted(read_records(work / f"rate-{arrival}" / "requests.jsonl"), key=lambda r: r.index)

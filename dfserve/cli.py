@@ -16,15 +16,15 @@ from dfserve.errors import UserError
 
 # name -> ("module:attribute", one-line purpose shown by --help without importing the module)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "deploy": ("deploy.cli:deploy", "Put a drafter (zlab, a checkpoint, or the baseline) behind SGLang, the simulator or k8s."),
-    "sim": ("deploy.sim.cli:sim", "Serve the simulated SGLang engine (same HTTP API, modelled acceptance and latency)."),
-    "gateway": ("gateway.cli:gateway", "Split or mirror live OpenAI/SGLang traffic between drafter arms and measure each."),
-    "loadtest": ("loadtest.cli:loadtest", "Replay coding tasks against all arms at once; record per-request acceptance and latency."),
-    "compare": ("loadtest.cli:compare", "Judge a candidate against a baseline: paired statistics, losslessness, gate, verdict."),
-    "promote": ("loadtest.cli:promote", "Make a PASSed candidate the new baseline (history kept)."),
-    "baseline": ("loadtest.cli:baseline", "Show the current baseline and its history."),
+    "deploy": ("dfserve.deploy.cli:deploy", "Put a drafter (zlab, a checkpoint, or the baseline) behind SGLang, the simulator or k8s."),
+    "sim": ("dfserve.deploy.sim.cli:sim", "Serve the simulated SGLang engine (same HTTP API, modelled acceptance and latency)."),
+    "gateway": ("dfserve.gateway.cli:gateway", "Split or mirror live OpenAI/SGLang traffic between drafter arms and measure each."),
+    "loadtest": ("dfserve.loadtest.cli:loadtest", "Replay coding tasks against all arms at once; record per-request acceptance and latency."),
+    "compare": ("dfserve.loadtest.cli:compare", "Judge a candidate against a baseline: paired statistics, losslessness, gate, verdict."),
+    "promote": ("dfserve.loadtest.cli:promote", "Make a PASSed candidate the new baseline (history kept)."),
+    "baseline": ("dfserve.loadtest.cli:baseline", "Show the current baseline and its history."),
     "demo": ("dfserve.demo:demo", "Run a whole A/B judgement on simulated engines, end to end."),
-    "dashboards": ("dashboards.cli:dashboards", "Write the Grafana dashboards, Prometheus rules and their k8s objects."),
+    "dashboards": ("dfserve.dashboards.cli:dashboards", "Write the Grafana dashboards, Prometheus rules and their k8s objects."),
 }
 
 

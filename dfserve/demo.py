@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +21,14 @@ from pathlib import Path
 import click
 
 from dfserve.errors import UserError
-from dfserve.listen import wait_healthy
+from dfserve.listen import wait_healthy, wait_listening
 
 LOOPBACK = "127.0.0.1"
+HEALTHY_AT = re.compile(r": healthy at (http://\S+) after")
+"""How `dfserve deploy` says where the engine it started listens (its port is chosen by the engine: --port 0)."""
 ARMS = (("baseline", "zlab"), ("candidate", "sim:inhouse"))
 """(arm name, drafter): the z-lab drafter is the baseline; the candidate is the simulator's undertrained in-house
 profile, deployed under a simulated identity so that no record mistakes it for a real checkpoint."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def _dfserve(*args: str) -> list[str]:
@@ -51,10 +47,10 @@ class Stack:
         self.deployments: list[str] = []
         self.gateway: subprocess.Popen[bytes] | None = None
 
-    def deploy(self, name: str, drafter: str, port: int, time_scale: float, seed: int) -> str:
+    def deploy(self, name: str, drafter: str, time_scale: float, seed: int) -> str:
         argv = _dfserve(
             "deploy", "--drafter", drafter, "--engine", "sim", "--name", name,
-            "--host", LOOPBACK, "--port", str(port), "--root", str(self.root / "deployments"),
+            "--host", LOOPBACK, "--port", "0", "--root", str(self.root / "deployments"),
             "--time-scale", str(time_scale), "--seed", str(seed), "--health-timeout", "60",
         )
         result = subprocess.run(argv, capture_output=True, text=True)
@@ -62,16 +58,22 @@ class Stack:
             raise UserError(f"deploying {name} failed: {result.stderr.strip().splitlines()[-1:]}")
         self.deployments.append(name)
         click.echo(result.stdout.strip())
-        return f"http://{LOOPBACK}:{port}"
+        healthy = HEALTHY_AT.search(result.stdout)
+        if healthy is None:
+            raise UserError(f"deploying {name}: no address in its output {result.stdout.strip()!r}")
+        return healthy.group(1)
 
-    def start_gateway(self, port: int, upstreams: dict[str, str]) -> str:
+    def start_gateway(self, upstreams: dict[str, str]) -> str:
         arms = [f"--arm={name}=50@{url}" for name, url in upstreams.items()]
         log = self.root / "gateway.log"
-        argv = _dfserve("gateway", "--host", LOOPBACK, "--port", str(port), "--scrape-interval", "2", *arms)
+        argv = _dfserve("gateway", "--host", LOOPBACK, "--port", "0", "--scrape-interval", "2", *arms)
         with log.open("wb") as out:
             self.gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         (self.root / "gateway.pid").write_text(f"{self.gateway.pid}\n")
-        url = f"http://{LOOPBACK}:{port}"
+        try:
+            url = wait_listening(log, self.gateway.poll, 30.0)
+        except RuntimeError as exc:
+            raise UserError(f"the gateway {exc}") from None
         failure = wait_healthy(f"{url}/health", self.gateway, 30.0)
         if failure is not None:
             raise UserError(f"the gateway {failure}; see {log}")
@@ -134,10 +136,10 @@ def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, ti
     with _terminated_by_signals():
         try:
             _say("1/4 deploy: two simulated Qwen3.6-27B engines, z-lab drafter (baseline) and in-house (candidate)")
-            upstreams = {arm: stack.deploy(f"demo-{arm}", drafter, _free_port(), time_scale, seed)
+            upstreams = {arm: stack.deploy(f"demo-{arm}", drafter, time_scale, seed)
                          for arm, drafter in ARMS}
             _say("2/4 gateway: one endpoint in front of both arms")
-            gateway = stack.start_gateway(_free_port(), upstreams)
+            gateway = stack.start_gateway(upstreams)
             _say(f"3/4 loadtest: {num_requests} HumanEval requests per arm, paired, {concurrency} in flight per arm")
             before = set(out.iterdir())
             loadtest = subprocess.run(_dfserve(

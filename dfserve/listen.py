@@ -1,7 +1,11 @@
 """Servers we start: sockets bound before they start (a taken port is one clear line naming the flag, not a
-traceback), and waiting until one answers.
+traceback), the address each one got announced on one line, and waiting until one answers.
 
-    sock = bind("127.0.0.1", 8080, "--port")
+Port 0 binds a free port; the server then says which in a line that `wait_listening` reads back from its log, so
+tests, the demo and `dfserve deploy --engine sim` never race for a port that another process may take first.
+
+    sock = bind("127.0.0.1", 0, "--port")
+    announce("dfserve sim", sock)                      # "dfserve sim: listening on http://127.0.0.1:41873"
     await uvicorn.Server(config).serve(sockets=[sock])
 """
 
@@ -9,13 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 from dfserve.errors import UserError
+
+LISTENING = re.compile(r"listening on http://(\S+:\d+)")
+"""What `announce` writes; group 1 is HOST:PORT."""
 
 
 def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -38,9 +49,42 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     return sock
 
 
+def url_of(sock: socket.socket) -> str:
+    """`http://HOST:PORT` of a bound socket, with the port it really got."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def announce(name: str, sock: socket.socket) -> str:
+    """Write `NAME: listening on URL` to stderr (flushed) and return URL."""
+    url = url_of(sock)
+    print(f"{name}: listening on {url}", file=sys.stderr, flush=True)
+    return url
+
+
 def ensure_free(host: str, port: int, flag: str = "--port") -> None:
     """Fail before anything is created if the port is taken (for servers that a child process will bind)."""
-    bind(host, port, flag).close()
+    if port != 0:
+        bind(host, port, flag).close()
+
+
+def wait_listening(log: Path, exited: Callable[[], int | None], timeout_s: float,
+                   pattern: re.Pattern[str] = LISTENING) -> str:
+    """The `http://HOST:PORT` a starting server wrote to `log` (group 1 of `pattern` is HOST:PORT); `exited` gives
+    the process's exit status once it has one. Raises `RuntimeError` saying why not: it exited first, or the line
+    did not come within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            found = pattern.search(log.read_text(encoding="utf-8", errors="replace"))
+            if found:
+                return f"http://{found.group(1)}"
+        code = exited()
+        if code is not None:
+            raise RuntimeError(f"exited with status {code} before it said where it listens (log: {log})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"did not say where it listens within {timeout_s:g} s (log: {log})")
+        time.sleep(0.02)
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> str | None:

@@ -1,0 +1,181 @@
+"""In-house training checkpoint -> Hugging Face DFlash folder that SGLang loads exactly like z-lab's drafter.
+
+Trainers save `checkpoint.pt` with the drafter's state dict nested (`model`, `state_dict`, ...) and prefixed
+(`module.`, `draft_model.`) beside optimizer state, or a bare safetensors file. This module finds the state dict,
+strips the prefixes, checks every tensor (presence, shape, dtype, NaN/Inf) and writes `config.json` and a bf16
+`model.safetensors` with z-lab's names. The output folder is named by the checkpoint's content hash and appears only
+by a final rename, so a second conversion of the same checkpoint does nothing and a failed one leaves nothing::
+
+    result = convert_checkpoint(Path("checkpoint.pt"), store, target, config, arch)
+    result.folder  # store/inhouse-<sha256[:16]>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file, save_file
+
+from dfserve.deploy.drafters import (
+    DrafterArch,
+    Target,
+    TensorInfo,
+    expected_tensors,
+    file_sha256,
+    problems_error,
+    read_safetensors_header,
+    remember_sha256,
+    tensor_table_problems,
+)
+from dfserve.errors import UserError
+from dfserve.runs import utc_now_iso
+
+WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "draft_model", "drafter")
+"""Keys under which trainers nest the drafter's state dict, tried in this order."""
+PREFIXES = ("module.", "draft_model.", "_orig_mod.", "model.")
+"""Name prefixes added by DDP (`module.`), trainer wrappers (`draft_model.`) and torch.compile (`_orig_mod.`)."""
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+RECORD_NAME = "dfserve-conversion.json"
+
+
+class ConversionRecord(BaseModel):
+    """Written beside the converted weights: which checkpoint they came from and how."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    source: str
+    sha256: str
+    tensors: int
+    renamed: dict[str, str]
+    created_at: str
+    torch_version: str
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    folder: Path
+    sha256: str
+    converted: bool
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def find_state_dict(obj: object, where: str) -> Mapping[str, torch.Tensor]:
+    """The drafter's tensors inside a loaded checkpoint: the object itself or a dict nested under `WRAPPER_KEYS`."""
+    if _is_state_dict(obj):
+        return obj  # type: ignore[return-value]
+    if isinstance(obj, Mapping):
+        for key in WRAPPER_KEYS:
+            if isinstance(obj.get(key), Mapping):
+                return find_state_dict(obj[key], f"{where}[{key!r}]")
+        keys = ", ".join(sorted(map(str, obj))[:10])
+        raise UserError(f"{where}: no drafter state dict (a dict of tensors) found; keys: {keys}; looked under {list(WRAPPER_KEYS)}")
+    raise UserError(f"{where}: holds a {type(obj).__name__}, not a state dict")
+
+
+def strip_prefixes(names: list[str]) -> dict[str, str]:
+    """Map each stored name to its z-lab name by removing wrapper prefixes; two names colliding is an error."""
+    mapping: dict[str, str] = {}
+    for name in names:
+        short = name
+        while stripped := next((short[len(p):] for p in PREFIXES if short.startswith(p)), None):
+            short = stripped
+        mapping[name] = short
+    collisions = sorted(short for short, count in Counter(mapping.values()).items() if count > 1)
+    if collisions:
+        raise UserError(f"checkpoint: tensors {collisions[:5]} appear under more than one prefix")
+    return mapping
+
+
+def load_checkpoint(path: Path) -> Mapping[str, torch.Tensor]:
+    """Tensors of a `.safetensors` file, or the state dict inside a torch checkpoint (loaded with weights_only)."""
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(str(path))
+        except Exception as exc:
+            raise UserError(f"--drafter: {path} is not a readable safetensors file ({exc.__class__.__name__}: {exc})") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise UserError(f"--drafter: {path} is not a torch checkpoint that loads with weights_only ({exc.__class__.__name__}: {str(exc)[:200]})") from None
+    return find_state_dict(obj, f"--drafter {path}")
+
+
+def nonfinite_problems(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    problems = []
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            nan = int(torch.isnan(tensor).sum())
+            inf = int(torch.isinf(tensor).sum())
+            if nan or inf:
+                problems.append(f"{name} has {nan} NaN and {inf} Inf values")
+    return problems
+
+
+def verify_checkpoint(tensors: Mapping[str, torch.Tensor], arch: DrafterArch) -> list[str]:
+    table = {
+        name: TensorInfo(DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))
+        for name, t in tensors.items()
+    }
+    return tensor_table_problems(table, expected_tensors(arch)) + nonfinite_problems(tensors)
+
+
+def _write_folder(folder: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], record: ConversionRecord) -> None:
+    bf16 = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in sorted(tensors.items())}
+    save_file(bf16, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2) + "\n", encoding="utf-8")
+    (folder / RECORD_NAME).write_text(record.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    written = read_safetensors_header(folder / "model.safetensors")
+    if sorted(written) != sorted(bf16) or any(info.dtype != "BF16" for info in written.values()):
+        raise UserError(f"conversion: {folder / 'model.safetensors'} does not read back as written")
+
+
+def convert_checkpoint(
+    checkpoint: Path, store: Path, target: Target, config: Mapping[str, Any], arch: DrafterArch,
+    hash_cache: Path | None = None,
+) -> ConvertResult:
+    """Convert once per checkpoint content; a folder already converted from the same bytes is reused as is."""
+    if not checkpoint.is_file():
+        raise UserError(f"--drafter: {checkpoint} is not a file")
+    digest = file_sha256(checkpoint, hash_cache, remember=False)
+    folder = store / f"inhouse-{digest[:16]}"
+    if folder.is_dir():
+        remember_sha256(checkpoint, hash_cache, digest)
+        return ConvertResult(folder, digest, converted=False)
+    stored = load_checkpoint(checkpoint)
+    renamed = strip_prefixes(list(stored))
+    tensors = {renamed[name]: tensor for name, tensor in stored.items()}
+    problems = verify_checkpoint(tensors, arch)
+    if problems:
+        raise problems_error(f"--drafter {checkpoint} (against target {target.model_path})", problems)
+    record = ConversionRecord(
+        source=str(checkpoint.resolve()), sha256=digest, tensors=len(tensors),
+        renamed={old: new for old, new in renamed.items() if old != new}, created_at=utc_now_iso(),
+        torch_version=torch.__version__,
+    )
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=store, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        _write_folder(tmp, tensors, config, record)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():  # another conversion of the same bytes won the race: keep its folder
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    remember_sha256(checkpoint, hash_cache, digest)
+    return ConvertResult(folder, digest, converted=True)

@@ -1,0 +1,79 @@
+"""Host profiles: the SGLang settings that fit one kind of host, each value documented with its source in its YAML.
+
+A profile is a name shipped in ``dfserve/deploy/profiles/NAME.yaml`` (``pro6000``) or a path to such a file, so other hosts
+are added as data, not code::
+
+    profile = load_profile("pro6000")
+    profile.sglang.max_running_requests  # 32
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dfserve.errors import UserError, describe_invalid, describe_yaml
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelFacts(_Strict):
+    """A model as SGLang names it, with the config.json facts used when its own file is not on this machine."""
+
+    model_path: str = Field(description="Hugging Face id (or path) passed to SGLang.")
+    config: dict[str, Any] = Field(description="config.json content, verbatim in Hugging Face's layout.")
+
+
+class SGLangSettings(_Strict):
+    """Server arguments a profile fixes; each maps to one SGLang flag (see ``deploy.sglang_engine``)."""
+
+    tp_size: int = Field(ge=1)
+    mem_fraction_static: float = Field(gt=0, lt=1)
+    context_length: int = Field(ge=1)
+    max_running_requests: int = Field(ge=1)
+    attention_backend: str
+    draft_attention_backend: Literal["flashinfer", "fa3", "fa4", "triton"]
+    mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] | None = None
+    enable_metrics: bool = True
+    served_model_name: str = Field(description="Template; `{drafter}` becomes the drafter's label.")
+
+
+class HostProfile(_Strict):
+    schema_version: Literal[1]
+    name: str
+    gpu: str
+    target: ModelFacts
+    target_families: list[str] = Field(min_length=1)
+    zlab: ModelFacts
+    sglang: SGLangSettings
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+def profile_names() -> list[str]:
+    folder = resources.files(__package__) / "profiles"
+    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> HostProfile:
+    """A shipped profile by name, or a YAML file by path; a bad file is a `UserError` naming the field."""
+    if name_or_path in profile_names():
+        text = (resources.files(__package__) / "profiles" / f"{name_or_path}.yaml").read_text(encoding="utf-8")
+        where = f"profile {name_or_path}"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserError(f"--profile: {name_or_path!r} is neither a known profile ({', '.join(profile_names())}) nor a file")
+        text = path.read_text(encoding="utf-8")
+        where = str(path)
+    try:
+        return HostProfile.model_validate(yaml.safe_load(text))
+    except yaml.YAMLError as exc:
+        raise UserError(describe_yaml(exc, f"--profile {where}")) from None
+    except ValidationError as exc:
+        raise UserError(describe_invalid(exc, f"--profile {where}")) from None

@@ -1,0 +1,405 @@
+"""The simulator's HTTP face: SGLang's routes on Starlette, streaming written straight to the ASGI channel.
+
+Every body comes from a builder in `dfserve.sglang`, so field names live in one module. A stream sends one chunk per
+step of the engine; a client that disconnects is noticed by a watcher on the ASGI `receive` channel and its slot is
+freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dfserve import __version__
+from dfserve import sglang as proto
+from dfserve.deploy.sim.config import SimConfig
+from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
+from dfserve.deploy.sim.faults import FaultPlan, RequestFaults, SimulatedDisconnect
+from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
+from dfserve.deploy.sim.profiles import DrafterProfile
+from dfserve.deploy.sim.telemetry import Telemetry
+from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
+
+NATIVE_MAX_NEW_TOKENS = 128
+"""SGLang's default `max_new_tokens` for native requests that set none."""
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass
+class Context:
+    """What a response needs besides its request: settings fixed at start-up."""
+
+    config: SimConfig
+    engine: Engine
+    created: int
+
+
+class SimResponse(Response):
+    """Streams (or answers once) one request as the engine advances it; it owns the request's lifetime.
+
+    A stream encodes each chunk when the engine computes the step, before the step's modelled end, so at the
+    deadline only the send is left. Only the send times of --record-chunk-times are added to a final chunk
+    as it is sent, and a stream ends its response on a later turn of the loop: in a step where many requests
+    finish, encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
+    """
+
+    def __init__(self, ctx: Context, request: proto.EngineRequest, sim: SimRequest, faults: RequestFaults) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.sim = sim
+        self.faults = faults
+        self.sent_unix: list[float] = []
+        self.due_unix: list[float] = []
+        self._encoded = 0
+        self._shown_text = 0
+        self._shown_ids = 0
+        self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
+        self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
+        self._stamp_final = request.stream and ctx.config.record_chunk_times
+        if request.stream:
+            sim.encode = self._encode
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        updates = self.sim.updates
+        watcher = asyncio.create_task(self._watch(receive, updates))
+        try:
+            if self.request.stream:
+                await self._stream(send, updates)
+            else:
+                await self._whole(send, updates)
+        finally:
+            watcher.cancel()
+            self.ctx.engine.cancel(self.sim)
+            self.sim.encode = None  # the request and its response refer to each other: freed now, not by a GC pause
+
+    async def _watch(self, receive: Receive, updates: asyncio.Queue[Update | None]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.ctx.engine.cancel(self.sim)
+        updates.put_nowait(None)
+
+    async def _stream(self, send: Send, updates: asyncio.Queue[Update | None]) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        chunks = 0
+        while True:
+            update = await updates.get()
+            if update is None:
+                return
+            payload = update.payload if update.payload is not None else self._chunk(update)
+            self.sent_unix.append(time.time())
+            if update.finished and self._stamp_final:
+                payload = self._stamped(payload)
+            await send({"type": "http.response.body", "body": payload, "more_body": True})
+            chunks += 1
+            if update.finished:
+                await asyncio.sleep(0)  # the response's end and teardown wait until the step's chunks are out
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if chunks in self._fault_chunks:
+                await self._fault(chunks)
+
+    def _stamped(self, payload: bytes) -> bytes:
+        """The final payload with every chunk's send time, its own (taken just before) included."""
+        if self.request.api == "native":
+            return self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
+        times = proto.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
+        return payload[: -len(proto.SSE_DONE)] + proto.sim_times_comment(times) + proto.SSE_DONE
+
+    def _encode(self, update: Update) -> bytes:
+        return self._chunk(update)
+
+    async def _fault(self, chunks: int) -> None:
+        if chunks == self.faults.disconnect_after_chunk:
+            raise SimulatedDisconnect(self.sim.rid)
+        await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
+
+    async def _whole(self, send: Send, updates: asyncio.Queue[Update | None]) -> None:
+        while True:
+            update = await updates.get()
+            if update is None:
+                return
+            if update.finished:
+                break
+        if self.faults.stall_after_chunk is not None:
+            await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
+        body = proto.json_bytes(self._whole_body(update))
+        headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.faults.disconnect_after_chunk is not None:
+            raise SimulatedDisconnect(self.sim.rid)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # --- bodies ---------------------------------------------------------------------------------------------
+
+    def _meta(self, update: Update) -> dict[str, Any]:
+        sim = self.sim
+        final = update.finished
+        meta = proto.meta_info_body(
+            rid=sim.rid,
+            finish=sim.finish if final else None,
+            prompt_tokens=sim.prompt_tokens,
+            completion_tokens=update.completion_tokens,
+            queue_time_s=sim.queue_time_s,
+            e2e_latency_s=(sim.finished_s or 0.0) - sim.arrived_s if final else None,
+            spec=sim.spec_stats() if final else None,
+            simulated=True,
+        )
+        if final and self.ctx.config.record_chunk_times:
+            meta[proto.SIM_CHUNK_DUE_KEY] = self.due_unix
+            if not self.request.stream:  # a stream's final chunk gets its send times as it is sent
+                meta[proto.SIM_CHUNK_SENT_KEY] = [time.time()]
+        return meta
+
+    def _text_delta(self, update: Update) -> str:
+        text = self.sim.output.text
+        end = len(text) if update.finished else update.text_len
+        delta = text[self._shown_text : end]
+        self._shown_text = end
+        return delta
+
+    def _chunk(self, update: Update) -> bytes:
+        """One update's bytes; called once per update, in order (it advances what was shown)."""
+        first = self._encoded == 0
+        self._encoded += 1
+        self.due_unix.append(update.due_unix_s)
+        if self.request.api == "native":
+            return self._native_chunk(update)
+        head = self._head()
+        delta = self._text_delta(update)
+        if self.request.api == "chat":
+            parts = [proto.sse_event(proto.chat_chunk_body(head, content="", first=True))] if first else []
+            parts.append(proto.sse_event(proto.chat_chunk_body(head, content=delta)))
+            if update.finished:
+                parts.append(proto.sse_event(proto.chat_chunk_body(head, content=None, finish=self.sim.finish)))
+        else:
+            parts = [proto.sse_event(proto.completion_chunk_body(head, text=delta))]
+            if update.finished:
+                parts.append(proto.sse_event(proto.completion_chunk_body(head, text="", finish=self.sim.finish)))
+        if update.finished:
+            if self.request.include_usage:
+                obj = "chat.completion.chunk" if self.request.api == "chat" else "text_completion"
+                parts.append(proto.sse_event(proto.usage_chunk_body(
+                    head, obj=obj, prompt_tokens=self.sim.prompt_tokens,
+                    completion_tokens=update.completion_tokens)))
+            parts.append(proto.SSE_DONE)
+        return b"".join(parts)
+
+    def _native_chunk(self, update: Update) -> bytes:
+        output = self.sim.output
+        if self._stamp_final:
+            self._native.encode_sent_times(self.sent_unix)
+        meta = self._meta(update)
+        if not update.finished:
+            new_ids = output.ids[self._shown_ids : update.completion_tokens]
+            self._shown_ids = update.completion_tokens
+            return self._native.event(self._text_delta(update), new_ids, meta)
+        if self.ctx.config.incremental_streaming_output:
+            body = proto.generate_response_body(self._text_delta(update), output.ids[self._shown_ids :], meta)
+        else:
+            body = proto.generate_response_body(output.text, output.ids, meta)
+        event = proto.sse_event(body)
+        return event if self._stamp_final else event + proto.SSE_DONE
+
+    def _whole_body(self, update: Update) -> dict[str, Any]:
+        sim, api = self.sim, self.request.api
+        text = sim.output.text
+        self.due_unix.append(update.due_unix_s)  # a whole response is one "chunk" for --record-chunk-times
+        if api == "native":
+            return proto.generate_response_body(text, sim.output.ids, self._meta(update))
+        head, tokens = self._head(), update.completion_tokens
+        if api == "chat":
+            meta = self._meta(update) if self.request.return_meta_info else None
+            return proto.chat_completion_body(head, text=text, finish=sim.finish, prompt_tokens=sim.prompt_tokens,
+                                              completion_tokens=tokens, meta=meta)
+        return proto.completion_body(head, text=text, finish=sim.finish, prompt_tokens=sim.prompt_tokens,
+                                     completion_tokens=tokens)
+
+    def _head(self) -> proto.ResponseHead:
+        return proto.ResponseHead(self.sim.rid, self.ctx.created, self.request.model or self.ctx.config.model_name)
+
+
+def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Vocabulary) -> GenerationRoutes:
+    """The ASGI app of one simulated engine; its scheduler starts and stops with the app's lifespan."""
+    registry = CollectorRegistry()
+    settings = EngineSettings(config.max_running_requests, config.max_prefill_tokens)
+    telemetry = Telemetry(registry, config.model_name, max_total_tokens=settings.max_total_tokens)
+    rng = random.Random(config.seed)
+    latency = LatencyModel(
+        LatencyParams(**config.latency.model_dump()), config.time_scale, random.Random(rng.getrandbits(64))
+    )
+    engine = Engine(settings, profile, latency, telemetry, config.seed)
+    faults = FaultPlan(config.faults, random.Random(rng.getrandbits(64)))
+    text_model = TextModel(vocabulary, config.lossy_fraction)
+    ctx = Context(config=config, engine=engine, created=int(time.time()))
+
+    def prompt_of(request: proto.EngineRequest) -> tuple[str, int]:
+        if request.messages is not None:
+            prompt = render_chat(list(request.messages))
+            return prompt, vocabulary.count(prompt)
+        if request.input_ids is not None:
+            return " ".join(map(str, request.input_ids)), len(request.input_ids)
+        prompt = request.prompt or ""
+        return prompt, vocabulary.count(prompt)
+
+    def start(request: proto.EngineRequest) -> Response:
+        draw = faults.draw()
+        if draw.error:
+            return _error(request.api, "Simulated engine error (--error-rate).", 500)
+        prompt, prompt_tokens = prompt_of(request)
+        max_new = request.max_new_tokens
+        if max_new is None:
+            max_new = NATIVE_MAX_NEW_TOKENS if request.api == "native" else config.context_length - prompt_tokens
+        if prompt_tokens + max_new > config.context_length:
+            return _error(request.api, f"Requested token count exceeds the model's maximum context length of "
+                          f"{config.context_length} tokens. You requested a total of {prompt_tokens + max_new} "
+                          f"tokens: {prompt_tokens} tokens from the input messages and {max_new} tokens for the "
+                          f"completion.", 400)
+        limits = Limits(max_new, request.stop, request.stop_token_ids, request.ignore_eos, request.no_stop_trim)
+        output = text_model.start(prompt, request.sampling_key, limits)
+        sim = engine.submit(prompt=prompt, sampling_key=request.sampling_key, prompt_tokens=prompt_tokens,
+                            output=output, rid=request.rid)
+        return SimResponse(ctx, request, sim, draw)
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def health_generate(_: Request) -> Response:
+        """Like SGLang's: 200 once a one-token generation has gone through the scheduler."""
+        output = text_model.start("ping", "", Limits(max_new_tokens=1))
+        probe = engine.submit(prompt="ping", sampling_key="", prompt_tokens=1, output=output)
+        while (update := await probe.updates.get()) is not None and not update.finished:
+            pass
+        return Response(status_code=200)
+
+    async def models(_: Request) -> Response:
+        return JSONResponse(proto.models_body(config.model_name, config.model_path, ctx.created,
+                                              config.context_length))
+
+    async def model_info(_: Request) -> Response:
+        return JSONResponse(proto.model_info_body(config.model_path, "qwen3_5", ["Qwen3_5ForConditionalGeneration"]))
+
+    async def server_info(_: Request) -> Response:
+        return JSONResponse(proto.server_info_body(
+            _server_args(config, engine), avg_spec_accept_length=telemetry.avg_spec_accept_length,
+            last_gen_throughput=telemetry.last_gen_throughput, version=f"dfserve-sim {__version__}", simulated=True,
+        ))
+
+    async def flush_cache(_: Request) -> Response:
+        if engine.running or engine.queued:
+            return PlainTextResponse("Cache not flushed because there are pending requests.", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)")
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        scheduler = asyncio.create_task(engine.run())
+        try:
+            yield
+        finally:
+            scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scheduler
+
+    routes = [
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/health_generate", health_generate),
+        Route("/model_info", model_info),
+        Route("/get_model_info", model_info),
+        Route("/server_info", server_info),
+        Route("/get_server_info", server_info),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/metrics", metrics),
+    ]
+    return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start)
+
+
+GENERATION_ROUTES: dict[str, tuple[proto.Api, Callable[[bytes], proto.EngineRequest]]] = {
+    proto.ROUTES["native"]: ("native", proto.parse_generate_request),
+    proto.ROUTES["chat"]: ("chat", proto.parse_chat_request),
+    proto.ROUTES["completions"]: ("completions", proto.parse_completions_request),
+}
+
+
+class GenerationRoutes:
+    """The three generation routes as plain ASGI in front of Starlette, which serves everything else.
+
+    A streamed chunk then passes through no middleware: each layer costs a coroutine per chunk, and at 48 streams
+    per verify round those microseconds are the lateness budget.
+    """
+
+    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Response]) -> None:
+        self.app = app
+        self.start = start
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        api, parse = route
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            request = parse(b"".join(chunks))
+        except proto.RequestError as exc:
+            response = _error(api, str(exc), 400)
+        else:
+            response = self.start(request)
+        await response(scope, receive, send)
+
+
+def _error(api: proto.Api, message: str, status: int) -> Response:
+    return JSONResponse(proto.engine_error_body(api, message, status), status_code=status)
+
+
+def _server_args(config: SimConfig, engine: Engine) -> dict[str, Any]:
+    """The resolved ServerArgs fields that matter to dfserve, under SGLang's names, plus the sim's own settings."""
+    speculative = engine.profile is not None
+    return {
+        "model_path": config.model_path,
+        "tokenizer_path": config.model_path,
+        "served_model_name": config.model_name,
+        "host": config.host,
+        "port": config.port,
+        "tp_size": 1,
+        "dp_size": 1,
+        "context_length": config.context_length,
+        "max_running_requests": config.max_running_requests,
+        "max_prefill_tokens": config.max_prefill_tokens,
+        "max_total_num_tokens": engine.settings.max_total_tokens,
+        "random_seed": config.seed,
+        "enable_metrics": True,
+        "incremental_streaming_output": config.incremental_streaming_output,
+        "speculative_algorithm": "DFLASH" if speculative else None,
+        "speculative_draft_model_path": config.resolved_draft_model_path(),
+        "speculative_num_draft_tokens": engine.block_size if speculative else None,
+        "speculative_dflash_block_size": engine.block_size if speculative else None,
+        "speculative_num_steps": 1 if speculative else None,
+        "speculative_eagle_topk": 1 if speculative else None,
+        "dfserve_sim": config.model_dump(mode="json", include={"profile", "time_scale", "seed", "lossy_fraction",
+                                                               "faults", "latency"}),
+    }

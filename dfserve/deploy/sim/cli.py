@@ -1,0 +1,48 @@
+"""`dfserve sim`: serve the simulated SGLang engine (flags shaped like SGLang's launch_server where they overlap)."""
+
+from __future__ import annotations
+
+import click
+from pydantic import ValidationError
+
+from dfserve.deploy.sim.config import SimConfig
+from dfserve.deploy.sim.faults import FaultConfig
+from dfserve.errors import UserError, describe_invalid_flag
+
+
+def _config(**values: object) -> SimConfig:
+    fault_keys = ("error_rate", "stall_fraction", "stall_s", "disconnect_fraction")
+    faults = {k: values.pop(k) for k in fault_keys}
+    try:
+        return SimConfig.model_validate({**values, "faults": FaultConfig.model_validate(faults)})
+    except ValidationError as exc:
+        raise UserError(describe_invalid_flag(exc)) from None
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--host", default="127.0.0.1", help="Address to listen on.")
+@click.option("--port", type=int, default=30000, help="Listen port; 0 takes a free one (the log line says which).")
+@click.option("--profile", default="zlab", help="Drafter profile: zlab, inhouse, none (no speculation), or FILE.json.")
+@click.option("--time-scale", type=float, default=1.0, help="Multiplies every modelled time (0.02: 50x faster).")
+@click.option("--seed", type=int, default=0, help="Seeds acceptance draws, jitter and faults.")
+@click.option("--max-running-requests", type=int, default=48, help="Requests decoded at once; the rest queue.")
+@click.option("--max-prefill-tokens", type=int, default=16384, help="Prompt tokens one prefill step admits.")
+@click.option("--context-length", type=int, default=262144)
+@click.option("--served-model-name", default=None, help="Model name in responses and /v1/models [model path].")
+@click.option("--model-path", default="Qwen/Qwen3.6-27B", help="Target model reported in /server_info.")
+@click.option("--draft-model-path", default=None, help="Drafter reported in /server_info [from the profile].")
+@click.option("--block-size", type=int, default=None, help="Verify block size [the profile's, 16].")
+@click.option("--incremental-streaming-output", is_flag=True, help="Stream text and ids as deltas, like SGLang's flag.")
+@click.option("--record-chunk-times", is_flag=True,
+              help="Put each chunk's send and modelled due time into a stream's final native meta_info "
+                   "(OpenAI streams: an SSE comment before [DONE]).")
+@click.option("--lossy-fraction", type=float, default=0.0, help="Fraction of prompts whose output text differs.")
+@click.option("--error-rate", type=float, default=0.0, help="Fraction of requests answered with HTTP 500.")
+@click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")
+@click.option("--stall-s", type=float, default=5.0, help="Length of a stall, seconds at time scale 1.")
+@click.option("--disconnect-fraction", type=float, default=0.0, help="Fraction of requests dropped mid-stream.")
+def sim(**values: object) -> None:
+    """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
+    from dfserve.deploy.sim.server import run
+
+    run(_config(**values))

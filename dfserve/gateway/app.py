@@ -1,0 +1,271 @@
+"""The gateway's request handler: routes, arm choice, shadow mirrors, client disconnects.
+
+A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
+path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
+`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
+and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable
+
+import aiohttp
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from dfserve import sglang
+from dfserve.errors import ProtocolError
+from dfserve.gateway.config import GatewayConfig, RoutingConfig
+from dfserve.gateway.relay import (
+    ARM_HEADER,
+    HOP_BY_HOP,
+    Exchange,
+    NativeStream,
+    OpenAIStream,
+    measure_whole,
+    record,
+    relay_stream,
+    response_headers,
+)
+from dfserve.gateway.routing import Router, UnknownArm
+from dfserve.gateway.scrape import Scraper
+from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
+from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
+from dfserve.metrics import DfserveMetrics
+
+PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
+FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
+"""Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
+
+
+def build_router(routing: RoutingConfig) -> Router:
+    weights = {name: arm.weight for name, arm in routing.arms.items()}
+    return Router(routing.mode, weights, primary=routing.primary, shadow_fraction=routing.shadow_fraction,
+                  shed=routing.shed)
+
+
+class Gateway:
+    """The live state behind both listeners: routing (swapped atomically by `apply`), upstream, metrics."""
+
+    def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = DfserveMetrics.build(self.registry)
+        self.rng = random.Random(config.seed)
+        self.routing = config.routing
+        self.router = build_router(config.routing)
+        self._upstream: Upstream | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._set_weights(config.routing)
+
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("Gateway.start() has not run")
+        return self._upstream
+
+    def _set_weights(self, routing: RoutingConfig) -> None:
+        for name, arm in routing.arms.items():
+            self.metrics.arm_weight.labels(name).set(arm.weight)
+        for name in self.routing.arms.keys() - routing.arms.keys():
+            self.metrics.arm_weight.remove(name)
+
+    def apply(self, routing: RoutingConfig) -> None:
+        """Replace the routing config: everything is built first, then swapped, so a failure changes nothing."""
+        router = build_router(routing)
+        if self._upstream is not None:
+            self._upstream.set_arms(routing.arms)
+        self._set_weights(routing)
+        self.routing, self.router = routing, router
+
+    async def start(self) -> None:
+        limits = self.config.limits
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s,
+                                          sock_read=limits.read_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        self._upstream = Upstream(session, self.routing.arms, limits, self.config.health, self.metrics)
+        self.spawn(self._upstream.health_loop())
+        scrape = self.config.scrape
+        if scrape.enabled:
+            scraper = Scraper(session, lambda: {n: a.replicas for n, a in self.routing.arms.items()}, self.metrics,
+                              scrape.interval_s, scrape.window_s, scrape.timeout_s)
+            self.spawn(scraper.run())
+
+    def spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._upstream is not None:
+            self._upstream.close()
+            await self._upstream.session.close()
+
+
+class GatewayApp:
+    """The client-facing listener's handler (`gateway.server`)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, request: Request, reply: Reply) -> None:
+        path, method = request.path, request.method
+        api = PROXIED.get(path)
+        if api is not None and method == "POST":
+            await self.proxy(api, request, reply)
+        elif path in FORWARDED_GETS and method == "GET":
+            _, pinned = self._routing_keys(request, None)
+            try:
+                arm = self.gateway.router.decide(self.gateway.rng, pinned=pinned).arm
+            except UnknownArm as exc:
+                send_error(reply, 400, str(exc), "invalid_request_error")
+                return
+            exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
+            await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
+        elif path == "/health" and method == "GET":
+            self.health(reply)
+        elif path == "/metrics" and method == "GET":
+            reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
+        elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
+            send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
+        else:
+            send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")
+
+    def health(self, reply: Reply) -> None:
+        down = self.gateway.upstream.down()
+        arms = {name: name not in down for name in self.gateway.routing.arms}
+        status = 200 if any(arms.values()) else 503
+        reply.whole(status, JSON_HEADERS, json.dumps({"status": "ok" if status == 200 else "unavailable",
+                                                      "arms": arms}).encode())
+
+    @staticmethod
+    def _headers(request: Request) -> bytes:
+        """The client's headers to pass upstream, as header lines."""
+        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in _NOT_FORWARDED)
+
+    def _routing_keys(self, request: Request, user: str | None) -> tuple[str | None, str | None]:
+        """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
+        key, pinned = user, None
+        sticky = self.gateway.routing.sticky_header.lower().encode()
+        for name, value in request.headers:
+            if name == sticky:
+                key = value.decode("latin-1")
+            elif name == ARM_HEADER:
+                pinned = value.decode("latin-1")
+        return key, pinned
+
+    async def proxy(self, api: str, request: Request, reply: Reply) -> None:
+        gateway = self.gateway
+        start = time.perf_counter()
+        try:
+            inspected = sglang.inspect_request(request.body)
+        except ProtocolError as exc:
+            send_error(reply, 400, str(exc), "invalid_request_error")
+            return
+        key, pinned = self._routing_keys(request, inspected.user)
+        down = gateway.upstream.down()
+        try:
+            decision = gateway.router.decide(gateway.rng, key, down, pinned)
+        except UnknownArm as exc:
+            send_error(reply, 400, str(exc), "invalid_request_error")
+            return
+        headers = self._headers(request)
+        path = request.path
+        upstream_body = request.body
+        if api == "chat" and not inspected.stream and not inspected.return_meta_info:
+            upstream_body = sglang.with_return_meta_info(inspected.body)
+        for mirror in decision.mirrors:
+            if mirror in down:
+                gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
+            else:
+                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
+        exchange = Exchange(arm=decision.arm, route=api, start=start)
+        await self.forward(exchange, b"POST", path, upstream_body, headers, reply,
+                           strip_meta=upstream_body is not request.body)
+
+    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
+        """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
+        try:
+            await self.forward(exchange, b"POST", path, body, headers, Discard(), strip_meta=False)
+            outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
+        except Exception:
+            outcome = "error"
+        if exchange.error == "overloaded":
+            outcome = "dropped"
+        self.gateway.metrics.shadow_requests.labels(exchange.arm, outcome).inc()
+
+    async def forward(
+        self,
+        exchange: Exchange,
+        method: bytes,
+        path: str,
+        body: bytes,
+        headers: bytes,
+        reply: Responder,
+        strip_meta: bool = False,
+    ) -> None:
+        """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
+        (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
+        gateway = self.gateway
+        in_flight = gateway.metrics.in_flight.labels(exchange.arm, exchange.route)
+        in_flight.inc()
+        opened: Opened | None = None
+        try:
+            try:
+                opened = await gateway.upstream.open(exchange.arm, method, path, body, headers)
+            except UpstreamFailure as failure:
+                exchange.status, exchange.error = failure.status, failure.kind
+                send_error(reply, failure.status, str(failure), "upstream_error", [(ARM_HEADER, exchange.arm.encode())])
+            else:
+                await self._relay(opened, exchange, reply, strip_meta)
+        except asyncio.CancelledError:
+            if not reply.disconnected:
+                raise
+            exchange.error = "client_disconnect"
+        finally:
+            exchange.end = time.perf_counter()
+            if opened is not None:
+                failed = exchange.error in ("stream_cut", "timeout")
+                gateway.upstream.release(opened, clean=exchange.error is None, failure=exchange.error if failed else None)
+            in_flight.dec()
+            record(gateway.metrics, exchange)
+
+    async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_meta: bool) -> None:
+        response = opened.response
+        exchange.replica, exchange.status = opened.replica.url, response.status
+        arm, replica = opened.arm.name, opened.replica.url
+        headers = response_headers(response.headers, arm, replica)
+        if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
+            reply.start(response.status, headers)
+            await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
+                               exchange)
+            return
+        try:
+            await opened.call.finish()
+            payload = response.body()
+        except MID_STREAM as exc:
+            exchange.error = mid_stream_error(exc)
+            send_error(reply, 502, f"upstream replica failed mid-response ({type(exc).__name__})", "upstream_error",
+                       [(ARM_HEADER, arm.encode())])
+            return
+        if response.status == 200 and exchange.route in PROXIED.values():
+            try:
+                exchange.acceptance = measure_whole(exchange.route, payload)
+                if strip_meta:
+                    payload = sglang.strip_meta_info(payload)
+            except ProtocolError as exc:
+                exchange.unparsed = str(exc)
+        reply.whole(response.status, headers, payload)

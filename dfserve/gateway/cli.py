@@ -1,0 +1,104 @@
+"""`dfserve gateway`: serve the A/B gateway (and its admin listener) until SIGINT/SIGTERM, then give the answers
+under way up to 10 s to finish.
+
+Both listeners (`gateway.server`) share one uvloop event loop; uvloop sets TCP_NODELAY on every accepted socket (and
+asyncio on the upstream connections of `dfserve.http1`), so no chunk waits for a delayed ACK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dfserve.errors import UserError
+from dfserve.gateway.config import GatewayConfig, load_config, parse_arm_flag
+from dfserve.listen import announce, bind
+
+log = logging.getLogger("dfserve.gateway")
+
+
+async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
+    """Run the gateway listener and, when configured, the admin listener, until SIGINT/SIGTERM.
+
+    SIGHUP calls `reload` and applies the routing it returns, atomically; a bad file is logged and changes nothing.
+    """
+    from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, AdminApp
+    from dfserve.gateway.app import Gateway, GatewayApp
+    from dfserve.gateway.server import Server, ServerLimits
+
+    token = config.admin_token()
+    gateway = Gateway(config)
+    listeners = [(Server(GatewayApp(gateway), ServerLimits(config.limits.max_body_bytes)),
+                  bind(config.host, config.port, "--port"))]
+    if config.admin.port is not None and token is not None:
+        listeners.append((Server(AdminApp(gateway, token), ServerLimits(MAX_ADMIN_BODY_BYTES)),
+                          bind(config.admin.host, config.admin.port, "--admin-port")))
+    for (_, sock), name in zip(listeners, ("dfserve gateway", "dfserve gateway admin"), strict=False):
+        announce(name, sock)
+    stopping = asyncio.Event()
+
+    def hangup(reload: Callable[[], GatewayConfig]) -> None:
+        try:
+            gateway.apply(reload().routing)
+        except UserError as exc:
+            log.error("reload refused, routing unchanged: %s", exc)
+        else:
+            log.warning("reloaded routing: %s", ", ".join(f"{n}={a.weight:g}" for n, a in gateway.routing.arms.items()))
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, hangup, reload)
+    await gateway.start()
+    gc.collect()
+    gc.freeze()  # start-up objects (imports, config, metrics) never need scanning again: short full collections
+    try:
+        for server, sock in listeners:
+            await server.start(sock)
+        await stopping.wait()
+    finally:
+        await asyncio.gather(*(server.stop() for server, _ in listeners))
+        await gateway.stop()
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Gateway YAML (arms, mode, limits, health, scrape, admin); flags override it.")
+@click.option("--host", help="Listen address [127.0.0.1].")
+@click.option("--port", type=int, help="Listen port [8080]; 0 takes a free one (the log line says which).")
+@click.option("--arm", "arms", multiple=True, metavar="NAME=WEIGHT@URL[,URL...]",
+              help="An arm and its replicas; repeat per arm. Replaces the config file's arms.")
+@click.option("--mode", type=click.Choice(["split", "sticky", "shadow"]), help="Routing mode [split].")
+@click.option("--primary", help="shadow mode: the arm whose answers clients get.")
+@click.option("--shed/--no-shed", default=None, help="Send a down arm's share to the others instead of 503.")
+@click.option("--admin-host", help="Admin listener address [127.0.0.1].")
+@click.option("--admin-port", type=int, help="Admin listener port (0: a free one); the token comes from $DFSERVE_ADMIN_TOKEN.")
+@click.option("--seed", type=int, help="Seed of the weighted split.")
+@click.option("--health-interval", type=float, help="Seconds between active health checks [2].")
+@click.option("--scrape-interval", type=float, help="Seconds between replica /metrics scrapes [15].")
+def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
+    """Split, stick or mirror OpenAI/SGLang traffic between drafter arms and measure each arm."""
+    keys = {"host": "host", "port": "port", "mode": "routing.mode", "primary": "routing.primary",
+            "shed": "routing.shed", "admin_host": "admin.host", "admin_port": "admin.port", "seed": "seed",
+            "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s"}
+    overrides = {keys[name]: value for name, value in flags.items() if value is not None}
+    if arms:
+        parsed = [parse_arm_flag(text) for text in arms]
+        names = [name for name, _ in parsed]
+        if len(set(names)) != len(names):
+            raise UserError(f"--arm: each arm needs its own name (given: {', '.join(names)})")
+        overrides["routing.arms"] = dict(parsed)
+    config = load_config(config_path, overrides)
+    config.admin_token()
+    import uvloop
+
+    logging.basicConfig(format="dfserve gateway: %(levelname)s %(message)s")
+    uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None))

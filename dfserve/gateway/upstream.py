@@ -1,0 +1,241 @@
+"""Replicas of each arm: which one gets a request, whether it is healthy, and retries before the first byte.
+
+Requests go out through `dfserve.http1`, one keep-alive pool per replica (TCP_NODELAY, no task or timer per
+chunk: the relay's cost per streamed chunk is most of the gateway's, see bench/RESULTS.md); health checks, off the
+hot path, use an aiohttp session. A replica is ejected after `eject_after_failures`
+consecutive failures, passive (connect errors, disconnects and 5xx seen by requests) or active (`GET /health`), and
+re-admitted by the next health check that passes. A request whose replica fails before any response byte is retried
+on another replica of the same arm, never of another arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from dfserve.gateway.config import ArmConfig, HealthConfig, Limits
+from dfserve.gateway.routing import pick_replica
+from dfserve.http1 import (
+    BadResponse,
+    Call,
+    ConnectFailed,
+    Disconnected,
+    Pool,
+    ReaderStalled,
+    ReadTimeout,
+    Response,
+)
+from dfserve.metrics import DfserveMetrics
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica's live state; kept across routing reloads while its URL stays in the arm."""
+
+    url: str
+    pool: Pool
+    healthy: bool = True
+    failures: int = 0
+    in_flight: int = 0
+
+
+@dataclass(eq=False)
+class Arm:
+    name: str
+    replicas: list[Replica]
+    in_flight: int = 0
+    turn: int = 0
+
+    @property
+    def up(self) -> bool:
+        return any(replica.healthy for replica in self.replicas)
+
+
+class UpstreamFailure(Exception):
+    """No response could be had from the arm; `status` and `kind` become the client's error and a metric label."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled)
+"""What a response can fail with once its head has arrived."""
+
+
+def mid_stream_error(exc: Exception) -> str:
+    """The failure kind of a response cut after its head: the replica's (`timeout`, `stream_cut`) unless the
+    gateway's own client stopped reading (`client_stalled`)."""
+    if isinstance(exc, ReaderStalled):
+        return "client_stalled"
+    return "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
+
+
+@dataclass(eq=False)
+class Opened:
+    """An upstream response whose headers have arrived; `release` must be called once it is finished with."""
+
+    call: Call
+    response: Response
+    arm: Arm
+    replica: Replica
+    retries: int
+    _released: bool = field(default=False, repr=False)
+
+
+class Upstream:
+    """The arms' replicas, each with its own connection pool; `session` serves health checks."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        arms: Mapping[str, ArmConfig],
+        limits: Limits,
+        health: HealthConfig,
+        metrics: DfserveMetrics,
+    ) -> None:
+        self.session = session
+        self.limits = limits
+        self.health = health
+        self.metrics = metrics
+        self.arms: dict[str, Arm] = {}
+        self.set_arms(arms)
+
+    def set_arms(self, arms: Mapping[str, ArmConfig]) -> None:
+        """Adopt a new set of arms in one assignment; replicas whose URL is unchanged keep their state."""
+        known = {(arm.name, r.url): r for arm in self.arms.values() for r in arm.replicas}
+        new = {}
+        for name, config in arms.items():
+            replicas = [known.get((name, url)) or self._replica(url) for url in config.replicas]
+            old = self.arms.get(name)
+            new[name] = Arm(name, replicas, in_flight=old.in_flight if old else 0)
+            for replica in replicas:
+                self.metrics.replica_healthy.labels(name, replica.url).set(1 if replica.healthy else 0)
+        for (name, url) in known.keys() - {(n, r.url) for n, arm in new.items() for r in arm.replicas}:
+            self.metrics.replica_healthy.remove(name, url)
+            known[(name, url)].pool.close()
+        self.arms = new
+
+    def _replica(self, url: str) -> Replica:
+        return Replica(url, Pool(url, time.perf_counter, connect_timeout_s=self.limits.connect_timeout_s,
+                                 read_timeout_s=self.limits.read_timeout_s))
+
+    def close(self) -> None:
+        for arm in self.arms.values():
+            for replica in arm.replicas:
+                replica.pool.close()
+
+    def down(self) -> frozenset[str]:
+        """Arms with no healthy replica right now."""
+        return frozenset(name for name, arm in self.arms.items() if not arm.up)
+
+    def _failed(self, arm: Arm, replica: Replica, kind: str) -> None:
+        self.metrics.upstream_errors.labels(arm.name, replica.url, kind).inc()
+        replica.failures += 1
+        if replica.healthy and replica.failures >= self.health.eject_after_failures:
+            replica.healthy = False
+            self.metrics.ejections.labels(arm.name, replica.url).inc()
+            self.metrics.replica_healthy.labels(arm.name, replica.url).set(0)
+
+    def _succeeded(self, arm: Arm, replica: Replica) -> None:
+        replica.failures = 0
+        if not replica.healthy:
+            replica.healthy = True
+            self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
+
+    async def open(
+        self, arm_name: str, method: bytes, path: str, body: bytes, headers: bytes
+    ) -> Opened:
+        """Send the request to a healthy replica of `arm_name`, retrying on another one until a response starts.
+
+        The last replica's 5xx is returned as it is when no other replica is left to try.
+        """
+        arm = self.arms.get(arm_name)
+        if arm is None:
+            raise UpstreamFailure(503, "no_arm", f"arm {arm_name!r} is not configured")
+        if arm.in_flight >= self.limits.max_concurrent_per_arm:
+            raise UpstreamFailure(429, "overloaded", f"arm {arm_name!r} has {arm.in_flight} requests in flight")
+        tried: set[int] = set()
+        failure = UpstreamFailure(503, "no_replica", f"arm {arm_name!r} has no healthy replica")
+        while len(tried) <= self.limits.max_retries:
+            index = pick_replica([r.in_flight for r in arm.replicas], [r.healthy for r in arm.replicas],
+                                 frozenset(tried), arm.turn)
+            if index is None:
+                break
+            arm.turn = index + 1
+            replica = arm.replicas[index]
+            if tried:
+                self.metrics.retries.labels(arm.name, replica.url).inc()
+            tried.add(index)
+            replica.in_flight += 1
+            arm.in_flight += 1
+            response = Response()
+            try:
+                call = await replica.pool.open(method, path, body, headers, response)
+            except ReadTimeout:
+                self._finish(arm, replica)
+                self._failed(arm, replica, "timeout")
+                raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
+            except (ConnectFailed, Disconnected, BadResponse) as exc:
+                self._finish(arm, replica)
+                self._failed(arm, replica, "connect")
+                failure = UpstreamFailure(502, "connect", f"arm {arm_name!r}: {type(exc).__name__} from a replica")
+                continue
+            except BaseException:
+                self._finish(arm, replica)
+                raise
+            if response.status >= 500:
+                self._failed(arm, replica, f"http_{response.status}")
+                more = any(r.healthy and i not in tried for i, r in enumerate(arm.replicas))
+                if more and len(tried) <= self.limits.max_retries:
+                    call.connection.abort()
+                    self._finish(arm, replica)
+                    continue
+            return Opened(call, response, arm, replica, len(tried) - 1)
+        raise failure
+
+    def _finish(self, arm: Arm, replica: Replica) -> None:
+        replica.in_flight -= 1
+        arm.in_flight -= 1
+
+    def release(self, opened: Opened, clean: bool, failure: str | None = None) -> None:
+        """Return the replica's slot. Unclean ends close the connection, which makes SGLang abort the request;
+        `failure` names an upstream fault (a stream cut short), counted against the replica."""
+        if opened._released:
+            return
+        opened._released = True
+        if clean:
+            opened.call.close()
+        else:
+            opened.call.connection.abort()
+        self._finish(opened.arm, opened.replica)
+        if failure is not None:
+            self._failed(opened.arm, opened.replica, failure)
+        elif opened.response.status < 500:
+            self._succeeded(opened.arm, opened.replica)
+
+    async def check(self, arm: Arm, replica: Replica) -> None:
+        """One active health check."""
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self.session.get(replica.url + self.health.path, timeout=timeout) as response:
+                await response.read()
+                healthy = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            healthy = False
+        if healthy:
+            self._succeeded(arm, replica)
+        else:
+            self._failed(arm, replica, "health")
+
+    async def health_loop(self) -> None:
+        """Check every replica every `interval_s`, forever (cancel to stop)."""
+        while True:
+            checks = [self.check(arm, r) for arm in self.arms.values() for r in arm.replicas]
+            await asyncio.gather(*checks)
+            await asyncio.sleep(self.health.interval_s)

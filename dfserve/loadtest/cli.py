@@ -1,0 +1,305 @@
+"""Commands `dfserve loadtest run`, `dfserve compare`, `dfserve promote` and `dfserve baseline show|history`.
+
+Each command parses its flags into typed objects and calls one entry point; user mistakes raise `UserError`.
+`compare` exits 0 on PASS, 1 on FAIL and 3 on INCONCLUSIVE (2 is left to usage errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import sys
+from pathlib import Path
+
+import click
+import uvloop
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from dfserve.baselines import BaselineRegistry, entry
+from dfserve.errors import UserError
+from dfserve.loadtest.config import RunConfig, Sampling, read_config
+from dfserve.loadtest.exporter import Exporter
+from dfserve.loadtest.judge import comparability, judge, load_gate
+from dfserve.loadtest.progress import Progress
+from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.report import Summary, render_html, summarize
+from dfserve.loadtest.runner import Observer, RunOutcome, RunPlan, execute
+from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.tasks import load_tasks
+from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
+from dfserve.runs import Provenance, create_run_dir, write_atomic, write_model
+
+EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+
+
+def _arm(value: str) -> tuple[str, str]:
+    name, sep, url = value.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise UserError(f"--arm: {value!r} is not NAME=http://HOST:PORT")
+    return name, url
+
+
+@click.group()
+def loadtest() -> None:
+    """Replay coding tasks against every arm at once and record each request."""
+
+
+@loadtest.command("run")
+@click.option("--arm", "arms", multiple=True, required=True, metavar="NAME=URL",
+              help="An SGLang server, router or dfserve gateway; repeat for an A/B test (first = baseline).")
+@click.option("--api", type=click.Choice(["native", "chat"]), default="native", show_default=True,
+              help="native /generate gives exact acceptance; chat streams OpenAI chat (acceptance estimated).")
+@click.option("--tasks", default="humaneval", show_default=True, help="'humaneval' or a JSONL file of {id, prompt|messages}.")
+@click.option("--num-requests", type=int, default=400, show_default=True, help="Measured requests per arm.")
+@click.option("--warmup", type=int, default=8, show_default=True, help="Requests before them, left out of every figure.")
+@click.option("--max-new-tokens", type=int, default=512, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--concurrency", type=int, default=None, help="Closed loop: requests in flight per arm; open loop: a cap.")
+@click.option("--rate", type=float, default=None, help="Open loop: requests per second per arm.")
+@click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds task order and Poisson gaps.")
+@click.option("--duration", type=float, default=None, help="Stop sending new requests after this many seconds.")
+@click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--model", default=None, help="Model name for OpenAI bodies (default: the server's first model).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
+@click.option("--name", default=None, help="Run directory name (must not exist).")
+@click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT (0: a free port, named on stderr).")
+@click.option("--pushgateway", default=None, metavar="URL", help="Push the final metrics to a Prometheus Pushgateway.")
+@click.option("--pin-arms", is_flag=True,
+              help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")
+@click.option("--quiet", is_flag=True, help="No live table.")
+def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
+                temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
+                seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
+                name: str | None, metrics_port: int | None, pushgateway: str | None, pin_arms: bool,
+                quiet: bool) -> None:
+    """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
+    if concurrency is None and rate is None:
+        raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
+    try:
+        load = LoadShape(kind="closed" if rate is None else arrival, concurrency=concurrency, rate=rate, seed=seed)
+        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    except ValidationError as exc:
+        raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
+    plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
+                   task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
+                   load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
+                   pin_arms=pin_arms)
+    exporter = Exporter(route="/generate" if api == "native" else "/v1/chat/completions")
+    if metrics_port is not None:
+        click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
+    progress = Progress([n for n, _ in plan.arms], num_requests + warmup, Console(stderr=True, quiet=quiet))
+    gc.collect()
+    gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
+    try:
+        with progress:
+            outcome = uvloop.run(_until_signal(plan, [exporter.observe, progress.observe]))
+    finally:
+        exporter.close()
+    summary = summarize(outcome.config, outcome.records, outcome.interrupted)
+    write_model(outcome.run_dir / "summary.json", summary)
+    write_atomic(outcome.run_dir / "report.html", render_html(outcome.config, summary, outcome.records))
+    _print_summary(outcome.config, summary)
+    click.echo(f"run: {outcome.run_dir}")
+    if pushgateway:
+        exporter.push(pushgateway, outcome.config.run_id)
+    if outcome.interrupted:
+        click.echo("interrupted: partial run kept", err=True)
+        sys.exit(130)
+
+
+async def _until_signal(plan: RunPlan, observers: list[Observer]) -> RunOutcome:
+    """Run the plan; the first SIGINT/SIGTERM stops it cleanly, a second one is not caught."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        return await execute(plan, observers, stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _print_summary(config: RunConfig, summary: Summary) -> None:
+    table = Table(title=f"run {config.run_id}" + (" (SIMULATED engines)" if any(a.simulated for a in config.arms) else ""))
+    for column in ("arm", "ok/all", "errors", "τ [95% CI]", "TTFT p50/p99 ms", "TPOT p50/p95 ms", "out tok/s"):
+        table.add_column(column)
+    for a in summary.arms:
+        tau = (f"{a.accept_length.estimate:.2f} [{a.accept_length.low:.2f}, {a.accept_length.high:.2f}]"
+               f"{'' if a.acceptance == 'exact' else ' est.'}" if a.accept_length else "unknown")
+        ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f} / {a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
+        tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f} / {a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
+        errors = ", ".join(f"{k}={v}" for k, v in a.errors.items()) or "0"
+        rate = f"{a.output_tokens_per_s:.0f}" if a.output_tokens_per_s else "-"
+        table.add_row(a.arm, f"{a.succeeded}/{a.requests}", errors, tau, ttft, tpot, rate)
+    Console().print(table)
+
+
+def _load_run(run_dir: Path) -> tuple[RunConfig, list[RequestRecord]]:
+    return read_config(run_dir), list(read_records(run_dir / "requests.jsonl"))
+
+
+def _pick_arms(runs: list[tuple[Path, RunConfig]], baseline: str | None, candidate: str | None) -> tuple[str, str]:
+    """One run: its first two arms by default; two runs: each run's only arm unless named."""
+    if len(runs) == 1:
+        names = [a.name for a in runs[0][1].arms]
+        if baseline is None and candidate is None and len(names) != 2:
+            raise UserError(f"--baseline/--candidate: run has arms {names}; name the two to compare")
+        chosen = (baseline or names[0], candidate or next(n for n in names if n != (baseline or names[0])))
+        if chosen[0] == chosen[1]:
+            raise UserError("--baseline/--candidate: the same arm on both sides")
+        return chosen
+    picked = []
+    for (path, config), wanted, flag in zip(runs, (baseline, candidate), ("--baseline", "--candidate"), strict=True):
+        names = [a.name for a in config.arms]
+        if wanted is None and len(names) != 1:
+            raise UserError(f"{flag}: run {path} has arms {names}; name one")
+        picked.append(wanted or names[0])
+    return picked[0], picked[1]
+
+
+@click.command()
+@click.argument("run", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("run2", type=click.Path(path_type=Path, exists=True, file_okay=False), required=False)
+@click.option("--baseline", default=None, help="Baseline arm (default: the first arm / RUN's arm).")
+@click.option("--candidate", default=None, help="Candidate arm (default: the second arm / RUN2's arm).")
+@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="YAML rules: [{metric, max_worse | at_least}]; defaults shown in the verdict.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict directory goes "
+              "(default: beside RUN).")
+@click.option("--force", is_flag=True, help="Compare runs that differ in tasks, sampling or load; stamped in the verdict.")
+def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,
+            out: Path | None, force: bool) -> None:
+    """Judge a candidate against a baseline (two arms of RUN, or RUN vs RUN2). Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE."""
+    rules = load_gate(gate)
+    paths = [run] if run2 is None else [run, run2]
+    loaded = [_load_run(p) for p in paths]
+    base_name, cand_name = _pick_arms([(p, c) for p, (c, _) in zip(paths, loaded, strict=True)], baseline, candidate)
+    (base_cfg, base_records), (cand_cfg, cand_records) = loaded[0], loaded[-1]
+    mismatches = comparability(base_cfg, base_name, cand_cfg, cand_name)
+    if mismatches and not force:
+        raise UserError("runs are not comparable (" + "; ".join(mismatches) + "); --force compares anyway")
+    judgement = judge([r for r in base_records if r.arm == base_name], [r for r in cand_records if r.arm == cand_name],
+                      rules, temperature=base_cfg.sampling.temperature)
+    verdict = Verdict(verdict=judgement.verdict, baseline=arm_ref(base_cfg, paths[0], base_name),
+                      candidate=arm_ref(cand_cfg, paths[-1], cand_name), forced=bool(mismatches), mismatches=mismatches,
+                      judgement=judgement, gate=rules, provenance=Provenance.here())
+    verdict_dir = create_run_dir(out or run.parent, prefix="verdict")
+    write_model(verdict_dir / FILENAME, verdict)
+    _print_verdict(verdict)
+    click.echo(f"verdict: {verdict_dir / FILENAME}")
+    sys.exit(EXIT[verdict.verdict])
+
+
+def _print_verdict(verdict: Verdict) -> None:
+    j = verdict.judgement
+    console = Console()
+    if verdict.forced:
+        console.print(f"[bold red]FORCED comparison of runs that differ:[/] {'; '.join(verdict.mismatches)}")
+    table = Table(title=f"{verdict.candidate.arm} vs {verdict.baseline.arm}: {j.paired_requests} paired requests over "
+                  f"{j.tasks} tasks" + (" (SIMULATED)" if verdict.baseline.simulated else ""))
+    for column in ("metric", "baseline", "candidate", "change [95% CI]", "n"):
+        table.add_column(column)
+    for m in j.metrics:
+        if m.change is None:
+            if m.baseline is None or m.candidate is None:
+                table.add_row(m.label, "-", "-", "no data", "0")
+            else:
+                table.add_row(m.label, f"{m.baseline:.4g}", f"{m.candidate:.4g}", "undefined: baseline is 0",
+                              f"{m.n_baseline}/{m.n_candidate}")
+            continue
+        scale = "%" if m.relative else " pts"
+        factor = 100.0
+        table.add_row(m.label, f"{m.baseline:.4g}", f"{m.candidate:.4g}",
+                      f"{m.change * factor:+.2f}{scale} [{(m.change_low or 0) * factor:+.2f}, "
+                      f"{(m.change_high or 0) * factor:+.2f}]", f"{m.n_baseline}/{m.n_candidate}")
+    console.print(table)
+    loss = j.lossless
+    console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs"
+                  + ("" if loss.applicable else " (temperature > 0: not judged)")
+                  + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
+    for rule in j.rules:
+        needed = f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else ""
+        console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
+    console.print(f"[bold]verdict: {verdict.verdict}[/]" +
+                  (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
+
+
+@click.command()
+@click.argument("verdict_path", metavar="VERDICT", type=click.Path(path_type=Path, exists=True))
+@click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Directory of baselines.json (default: the directory holding the verdict, beside the runs).")
+@click.option("--force", is_flag=True, help="Promote without a PASS or a matching baseline; needs --reason.")
+@click.option("--reason", default=None, help="Why a forced promotion is right; recorded.")
+def promote(verdict_path: Path, registry: Path | None, force: bool, reason: str | None) -> None:
+    """Record the candidate of a PASS verdict as the new baseline of its target (history kept)."""
+    if force and not reason:
+        raise UserError("--force: give --reason TEXT; it is recorded with the promotion")
+    verdict = read_verdict(verdict_path)
+    verdict_file = (verdict_path / FILENAME if verdict_path.is_dir() else verdict_path).resolve()
+    store = BaselineRegistry(registry or verdict_file.parent.parent)
+    base, cand = verdict.baseline, verdict.candidate
+    refusals = []
+    if verdict.verdict != "PASS":
+        refusals.append(f"the verdict is {verdict.verdict}, only PASS promotes")
+    current = store.current(base.target)
+    if current is not None and current.drafter != base.drafter:
+        refusals.append(f"the verdict's baseline {base.drafter!r} is not the current baseline {current.drafter!r}")
+    if refusals and not force:
+        raise UserError("promote: " + "; ".join(refusals) + " (--force --reason TEXT overrides)")
+    new = []
+    if current is None:
+        new.append(entry(base.target, base.drafter, base.run_id, base.arm, reason="baseline of the first promotion"))
+    new.append(entry(cand.target, cand.drafter, cand.run_id, cand.arm, str(verdict_file), forced=bool(refusals),
+                     reason=reason if refusals else None))
+    store.append(*new)
+    click.echo(f"baseline of {cand.target}: {cand.drafter} (run {cand.run_id}, arm {cand.arm})"
+               + (" FORCED: " + "; ".join(refusals) if refusals else ""))
+
+
+@click.group()
+def baseline() -> None:
+    """Read the baseline registry."""
+
+
+_registry_option = click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"),
+                                show_default=True, help="Directory of baselines.json.")
+
+
+@baseline.command("show")
+@_registry_option
+@click.option("--target", default=None, help="Only this target.")
+def baseline_show(registry: Path, target: str | None) -> None:
+    """The current baseline of each target."""
+    store = BaselineRegistry(registry)
+    targets = sorted({e.target for e in store.history(target)})
+    if not targets:
+        raise UserError(f"--registry: no baseline recorded in {store.path}" + (f" for {target}" if target else ""))
+    for name in targets:
+        current = store.current(name)
+        assert current is not None
+        click.echo(f"{name}: {current.drafter} (run {current.run_id}, arm {current.arm}, since {current.recorded_at}"
+                   + (", FORCED" if current.forced else "") + ")")
+
+
+@baseline.command("history")
+@_registry_option
+@click.option("--target", default=None, help="Only this target.")
+def baseline_history(registry: Path, target: str | None) -> None:
+    """Every change of baseline, oldest first."""
+    for e in BaselineRegistry(registry).history(target):
+        click.echo(f"{e.recorded_at}  {e.target}: {e.drafter}  run {e.run_id} arm {e.arm}"
+                   + (f"  verdict {e.verdict}" if e.verdict else "")
+                   + (f"  FORCED ({e.reason})" if e.forced else ""))

@@ -1,0 +1,94 @@
+"""config.json of a run: everything that shapes its numbers, so the judge can refuse apples-to-oranges comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dfserve.errors import UserError, describe_invalid
+from dfserve.loadtest.schedule import LoadShape
+from dfserve.runs import Provenance
+from dfserve.sglang import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Sampling(_Model):
+    max_new_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+
+class TaskSetInfo(_Model):
+    name: str
+    sha256: str
+    size: int
+
+
+class ArmInfo(_Model):
+    """One arm as found at the start of the run; `server_info`/`model_info` are SGLang's documents, verbatim."""
+
+    name: str
+    url: str
+    server_info: dict[str, Any] | None = None
+    model_info: dict[str, Any] | None = None
+    model: str = Field(description="model name sent in OpenAI bodies")
+    simulated: bool = False
+
+
+class RunConfig(_Model):
+    schema_version: Literal[1] = 1
+    kind: Literal["loadtest-run"] = "loadtest-run"
+    run_id: str
+    api: Literal["native", "chat"]
+    arms: tuple[ArmInfo, ...]
+    tasks: TaskSetInfo
+    num_requests: int = Field(description="measured requests per arm, warm-up not included")
+    warmup: int
+    sampling: Sampling
+    load: LoadShape
+    duration_s: float | None
+    request_timeout_s: float
+    pin_arms: bool = Field(default=False, description="requests carried x-dfserve-arm: NAME (arms behind one gateway)")
+    t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
+    provenance: Provenance
+
+    def shape(self) -> dict[str, Any]:
+        """The fields two runs must share to be compared."""
+        return {
+            "api": self.api,
+            "tasks": self.tasks.sha256,
+            "num_requests": self.num_requests,
+            "sampling": self.sampling.model_dump(),
+            "load": self.load.model_dump(),
+            "duration_s": self.duration_s,
+        }
+
+    def arm(self, name: str) -> ArmInfo:
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise UserError(f"run {self.run_id}: no arm named {name!r} (arms: {', '.join(a.name for a in self.arms)})")
+
+
+def read_model(path: Path, model: type[M], missing: str) -> M:
+    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(missing) from None
+    except ValidationError as exc:
+        raise UserError(describe_invalid(exc, str(path))) from None
+
+
+def read_config(run_dir: Path) -> RunConfig:
+    return read_model(run_dir / "config.json", RunConfig, f"{run_dir}: not a run directory (no config.json)")

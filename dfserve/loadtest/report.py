@@ -1,0 +1,282 @@
+"""Per-arm summaries of a run (summary.json) and its report.html: every figure with its n and a 95% interval.
+
+Latency quantiles carry distribution-free order-statistic intervals; acceptance (Σ completion tokens / Σ verify
+rounds) carries a bootstrap over tasks. report.html is self-contained: inline SVG latency CDFs and the histogram of
+tokens per verify round, no plotting library.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from dfserve.loadtest import records as rec
+from dfserve.loadtest import stats
+from dfserve.loadtest.config import RunConfig
+from dfserve.loadtest.records import RequestRecord
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Figure(_Model):
+    """A point estimate with its 95% interval and the number of samples behind it."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+
+
+class Distribution(_Model):
+    n: int
+    mean: float
+    p50: Figure
+    p90: float
+    p95: Figure
+    p99: Figure
+    max: float
+
+
+class ArmSummary(_Model):
+    arm: str
+    requests: int
+    succeeded: int
+    errors: dict[str, int]
+    error_rate: float
+    acceptance: Literal["exact", "estimated", "unknown"]
+    accept_length: Figure | None
+    ttft_s: Distribution | None
+    tpot_s: Distribution | None
+    itl_per_token_s: Distribution | None
+    itl_per_chunk_s: Distribution | None
+    e2e_s: Distribution | None
+    wait_s: Distribution | None
+    output_tokens: int
+    output_tokens_per_s: float | None
+    round_tokens_histogram: list[int]
+    simulated: bool
+
+
+class Summary(_Model):
+    schema_version: Literal[1] = 1
+    kind: Literal["loadtest-summary"] = "loadtest-summary"
+    run_id: str
+    interrupted: bool
+    arms: tuple[ArmSummary, ...]
+
+
+def _figure(interval: stats.Interval | None, n: int) -> Figure | None:
+    if interval is None:
+        return None
+    return Figure(estimate=interval.estimate, low=interval.low, high=interval.high, n=n)
+
+
+def distribution(values: Sequence[float]) -> Distribution | None:
+    if not values:
+        return None
+    array = np.asarray(values, dtype=float)
+    n = len(array)
+
+    def q(p: float) -> Figure:
+        figure = _figure(stats.quantile_interval(array, p), n)
+        assert figure is not None
+        return figure
+
+    p90 = stats.quantile(array, 0.9)
+    assert p90 is not None
+    return Distribution(n=n, mean=float(array.mean()), p50=q(0.5), p90=p90, p95=q(0.95), p99=q(0.99),
+                        max=float(array.max()))
+
+
+def accept_length_figure(records: Sequence[RequestRecord], seed: int = 0, draws: int = 2000) -> Figure | None:
+    """Σ completion tokens / Σ verify rounds, with a bootstrap interval over tasks."""
+    rows = [(r.task_id, r.completion_tokens, rec.verify_rounds(r)) for r in records]
+    rows = [(t, c, v) for t, c, v in rows if c is not None and v]
+    if not rows:
+        return None
+    tasks = sorted({t for t, _, _ in rows})
+    position = {t: i for i, t in enumerate(tasks)}
+    tokens = np.zeros(len(tasks))
+    rounds = np.zeros(len(tasks))
+    for task, completion, verify in rows:
+        tokens[position[task]] += completion
+        rounds[position[task]] += verify
+    estimate = float(tokens.sum() / rounds.sum())
+    weights = stats.cluster_weights(len(tasks), draws, np.random.default_rng(seed))
+    interval = stats.percentile_interval(estimate, stats.weighted_ratio(weights, tokens, rounds))
+    return _figure(interval, len(rows))
+
+
+def _flat(records: Sequence[RequestRecord], f: Callable[[RequestRecord], list[float]]) -> list[float]:
+    return [value for r in records for value in f(r)]
+
+
+def _each(records: Sequence[RequestRecord], f: Callable[[RequestRecord], float | None]) -> list[float]:
+    return [v for v in map(f, records) if v is not None]
+
+
+def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
+    """Figures of one arm's measured (non-warm-up) records."""
+    measured = rec.measured_records(records)
+    ok = [r for r in measured if r.ok]
+    errors = Counter(r.error_kind for r in measured if r.error_kind is not None)
+    kinds = {r.acceptance for r in ok}
+    acceptance: Literal["exact", "estimated", "unknown"] = (
+        "exact" if kinds == {"exact"} else "estimated" if kinds and "unknown" not in kinds else "unknown"
+    )
+    output_tokens = sum(r.completion_tokens or 0 for r in ok)
+    starts = [r.sent_s for r in ok if r.sent_s is not None]
+    ends = [r.end_s for r in ok if r.end_s is not None]
+    span = max(ends) - min(starts) if starts and ends else 0.0
+    histogram = Counter(t for r in ok for t in rec.round_tokens(r))
+    return ArmSummary(
+        arm=arm,
+        requests=len(measured),
+        succeeded=len(ok),
+        errors=dict(sorted(errors.items())),
+        error_rate=(len(measured) - len(ok)) / len(measured) if measured else 0.0,
+        acceptance=acceptance,
+        accept_length=accept_length_figure(ok) if acceptance != "unknown" else None,
+        ttft_s=distribution(_each(ok, rec.ttft_s)),
+        tpot_s=distribution(_each(ok, rec.tpot_s)),
+        itl_per_token_s=distribution(_flat(ok, rec.itl_per_token_s)),
+        itl_per_chunk_s=distribution(_flat(ok, rec.itl_per_chunk_s)),
+        e2e_s=distribution(_each(ok, rec.e2e_s)),
+        wait_s=distribution([rec.wait_s(r) for r in measured if r.scheduled_s is not None]),
+        output_tokens=output_tokens,
+        output_tokens_per_s=output_tokens / span if span > 0 else None,
+        round_tokens_histogram=[histogram.get(k, 0) for k in range(max(histogram, default=-1) + 1)],
+        simulated=any(r.simulated for r in measured),
+    )
+
+
+def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: bool) -> Summary:
+    arms = tuple(summarize_arm(arm.name, [r for r in records if r.arm == arm.name]) for arm in config.arms)
+    return Summary(run_id=config.run_id, interrupted=interrupted, arms=arms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report.html
+
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+_W, _H, _PAD = 520, 260, 44
+
+
+def svg_cdf(title: str, series: dict[str, list[float]], unit_scale: float = 1000.0, unit: str = "ms") -> str:
+    """Empirical CDFs, one line per arm, x in `unit` (up to each arm's p99.5 so a tail does not flatten the rest)."""
+    present = {name: np.sort(np.asarray(v, dtype=float)) * unit_scale for name, v in series.items() if v}
+    if not present:
+        return f"<p>{html.escape(title)}: no samples</p>"
+    top = max(float(np.quantile(v, 0.995)) for v in present.values()) or 1.0
+    parts = [_frame(title, f"{unit}", top)]
+    for values, colour in zip(present.values(), _COLOURS, strict=False):
+        step = max(1, len(values) // 400)
+        points = [
+            (_PAD + min(x, top) / top * (_W - 2 * _PAD), _H - _PAD - (i + 1) / len(values) * (_H - 2 * _PAD))
+            for i, x in list(enumerate(values))[::step]
+        ]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
+    parts.append(_legend(list(present)))
+    return "".join(parts) + "</svg>"
+
+
+def svg_histogram(title: str, series: dict[str, list[int]]) -> str:
+    """Share of verify rounds that emitted k tokens, bars side by side per arm."""
+    present = {name: counts for name, counts in series.items() if sum(counts)}
+    if not present:
+        return f"<p>{html.escape(title)}: no verify rounds recorded</p>"
+    width = max(len(c) for c in present.values())
+    shares = {name: [c / sum(counts) for c in counts] + [0.0] * (width - len(counts)) for name, counts in present.items()}
+    top = max(max(s) for s in shares.values()) or 1.0
+    parts = [_frame(title, "tokens per round", float(width - 1), integer=True)]
+    slot = (_W - 2 * _PAD) / width
+    bar = slot / (len(shares) + 1)
+    for a, ((name, share), colour) in enumerate(zip(shares.items(), _COLOURS, strict=False)):
+        for k, value in enumerate(share):
+            height = value / top * (_H - 2 * _PAD)
+            x = _PAD + k * slot + a * bar
+            parts.append(f'<rect x="{x:.1f}" y="{_H - _PAD - height:.1f}" width="{bar:.1f}" height="{height:.1f}" '
+                         f'fill="{colour}"><title>{html.escape(name)} k={k}: {value:.3f}</title></rect>')
+    parts.append(_legend(list(shares)))
+    return "".join(parts) + "</svg>"
+
+
+def _frame(title: str, xlabel: str, top: float, integer: bool = False) -> str:
+    ticks = []
+    for i in range(5):
+        value = top * i / 4
+        x = _PAD + i / 4 * (_W - 2 * _PAD)
+        label = f"{value:.0f}" if integer or top >= 20 else f"{value:.2g}"
+        ticks.append(f'<text x="{x:.1f}" y="{_H - _PAD + 16}" font-size="10" text-anchor="middle">{label}</text>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" role="img">'
+        f'<text x="{_W / 2}" y="16" font-size="13" text-anchor="middle">{html.escape(title)}</text>'
+        f'<line x1="{_PAD}" y1="{_H - _PAD}" x2="{_W - _PAD}" y2="{_H - _PAD}" stroke="#333"/>'
+        f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{_H - _PAD}" stroke="#333"/>'
+        f'<text x="{_W / 2}" y="{_H - 8}" font-size="11" text-anchor="middle">{html.escape(xlabel)}</text>'
+        + "".join(ticks)
+    )
+
+
+def _legend(names: list[str]) -> str:
+    return "".join(
+        f'<text x="{_W - _PAD}" y="{30 + 14 * i}" font-size="11" text-anchor="end" fill="{colour}">{html.escape(n)}</text>'
+        for i, (n, colour) in enumerate(zip(names, _COLOURS, strict=False))
+    )
+
+
+def _row(label: str, values: list[str]) -> str:
+    return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
+
+
+def _ms(d: Distribution | None, which: str) -> str:
+    if d is None:
+        return "n/a"
+    figure: Figure = getattr(d, which)
+    return f"{figure.estimate * 1000:.1f} [{figure.low * 1000:.1f}, {figure.high * 1000:.1f}] ms (n={figure.n})"
+
+
+def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRecord]) -> str:
+    measured = [r for r in rec.measured_records(records) if r.ok]
+    by_arm = {a.arm: [r for r in measured if r.arm == a.arm] for a in summary.arms}
+    names = [a.arm for a in summary.arms]
+    table = [
+        "<table><tr><th></th>" + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>",
+        _row("requests (ok / all)", [f"{a.succeeded} / {a.requests}" for a in summary.arms]),
+        _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
+        _row("acceptance length", [
+            f"{a.accept_length.estimate:.3f} [{a.accept_length.low:.3f}, {a.accept_length.high:.3f}] ({a.acceptance}, "
+            f"n={a.accept_length.n})" if a.accept_length else "unknown" for a in summary.arms]),
+        *(_row(f"{label} {q}", [_ms(getattr(a, field), q) for a in summary.arms])
+          for label, field in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL per token", "itl_per_token_s"),
+                               ("ITL per chunk", "itl_per_chunk_s"), ("E2E", "e2e_s"))
+          for q in ("p50", "p95", "p99")),
+        _row("output tokens/s", [f"{a.output_tokens_per_s:.1f}" if a.output_tokens_per_s else "n/a" for a in summary.arms]),
+        "</table>",
+    ]
+    plots = [svg_cdf(title, {n: _each(rs, f) for n, rs in by_arm.items()})
+             for title, f in (("TTFT", rec.ttft_s), ("TPOT", rec.tpot_s), ("E2E", rec.e2e_s))]
+    plots.insert(2, svg_cdf("ITL per token", {n: _flat(rs, rec.itl_per_token_s) for n, rs in by_arm.items()}))
+    plots.append(svg_histogram("tokens per verify round", {a.arm: a.round_tokens_histogram for a in summary.arms}))
+    simulated = any(a.simulated for a in summary.arms)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(config.run_id)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
+        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+        f"<h1>Run {html.escape(config.run_id)}</h1>"
+        + ("<p><strong>SIMULATED engines: these figures come from dfserve's simulator, not a GPU.</strong></p>"
+           if simulated else "")
+        + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
+        + f"<p>tasks {html.escape(config.tasks.name)} ({config.tasks.sha256[:12]}), {config.num_requests} requests "
+        f"+ {config.warmup} warm-up, load {html.escape(config.load.model_dump_json())}, sampling "
+        f"{html.escape(config.sampling.model_dump_json())}. Intervals are 95%.</p>"
+        + "".join(table) + "<div>" + "".join(plots) + "</div></body></html>"
+    )

@@ -1,0 +1,229 @@
+"""Drives every arm at once from one event loop with the identical schedule, and writes the run directory.
+
+Same task at the same index for every arm; in open loop the same offset too, dispatched to all arms in the same
+loop iteration, so drift on the machine hits both arms alike. Records are appended to requests.jsonl as they finish
+(a crash loses at most what was in flight); a stop request (Ctrl-C) cancels in-flight requests, which are recorded
+as `cancelled`, and the run still gets its summary.
+
+    outcome = asyncio.run(execute(plan, observers=[], stop=asyncio.Event()))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from dfserve import sglang
+from dfserve.errors import UserError
+from dfserve.headers import ARM as PIN_HEADER
+from dfserve.loadtest.client import ArmClient
+from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
+from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.tasks import Task, TaskSet
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
+
+Observer = Callable[[RequestRecord], None]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A parsed `loadtest run` command line."""
+
+    arms: tuple[tuple[str, str], ...]
+    api: sglang.Api
+    task_set: TaskSet
+    num_requests: int
+    warmup: int
+    sampling: Sampling
+    load: LoadShape
+    out: Path
+    name: str | None = None
+    duration_s: float | None = None
+    request_timeout_s: float = 600.0
+    model: str | None = None
+    pin_arms: bool = False
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.arms]
+        if not names:
+            raise UserError("--arm: give at least one NAME=URL")
+        if len(set(names)) != len(names):
+            raise UserError("--arm: arm names must be unique")
+        if self.warmup < 0:
+            raise UserError("--warmup: must be >= 0")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise UserError("--duration: must be > 0")
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    config: RunConfig
+    records: list[RequestRecord] = field(default_factory=list)
+    interrupted: bool = False
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Any | None:
+    """The JSON document at `url`, or None where the arm has none (a router or gateway may not serve it)."""
+    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
+        if response.status != 200:
+            return None
+        try:
+            return await response.json(content_type=None)
+        except ValueError:
+            return None
+
+
+async def probe_arm(
+    session: aiohttp.ClientSession, name: str, url: str, api: sglang.Api, model: str | None, pin: bool
+) -> ArmInfo:
+    """Fetch `/server_info` and `/model_info` (recorded verbatim) and, for chat, the served model's name.
+
+    With `pin`, the documents come from the gateway arm of the same name (the gateway forwards them).
+    """
+    base = url.rstrip("/")
+    headers = {PIN_HEADER: name} if pin else {}
+    try:
+        server_info = await _get_json(session, base + "/server_info", headers)
+        model_info = await _get_json(session, base + "/model_info", headers)
+        if model is None and api == "chat":
+            model = sglang.first_model_id(await _get_json(session, base + "/v1/models", headers))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UserError(f"--arm {name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
+    server = sglang.parse_server_info(server_info) if isinstance(server_info, dict) else None
+    return ArmInfo(
+        name=name,
+        url=url,
+        server_info=server_info if isinstance(server_info, dict) else None,
+        model_info=model_info if isinstance(model_info, dict) else None,
+        model=model or "default",
+        simulated=bool(server and server.simulated),
+    )
+
+
+class _Recorder:
+    """The one sink of every client: appends to requests.jsonl, keeps the record, tells the observers."""
+
+    def __init__(self, appender: JsonlAppender, observers: Sequence[Observer]) -> None:
+        self.appender = appender
+        self.observers = observers
+        self.records: list[RequestRecord] = []
+
+    def __call__(self, record: RequestRecord) -> None:
+        self.appender.append(record)
+        self.records.append(record)
+        for observe in self.observers:
+            observe(record)
+
+
+async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float) -> None:
+    next_index = iter(range(len(order)))
+
+    async def worker() -> None:
+        for index in next_index:
+            if time.perf_counter() >= deadline:
+                return
+            await client.send(order[index], index, warmup=index < warmup, scheduled_s=None)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _open_loop(
+    clients: Sequence[ArmClient], order: Sequence[Task], warmup: int, offsets: Sequence[float], cap: int | None,
+    t0: float, deadline: float,
+) -> None:
+    slots = {client.arm: asyncio.Semaphore(cap) for client in clients} if cap else {}
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def one(client: ArmClient, index: int, offset: float) -> None:
+        if cap:
+            async with slots[client.arm]:
+                await client.send(order[index], index, warmup=index < warmup, scheduled_s=offset)
+        else:
+            await client.send(order[index], index, warmup=index < warmup, scheduled_s=offset)
+
+    try:
+        for index, offset in enumerate(offsets):
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if time.perf_counter() >= deadline:
+                break
+            for client in clients:
+                task = asyncio.create_task(one(client, index, offset))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
+    finally:
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+
+async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event) -> RunOutcome:
+    """Probe the arms, create the run directory, drive the load until done, `stop` or the duration bound."""
+    load = plan.load
+    total = plan.warmup + plan.num_requests
+    async with aiohttp.ClientSession() as session:
+        arms = [await probe_arm(session, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
+    run_dir = create_run_dir(plan.out, plan.name)
+    t0 = time.perf_counter()
+    config = RunConfig(
+        run_id=run_dir.name,
+        api="chat" if plan.api == "chat" else "native",
+        arms=tuple(arms),
+        tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
+        num_requests=plan.num_requests,
+        warmup=plan.warmup,
+        sampling=plan.sampling,
+        load=load,
+        duration_s=plan.duration_s,
+        request_timeout_s=plan.request_timeout_s,
+        pin_arms=plan.pin_arms,
+        t0_unix_s=time.time() - (time.perf_counter() - t0),
+        provenance=Provenance.here(),
+    )
+    write_model(run_dir / "config.json", config)
+    order = plan.task_set.sequence(total, load.seed)
+    deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
+    with JsonlAppender(run_dir / "requests.jsonl") as appender:
+        recorder = _Recorder(appender, observers)
+        clients = [
+            ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), recorder, model=arm.model, t0=t0,
+                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms)
+            for arm in arms
+        ]
+        offsets = load.offsets(total)
+        drive: asyncio.Future[Any]
+        if offsets is None:
+            assert load.concurrency is not None
+            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline) for c in clients))
+        else:
+            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0, deadline))
+        try:
+            interrupted = await _until_done_or_stopped(drive, stop)
+        finally:
+            for client in clients:
+                client.close()
+    return RunOutcome(run_dir=run_dir, config=config, records=recorder.records, interrupted=interrupted)
+
+
+async def _until_done_or_stopped(drive: asyncio.Future[Any], stop: asyncio.Event) -> bool:
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drive, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if drive.done():
+        stopper.cancel()
+        drive.result()
+        return False
+    drive.cancel()
+    await asyncio.gather(drive, return_exceptions=True)
+    return True

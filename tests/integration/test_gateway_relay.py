@@ -1,0 +1,408 @@
+"""The gateway's relay against a scripted SGLang stand-in on loopback: exact bytes, awkward framing, meta_info
+handling, retries before the first byte, failures after it, client disconnects and input limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from aiohttp import web
+
+from tests.integration.servers import LOOPBACK, gateway_server, refusing_port, url_of
+
+CHAT_EVENTS = [
+    {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "def"}}]},
+    {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": " f():\n    return 1 — ünï"}}]},
+    {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "\n"}, "finish_reason": "stop"}]},
+    {"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}},
+]
+META = {"id": "r1", "finish_reason": {"type": "length", "length": 12}, "prompt_tokens": 5, "completion_tokens": 12,
+        "cached_tokens": 0, "spec_verify_ct": 4, "spec_accept_length": 3.0}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+FLOOD_EVENT = sse({"id": "c1", "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"content": "x" * 4000}}]})
+FLOOD_EVENTS = 24000
+"""About 100 MB: well over what the sockets on the way can hold (Linux autotunes a receive buffer up to tcp_rmem's
+maximum, 32 MB here), so that only back-pressure can stop the engine's writes before the end."""
+
+
+class Stub:
+    """A scripted SGLang stand-in in a background thread. `x-stub` request header picks a behaviour."""
+
+    def __init__(self, status: int = 200, sock: socket.socket | None = None) -> None:
+        """Listens on `sock` when given (a `refusing_port` brought to life), else on a free loopback port."""
+        self.status = status
+        self.seen: list[dict[str, Any]] = []
+        self.cancelled = threading.Event()
+        self.flood_written = 0
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOOPBACK, 0))
+        self.sock = sock
+        self.url = url_of(sock)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.SockSite(self._runner, self.sock).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> Stub:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.status < 500 else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "qwen", "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        if self.status >= 500:
+            return web.json_response({"object": "error", "message": "engine down", "code": self.status}, status=self.status)
+        if not body.get("stream"):
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "def f(): — ü"},
+                                      "finish_reason": "length"}
+            if body.get("return_meta_info"):
+                choice["meta_info"] = META
+            payload = {"id": "c2", "object": "chat.completion", "choices": [choice],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
+            return web.Response(body=json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode(),
+                                content_type="application/json")
+        mode = request.headers.get("x-stub", "")
+        if mode == "stall":
+            await asyncio.sleep(3)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": "stub"})
+        await response.prepare(request)
+        try:
+            if mode == "flood":
+                for _ in range(FLOOD_EVENTS):
+                    await response.write(FLOOD_EVENT)
+                    self.flood_written += 1
+                await response.write_eof()
+                return response
+            if mode == "slow":
+                for _ in range(200):
+                    await response.write(sse(CHAT_EVENTS[1]))
+                    await asyncio.sleep(0.01)
+            frames = [sse(e) for e in CHAT_EVENTS] + [b"data: [DONE]\n\n"]
+            wire = b": ping\n\n" + b"".join(frames)
+            # Awkward framing: an event split across writes, and several events in one write.
+            for piece in (wire[:7], wire[7:40], wire[40:41], wire[41:200], wire[200:]):
+                if mode == "cut" and piece is not wire[:7] and len(piece) > 1:
+                    await response.write(piece[: len(piece) // 2])
+                    assert request.transport is not None
+                    request.transport.close()
+                    return response
+                await response.write(piece)
+                await asyncio.sleep(0.003)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cancelled.set()
+            raise
+        await response.write_eof()
+        return response
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        if not body.get("stream"):
+            return web.json_response({"text": "abc", "output_ids": [1, 2, 3], "meta_info": META})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for tokens, final in ((1, False), (5, False), (12, True)):
+            meta = dict(META, completion_tokens=tokens) if final else {
+                "id": "r1", "finish_reason": None, "prompt_tokens": 5, "completion_tokens": tokens}
+            await response.write(sse({"text": "x" * tokens, "meta_info": meta}))
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def write_config(tmp_path: Path, arms: dict[str, Any], **extra: Any) -> Path:
+    config = {"schema_version": 1, "mode": "split", "arms": arms, "scrape": {"enabled": False},
+              "health": {"interval_s": 0.2, "eject_after_failures": 2}, **extra}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def one_arm(tmp_path: Path) -> Iterator[tuple[Stub, str]]:
+    with Stub() as stub, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}})) as gw:
+        yield stub, gw
+
+
+CHAT_STREAM = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+               "stream_options": {"include_usage": True}}
+CHAT_WHOLE = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_stream_bytes_equal_direct_and_headers_name_arm(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    direct = httpx.post(stub.url + "/v1/chat/completions", json=CHAT_STREAM)
+    via = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+    assert via.status_code == 200
+    assert via.content == direct.content
+    assert via.headers["x-dfserve-arm"] == "a" and via.headers["x-dfserve-replica"] == stub.url
+    assert via.headers["x-engine"] == "stub"
+    text = httpx.get(gw + "/metrics").text
+    # 3 content chunks carried 12 tokens (usage): an estimate, labelled so.
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="estimated") == 4.0
+    assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
+    assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="chat") == 1
+
+
+def test_whole_chat_gets_exact_acceptance_and_meta_info_stays_hidden(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    direct = httpx.post(stub.url + "/v1/chat/completions", json=CHAT_WHOLE)
+    via = httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE)
+    assert stub.seen[-1]["return_meta_info"] is True and "return_meta_info" not in stub.seen[-2]
+    assert via.content == direct.content
+    assert "meta_info" not in via.json()["choices"][0]
+    asked = httpx.post(gw + "/v1/chat/completions", json={**CHAT_WHOLE, "return_meta_info": True})
+    assert asked.json()["choices"][0]["meta_info"]["spec_verify_ct"] == 4
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="exact") == 2
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="exact") == 6.0
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 8
+
+
+def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}
+    direct = httpx.post(stub.url + "/generate", json=body)
+    via = httpx.post(gw + "/generate", json=body)
+    assert via.content == direct.content
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="native", measure="exact") == 3.0
+    assert metric(text, "dfserve_output_tokens_total", arm="a", route="native") == 12
+    # chunks of 1, 4 and 7 tokens: two gaps, 11 per-token samples.
+    assert metric(text, "dfserve_inter_chunk_latency_seconds_count", arm="a", route="native") == 2
+    assert metric(text, "dfserve_inter_token_latency_per_token_seconds_count", arm="a", route="native") == 11
+
+
+def test_mixed_exact_and_estimated_traffic_pools_only_exact_tokens(one_arm: tuple[Stub, str]) -> None:
+    """Streamed chat shows no verify rounds: its 12 tokens count as output but stay out of pooled acceptance,
+    which over the exact requests (12 tokens, 4 rounds each) is 3, not (12 + 12 + 12) / 8."""
+    _, gw = one_arm
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}
+    for response in (httpx.post(gw + "/generate", json=native), httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM),
+                     httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE)):
+        assert response.status_code == 200
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="a", measure="estimated") == 1
+    assert metric(text, "dfserve_output_tokens_total", arm="a") == 36
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a") == 8
+    assert metric(text, "dfserve_spec_output_tokens_total", arm="a") == 24
+    assert metric(text, "dfserve_spec_output_tokens_total", arm="a", route="chat") == 12
+
+
+def test_bad_input_gets_4xx_json_never_500(one_arm: tuple[Stub, str], tmp_path: Path) -> None:
+    _, gw = one_arm
+    cases = [
+        (httpx.post(gw + "/v1/chat/completions", content=b"{not json"), 400),
+        (httpx.post(gw + "/v1/chat/completions", content=b"[1, 2]"), 400),
+        (httpx.post(gw + "/v1/nope", json={}), 404),
+        (httpx.get(gw + "/generate"), 405),
+        (httpx.post(gw + "/generate", content=b"x" * (5 * 1024 * 1024)), 413),
+    ]
+    for response, status in cases:
+        assert response.status_code == status
+        assert response.json()["error"]["message"]
+
+
+def test_5xx_before_first_byte_retries_on_same_arm(tmp_path: Path) -> None:
+    with Stub(status=500) as bad, Stub() as good:
+        arms = {"a": {"weight": 1, "replicas": [bad.url, good.url]}}
+        with gateway_server(write_config(tmp_path, arms, health={"interval_s": 60, "eject_after_failures": 1000})) as gw:
+            for _ in range(6):
+                response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+                assert response.status_code == 200 and response.headers["x-dfserve-replica"] == good.url
+            text = httpx.get(gw + "/metrics").text
+    assert bad.seen, "the failing replica was tried"
+    assert metric(text, "dfserve_retries_total", arm="a", replica=good.url) == len(bad.seen)
+    assert metric(text, "dfserve_upstream_errors_total", replica=bad.url, kind="http_500") == len(bad.seen)
+
+
+def test_only_replica_5xx_is_passed_through(tmp_path: Path) -> None:
+    with Stub(status=500) as bad, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [bad.url]}},
+                                                              health={"interval_s": 60})) as gw:
+        response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+        text = httpx.get(gw + "/metrics").text
+    assert response.status_code == 500 and response.json()["message"] == "engine down"
+    assert response.headers["x-dfserve-arm"] == "a"
+    assert metric(text, "dfserve_requests_total", arm="a", status="5xx", error="http_status") == 1
+
+
+def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tuple[Stub, str]) -> None:
+    _, gw = one_arm
+    response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "cut"})
+    assert response.status_code == 200
+    body = response.content
+    assert body.endswith(b"data: [DONE]\n\n")
+    events = [e for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert all(json.loads(e[6:]) for e in events), "no event was cut in half"
+    assert "error" in json.loads(events[-1][6:])
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="stream_cut") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="error", error="stream_cut") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
+
+
+def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:
+
+    def wait_for(name: str, value: float) -> str:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = httpx.get(gw + "/metrics").text
+            if metric(text, name, replica=dead) == value:
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"{name}{{replica={dead}}} never reached {value}")
+
+    with refusing_port() as dead_sock, Stub() as good:
+        dead = url_of(dead_sock)
+        arms = {"a": {"weight": 1, "replicas": [dead, good.url]}}
+        with gateway_server(write_config(tmp_path, arms)) as gw:
+            text = wait_for("dfserve_replica_ejections_total", 1)
+            assert metric(text, "dfserve_replica_healthy", replica=dead) == 0
+            assert metric(text, "dfserve_replica_healthy", replica=good.url) == 1
+            for _ in range(4):
+                assert httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code == 200
+            with Stub(sock=dead_sock) as revived:  # the replica comes back: the next health check re-admits it
+                wait_for("dfserve_replica_healthy", 1)
+                replies = [httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM) for _ in range(8)]
+                assert {r.headers["x-dfserve-replica"] for r in replies} == {dead, good.url}
+                assert revived.seen
+
+
+def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "slow"}) as response:
+        next(response.iter_raw())
+    assert stub.cancelled.wait(5), "upstream request was not cancelled"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        text = httpx.get(gw + "/metrics").text
+        if metric(text, "dfserve_requests_total", arm="a", status="499") == 1:
+            break
+        time.sleep(0.05)
+    assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_disconnect") == 1
+    assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
+
+
+def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
+                      timeout=30) as response:
+        time.sleep(1.0)  # the client reads nothing: every socket buffer on the way fills, then the upstream waits
+        written_at_1s = stub.flood_written
+        time.sleep(0.5)
+        written_at_1_5s = stub.flood_written
+        body = b"".join(response.iter_raw())
+    assert written_at_1_5s == written_at_1s < FLOOD_EVENTS  # the engine is held, not read into the gateway
+    assert body == FLOOD_EVENT * FLOOD_EVENTS
+
+
+def test_a_stalled_client_is_abandoned_without_blaming_the_replica(tmp_path: Path) -> None:
+    with Stub() as stub, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
+                                                     limits={"read_timeout_s": 0.5})) as gw:
+        with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
+                          timeout=30) as response:
+            time.sleep(1.5)  # reads nothing for longer than the read timeout
+            body = b"".join(response.iter_raw())
+        text = httpx.get(gw + "/metrics").text
+    events = body.split(b"\n\n")
+    assert b'"upstream_error"' in events[-3] and events[-2] == b"data: [DONE]"
+    assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_stalled") == 1
+    assert metric(text, "dfserve_upstream_errors_total", arm="a") == 0
+    assert metric(text, "dfserve_replica_healthy", arm="a") == 1
+
+
+def test_models_and_health(one_arm: tuple[Stub, str]) -> None:
+    _, gw = one_arm
+    models = httpx.get(gw + "/v1/models")
+    assert models.json()["data"][0]["id"] == "qwen" and models.headers["x-dfserve-arm"] == "a"
+    assert httpx.get(gw + "/health").json() == {"status": "ok", "arms": {"a": True}}
+
+
+
+def test_arm_concurrency_limit_and_read_timeout(tmp_path: Path) -> None:
+    with Stub() as stub:
+        config = write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
+                              limits={"max_concurrent_per_arm": 1, "read_timeout_s": 0.5})
+        with gateway_server(config) as gw:
+            with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "slow"}) as busy:
+                still_reading = busy.iter_raw()  # held: dropping the iterator would close the stream
+                next(still_reading)
+                refused = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+            assert refused.status_code == 429 and refused.json()["error"]["message"]
+            text = httpx.get(gw + "/metrics").text
+            assert metric(text, "dfserve_requests_total", arm="a", status="4xx", error="overloaded") == 1
+            deadline = time.monotonic() + 5
+            while httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code != 200:
+                assert time.monotonic() < deadline, "the slot was never returned"
+                time.sleep(0.05)
+            stalled = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"})
+            assert stalled.status_code == 504 and stalled.headers["x-dfserve-arm"] == "a"
+
+
+def test_down_arm_sheds_only_when_configured(tmp_path: Path) -> None:
+    with refusing_port() as dead_sock, Stub() as stub:
+        dead = url_of(dead_sock)
+        for shed, expected in ((True, {200}), (False, {200, 503})):
+            arms = {"up": {"weight": 1, "replicas": [stub.url]}, "down": {"weight": 1, "replicas": [dead]}}
+            with gateway_server(write_config(tmp_path, arms, shed=shed)) as gw:
+                deadline = time.monotonic() + 10
+                while httpx.get(gw + "/health").json()["arms"]["down"]:
+                    assert time.monotonic() < deadline, "dead replica never ejected"
+                    time.sleep(0.1)
+                statuses = {httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code for _ in range(30)}
+            assert statuses == expected, (shed, statuses)

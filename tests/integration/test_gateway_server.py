@@ -1,0 +1,405 @@
+"""The gateway's HTTP/1.1 server on loopback, talked to with raw sockets: framing, keep-alive, pipelining, limits,
+disconnects and back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from dfserve._relay import EventRelay
+from dfserve.gateway.server import Reply, Request, Server, ServerLimits
+
+LOOPBACK = "127.0.0.1"
+JSON = [(b"content-type", b"application/json")]
+
+
+async def listen(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
+                 idle_timeout_s: float = 30.0) -> tuple[Server, int]:
+    """A started server on a free loopback port, and the port."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    listener = Server(handler, ServerLimits(max_body_bytes, idle_timeout_s))
+    await listener.start(sock)
+    return listener, sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
+                 idle_timeout_s: float = 30.0) -> AsyncIterator[int]:
+    listener, port = await listen(handler, max_body_bytes, idle_timeout_s)
+    try:
+        yield port
+    finally:
+        await listener.stop(drain_s=1.0)
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One response: Content-Length, chunked, or (neither) up to the connection's end."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
+    status = int(lines[0].split()[1])
+    if b"content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        return status, headers, body
+    return status, headers, await reader.read()
+
+
+async def echo(request: Request, reply: Reply) -> None:
+    body = json.dumps({"method": request.method, "path": request.path, "body": request.body.decode(),
+                       "headers": {k.decode(): v.decode() for k, v in request.headers}}).encode()
+    reply.whole(200, JSON, body)
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+
+def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
+    async def scenario() -> list[dict[str, str]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/a%20b?q=1", b"one"))
+            first = await read_response(reader)
+            writer.write(post("/second", b"two") + post("/third", b"three"))  # pipelined
+            second, third = await read_response(reader), await read_response(reader)
+            writer.close()
+        return [json.loads(r[2]) for r in (first, second, third)]
+
+    first, second, third = asyncio.run(scenario())
+    assert (first["method"], first["path"], first["body"]) == ("POST", "/a b", "one")
+    assert first["headers"]["host"] == "x"
+    assert [second["body"], third["body"]] == ["two", "three"]
+
+
+def test_expect_continue_then_body() -> None:
+    async def scenario() -> tuple[bytes, dict[str, str]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+            interim = await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"hello")
+            _, _, body = await read_response(reader)
+            writer.close()
+        return interim, json.loads(body)
+
+    interim, echoed = asyncio.run(scenario())
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n" and echoed["body"] == "hello"
+
+
+def test_refusals_are_json_errors_that_close_the_connection() -> None:
+    cases = {
+        "declared too large": post("/x", b"", b"Content-Length: 5000\r\n").replace(b"Content-Length: 0\r\n", b""),
+        "chunked too large": b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"200\r\n" + b"x" * 512 + b"\r\n" + b"300\r\n" + b"x" * 768 + b"\r\n0\r\n\r\n",
+        "malformed": b"POST /x HTTP/9\r\n\r\n",
+        "bad target": b"GET http:// HTTP/1.1\r\nHost: x\r\n\r\n",
+        "head too large": b"GET /x HTTP/1.1\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n",
+    }
+
+    async def scenario() -> dict[str, tuple[int, dict[bytes, bytes], bytes, bytes]]:
+        answers = {}
+        async with server(echo) as port:
+            for name, raw in cases.items():
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(raw)
+                status, headers, body = await read_response(reader)
+                answers[name] = (status, headers, body, await reader.read())
+                writer.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert {name: a[0] for name, a in answers.items()} == {
+        "declared too large": 413, "chunked too large": 413, "malformed": 400, "bad target": 400,
+        "head too large": 431}
+    for status, headers, body, after in answers.values():
+        assert headers[b"connection"] == b"close" and after == b""
+        assert json.loads(body)["error"]["code"] == status
+
+
+def test_streams_are_chunked_for_http11_close_delimited_for_http10_and_bodiless_for_head() -> None:
+    async def stream(request: Request, reply: Reply) -> None:
+        """Half through the C relay's writer, half through `Reply`: both must frame alike."""
+        reply.start(200, [(b"content-type", b"text/event-stream")])
+        write, chunked = reply.body_writer()
+        relay = EventRelay(write, chunked, (b'"text":',), False, ())
+        relay.received(0.0, b"data: 1\n\n")
+        await asyncio.sleep(0)
+        reply.end(b"data: 2\n\n")
+
+    async def scenario() -> tuple[list[tuple[int, dict[bytes, bytes], bytes]], bytes]:
+        answers = []
+        async with server(stream) as port:
+            for request in (b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /s HTTP/1.0\r\n\r\n"):
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(request)
+                answers.append(await read_response(reader))
+                writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"HEAD /s HTTP/1.1\r\nHost: x\r\n\r\n" + post("/s", b""))
+            head = await reader.readuntil(b"\r\n\r\n")
+            next_one = await read_response(reader)  # the connection carries on: the HEAD answer had no body
+            writer.close()
+        return answers, head + next_one[2]
+
+    (http11, http10), head = asyncio.run(scenario())
+    assert http11[1][b"transfer-encoding"] == b"chunked" and http11[2] == b"data: 1\n\ndata: 2\n\n"
+    assert b"transfer-encoding" not in http10[1] and http10[1][b"connection"] == b"close"
+    assert http10[2] == b"data: 1\n\ndata: 2\n\n"
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\ndata: 1\n\ndata: 2\n\n")
+
+
+def test_a_body_ended_by_the_relay_is_not_ended_twice_and_the_connection_carries_on() -> None:
+    async def stream(request: Request, reply: Reply) -> None:
+        reply.start(200, [(b"content-type", b"text/event-stream")])
+        write, chunked = reply.body_writer()
+        relay = EventRelay(write, chunked, (b'"text":',), False, ())
+        relay.received(0.0, b"data: 1\n\n", request.path == "/last")
+        reply.end(relay.pending, relay.last_chunk_written)
+
+    async def scenario() -> tuple[list[tuple[int, dict[bytes, bytes], bytes]], bytes]:
+        async with server(stream) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/last", b"") + post("/not-last", b"") + post("/last", b""))
+            answers = [await read_response(reader) for _ in range(3)]
+            writer.write_eof()
+            rest = await reader.read()
+            writer.close()
+        return answers, rest
+
+    answers, rest = asyncio.run(scenario())
+    assert [(status, body) for status, _, body in answers] == [(200, b"data: 1\n\n")] * 3
+    assert rest == b""
+
+
+def test_a_client_that_leaves_cancels_its_request_and_stops_its_body_writer() -> None:
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started = asyncio.Event()
+
+        async def endless(request: Request, reply: Reply) -> None:
+            reply.start(200, [])
+            write, chunked = reply.body_writer()
+            assert write is not None and chunked
+            reply.hook(lambda: None, lambda: None, lambda: events.append("gone"))
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                events.append(f"cancelled, disconnected={reply.disconnected}")
+                raise
+
+        async with server(endless) as port:
+            _, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(started.wait(), 5)
+            writer.close()
+            for _ in range(100):
+                if events:
+                    break
+                await asyncio.sleep(0.01)
+        return events
+
+    assert asyncio.run(scenario()) == ["gone", "cancelled, disconnected=True"]
+
+
+def test_a_full_client_socket_pauses_the_source_until_it_drains() -> None:
+    piece = b"x" * 65536
+
+    async def scenario() -> tuple[list[str], int]:
+        events: list[str] = []
+        paused, resumed = asyncio.Event(), asyncio.Event()
+
+        async def flood(request: Request, reply: Reply) -> None:
+            reply.start(200, [])
+            reply.hook(lambda: (events.append("pause"), paused.set()), lambda: (events.append("resume"), resumed.set()),
+                       lambda: events.append("gone"))
+            while not paused.is_set():
+                reply.write(piece)
+                await asyncio.sleep(0)
+            await resumed.wait()
+            reply.unhook()
+            reply.end()
+
+        async with server(flood) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.3)  # not reading: the server's socket fills
+            _, _, body = await asyncio.wait_for(read_response(reader), 10)
+            writer.close()
+        return events, len(body)
+
+    events, size = asyncio.run(scenario())
+    assert events == ["pause", "resume"]
+    assert size > 0 and size % len(piece) == 0
+
+
+def test_a_handler_bug_is_a_500_json_error() -> None:
+    async def broken(request: Request, reply: Reply) -> None:
+        raise RuntimeError("bug")
+
+    async def scenario() -> tuple[int, bytes]:
+        async with server(broken) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, body = await read_response(reader)
+            writer.close()
+        return status, body
+
+    status, body = asyncio.run(scenario())
+    assert status == 500 and json.loads(body)["error"]["code"] == 500
+
+
+def test_an_idle_kept_alive_connection_is_closed_a_full_idle_period_after_its_last_answer() -> None:
+    async def slow_echo(request: Request, reply: Reply) -> None:
+        await asyncio.sleep(0.3)  # answering is not idling: the quiet time starts when the answer is out
+        await echo(request, reply)
+
+    async def scenario() -> tuple[bytes, float]:
+        async with server(slow_echo, idle_timeout_s=0.4) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/x", b"1"))
+            await read_response(reader)
+            answered = time.perf_counter()
+            rest = await asyncio.wait_for(reader.read(), 5)
+            open_for_s = time.perf_counter() - answered
+            writer.close()
+        return rest, open_for_s
+
+    rest, open_for_s = asyncio.run(scenario())
+    assert rest == b"" and 0.25 < open_for_s < 3.0
+
+
+async def slow_stream(request: Request, reply: Reply) -> None:
+    reply.start(200, [(b"content-type", b"text/event-stream")])
+    for n in range(3):
+        reply.write(b"data: %d\n\n" % n)
+        await asyncio.sleep(0.05)
+    reply.end()
+
+
+def test_what_follows_an_answer_under_way_waits_for_it() -> None:
+    """A pipelined bad request is refused after the good one is answered; a pipelined `Expect: 100-continue` is
+    answered after the stream under way, never inside it."""
+    async def scenario() -> tuple[bytes, bytes]:
+        async with server(slow_stream) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n" + b"BAD REQUEST\r\n\r\n")
+            refused = await reader.read(-1)
+            writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n"
+                         + b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            await read_response(reader)
+            interim = await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"ok")
+            second = await read_response(reader)
+            writer.close()
+        return refused, interim + second[2]
+
+    refused, continued = asyncio.run(scenario())
+    first, _, error = refused.partition(b"0\r\n\r\n")
+    assert first.endswith(b"data: 2\n\n\r\n") and error.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert continued == b"HTTP/1.1 100 Continue\r\n\r\ndata: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
+def test_upgrades_are_served_as_plain_http_and_connect_is_refused() -> None:
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario() -> tuple[list[bytes], bytes]:
+        answers = []
+        async with server(echo) as port:
+            for raw in (b"GET /u HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+                        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n",
+                        b"POST /u HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: websocket\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)):
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(raw)
+                status, _, body = await read_response(reader)
+                answers.append(body)
+                rest = await reader.read(-1) if status >= 400 else b""
+                writer.close()
+        return answers, rest
+
+    (upgraded, connect, with_body), after_body = asyncio.run(scenario())
+    assert json.loads(upgraded)["path"] == "/u"
+    assert json.loads(connect)["error"]["code"] == 405
+    assert json.loads(with_body)["error"]["code"] == 400 and after_body == b""  # the body was not taken for a request
+
+
+def test_a_long_pipelined_body_and_a_continue_sent_anyway_are_ordinary_requests() -> None:
+    async def scenario() -> list[tuple[int, bytes]]:
+        async with server(echo, max_body_bytes=200_000) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(post("/a", b"x" * 100_000) + b"GET /b HTTP/1.1\r\nHo")
+            first = await read_response(reader)
+            writer.write(b"st: x\r\n\r\n" + post("/c", b"body", b"Expect: 100-continue\r\n"))
+            answers = [first, await read_response(reader), await read_response(reader)]
+            writer.write(post("/d", b""))
+            answers.append(await read_response(reader))  # no stray 100 Continue in front of it
+            writer.close()
+        return [(status, body) for status, _, body in answers]
+
+    answers = asyncio.run(scenario())
+    assert [status for status, _ in answers] == [200, 200, 200, 200]
+    assert [json.loads(body)["path"] for _, body in answers] == ["/a", "/b", "/c", "/d"]
+
+
+def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
+    async def scenario() -> tuple[bytes, bool]:
+        listener, port = await listen(slow_stream)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")  # the answer is under way
+        stopping = asyncio.ensure_future(listener.stop(drain_s=5))
+        rest = await reader.read(-1)
+        await stopping
+        writer.close()
+        return rest, not listener.connections
+
+    rest, all_closed = asyncio.run(scenario())
+    assert rest.endswith(b"data: 2\n\n\r\n0\r\n\r\n") and all_closed
+
+
+def test_stop_sends_whole_answers_including_a_pipelined_one() -> None:
+    """The answer under way started before the stop (so it could not say `connection: close`): the request
+    pipelined behind it is answered too, with `connection: close`, and every byte of both is delivered."""
+    piece = b"z" * 1_000_000
+
+    async def answer(request: Request, reply: Reply) -> None:
+        if request.path == "/big":
+            reply.start(200, [])
+            for _ in range(8):
+                reply.write(piece)
+                await asyncio.sleep(0.01)
+            reply.end()
+        else:
+            reply.whole(200, [], b"small")
+
+    async def scenario() -> tuple[bytes, tuple[int, dict[bytes, bytes], bytes]]:
+        listener, port = await listen(answer)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        stopping = asyncio.ensure_future(listener.stop(drain_s=10))
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        second = await read_response(reader)
+        await stopping
+        writer.close()
+        return head + body, second
+
+    first, second = asyncio.run(scenario())
+    assert first.endswith(piece * 8) and second[2] == b"small" and second[1][b"connection"] == b"close"

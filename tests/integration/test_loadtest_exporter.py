@@ -1,0 +1,106 @@
+"""Live Prometheus export of a load test: dfserve.metrics names, per arm, warm-up left out, served on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import httpx
+import pytest
+
+from dfserve import metrics
+from dfserve.errors import UserError
+from dfserve.loadtest.exporter import Exporter
+from tests.integration.servers import refusing_port, url_of
+from tests.synthetic import synthetic
+
+
+def test_records_become_per_arm_families_and_are_served_on_loopback() -> None:
+    exporter = Exporter(route="/generate")
+    records = synthetic("zlab", 5, 8.0, seed=1, tokens=32) + synthetic("inhouse", 5, 8.0, seed=1, tokens=32, errors=1.0)
+    records.append(records[0].model_copy(update={"warmup": True, "index": 99}))
+    for r in records:
+        exporter.observe(r)
+    sample = exporter.registry.get_sample_value
+    labels = {"arm": "zlab", "route": "/generate"}
+    assert sample(f"{metrics.REQUESTS}_total", {**labels, "replica": "", "status": "2xx", "error": ""}) == 5
+    assert sample(f"{metrics.REQUESTS}_total", {"arm": "inhouse", "route": "/generate", "replica": "",
+                                                "status": "5xx", "error": "http_status"}) == 5
+    assert sample(f"{metrics.OUTPUT_TOKENS}_total", labels) == 5 * 32
+    assert sample(f"{metrics.TTFT}_count", labels) == 5
+    assert sample(f"{metrics.ITL_PER_TOKEN}_count", labels) == 5 * 31
+    assert sample(f"{metrics.ACCEPT_LENGTH}_count", {**labels, "measure": "exact"}) == 5
+    url = exporter.serve(0)
+    try:
+        body = httpx.get(f"{url}/metrics").text
+        assert f'{metrics.SPEC_VERIFY_ROUNDS}_total{{arm="zlab",route="/generate"}}' in body
+        with pytest.raises(UserError, match="--metrics-port"):
+            Exporter(route="/generate").serve(int(url.rsplit(":", 1)[1]))
+    finally:
+        exporter.close()
+
+
+def test_pooled_acceptance_counts_the_tokens_of_exact_requests_only() -> None:
+    """Streamed chat (estimated acceptance, no verify rounds) mixed with exact requests: the pooled figure's
+    numerator must leave its tokens out, or Σ tokens / Σ rounds reads too high."""
+    exporter = Exporter(route="chat")
+    exact = synthetic("zlab", 4, 8.0, seed=1, tokens=32)
+    estimated = [r.model_copy(update={"index": r.index + 4, "acceptance": "estimated", "spec_verify_ct": None,
+                                      "chunk_tokens": None, "chunk_times_s": r.chunk_times_s[::4]}) for r in exact]
+    for r in exact + estimated:
+        exporter.observe(r)
+    sample = exporter.registry.get_sample_value
+    labels = {"arm": "zlab", "route": "chat"}
+    rounds = sum(r.spec_verify_ct or 0 for r in exact)
+    assert sample(f"{metrics.SPEC_VERIFY_ROUNDS}_total", labels) == rounds
+    assert sample(f"{metrics.SPEC_OUTPUT_TOKENS}_total", labels) == 4 * 32
+    assert sample(f"{metrics.OUTPUT_TOKENS}_total", labels) == 8 * 32
+    assert sample(f"{metrics.ACCEPT_LENGTH}_count", {**labels, "measure": "estimated"}) == 4
+
+
+def test_failures_are_labelled_like_the_gateway_labels_them() -> None:
+    exporter = Exporter(route="native")
+    ok = synthetic("zlab", 1, 8.0, seed=1, tokens=8)[0]
+    failures = [
+        ok.model_copy(update={"error_kind": "connect", "http_status": None}),
+        ok.model_copy(update={"error_kind": "disconnect"}),
+        ok.model_copy(update={"error_kind": "cancelled"}),
+        ok.model_copy(update={"error_kind": "http_status", "http_status": 429}),
+    ]
+    for r in failures:
+        exporter.observe(r)
+    found = {(s.labels["status"], s.labels["error"]) for family in exporter.registry.collect()
+             if family.name == metrics.REQUESTS for s in family.samples if s.name.endswith("_total")}
+    assert found == {("error", "connect"), ("error", "disconnect"), ("499", "cancelled"), ("4xx", "http_status")}
+
+
+def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:
+    received: list[tuple[str, str, bytes]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.command, self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        exporter = Exporter(route="/generate")
+        for r in synthetic("zlab", 3, 8.0, seed=1, tokens=16):
+            exporter.observe(r)
+        exporter.push(f"http://127.0.0.1:{server.server_address[1]}", "run-7")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(received) == 1
+    method, path, body = received[0]
+    assert method == "PUT" and path == "/metrics/job/dfserve_loadtest/run_id/run-7"
+    assert f"{metrics.OUTPUT_TOKENS}_total".encode() in body
+    with refusing_port() as sock, pytest.raises(UserError, match="--pushgateway"):
+        Exporter(route="/generate").push(url_of(sock), "run-8")

@@ -1,0 +1,213 @@
+"""The load tester against simulated engines on loopback: real HTTP, real subprocesses, real run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
+from dfserve.deploy.sim.profiles import load_profile
+from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.tasks import load_tasks
+from tests.integration.servers import dfserve_argv, refusing_port, serve, sim_argv, sim_server, url_of
+
+pytestmark = pytest.mark.slow
+SHORT = ("--num-requests", "120", "--warmup", "4", "--concurrency", "16", "--max-new-tokens", "128", "--quiet")
+
+
+def loadtest(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(dfserve_argv("loadtest", "run", "--out", str(out), *args), capture_output=True,
+                            text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def compare(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dfserve_argv("compare", *args), capture_output=True, text=True, timeout=120)
+
+
+def records(run: Path) -> list[RequestRecord]:
+    return list(read_records(run / "requests.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def ab_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("runs")
+    with sim_server("zlab", 0.02, 0) as zlab, sim_server("inhouse", 0.02, 0) as inhouse:
+        loadtest(out, "--arm", f"zlab={zlab}", "--arm", f"inhouse={inhouse}", "--name", "ab", *SHORT)
+    yield out / "ab"
+
+
+@cache
+def _expected_rounds(profile: str, difficulty: float, remaining: int) -> float:
+    """E[verify rounds] to produce `remaining` tokens after the prefill token: R(n) = 1 + Σ_t p_t R(n - t)."""
+    model = RoundModel.build(load_profile(profile), difficulty)  # type: ignore[arg-type]
+    p = model.token_distribution()
+    rounds = [0.0] * (remaining + 1)
+    for n in range(1, remaining + 1):
+        rounds[n] = 1.0 + sum(p[t - 1] * rounds[n - t] for t in range(1, min(n, len(p)) + 1))
+    return rounds[remaining]
+
+
+def test_measured_acceptance_of_each_arm_agrees_with_the_profile(ab_run: Path) -> None:
+    summary = json.loads((ab_run / "summary.json").read_text())
+    prompts = {t.id: t.as_text() for t in load_tasks("humaneval").tasks}
+    for arm in summary["arms"]:
+        measured = [r for r in records(ab_run) if r.arm == arm["arm"] and not r.warmup]
+        assert len(measured) == 120 and all(r.ok and r.acceptance == "exact" and r.simulated for r in measured)
+        tokens = sum(r.completion_tokens or 0 for r in measured)
+        expected = tokens / sum(_expected_rounds(arm["arm"], prompt_difficulty(prompts[r.task_id]),
+                                                 (r.completion_tokens or 1) - 1) for r in measured)
+        figure = arm["accept_length"]
+        assert figure["low"] <= expected <= figure["high"], (arm["arm"], expected, figure)
+        assert sum(sum(r.chunk_tokens or []) == r.completion_tokens for r in measured) == 120
+    assert (ab_run / "report.html").read_text().count("<svg") == 5
+
+
+def test_inhouse_against_zlab_fails_on_acceptance(ab_run: Path) -> None:
+    result = compare(str(ab_run))
+    assert result.returncode == 1, result.stdout + result.stderr
+    verdict = json.loads(next(ab_run.parent.glob("verdict-*/verdict.json")).read_text())
+    rules = {r["metric"]: r["status"] for r in verdict["judgement"]["rules"]}
+    assert rules["accept_length"] == "FAIL" and rules["lossless_fraction"] == "PASS"
+    assert verdict["baseline"]["simulated"] is True
+
+
+def test_a_second_run_never_touches_the_first(ab_run: Path) -> None:
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in ab_run.iterdir()}
+    with sim_server("zlab", 0.02, 1) as zlab:
+        again = loadtest(ab_run.parent, "--arm", f"zlab={zlab}", "--name", "ab", *SHORT, check=False)
+        assert again.returncode == 2 and "already exists" in again.stderr
+        loadtest(ab_run.parent, "--arm", f"zlab={zlab}", "--num-requests", "10", "--concurrency", "4", "--quiet")
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in ab_run.iterdir()} == before
+    assert len(list(ab_run.parent.glob("run-*"))) == 1
+
+
+def test_aa_is_not_fail_and_a_lossy_candidate_is_caught(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.02, 0) as a, sim_server("zlab", 0.02, 1) as b, \
+            sim_server("zlab", 0.02, 2, "--lossy-fraction", "0.2") as lossy:
+        loadtest(tmp_path, "--arm", f"a={a}", "--arm", f"b={b}", "--arm", f"lossy={lossy}", "--name", "r", *SHORT)
+    # Three simulators and the tester share two cores, so their latencies differ by how the OS schedules them; the
+    # A/A check is about the acceptance, error and losslessness rules, which no scheduler can move.
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("rules:\n  - {metric: accept_length, max_worse: 0.02}\n  - {metric: error_rate, max_worse: 0.01}\n"
+                    "  - {metric: lossless_fraction, at_least: 0.99}\n")
+    aa = compare(str(tmp_path / "r"), "--baseline", "a", "--candidate", "b", "--gate", str(gate),
+                 "--out", str(tmp_path / "aa"))
+    assert aa.returncode in (0, 3), aa.stdout + aa.stderr
+    caught = compare(str(tmp_path / "r"), "--baseline", "a", "--candidate", "lossy", "--out", str(tmp_path / "l"))
+    assert caught.returncode == 1, caught.stdout
+    verdict = json.loads(next((tmp_path / "l").glob("verdict-*/verdict.json")).read_text())
+    lossless = verdict["judgement"]["lossless"]
+    assert 0.6 < lossless["fraction"] < 0.95 and len(lossless["differing_tasks"]) >= 5
+    assert {r["metric"]: r["status"] for r in verdict["judgement"]["rules"]}["lossless_fraction"] == "FAIL"
+
+
+def _wait_for_lines(path: Path, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().count("\n") >= count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{path}: fewer than {count} records after {timeout_s} s")
+
+
+def test_killing_one_arm_mid_run_keeps_complete_records_and_classifies_the_rest(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.2, 0) as zlab, serve(sim_argv("inhouse", 0.2, 0)) as doomed:
+        run = subprocess.Popen(dfserve_argv("loadtest", "run", "--out", str(tmp_path), "--name", "k", "--arm",
+                                            f"zlab={zlab}", "--arm", f"inhouse={doomed.url}",
+                                            "--num-requests", "60", "--warmup", "0", "--concurrency", "6",
+                                            "--max-new-tokens", "256", "--quiet"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for_lines(tmp_path / "k" / "requests.jsonl", 10)
+        os.killpg(doomed.process.pid, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 0, stderr
+    kept = records(tmp_path / "k")
+    by_arm = {arm: [r for r in kept if r.arm == arm] for arm in ("zlab", "inhouse")}
+    assert len(by_arm["zlab"]) == 60 and all(r.ok for r in by_arm["zlab"])
+    assert len(by_arm["inhouse"]) == 60  # every scheduled request has a record
+    failed = [r for r in by_arm["inhouse"] if not r.ok]
+    assert failed and {r.error_kind for r in failed} <= {"disconnect", "connect"}
+    assert "disconnect" in {r.error_kind for r in failed}  # the ones in flight when it died
+    assert any(r.ok for r in by_arm["inhouse"])
+    summary = json.loads((tmp_path / "k" / "summary.json").read_text())
+    inhouse = next(a for a in summary["arms"] if a["arm"] == "inhouse")
+    assert inhouse["errors"] and inhouse["error_rate"] > 0
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.2, 0) as zlab:
+        run = subprocess.Popen(dfserve_argv("loadtest", "run", "--out", str(tmp_path), "--name", "c", "--arm",
+                                            f"zlab={zlab}", "--num-requests", "200", "--concurrency", "4", "--quiet"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for_lines(tmp_path / "c" / "requests.jsonl", 5)
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    kept = records(tmp_path / "c")
+    assert 5 <= len(kept) < 208
+    assert {r.error_kind for r in kept} <= {None, "cancelled"}
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["interrupted"] is True
+
+
+def test_open_loop_chat_run_records_waits_and_estimated_acceptance(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.05, 0, "--record-chunk-times") as zlab:
+        loadtest(tmp_path, "--arm", f"zlab={zlab}", "--api", "chat", "--rate", "200", "--arrival", "constant",
+                 "--concurrency", "4", "--num-requests", "40", "--warmup", "0", "--max-new-tokens", "64", "--name",
+                 "o", "--quiet")
+        loadtest(tmp_path, "--arm", f"zlab={zlab}", "--rate", "50", "--num-requests", "30", "--warmup", "0",
+                 "--max-new-tokens", "64", "--name", "n", "--quiet")
+    chat = records(tmp_path / "o")
+    assert len(chat) == 40 and all(r.ok and r.acceptance == "estimated" for r in chat)
+    assert [r.scheduled_s for r in sorted(chat, key=lambda r: r.index)] == pytest.approx([i / 200 for i in range(40)])
+    assert max(r.dispatched_s - (r.scheduled_s or 0) for r in chat) > 0.02  # the cap of 4 made requests wait
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())["arms"][0]
+    assert summary["acceptance"] == "estimated" and summary["wait_s"]["n"] == 40
+    config = json.loads((tmp_path / "n" / "config.json").read_text())
+    native = records(tmp_path / "n")
+    for r in native:  # the simulator's own send times: every chunk arrives after it was sent, and soon after
+        assert r.sim_chunk_sent_unix_s is not None and len(r.sim_chunk_sent_unix_s) == len(r.chunk_times_s)
+        lateness = [config["t0_unix_s"] + got - sent for got, sent in zip(r.chunk_times_s, r.sim_chunk_sent_unix_s,
+                                                                           strict=True)]
+        assert min(lateness) > -0.002 and max(lateness) < 0.5
+
+
+def test_duration_bounds_the_run_and_arms_get_the_same_schedule(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.2, 0) as a, sim_server("inhouse", 0.2, 0) as b:
+        started = time.monotonic()
+        loadtest(tmp_path, "--arm", f"a={a}", "--arm", f"b={b}", "--rate", "40", "--num-requests", "1000",
+                 "--duration", "1.0", "--warmup", "0", "--max-new-tokens", "32", "--name", "d", "--quiet")
+        assert time.monotonic() - started < 20
+    kept = records(tmp_path / "d")
+    by_arm = {arm: sorted((r for r in kept if r.arm == arm), key=lambda r: r.index) for arm in ("a", "b")}
+    assert 20 <= len(by_arm["a"]) <= 60 and len(by_arm["a"]) == len(by_arm["b"])
+    assert max(r.scheduled_s or 0 for r in kept) <= 1.0
+    assert [(r.task_id, r.scheduled_s) for r in by_arm["a"]] == [(r.task_id, r.scheduled_s) for r in by_arm["b"]]
+    assert all(abs((x.sent_s or 0) - (y.sent_s or 0)) < 0.05 for x, y in zip(by_arm["a"], by_arm["b"], strict=True))
+
+
+def test_failures_are_classified(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.05, 0, "--error-rate", "0.3", "--disconnect-fraction", "0.3") as faulty, \
+            sim_server("zlab", 1.0, 0, "--stall-fraction", "1.0", "--stall-s", "30") as stalled:
+        loadtest(tmp_path, "--arm", f"faulty={faulty}", "--num-requests", "60", "--warmup", "0", "--concurrency", "8",
+                 "--max-new-tokens", "64", "--name", "f", "--quiet")
+        loadtest(tmp_path, "--arm", f"stalled={stalled}", "--num-requests", "4", "--warmup", "0", "--concurrency",
+                 "4", "--max-new-tokens", "64", "--request-timeout", "1", "--name", "s", "--quiet")
+        with refusing_port() as gone:
+            refused = loadtest(tmp_path, "--arm", f"gone={url_of(gone)}", "--concurrency", "1", "--quiet", check=False)
+    kinds = [r.error_kind for r in records(tmp_path / "f")]
+    assert 5 <= kinds.count("http_status") <= 35 and 5 <= kinds.count("disconnect") <= 35 and None in kinds
+    assert all(r.http_status == 500 for r in records(tmp_path / "f") if r.error_kind == "http_status")
+    assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
+    assert refused.returncode == 2 and "does not answer" in refused.stderr
+    assert "Traceback" not in refused.stderr

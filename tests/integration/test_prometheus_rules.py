@@ -1,0 +1,139 @@
+"""The rules as Prometheus runs them: `promtool check rules` on the committed file, and `promtool test rules` on
+synthetic series that must make each alert fire (and, just short of its condition, stay quiet)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dfserve import metrics as m
+from dfserve.dashboards import rules
+from dfserve.dashboards.render import to_yaml
+from tests import ROOT
+
+RULE_FILE = ROOT / "dashboards" / "generated" / "prometheus" / "dfserve-rules.yml"
+JOB = {"job": "gateway"}
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    assert path, "promtool not found: `make test` installs the Debian package prometheus"
+    return path
+
+
+def test_promtool_accepts_the_committed_rules() -> None:
+    result = subprocess.run([promtool(), "check", "rules", str(RULE_FILE)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules.recording_rules()) + len(rules.alerts(rules.RuleSettings()))} rules found" in result.stdout
+
+
+def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    body = ", ".join(f'{key}="{value}"' for key, value in {**JOB, **labels}.items())
+    return {"series": f"{name}{{{body}}}", "values": values}
+
+
+def _acceptance(candidate_tokens_per_min: int) -> list[dict[str, str]]:
+    """Both arms verify 100 rounds a minute; the baseline accepts 9 tokens a round. The candidate also serves
+    streamed chat without verify rounds, 1000 tokens a minute: pooled over every token it would read 17 and 18.7,
+    so the cases below fail if the rule divides the wrong numerator."""
+    return [
+        _series("dfserve_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
+        _series("dfserve_spec_verify_rounds_total", {"arm": "baseline"}, "0+100x40"),
+        _series("dfserve_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min + 1000}x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min}x40"),
+        _series("dfserve_spec_verify_rounds_total", {"arm": "candidate"}, "0+100x40"),
+    ]
+
+
+def _requests(http_status: int | None, error: str | None) -> dict[str, str]:
+    """Labels of `dfserve_requests_total` for one outcome, as the gateway and the load tester write them."""
+    status, kind = m.request_labels(http_status, error)
+    return {"arm": "candidate", "route": "/generate", "replica": "r1", "status": status, "error": kind}
+
+
+def _alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
+    """`labels` None: the alert must not fire at `at`."""
+    expected = [] if labels is None else [{"exp_labels": labels}]
+    return {"eval_time": at, "alertname": name, "exp_alerts": expected}
+
+
+def _without_annotations(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """promtool compares annotations verbatim; their templates are checked by `promtool check rules` instead."""
+    return [{**group, "rules": [{k: v for k, v in rule.items() if k != "annotations"} for rule in group["rules"]]}
+            for group in groups]
+
+
+CASES: list[dict[str, Any]] = [
+    {"interval": "1m", "input_series": _acceptance(700), "alert_rule_test": [
+        _alert("DfserveCandidateAcceptanceBelowBaseline", "5m", None),
+        _alert("DfserveCandidateAcceptanceBelowBaseline", "20m", {**JOB, "arm": "candidate", "severity": "warning"}),
+    ], "promql_expr_test": [
+        {"expr": f"round({rules.ACCEPT_LENGTH_5M}, 0.001)", "eval_time": "20m", "exp_samples": [
+            {"labels": '{job="gateway", arm="baseline"}', "value": 9},
+            {"labels": '{job="gateway", arm="candidate"}', "value": 7},
+        ]},
+    ]},
+    {"interval": "1m", "input_series": _acceptance(870), "alert_rule_test": [
+        _alert("DfserveCandidateAcceptanceBelowBaseline", "30m", None),
+    ]},
+    {"interval": "1m", "input_series": [
+        _series("dfserve_requests_total", _requests(200, None), "0+100x120"),
+        _series("dfserve_requests_total", _requests(502, "connect"), "0x59 0+10x60"),
+        _series("dfserve_requests_total", _requests(200, "stream_cut"), "0x59 0+5x60"),
+        _series("dfserve_requests_total", _requests(None, "cancelled"), "0x59 0+5x60"),
+    ], "alert_rule_test": [
+        _alert("DfserveErrorRateJump", "50m", None),
+        _alert("DfserveErrorRateJump", "70m", {**JOB, "arm": "candidate", "severity": "critical"}),
+    ]},
+    {"interval": "1m", "input_series": [
+        _series("dfserve_replica_healthy", {"arm": "baseline", "replica": "http://r1"}, "1x5 0x10"),
+        {"series": 'up{job="engines", deployment="zlab", instance="10.0.0.1:30000"}', "values": "1x5 0x10"},
+    ], "alert_rule_test": [
+        _alert("DfserveReplicaEjected", "5m", None),
+        _alert("DfserveReplicaEjected", "10m", {**JOB, "arm": "baseline", "replica": "http://r1", "severity": "warning"}),
+        _alert("DfserveEngineDown", "10m", {"job": "engines", "deployment": "zlab", "instance": "10.0.0.1:30000",
+                                            "severity": "critical"}),
+    ]},
+    {"interval": "1m", "input_series": [
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "0.5"}, "0+10x30"),
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "5"}, "0+100x30"),
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "+Inf"}, "0+100x30"),
+        _series("sglang:generation_tokens_total", {"deployment": "zlab"}, "0+1100x30"),
+        _series("sglang:spec_verify_calls_total", {"deployment": "zlab"}, "0+100x30"),
+    ], "alert_rule_test": [
+        _alert("DfserveTTFTP99High", "20m", {**JOB, "arm": "candidate", "severity": "warning"}),
+    ], "promql_expr_test": [
+        {"expr": f"round({rules.ENGINE_ACCEPT_LENGTH_5M}, 0.001)", "eval_time": "20m",
+         "exp_samples": [{"labels": '{deployment="zlab"}', "value": 11}]},
+    ]},
+]
+
+
+def _promtool_test(tmp_path: Path, groups: list[dict[str, Any]], cases: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "rules.yml").write_text(to_yaml({"groups": _without_annotations(groups)}))
+    (tmp_path / "tests.yml").write_text(to_yaml({"rule_files": ["rules.yml"], "evaluation_interval": "1m",
+                                                 "tests": cases}))
+    return subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True,
+                          check=False)
+
+
+def test_alerts_fire_on_their_conditions_and_only_then(tmp_path: Path) -> None:
+    result = _promtool_test(tmp_path, yaml.safe_load(RULE_FILE.read_text())["groups"], CASES)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = {case["alertname"] for group in CASES for case in group["alert_rule_test"]}
+    assert tested == {alert.name for alert in rules.alerts(rules.RuleSettings())}
+
+
+def test_a_broken_rule_is_caught(tmp_path: Path) -> None:
+    """The harness itself can fail: an inverted candidate alert does not pass the case above."""
+    groups = yaml.safe_load(RULE_FILE.read_text())["groups"]
+    for rule in groups[1]["rules"]:
+        if rule["alert"] == "DfserveCandidateAcceptanceBelowBaseline":
+            rule["expr"] = rule["expr"].replace("<", ">")
+    result = _promtool_test(tmp_path, groups, [CASES[0]])
+    assert result.returncode != 0 and "alertname: DfserveCandidateAcceptanceBelowBaseline" in result.stderr

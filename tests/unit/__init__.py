@@ -1,0 +1,1 @@
+"""Logic tested in one process: no sockets, no subprocesses, no installed tools."""

@@ -1,0 +1,240 @@
+"""In-house checkpoint conversion: every trainer layout, every broken checkpoint named, idempotent, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dfserve.deploy.convert import RECORD_NAME, convert_checkpoint, strip_prefixes
+from dfserve.deploy.drafters import resolve_drafter, resolve_target, verify_drafter_config
+from dfserve.deploy.profiles import load_profile
+from dfserve.errors import UserError
+from tests.fixtures.deploy.synth import (
+    TINY_DRAFTER_CONFIG,
+    TINY_TARGET,
+    tiny_config,
+    tiny_state_dict,
+    trainer_checkpoint,
+    with_prefix,
+    write_checkpoint,
+)
+
+PROFILE = load_profile("pro6000")
+TARGET = resolve_target(str(TINY_TARGET), PROFILE, None)
+ARCH = verify_drafter_config(tiny_config(), TARGET)
+
+
+def convert(path: Path, store: Path):  # type: ignore[no-untyped-def]
+    return convert_checkpoint(path, store, TARGET, tiny_config(), ARCH, store / ".hashes")
+
+
+def tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
+
+
+@pytest.mark.parametrize("layout", ["flat", "model", "state_dict-module", "model-draft_model", "ddp-draft_model"])
+def test_every_trainer_layout_converts_to_zlab_names_in_bf16(tmp_path: Path, layout: str) -> None:
+    state = tiny_state_dict()
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", trainer_checkpoint(state, layout))
+    result = convert(checkpoint, tmp_path / "store")
+    assert result.converted
+    with safe_open(str(result.folder / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        assert names == set(state)
+        for name in names:
+            tensor = handle.get_tensor(name)
+            assert tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor, state[name].to(torch.bfloat16))
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"mask_token_id": 500, "target_layer_ids": [1, 4, 6]}
+    assert config["block_size"] == 8 and config["num_target_layers"] == 8 and config["dtype"] == "bfloat16"
+    record = json.loads((result.folder / RECORD_NAME).read_text())
+    assert record["sha256"] == result.sha256 and record["tensors"] == len(state)
+
+
+def test_safetensors_input_with_prefix(tmp_path: Path) -> None:
+    state = tiny_state_dict(dtype=torch.float16)
+    checkpoint = write_checkpoint(tmp_path / "drafter.safetensors", with_prefix(state, "module."))
+    result = convert(checkpoint, tmp_path / "store")
+    with safe_open(str(result.folder / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(state)
+
+
+def test_second_conversion_of_same_content_reuses_folder(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    state = tiny_state_dict()
+    first = convert(write_checkpoint(tmp_path / "a" / "checkpoint.pt", trainer_checkpoint(state, "model")), store)
+    weights = first.folder / "model.safetensors"
+    inode, mtime = weights.stat().st_ino, weights.stat().st_mtime_ns
+    again = convert(tmp_path / "a" / "checkpoint.pt", store)
+    assert not again.converted and again.folder == first.folder
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == (inode, mtime)
+    # A copy of the same bytes elsewhere is the same drafter; different weights are a different folder.
+    copy = tmp_path / "b" / "checkpoint.pt"
+    copy.parent.mkdir()
+    copy.write_bytes((tmp_path / "a" / "checkpoint.pt").read_bytes())
+    assert convert(copy, store).folder == first.folder
+    other = convert(write_checkpoint(tmp_path / "c.pt", tiny_state_dict(seed=1)), store)
+    assert other.folder != first.folder and other.converted
+
+
+def test_hash_is_cached_per_file_identity(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", tiny_state_dict())
+    result = convert(checkpoint, store)
+    cached = list((store / ".hashes").iterdir())
+    assert len(cached) == 1 and cached[0].read_text().strip() == result.sha256
+
+
+def broken(state: dict[str, torch.Tensor], case: str) -> dict[str, torch.Tensor]:
+    state = dict(state)
+    if case == "missing":
+        del state["layers.1.mlp.down_proj.weight"]
+    elif case == "shape":
+        state["fc.weight"] = torch.zeros(64, 2 * 64)
+    elif case == "nan":
+        state["layers.0.self_attn.q_proj.weight"][0, :3] = float("nan")
+    elif case == "inf":
+        state["norm.weight"][5] = float("inf")
+    elif case == "unexpected":
+        state["lm_head.weight"] = torch.zeros(512, 64)
+    elif case == "prefix":
+        state = with_prefix(state, "drafter_net.")
+    elif case == "int":
+        state["hidden_norm.weight"] = torch.ones(64, dtype=torch.int32)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "missing tensor layers.1.mlp.down_proj.weight"),
+        ("shape", "fc.weight has shape [64, 128], expected [64, 192]"),
+        ("nan", "layers.0.self_attn.q_proj.weight has 3 NaN and 0 Inf values"),
+        ("inf", "norm.weight has 0 NaN and 1 Inf values"),
+        ("unexpected", "unexpected tensor lm_head.weight"),
+        ("prefix", "missing tensor fc.weight"),
+        ("int", "hidden_norm.weight has dtype int32, expected a floating-point type"),
+    ],
+)
+def test_broken_checkpoint_names_the_problem_and_leaves_nothing(tmp_path: Path, case: str, message: str) -> None:
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"model": broken(tiny_state_dict(), case), "step": 7})
+    store = tmp_path / "store"
+    with pytest.raises(UserError, match="problem") as info:
+        convert(checkpoint, store)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+    assert tree(store) == []
+
+
+def test_wrong_prefix_counts_every_missing_and_unexpected_tensor(tmp_path: Path) -> None:
+    checkpoint = write_checkpoint(tmp_path / "c.pt", broken(tiny_state_dict(), "prefix"))
+    with pytest.raises(UserError) as info:
+        convert(checkpoint, tmp_path / "store")
+    assert "50 problem(s)" in str(info.value)  # 25 expected names missing, 25 prefixed names unexpected
+    assert "and 42 more" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"optimizer": {"lr": 1.0}, "step": 3}, "no drafter state dict"),
+        ([1, 2, 3], "not a state dict"),
+    ],
+)
+def test_checkpoint_without_state_dict(tmp_path: Path, payload: object, message: str) -> None:
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save(payload, checkpoint)
+    with pytest.raises(UserError, match=message):
+        convert(checkpoint, tmp_path / "store")
+    assert tree(tmp_path / "store") == []
+
+
+def test_garbage_file_is_one_clear_error(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(UserError, match="not a torch checkpoint"):
+        convert(checkpoint, tmp_path / "store")
+    bad_st = tmp_path / "x.safetensors"
+    bad_st.write_bytes(b"\x00" * 4)
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        convert(bad_st, tmp_path / "store")
+
+
+def test_pickled_code_is_refused(tmp_path: Path) -> None:
+    """weights_only loading: a checkpoint that would run code on load is rejected, not executed."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"model": tiny_state_dict(), "hook": Path("/etc/passwd")}, checkpoint)
+    with pytest.raises(UserError, match="weights_only"):
+        convert(checkpoint, tmp_path / "store")
+
+
+def test_prefix_collision_is_an_error() -> None:
+    with pytest.raises(UserError, match="more than one prefix"):
+        strip_prefixes(["module.fc.weight", "fc.weight"])
+    assert strip_prefixes(["module.draft_model.norm.weight"]) == {"module.draft_model.norm.weight": "norm.weight"}
+
+
+def test_resolve_drafter_converts_and_labels_checkpoint(tmp_path: Path) -> None:
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", trainer_checkpoint(tiny_state_dict(), "model"))
+    drafter = resolve_drafter(str(checkpoint), PROFILE, TARGET, tmp_path / "store", TINY_DRAFTER_CONFIG)
+    assert drafter.kind == "checkpoint" and drafter.converted and drafter.sim_profile == "inhouse"
+    assert drafter.sha256 is not None and drafter.label == f"inhouse-{drafter.sha256[:8]}"
+    assert drafter.block_size == 8
+    folder = resolve_drafter(drafter.model_path, PROFILE, TARGET, tmp_path / "store")
+    assert folder.kind == "folder" and folder.block_size == 8 and folder.sha256
+
+
+def test_converted_folder_with_a_tensor_removed_is_rejected(tmp_path: Path) -> None:
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", tiny_state_dict())
+    result = convert(checkpoint, tmp_path / "store")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(result.folder / "model.safetensors"))
+    del tensors["layers.0.mlp.up_proj.weight"]
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    save_file(tensors, str(damaged / "model.safetensors"))
+    (damaged / "config.json").write_text((result.folder / "config.json").read_text())
+    with pytest.raises(UserError, match=r"missing tensor layers\.0\.mlp\.up_proj\.weight"):
+        resolve_drafter(str(damaged), PROFILE, TARGET, tmp_path / "store")
+
+
+def test_raw_bit_scan_counts_nan_and_inf_like_torch(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from dfserve.deploy.drafters import read_safetensors_header, safetensors_nonfinite
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        t = torch.randn(40, 7, generator=generator).to(dtype)
+        t[0, :2] = float("nan")
+        t[5, 3] = float("inf")
+        t[9, :3] = float("-inf")
+        tensors[str(dtype)] = t
+    tensors["clean"] = torch.randn(3, 3, generator=generator).to(torch.bfloat16)
+    tensors["ints"] = torch.full((4,), -1, dtype=torch.int32)  # all bits set, but not a float: ignored
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    problems = safetensors_nonfinite(path, read_safetensors_header(path))
+    assert sorted(problems) == sorted(f"{name} has 2 NaN and 4 Inf values" for name in tensors if name.startswith("torch"))
+
+
+def test_converted_folder_with_nan_is_rejected(tmp_path: Path) -> None:
+    result = convert(write_checkpoint(tmp_path / "checkpoint.pt", tiny_state_dict()), tmp_path / "store")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(result.folder / "model.safetensors"))
+    tensors["layers.1.self_attn.o_proj.weight"][2, 2] = float("nan")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    save_file(tensors, str(damaged / "model.safetensors"))
+    (damaged / "config.json").write_text((result.folder / "config.json").read_text())
+    with pytest.raises(UserError, match=r"layers\.1\.self_attn\.o_proj\.weight has 1 NaN and 0 Inf values"):
+        resolve_drafter(str(damaged), PROFILE, TARGET, tmp_path / "store")

@@ -1,0 +1,193 @@
+"""Profiles, target and drafter resolution, and the one spec's renderings: pure logic, no servers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dfserve.baselines import BaselineRegistry, entry
+from dfserve.deploy.drafters import (
+    expected_tensors,
+    hf_cached_file,
+    resolve_drafter,
+    resolve_target,
+    verify_drafter_config,
+)
+from dfserve.deploy.profiles import load_profile, profile_names
+from dfserve.deploy.spec import build_spec, server_args, sim_argv
+from dfserve.errors import UserError
+from tests.fixtures.deploy.synth import TINY_TARGET, tiny_config
+
+PROFILE = load_profile("pro6000")
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def zlab_spec(**kwargs):  # type: ignore[no-untyped-def]
+    target = resolve_target(None, PROFILE, None)
+    drafter = resolve_drafter("zlab", PROFILE, target, Path("unused"))
+    return build_spec(PROFILE, target, drafter, engine=kwargs.pop("engine", "sglang"), port=30000, **kwargs)
+
+
+def test_pro6000_profile_fits_qwen36_with_zlab_drafter() -> None:
+    assert "pro6000" in profile_names()
+    assert PROFILE.target.model_path == "Qwen/Qwen3.6-27B"
+    assert PROFILE.zlab.model_path == "z-lab/Qwen3.6-27B-DFlash"
+    assert PROFILE.sglang.tp_size == 1 and PROFILE.sglang.enable_metrics
+
+
+def test_profile_from_file_and_bad_profiles(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="neither a known profile"):
+        load_profile("h100x8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 1\nname: x\n")
+    with pytest.raises(UserError, match=r"bad.yaml: gpu: Field required"):
+        load_profile(str(bad))
+
+
+def test_zlab_tensor_table_matches_the_released_drafter() -> None:
+    """z-lab's drafters have 3 + 11 per layer tensors (58 for 5 layers); fc fuses 5 target layers of 5120."""
+    target = resolve_target(None, PROFILE, None)
+    arch = verify_drafter_config(PROFILE.zlab.config, target)
+    table = expected_tensors(arch)
+    assert len(table) == 58
+    assert table["fc.weight"] == (5120, 5 * 5120)
+    assert table["layers.4.self_attn.q_proj.weight"] == (32 * 128, 5120)
+    assert table["layers.0.self_attn.k_proj.weight"] == (8 * 128, 5120)
+    assert table["layers.2.mlp.down_proj.weight"] == (5120, 17408)
+
+
+def test_target_from_profile_facts_local_folder_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    facts = resolve_target(None, PROFILE, None)
+    assert facts.config_source.startswith("profile pro6000") and facts.num_hidden_layers == 64
+    local = resolve_target(str(TINY_TARGET), PROFILE, None)
+    assert local.hidden_size == 64 and local.model_path == str(TINY_TARGET.resolve())
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.6-27B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((TINY_TARGET / "config.json").read_text())
+    (tmp_path / "hub" / "models--Qwen--Qwen3.6-27B" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Qwen--Qwen3.6-27B" / "refs" / "main").write_text("abc123")
+    assert hf_cached_file("Qwen/Qwen3.6-27B", "config.json") == snapshot / "config.json"
+    cached = resolve_target(None, PROFILE, None)
+    assert cached.config_source == str(snapshot / "config.json") and cached.hidden_size == 64
+
+
+def test_missing_or_wrong_target_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"has no config\.json"):
+        resolve_target(str(tmp_path / "empty"), PROFILE, None)
+    with pytest.raises(UserError, match=r"no config\.json for Qwen/Qwen3-8B"):
+        resolve_target("Qwen/Qwen3-8B", PROFILE, None)
+    with pytest.raises(UserError, match="is not a model folder"):
+        resolve_target(str(tmp_path / "nowhere"), PROFILE, None)
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 9}))
+    with pytest.raises(UserError, match=r"model_type 'llama' is not one of"):
+        resolve_target(None, PROFILE, llama)
+
+
+def test_drafter_config_mismatches_are_all_named() -> None:
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    config = tiny_config()
+    config["hidden_size"] = 32
+    config["num_target_layers"] = 64
+    config["dflash_config"] = {"mask_token_id": 9999, "target_layer_ids": [1, 12]}
+    config["layer_types"] = ["full_attention"]
+    with pytest.raises(UserError) as info:
+        verify_drafter_config(config, target)
+    message = str(info.value)
+    for part in ("hidden_size 32 does not match the target's 64", "num_target_layers 64 does not match the target's 8",
+                 "target_layer_ids [12] outside", "mask_token_id must be a token id below 512",
+                 "layer_types must list one type per layer (2)"):
+        assert part in message
+
+
+def test_zlab_drafter_does_not_fit_a_different_target() -> None:
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    with pytest.raises(UserError, match="hidden_size 5120 does not match the target's 64"):
+        resolve_drafter("zlab", PROFILE, target, Path("unused"))
+
+
+def test_spec_renders_dflash_argv_from_profile_and_flags() -> None:
+    argv = server_args(zlab_spec())
+    assert flag(argv, "--speculative-algorithm") == "DFLASH"
+    assert flag(argv, "--speculative-draft-model-path") == "z-lab/Qwen3.6-27B-DFlash"
+    assert flag(argv, "--speculative-dflash-block-size") == "16"
+    assert flag(argv, "--max-running-requests") == "32"
+    assert flag(argv, "--served-model-name") == "qwen3.6-27b-dflash-zlab"
+    assert "--enable-metrics" in argv
+    tuned_spec = zlab_spec(overrides={"max_running_requests": 8, "context_length": None}, sglang_args=["--log-level=debug"])
+    assert tuned_spec.overrides == {"max_running_requests": 8}
+    tuned = server_args(tuned_spec)
+    assert flag(tuned, "--max-running-requests") == "8"
+    assert flag(tuned, "--context-length") == "65536"
+    assert tuned[-1] == "--log-level=debug"
+
+
+def test_spec_refuses_conflicting_and_invalid_flags() -> None:
+    with pytest.raises(UserError, match="--sglang-arg --tp-size: set by the deployment spec"):
+        zlab_spec(sglang_args=["--tp-size=2"])
+    with pytest.raises(UserError, match="--mem-fraction-static"):
+        zlab_spec(overrides={"mem_fraction_static": 1.5})
+    with pytest.raises(UserError, match="--draft-attention-backend"):
+        zlab_spec(overrides={"draft_attention_backend": "trtllm_mha"})
+    with pytest.raises(UserError, match="--name"):
+        zlab_spec(name="Bad_Name")
+
+
+def test_sim_argv_carries_the_same_deployment() -> None:
+    spec = zlab_spec(engine="sim", time_scale=0.05, seed=3)
+    assert spec.name == "pro6000-zlab-sim"
+    argv = sim_argv(spec, python="py")
+    assert argv[:4] == ["py", "-m", "dfserve", "sim"]
+    assert flag(argv, "--profile") == "zlab"
+    assert flag(argv, "--draft-model-path") == "z-lab/Qwen3.6-27B-DFlash"
+    assert flag(argv, "--served-model-name") == spec.served_model_name
+    assert flag(argv, "--block-size") == "16" and flag(argv, "--time-scale") == "0.05"
+
+
+def test_zlab_dry_run_never_imports_torch() -> None:
+    code = (
+        "import sys\nfrom dfserve.cli import main\n"
+        "try:\n    main(['deploy', '--drafter', 'zlab', '--dry-run'])\nexcept SystemExit as exc:\n    assert not exc.code\n"
+        "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_baseline_resolves_from_registry(tmp_path: Path) -> None:
+    target = resolve_target(None, PROFILE, None)
+    with pytest.raises(UserError, match=r"no baseline for Qwen/Qwen3\.6-27B"):
+        resolve_drafter("baseline", PROFILE, target, tmp_path / "store", registry=tmp_path / "runs")
+    BaselineRegistry(tmp_path / "runs").append(entry("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "run-1", "zlab"))
+    assert resolve_drafter("baseline", PROFILE, target, tmp_path / "store", registry=tmp_path / "runs").label == "zlab"
+    BaselineRegistry(tmp_path / "runs").append(entry("Qwen/Qwen3.6-27B", "/gone/inhouse", "run-2", "inhouse"))
+    with pytest.raises(UserError, match="not on this machine"):
+        resolve_drafter("baseline", PROFILE, target, tmp_path / "store", registry=tmp_path / "runs")
+
+
+def test_a_simulated_drafter_runs_only_on_the_simulator_under_a_simulated_identity() -> None:
+    from dfserve.deploy.drafters import simulated_drafter
+
+    drafter = simulated_drafter("inhouse")
+    assert (drafter.kind, drafter.label, drafter.model_path, drafter.sim_profile) == (
+        "simulated", "sim-inhouse", "dfserve-sim/inhouse", "inhouse")
+    with pytest.raises(UserError, match="no drafter"):
+        simulated_drafter("none")
+    with pytest.raises(UserError, match="--drafter sim:nope"):
+        simulated_drafter("nope")
+    target = resolve_target(None, PROFILE, None)
+    with pytest.raises(UserError, match="only with --engine sim"):
+        build_spec(PROFILE, target, drafter, engine="sglang", port=30000)
+    spec = build_spec(PROFILE, target, drafter, engine="sim", port=30000)
+    assert flag(sim_argv(spec), "--draft-model-path") == "dfserve-sim/inhouse"
+    assert flag(sim_argv(spec), "--profile") == "inhouse"

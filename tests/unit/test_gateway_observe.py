@@ -1,0 +1,150 @@
+"""What the relay reads from bytes as they pass, without sockets: observers, the stream meter, whole bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from dfserve import families, sglang
+from dfserve._relay import EventRelay
+from dfserve.errors import ProtocolError
+from dfserve.gateway.relay import (
+    Acceptance,
+    Binned,
+    Exchange,
+    NativeStream,
+    OpenAIStream,
+    StreamKind,
+    measure_whole,
+    meter,
+    response_headers,
+)
+from dfserve.metrics import ITL_BUCKETS_S
+
+
+def test_response_headers_drop_hop_by_hop_and_name_the_arm() -> None:
+    raw = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked"), (b"content-length", b"9"),
+           (b"connection", b"keep-alive")]
+    assert response_headers(raw, "cand", "http://h:1") == [
+        (b"content-type", b"text/event-stream"), (b"x-dfserve-arm", b"cand"), (b"x-dfserve-replica", b"http://h:1")]
+
+
+def native(tokens: int, final: bool = False) -> bytes:
+    meta = {"id": "r", "finish_reason": {"type": "stop"} if final else None, "prompt_tokens": 3,
+            "completion_tokens": tokens}
+    if final:
+        meta["spec_verify_ct"] = 4
+    return b"data: " + json.dumps({"text": "t", "meta_info": meta}).encode() + b"\n\n"
+
+
+def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[bytes]]:
+    """An EventRelay fed `pieces` at times 1, 2, ...; and what it wrote."""
+    written: list[bytes] = []
+    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, BOUNDS)
+    for at, piece in enumerate(pieces, start=1):
+        relay.received(float(at), piece)
+    return relay, written
+
+
+BOUNDS = (1.5, 2.5)
+
+
+def test_native_stream_counts_tokens_per_piece_of_events() -> None:
+    relay, _ = relayed(NativeStream(), [native(1), b": keep-alive\n\n",
+                                           native(4) + native(10, final=True) + b"data: [DONE]\n\n"])
+    assert relay.tokens == 10 and relay.first == 1.0
+    assert relay.chunk_gaps == ((0, 1, 0), 2.0) and relay.token_gaps == ((9, 0, 0), 2.0)  # 2 s over 9 tokens
+    acceptance = NativeStream().acceptance(relay.tokens, relay.tail)
+    assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
+        10, 4, 2.5, "exact")
+
+
+def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
+    assert NativeStream().acceptance(None, b"") == Acceptance()
+    relay, _ = relayed(NativeStream(), [native(3) + native(7)])
+    assert NativeStream().acceptance(relay.tokens, relay.tail) == Acceptance(output_tokens=7)
+
+
+def test_openai_stream_estimates_only_with_usage() -> None:
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    relay, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
+    assert relay.tokens == 2 and OpenAIStream().acceptance(relay.tokens, relay.tail).accept_length is None
+    relay.received(2.0, chunk + usage)
+    relay.received(3.0, b"data: [DONE]\n\n")
+    assert relay.first == 1.0 and relay.chunk_gaps == ((1, 0, 0), 1.0) and relay.token_gaps is None
+    acceptance = OpenAIStream().acceptance(relay.tokens, relay.tail)
+    assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated"
+
+
+def test_measure_whole() -> None:
+    meta = {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 12, "spec_verify_ct": 3}
+    batch = json.dumps([{"text": "a", "meta_info": meta}, {"text": "b", "meta_info": dict(meta, spec_verify_ct=1)}])
+    assert measure_whole("native", batch.encode()).accept_length == 24 / 4
+    chat = {"choices": [{"message": {"content": "x"}, "meta_info": meta}], "usage": {"completion_tokens": 12}}
+    assert measure_whole("chat", json.dumps(chat).encode()).measure == "exact"
+    del chat["choices"][0]["meta_info"]
+    plain = measure_whole("completions", json.dumps(chat).encode())
+    assert plain.output_tokens == 12 and plain.accept_length is None
+    with pytest.raises(ProtocolError):
+        measure_whole("chat", b"{}")
+
+
+def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
+    tricky = {"choices": [{"delta": {"content": 'say "content":"x" and\ndata: [DONE] "completion_tokens":99'}}]}
+    events = b"data: " + json.dumps(tricky).encode() + b"\n\n"
+    assert sglang.count_content_events(events) == 1
+    assert sglang.last_completion_tokens(events) is None
+    quoted = {"text": 'a "spec_verify_ct": 7 b', "meta_info": {"completion_tokens": 3}}
+    assert sglang.last_spec_verify_ct(b"data: " + json.dumps(quoted).encode() + b"\n\n") is None
+    assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
+    assert sglang.last_data_event(b"data: [DONE]\n\n") is None
+    assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
+
+
+def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:
+    arrivals, tokens = [0.0, 0.01, 0.0125, 0.5, 0.503, 3.0], [1, 2, 5, 1, 4, 3]
+    relay = EventRelay(None, True, sglang.NATIVE_TOKENS.keys, True, ITL_BUCKETS_S)
+    total = 0
+    for at, count in zip(arrivals, tokens, strict=True):
+        total += count
+        relay.received(at, native(total))
+    registry = CollectorRegistry()
+    observed = {name: Histogram(name, name, buckets=ITL_BUCKETS_S, registry=registry) for name in ("chunk", "token")}
+    for earlier, later, count in zip(arrivals, arrivals[1:], tokens[1:], strict=False):
+        observed["chunk"].observe(later - earlier)
+        for _ in range(count):
+            observed["token"].observe((later - earlier) / count)
+    assert relay.token_gaps is not None
+    binned = families.Histogram("binned", "binned", ("gaps",), ITL_BUCKETS_S, registry)
+    binned.labels("chunk").add_binned(*relay.chunk_gaps)
+    binned.labels("token").add_binned(*relay.token_gaps)
+    [family] = binned.collect()
+
+    for name in ("chunk", "token"):
+        [expected] = observed[name].collect()
+        want = {(s.name.removeprefix(name), s.labels.get("le")): s.value for s in expected.samples
+                if "created" not in s.name}
+        got = {(s.name.removeprefix("binned"), s.labels.get("le")): s.value for s in family.samples
+               if s.labels["gaps"] == name}
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx([want[key] for key in got])
+
+
+def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
+    relay, written = relayed(NativeStream(), [
+        native(2),
+        native(4)[:9],  # half an event: held back
+        native(4)[9:] + native(6)[:5],
+        native(6)[5:] + native(8, final=True)])
+    relay.ended()
+    relay.ended()
+    relay.received(5.0, b"data: [DONE]\n\n")  # after the end: not the client's
+    exchange = Exchange(arm="a", route="native")
+    meter(relay, exchange)
+    assert written == [native(2), native(4), native(6) + native(8, final=True)]
+    assert relay.pending == b""
+    assert exchange.first == 1.0 and exchange.chunk_gaps == Binned((1, 1, 0), 3.0)  # gaps of 2 s and 1 s
+    assert exchange.token_gaps == Binned((6, 0, 0), 3.0)  # 2 s over 2 tokens, 1 s over 4

@@ -1,0 +1,178 @@
+"""The judge on synthetic paired records with known effects: statistics, rules, verdicts, comparability, gates."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dfserve.errors import UserError
+from dfserve.loadtest import stats
+from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule, comparability, judge, load_gate, tasks_needed
+from tests.synthetic import run_config, synthetic
+
+
+def statuses(j: object) -> dict[str, str]:
+    return {r.metric: r.status for r in j.rules}  # type: ignore[attr-defined]
+
+
+def test_identical_arms_pass_every_rule() -> None:
+    base = synthetic("a", 200, 9.0, seed=1)
+    cand = [r.model_copy(update={"arm": "b"}) for r in base]
+    j = judge(base, cand, DEFAULT_GATE, temperature=0.0)
+    assert j.verdict == "PASS"
+    assert set(statuses(j).values()) == {"PASS"}
+    accept = next(m for m in j.metrics if m.metric == "accept_length")
+    assert accept.change == pytest.approx(0.0) and accept.n_baseline == 200
+    assert j.lossless.identical == 200 and j.lossless.differing_tasks == []
+
+
+def test_a_clearly_worse_drafter_fails_on_acceptance() -> None:
+    j = judge(synthetic("zlab", 200, 9.0, seed=1), synthetic("inhouse", 200, 6.0, seed=2), DEFAULT_GATE, 0.0)
+    assert j.verdict == "FAIL"
+    assert statuses(j)["accept_length"] == "FAIL"
+    accept = next(m for m in j.metrics if m.metric == "accept_length")
+    assert accept.change_high is not None and accept.change_high < -0.25  # 6/9 - 1 = -0.33
+    assert accept.change_low is not None and accept.change_low <= accept.change <= accept.change_high
+
+
+def test_independent_aa_runs_are_not_fail() -> None:
+    j = judge(synthetic("a", 200, 9.0, seed=1), synthetic("b", 200, 9.0, seed=2), DEFAULT_GATE, 0.0)
+    assert j.verdict != "FAIL"
+
+
+def test_an_effect_at_the_limit_is_inconclusive_with_a_sample_estimate() -> None:
+    j = judge(synthetic("a", 60, 9.0, seed=1, noise=0.3), synthetic("b", 60, 9.0 * 0.98, seed=2, noise=0.3),
+              Gate(rules=(Rule(metric="accept_length", max_worse=0.02),)), 0.0)
+    assert j.verdict == "INCONCLUSIVE"
+    assert j.tasks_needed is not None and j.tasks_needed > j.tasks
+
+
+def test_lossy_candidate_is_caught_and_differing_tasks_listed() -> None:
+    j = judge(synthetic("a", 200, 9.0, seed=1), synthetic("b", 200, 9.0, seed=1, lossy=0.1), DEFAULT_GATE, 0.0)
+    assert statuses(j)["lossless_fraction"] == "FAIL"
+    assert j.verdict == "FAIL"
+    assert 0.8 < (j.lossless.fraction or 0) < 0.97
+    assert j.lossless.differing_tasks and all(t.startswith("T") for t in j.lossless.differing_tasks)
+
+
+def test_losslessness_is_not_judged_above_temperature_zero() -> None:
+    j = judge(synthetic("a", 100, 9.0, seed=1), synthetic("b", 100, 9.0, seed=1, lossy=0.5), DEFAULT_GATE, 0.7)
+    assert statuses(j)["lossless_fraction"] == "NOT_APPLICABLE"
+
+
+def test_error_rate_regression_fails() -> None:
+    j = judge(synthetic("a", 300, 9.0, seed=1), synthetic("b", 300, 9.0, seed=1, errors=0.3), DEFAULT_GATE, 0.0)
+    assert statuses(j)["error_rate"] == "FAIL"
+    rate = next(m for m in j.metrics if m.metric == "error_rate")
+    assert rate.relative is False and 0.2 < (rate.change or 0) < 0.4
+
+
+def test_slower_candidate_fails_on_tpot() -> None:
+    j = judge(synthetic("a", 200, 9.0, seed=1), synthetic("b", 200, 9.0, seed=1, tpot=0.012), DEFAULT_GATE, 0.0)
+    assert statuses(j)["tpot_p95"] == "FAIL"
+
+
+def test_pairs_with_different_tasks_are_refused() -> None:
+    base = synthetic("a", 10, 9.0, seed=1)
+    cand = [r.model_copy(update={"arm": "b", "task_id": "other"}) for r in base]
+    with pytest.raises(UserError, match="same schedule"):
+        judge(base, cand, DEFAULT_GATE, 0.0)
+
+
+def test_warmup_records_are_left_out() -> None:
+    base = synthetic("a", 50, 9.0, seed=1)
+    cand = [r.model_copy(update={"arm": "b", "warmup": r.index < 10}) for r in synthetic("b", 50, 9.0, seed=2)]
+    assert judge(base, cand, DEFAULT_GATE, 0.0).paired_requests == 40
+
+
+def test_tasks_needed_scales_with_the_square_of_the_spread() -> None:
+    assert tasks_needed(100, 0.02, 0.01) == 400
+    assert tasks_needed(100, 0.02, 0.0) is None
+    assert tasks_needed(100, 0.001, 0.01) == 101
+
+
+def test_gate_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "gate.yaml"
+    path.write_text("rules:\n  - metric: accept_length\n    max_worse: 0.01\n  - metric: lossless_fraction\n"
+                    "    at_least: 0.95\n")
+    gate = load_gate(path)
+    assert [r.metric for r in gate.rules] == ["accept_length", "lossless_fraction"]
+    assert load_gate(None) == DEFAULT_GATE
+    path.write_text("rules:\n  - metric: speed\n    max_worse: 0.01\n")
+    with pytest.raises(UserError, match="unknown metric 'speed'"):
+        load_gate(path)
+    path.write_text("rules:\n  - metric: lossless_fraction\n    max_worse: 0.01\n")
+    with pytest.raises(UserError, match="at_least"):
+        load_gate(path)
+    path.write_text("rules: [\n")
+    with pytest.raises(UserError, match="invalid YAML"):
+        load_gate(path)
+
+
+def test_comparability_names_every_difference() -> None:
+    assert comparability(run_config("r1"), "zlab", run_config("r1"), "inhouse") == []
+    assert comparability(run_config("r1"), "zlab", run_config("r2"), "inhouse") == []
+    problems = comparability(run_config("r1"), "zlab", run_config("r2", num_requests=50, max_running=8), "inhouse")
+    assert any(p.startswith("num_requests") for p in problems)
+    assert any("max_running_requests" in p for p in problems)
+    with pytest.raises(UserError, match="no arm named"):
+        comparability(run_config("r1"), "nope", run_config("r1"), "inhouse")
+
+
+def test_wilson_and_quantile_intervals() -> None:
+    interval = stats.wilson(95, 100)
+    assert interval is not None
+    assert interval.low == pytest.approx(0.8882, abs=1e-3) and interval.high == pytest.approx(0.9785, abs=1e-3)
+    assert stats.wilson(0, 0) is None
+    assert stats.quantile([], 0.5) is None
+    values = np.arange(1000, dtype=float)
+    q = stats.quantile_interval(values, 0.95)
+    assert q is not None and q.low < 949 < q.high and q.high - q.low < 40
+
+
+def test_quantile_interval_covers_the_true_quantile_about_95_percent() -> None:
+    rng = np.random.default_rng(0)
+    true_p95 = -math.log(0.05)
+    covered = 0
+    for _ in range(400):
+        q = stats.quantile_interval(rng.exponential(size=200), 0.95)
+        assert q is not None
+        covered += q.low <= true_p95 <= q.high
+    assert 0.91 <= covered / 400 <= 0.99
+
+
+def test_weighted_quantiles_with_unit_weights_match_the_plain_quantile() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=301)
+    weights = np.ones((3, 301))
+    assert stats.weighted_quantiles(weights, values, 0.9) == pytest.approx([stats.quantile(values, 0.9)] * 3)
+    weights[1, values > np.median(values)] = 0  # drop the upper half: the 0.9 quantile falls
+    assert stats.weighted_quantiles(weights, values, 0.9)[1] < np.median(values)
+
+
+def test_cluster_weights_pick_as_many_tasks_as_there_are() -> None:
+    weights = stats.cluster_weights(7, 50, np.random.default_rng(0))
+    assert weights.shape == (50, 7) and (weights.sum(axis=1) == 7).all()
+
+
+def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
+    rng = np.random.default_rng(2)
+    owners = rng.integers(0, 30, size=40_000)
+    values = rng.exponential(size=40_000) + owners * 0.01
+    weights = stats.cluster_weights(30, 400, rng)
+    exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
+    grid = stats.clustered_quantiles(weights, values, owners, 0.95)
+    assert np.abs(grid - exact).max() < 0.02 * exact.mean()
+
+
+def test_a_zero_baseline_quantile_gives_an_undefined_change_not_a_warning() -> None:
+    """Chunks read together have zero gaps: a relative change from a zero baseline is undefined, never NaN or inf."""
+    base = synthetic("a", 120, 9.0, seed=1)
+    base = [r.model_copy(update={"chunk_times_s": [r.chunk_times_s[0]] * len(r.chunk_times_s)}) for r in base]
+    cand = synthetic("b", 120, 9.0, seed=2)
+    j = judge(base, cand, DEFAULT_GATE, temperature=0.0)
+    itl = next(m for m in j.metrics if m.metric.startswith("itl") and m.baseline == 0.0)
+    assert itl.change is None and itl.candidate is not None and itl.candidate > 0

@@ -1,0 +1,110 @@
+"""`dfserve compare`, `promote` and `baseline` on run directories written like real ones (no servers needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dfserve.baselines import BaselineRegistry, entry
+from dfserve.loadtest.cli import baseline, compare, promote
+from dfserve.loadtest.records import RequestRecord
+from dfserve.runs import JsonlAppender, create_run_dir, write_model
+from tests.synthetic import run_config, synthetic
+
+
+def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], **config: object) -> Path:
+    run_dir = create_run_dir(out, name)
+    base = run_config(name, **config)  # type: ignore[arg-type]
+    keep = tuple(a for a in base.arms if a.name in arms) or base.arms[:1]
+    write_model(run_dir / "config.json", base.model_copy(update={"arms": keep}))
+    with JsonlAppender(run_dir / "requests.jsonl") as appender:
+        for records in arms.values():
+            for r in records:
+                appender.append(r)
+    return run_dir
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    fail = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
+                                 "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    before = snapshot(fail)
+    result = CliRunner().invoke(compare, [str(fail)])
+    assert result.exit_code == 1, result.output
+    assert "verdict: FAIL" in result.output and "acceptance length" in result.output
+    assert snapshot(fail) == before
+    verdicts = list(runs.glob("verdict-*/verdict.json"))
+    assert len(verdicts) == 1
+    document = json.loads(verdicts[0].read_text())
+    assert document["verdict"] == "FAIL" and document["baseline"]["arm"] == "zlab"
+    assert document["candidate"]["drafter"] == "z-lab/Qwen3.6-27B-DFlash"
+
+    same = synthetic("zlab", 150, 9.0, seed=1)
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
+
+    few = make_run(runs, "few", {"zlab": synthetic("zlab", 30, 9.0, seed=1, noise=0.4),
+                                 "inhouse": synthetic("inhouse", 30, 9.0 * 0.98, seed=2, noise=0.4)})
+    result = CliRunner().invoke(compare, [str(few)])
+    assert result.exit_code == 3, result.output
+    assert "distinct tasks would decide it" in result.output
+
+
+def test_two_runs_must_be_comparable_unless_forced(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", 80, 9.0, seed=2)}, num_requests=50)
+    refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
+    assert refused.exception is not None and "not comparable" in str(refused.exception)
+    assert "num_requests" in str(refused.exception)
+    forced = CliRunner().invoke(compare, [str(one), str(two), "--force"])
+    assert forced.exit_code in (0, 3), forced.output
+    assert "FORCED" in forced.output
+    document = json.loads(next(runs.glob("verdict-*/verdict.json")).read_text())
+    assert document["forced"] is True and document["mismatches"]
+
+
+def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / "v")]).exit_code == 0
+    passed = next((runs / "v").glob("verdict-*"))
+    result = CliRunner().invoke(promote, [str(passed), "--registry", str(runs)])
+    assert result.exit_code == 0, result.output
+    shown = CliRunner().invoke(baseline, ["history", "--registry", str(runs)])
+    assert shown.output.count("Qwen/Qwen3.6-27B") == 2  # the first promotion records its baseline, then the candidate
+
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    assert CliRunner().invoke(compare, [str(ab), "--out", str(runs / "w")]).exit_code == 1
+    failed = next((runs / "w").glob("verdict-*"))
+    refused = CliRunner().invoke(promote, [str(failed), "--registry", str(runs)], standalone_mode=False)
+    assert refused.exception is not None and "only PASS promotes" in str(refused.exception)
+    no_reason = CliRunner().invoke(promote, [str(failed), "--registry", str(runs), "--force"], standalone_mode=False)
+    assert no_reason.exception is not None and "--reason" in str(no_reason.exception)
+    forced = CliRunner().invoke(promote, [str(failed), "--registry", str(runs), "--force", "--reason", "drill"])
+    assert forced.exit_code == 0 and "FORCED" in forced.output
+    history = CliRunner().invoke(baseline, ["history", "--registry", str(runs)]).output
+    assert "FORCED (drill)" in history and len(history.strip().splitlines()) == 3
+    assert "Qwen/Qwen3.6-27B" in CliRunner().invoke(baseline, ["show", "--registry", str(runs)]).output
+
+
+def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "inhouse-step-9000", "run-0", "inhouse"))
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
+    passed = next(runs.glob("verdict-*"))
+    refused = CliRunner().invoke(promote, [str(passed)], standalone_mode=False)
+    assert refused.exception is not None
+    assert "is not the current baseline 'inhouse-step-9000'" in str(refused.exception)
+    current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
+    assert current is not None and current.drafter == "inhouse-step-9000"

@@ -1,0 +1,66 @@
+"""Per-arm summaries and report.html from records: counts, intervals, histogram, no made-up zeros."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from dfserve.loadtest.progress import Progress
+from dfserve.loadtest.report import (
+    accept_length_figure,
+    distribution,
+    render_html,
+    summarize,
+    summarize_arm,
+    svg_cdf,
+)
+from tests.synthetic import run_config, synthetic
+
+
+def test_arm_summary_counts_errors_and_excludes_warmup() -> None:
+    records = synthetic("zlab", 100, 8.0, seed=1, tokens=64, errors=0.1)
+    records += [records[0].model_copy(update={"warmup": True, "index": 500})]
+    summary = summarize_arm("zlab", records)
+    assert summary.requests == 100
+    assert summary.succeeded + sum(summary.errors.values()) == 100 and summary.errors.get("http_status", 0) > 0
+    assert summary.error_rate == (100 - summary.succeeded) / 100
+    assert summary.acceptance == "exact" and summary.accept_length is not None
+    assert summary.accept_length.low < summary.accept_length.estimate < summary.accept_length.high
+    assert summary.ttft_s is not None and summary.ttft_s.n == summary.succeeded
+    assert summary.itl_per_token_s is not None and summary.itl_per_token_s.n == summary.succeeded * 63
+    assert summary.round_tokens_histogram[1] == summary.succeeded * 63  # one token per chunk after the first
+    assert summary.wait_s is None  # closed loop: nothing waited for a slot
+
+
+def test_no_data_is_none_not_zero() -> None:
+    failed = [r.model_copy(update={"error_kind": "connect"}) for r in synthetic("a", 5, 8.0, seed=1, tokens=8)]
+    summary = summarize_arm("a", failed)
+    assert summary.succeeded == 0 and summary.accept_length is None and summary.ttft_s is None
+    assert summary.output_tokens_per_s is None
+    assert distribution([]) is None and accept_length_figure([]) is None
+
+
+def test_report_html_is_self_contained_with_cdfs_and_histogram() -> None:
+    records = synthetic("zlab", 40, 9.0, seed=1, tokens=32) + synthetic("inhouse", 40, 6.0, seed=2, tokens=32)
+    config = run_config("run-x")
+    summary = summarize(config, records, interrupted=True)
+    page = render_html(config, summary, records)
+    assert page.count("<svg") == 5 and "<polyline" in page and "<rect" in page
+    assert "Interrupted" in page and "zlab" in page and "inhouse" in page
+    assert "src=" not in page and "<script" not in page
+    assert "no samples" in svg_cdf("TTFT", {"a": []})
+
+
+def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    records = synthetic("zlab", 10, 8.0, seed=1, tokens=32) + synthetic("inhouse", 10, 8.0, seed=1, tokens=32,
+                                                                         errors=1.0)
+    with Progress(["zlab", "inhouse"], 10, console) as progress:
+        for r in records:
+            progress.observe(r)
+    text = out.getvalue()
+    assert "zlab" in text and "10/10" in text and "http_status=10" in text
+    zlab = progress.tallies["zlab"]
+    assert zlab.tokens == 320 and zlab.rounds > 0 and 6 < zlab.accepted_tokens / zlab.rounds < 11

@@ -1,0 +1,159 @@
+"""Pure parts of the load tester: task sets, schedules, and figures derived from raw timestamps."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dfserve.errors import UserError
+from dfserve.loadtest import records as rec
+from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.schedule import LoadShape, poisson_offsets
+from dfserve.loadtest.tasks import TaskSet, load_tasks
+
+
+def test_humaneval_is_read_offline_with_all_164_problems() -> None:
+    tasks = load_tasks("humaneval")
+    assert len(tasks.tasks) == 164
+    assert tasks.tasks[0].id == "HumanEval/0"
+    assert tasks.tasks[0].prompt is not None and "def " in tasks.tasks[0].prompt
+    assert tasks.sha256 == load_tasks("humaneval").sha256
+
+
+def test_jsonl_tasks_prompt_and_messages(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps({"id": "a", "prompt": "def f():"}) + "\n\n"
+        + json.dumps({"id": 7, "messages": [{"role": "user", "content": "write f"}]}) + "\n"
+    )
+    tasks = load_tasks(str(path))
+    assert [t.id for t in tasks.tasks] == ["a", "7"]
+    assert tasks.tasks[1].as_text() == "user: write f"
+    assert tasks.tasks[0].as_messages() == [{"role": "user", "content": "def f():"}]
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"id": "a"}'], "exactly one of 'prompt' or 'messages'"),
+        (['{"prompt": "x"}'], "field 'id'"),
+        (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "appears more than once"),
+        (["{not json"], "invalid JSON"),
+        (['{"id": "a", "messages": [{"role": "user"}]}'], "'messages' must be"),
+    ],
+)
+def test_bad_task_files_name_the_problem(tmp_path: Path, lines: list[str], message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=message):
+        load_tasks(str(path))
+
+
+def test_missing_task_file_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="--tasks"):
+        load_tasks("/nonexistent/tasks.jsonl")
+
+
+def test_sequence_is_seeded_covers_every_task_per_pass_and_reaches_the_count() -> None:
+    tasks = load_tasks("humaneval")
+    order = tasks.sequence(400, seed=3)
+    assert len(order) == 400
+    assert order == tasks.sequence(400, seed=3)
+    assert order != tasks.sequence(400, seed=4)
+    assert len({t.id for t in order[:164]}) == 164  # one whole pass before any repeat
+    assert max(Counter(t.id for t in order).values()) == 3
+
+
+def test_sequence_rejects_zero() -> None:
+    with pytest.raises(UserError, match="--num-requests"):
+        TaskSet("x", load_tasks("humaneval").tasks).sequence(0, 0)
+
+
+def test_load_shapes_validate() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        LoadShape(kind="closed")
+    with pytest.raises(ValueError, match="rate"):
+        LoadShape(kind="poisson", concurrency=4)
+    assert LoadShape(kind="closed", concurrency=4).offsets(10) is None
+
+
+def test_constant_offsets_are_evenly_spaced() -> None:
+    offsets = LoadShape(kind="constant", rate=200.0).offsets(5)
+    assert offsets == pytest.approx([0.0, 0.005, 0.01, 0.015, 0.02])
+
+
+def test_poisson_offsets_are_seeded_and_hold_the_rate() -> None:
+    shape = LoadShape(kind="poisson", rate=200.0, seed=7)
+    offsets = shape.offsets(20001)
+    assert offsets == LoadShape(kind="poisson", rate=200.0, seed=7).offsets(20001)
+    assert offsets is not None and offsets[0] == 0.0
+    assert (len(offsets) - 1) / offsets[-1] == pytest.approx(200.0, rel=1e-12)  # the run's rate, exactly
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert len(set(gaps)) == len(gaps)  # no repeated gap sequence (one generator, not one per worker)
+    mean = sum(gaps) / len(gaps)
+    spread = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert 0.95 < spread / mean < 1.05  # exponential gaps: standard deviation equals the mean
+    assert sum(g < mean for g in gaps) / len(gaps) == pytest.approx(1 - math.exp(-1), abs=0.02)
+    assert poisson_offsets(10.0, 1, random.Random(0)) == [0.0]
+    assert poisson_offsets(10.0, 0, random.Random(0)) == []
+
+
+def _record(**kw: object) -> RequestRecord:
+    base: dict[str, object] = dict(arm="a", index=0, task_id="t", dispatched_s=0.0, sent_s=1.0,
+                                   first_token_s=1.1, end_s=1.5, chunk_times_s=[1.1, 1.2, 1.4],
+                                   chunk_tokens=[1, 4, 5], completion_tokens=10, spec_verify_ct=2,
+                                   acceptance="exact", finish_reason="length", output_sha256="x")
+    base.update(kw)
+    return RequestRecord.model_validate(base)
+
+
+def test_latency_figures_come_from_raw_timestamps() -> None:
+    r = _record()
+    assert rec.ttft_s(r) == pytest.approx(0.1)
+    assert rec.e2e_s(r) == pytest.approx(0.5)
+    assert rec.tpot_s(r) == pytest.approx(0.3 / 9)
+    assert rec.itl_per_chunk_s(r) == pytest.approx([0.1, 0.2])
+    # 0.1 s split over the 4 tokens of the second chunk, 0.2 s over the 5 of the third: one sample per token.
+    assert rec.itl_per_token_s(r) == pytest.approx([0.025] * 4 + [0.04] * 5)
+    assert rec.request_accept_length(r) == pytest.approx(5.0)
+    assert rec.round_tokens(r) == [4, 5]
+    assert rec.wait_s(r) == 0.0
+    assert rec.wait_s(_record(scheduled_s=0.5, dispatched_s=0.8)) == pytest.approx(0.3)
+
+
+def test_estimated_and_unknown_acceptance() -> None:
+    chat = _record(acceptance="estimated", chunk_tokens=None, spec_verify_ct=None)
+    assert rec.request_accept_length(chat) == pytest.approx(10 / 3)
+    assert rec.itl_per_token_s(chat) == []
+    assert rec.round_tokens(chat) == []
+    assert rec.request_accept_length(_record(acceptance="unknown", spec_verify_ct=None)) is None
+
+
+def test_failed_requests_have_no_latency_or_acceptance() -> None:
+    failed = _record(error_kind="disconnect", error_message="cut", output_sha256=None)
+    assert not failed.ok
+    assert rec.e2e_s(failed) is None and rec.tpot_s(failed) is None
+    assert rec.request_accept_length(failed) is None and rec.verify_rounds(failed) is None
+
+
+def test_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    first, second = _record(index=0), _record(index=1, warmup=True)
+    path.write_text(first.model_dump_json() + "\n" + second.model_dump_json() + "\n" + '{"arm": "a", "ind')
+    loaded = list(read_records(path))
+    assert loaded == [first, second]
+    assert rec.measured_records(loaded) == [first]
+    path.write_text('{"arm": 1}\n' + first.model_dump_json() + "\n")
+    with pytest.raises(UserError, match=":1:"):
+        list(read_records(path))
+
+
+def test_records_refuse_unknown_fields() -> None:
+    with pytest.raises(ValueError, match="extra"):
+        _record(surprise=1)
