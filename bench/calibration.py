@@ -41,6 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.servers import dfserve_argv, sim_server  # noqa: E402
+
 from bench.results import write_section  # noqa: E402
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402
@@ -48,7 +50,6 @@ from dfserve.loadtest import cli as loadtest_cli  # noqa: E402
 from dfserve.loadtest.judge import DEFAULT_GATE, Gate, judge  # noqa: E402
 from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
 from dfserve.loadtest.tasks import Task, load_tasks  # noqa: E402
-from tests.servers import dfserve_argv, sim_server  # noqa: E402
 
 SECTION = "loadtest_calibration"
 

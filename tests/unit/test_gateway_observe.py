@@ -96,13 +96,13 @@ def test_measure_whole() -> None:
 def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
     tricky = {"choices": [{"delta": {"content": 'say "content":"x" and\ndata: [DONE] "completion_tokens":99'}}]}
     events = b"data: " + json.dumps(tricky).encode() + b"\n\n"
-    assert sglang.count_content_events(events) == 1
-    assert sglang.last_completion_tokens(events) is None
+    assert sglang.CONTENT_CHUNKS.read(events) == 1
+    assert sglang.NATIVE_TOKENS.read(events) is None
     quoted = {"text": 'a "spec_verify_ct": 7 b', "meta_info": {"completion_tokens": 3}}
     assert sglang.last_spec_verify_ct(b"data: " + json.dumps(quoted).encode() + b"\n\n") is None
     assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
     assert sglang.last_data_event(b"data: [DONE]\n\n") is None
-    assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
+    assert sglang.CONTENT_CHUNKS.read(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
 
 
 def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from dfserve import sglang as proto
 from dfserve.cli import main
+from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -250,16 +251,16 @@ def test_scheduler_caps_running_requests_and_queue_time_shows_in_ttft(vocabulary
 
 
 def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() -> None:
-    meta = proto.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
+    meta = engine.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
                                 completion_tokens=2)
     meta[proto.SIM_CHUNK_DUE_KEY] = [1.5, 2.25]
-    event = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], meta))
+    event = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], meta))
     sent = [1764505000.123456, 1764505000.2]
-    expected = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
-    encoder = proto.NativeStreamEncoder(incremental=False)
+    expected = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
+    encoder = engine.NativeStreamEncoder(incremental=False)
     encoder.encode_sent_times(sent[:1])  # ahead of time, as the sim does while it computes a step
     assert encoder.with_sent_times(event, sent) == expected
-    assert proto.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
+    assert engine.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
     with pytest.raises(ValueError, match="meta_info"):
         encoder.with_sent_times(event + proto.SSE_DONE, sent)
 

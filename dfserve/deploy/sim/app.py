@@ -1,6 +1,6 @@
 """The simulator's HTTP face: SGLang's routes on Starlette, streaming written straight to the ASGI channel.
 
-Every body comes from a builder in `dfserve.sglang`, so field names live in one module. A stream sends one chunk per
+Every body comes from a builder in `dfserve.deploy.sim.protocol`, so field names live in one module. A stream sends one chunk per
 step of the engine; a client that disconnects is noticed by a watcher on the ASGI `receive` channel and its slot is
 freed at the next step.
 """
@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dfserve import __version__
-from dfserve import sglang as proto
+from dfserve import __version__, sglang
+from dfserve.deploy.sim import protocol as proto
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
 from dfserve.deploy.sim.faults import FaultPlan, RequestFaults, SimulatedDisconnect
@@ -115,9 +115,9 @@ class SimResponse(Response):
     def _stamped(self, payload: bytes) -> bytes:
         """The final payload with every chunk's send time, its own (taken just before) included."""
         if self.request.api == "native":
-            return self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
-        times = proto.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
-        return payload[: -len(proto.SSE_DONE)] + proto.sim_times_comment(times) + proto.SSE_DONE
+            return self._native.with_sent_times(payload, self.sent_unix) + sglang.SSE_DONE
+        times = sglang.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
+        return payload[: -len(sglang.SSE_DONE)] + proto.sim_times_comment(times) + sglang.SSE_DONE
 
     def _encode(self, update: Update) -> bytes:
         return self._chunk(update)
@@ -136,7 +136,7 @@ class SimResponse(Response):
                 break
         if self.faults.stall_after_chunk is not None:
             await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
-        body = proto.json_bytes(self._whole_body(update))
+        body = sglang.json_bytes(self._whole_body(update))
         headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.faults.disconnect_after_chunk is not None:
@@ -159,9 +159,9 @@ class SimResponse(Response):
             simulated=True,
         )
         if final and self.ctx.config.record_chunk_times:
-            meta[proto.SIM_CHUNK_DUE_KEY] = self.due_unix
+            meta[sglang.SIM_CHUNK_DUE_KEY] = self.due_unix
             if not self.request.stream:  # a stream's final chunk gets its send times as it is sent
-                meta[proto.SIM_CHUNK_SENT_KEY] = [time.time()]
+                meta[sglang.SIM_CHUNK_SENT_KEY] = [time.time()]
         return meta
 
     def _text_delta(self, update: Update) -> str:
@@ -195,7 +195,7 @@ class SimResponse(Response):
                 parts.append(proto.sse_event(proto.usage_chunk_body(
                     head, obj=obj, prompt_tokens=self.sim.prompt_tokens,
                     completion_tokens=update.completion_tokens)))
-            parts.append(proto.SSE_DONE)
+            parts.append(sglang.SSE_DONE)
         return b"".join(parts)
 
     def _native_chunk(self, update: Update) -> bytes:
@@ -212,7 +212,7 @@ class SimResponse(Response):
         else:
             body = proto.generate_response_body(output.text, output.ids, meta)
         event = proto.sse_event(body)
-        return event if self._stamp_final else event + proto.SSE_DONE
+        return event if self._stamp_final else event + sglang.SSE_DONE
 
     def _whole_body(self, update: Update) -> dict[str, Any]:
         sim, api = self.sim, self.request.api
@@ -331,10 +331,10 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
     return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start)
 
 
-GENERATION_ROUTES: dict[str, tuple[proto.Api, Callable[[bytes], proto.EngineRequest]]] = {
-    proto.ROUTES["native"]: ("native", proto.parse_generate_request),
-    proto.ROUTES["chat"]: ("chat", proto.parse_chat_request),
-    proto.ROUTES["completions"]: ("completions", proto.parse_completions_request),
+GENERATION_ROUTES: dict[str, tuple[sglang.Api, Callable[[bytes], proto.EngineRequest]]] = {
+    sglang.ROUTES["native"]: ("native", proto.parse_generate_request),
+    sglang.ROUTES["chat"]: ("chat", proto.parse_chat_request),
+    sglang.ROUTES["completions"]: ("completions", proto.parse_completions_request),
 }
 
 
@@ -372,7 +372,7 @@ class GenerationRoutes:
         await response(scope, receive, send)
 
 
-def _error(api: proto.Api, message: str, status: int) -> Response:
+def _error(api: sglang.Api, message: str, status: int) -> Response:
     return JSONResponse(proto.engine_error_body(api, message, status), status_code=status)
 
 
