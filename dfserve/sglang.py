@@ -92,17 +92,30 @@ def chat_body(
     *,
     stream: bool,
     return_meta_info: bool = False,
+    return_spec_tokens_details: bool = False,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    """Body of `POST /v1/chat/completions`; `return_meta_info` is refused by SGLang when streaming."""
+    """Body of `POST /v1/chat/completions`; `return_meta_info` is refused by SGLang when streaming, while
+    `return_spec_tokens_details` gives a request's spec fields streamed or not (SGLang 0.5.23)."""
     if stream and return_meta_info:
         raise ValueError("SGLang refuses return_meta_info with streaming")
     body: dict[str, Any] = {"model": model, "messages": list(messages), "stream": stream, **sampling.openai()}
     if return_meta_info:
-        body["return_meta_info"] = True
+        body[RETURN_META_INFO] = True
+    if return_spec_tokens_details:
+        body[RETURN_SPEC_DETAILS] = True
     if stream and include_usage:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+RETURN_META_INFO = "return_meta_info"
+"""Non-streamed chat: the whole native `meta_info` on each choice (``ChatCompletionRequest.return_meta_info``)."""
+
+RETURN_SPEC_DETAILS = "return_spec_tokens_details"
+"""Chat and completions, streamed or not: a request's spec fields in `sglext.spec_tokens_details`
+(``CompletionRequest``/``ChatCompletionRequest.return_spec_tokens_details`` in ``entrypoints/openai/protocol.py``;
+in a stream, an extra chunk with `choices: []` before the usage chunk, ``OpenAIServingChat._generate_chat_stream``)."""
 
 
 
@@ -114,10 +127,12 @@ class RequestInfo:
     stream: bool
     user: str | None
     return_meta_info: bool
+    return_spec_tokens_details: bool
 
 
 def inspect_request(body: bytes) -> RequestInfo:
-    """Read `stream`, the OpenAI `user` field and `return_meta_info` from a request body (any of the three APIs)."""
+    """Read `stream`, the OpenAI `user` field and the flags that ask for spec fields from a request body (any of the
+    three APIs)."""
     data = _json(body, "request body")
     if not isinstance(data, dict):
         raise ProtocolError("request body: expected a JSON object")
@@ -126,13 +141,14 @@ def inspect_request(body: bytes) -> RequestInfo:
         body=data,
         stream=data.get("stream") is True,
         user=user if isinstance(user, str) and user else None,
-        return_meta_info=data.get("return_meta_info") is True,
+        return_meta_info=data.get(RETURN_META_INFO) is True,
+        return_spec_tokens_details=data.get(RETURN_SPEC_DETAILS) is True,
     )
 
 
-def with_return_meta_info(request: dict[str, Any]) -> bytes:
-    """A non-streamed chat request body that also asks SGLang for `meta_info` (the only way to its spec fields)."""
-    return json.dumps({**request, "return_meta_info": True}, ensure_ascii=False, separators=(",", ":")).encode()
+def with_spec_details(request: dict[str, Any]) -> bytes:
+    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`)."""
+    return json_bytes({**request, RETURN_SPEC_DETAILS: True})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,23 +157,40 @@ def with_return_meta_info(request: dict[str, Any]) -> bytes:
 
 @dataclass(frozen=True)
 class FinishReason:
-    """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`."""
+    """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`.
+
+    An abort by the scheduler also carries `status_code` and `err_type` (``FINISH_ABORT.to_json`` in
+    ``managers/schedule_batch.py``): one with a status of 400 or more is an error that SGLang reports in band in a
+    native stream, as the stream's last chunk (``TokenizerManager._handle_abort_finish_reason``)."""
 
     kind: str
     matched: str | int | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @property
+    def error(self) -> StreamError | None:
+        """The in-band error this finish reason is, if it is one: an abort with a status code of 400 or more."""
+        if self.kind != "abort" or self.status_code is None or self.status_code < 400:
+            return None
+        return StreamError(self.message or "Aborted", code=self.status_code, kind=self.err_type)
 
 
 @dataclass(frozen=True)
 class SpecStats:
-    """Speculative-decoding fields of a finished request's meta_info."""
+    """Speculative-decoding fields of a finished request: its native `meta_info`, or the OpenAI routes'
+    `sglext.spec_tokens_details` (the same names). SGLang sends them only when the request ran at least one verify
+    round (``TokenizerManager._calculate_spec_decoding_metrics``), so `verify_ct` is positive."""
 
     verify_ct: int
     num_correct_drafts: int | None = None
     num_proposed_drafts: int | None = None
     accept_rate: float | None = None
     correct_drafts_histogram: tuple[int, ...] | None = None
+    accept_length: float | None = None
+    """SGLang's own `spec_accept_length`: completion tokens over verify rounds."""
 
 
 @dataclass(frozen=True)
@@ -185,12 +218,12 @@ class MetaInfo:
         return accept_length(self.completion_tokens, self.spec.verify_ct)
 
 
-def _int(obj: dict[str, Any], key: str, default: int | None = None) -> int:
+def _int(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         if value is None and default is not None:
             return default
-        raise ProtocolError(f"meta_info.{key}: expected an integer, got {value!r}")
+        raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
     return value
 
 
@@ -202,12 +235,12 @@ def _times(value: Any, key: str) -> tuple[float, ...] | None:
     return tuple(float(x) for x in value)
 
 
-def _opt_float(obj: dict[str, Any], key: str) -> float | None:
+def _opt_float(obj: dict[str, Any], key: str, where: str = "meta_info") -> float | None:
     value = obj.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProtocolError(f"meta_info.{key}: expected a number, got {value!r}")
+        raise ProtocolError(f"{where}.{key}: expected a number, got {value!r}")
     return float(value)
 
 
@@ -221,31 +254,37 @@ def parse_finish_reason(raw: Any) -> FinishReason | None:
         raise ProtocolError(f"finish_reason: expected an object with a 'type', got {raw!r}")
     length = raw.get("length")
     message = raw.get("message")
+    status = raw.get("status_code")
+    err_type = raw.get("err_type")
     return FinishReason(
         kind=raw["type"],
         matched=raw.get("matched"),
         length=length if isinstance(length, int) else None,
         message=message if isinstance(message, str) else None,
+        status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
+        err_type=err_type if isinstance(err_type, str) else None,
     )
 
 
-def _parse_spec(meta: dict[str, Any]) -> SpecStats | None:
-    if meta.get("spec_verify_ct") is None:
+def _parse_spec(meta: dict[str, Any], where: str = "meta_info") -> SpecStats | None:
+    """Spec fields, old and new names alike; None without a verify round (SGLang then sends none)."""
+    if not meta.get("spec_verify_ct"):
         return None
-    verify_ct = _int(meta, "spec_verify_ct")
+    verify_ct = _int(meta, "spec_verify_ct", where=where)
     correct = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
     proposed = meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts"))
     histogram = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
     if histogram is not None and not (
         isinstance(histogram, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in histogram)
     ):
-        raise ProtocolError(f"meta_info.spec_correct_drafts_histogram: expected a list of integers, got {histogram!r}")
+        raise ProtocolError(f"{where}.spec_correct_drafts_histogram: expected a list of integers, got {histogram!r}")
     return SpecStats(
         verify_ct=verify_ct,
         num_correct_drafts=correct if isinstance(correct, int) else None,
         num_proposed_drafts=proposed if isinstance(proposed, int) else None,
-        accept_rate=_opt_float(meta, "spec_accept_rate"),
+        accept_rate=_opt_float(meta, "spec_accept_rate", where),
         correct_drafts_histogram=tuple(histogram) if histogram is not None else None,
+        accept_length=_opt_float(meta, "spec_accept_length", where),
     )
 
 
@@ -333,12 +372,48 @@ def _parse_usage(raw: Any) -> Usage | None:
 
 @dataclass(frozen=True)
 class OpenAIResult:
-    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`."""
+    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`, `spec` only with
+    `return_spec_tokens_details` (and a verify round)."""
 
     text: str
     finish_reason: FinishReason | None
     usage: Usage | None
     meta: MetaInfo | None
+    spec: SpecStats | None = None
+
+    @property
+    def acceptance(self) -> tuple[int, SpecStats] | None:
+        """Completion tokens and spec fields, from `meta_info` or `sglext`, whichever came; None without either."""
+        if self.meta is not None and self.meta.spec is not None:
+            return self.meta.completion_tokens, self.meta.spec
+        tokens = spec_completion_tokens(self.spec, self.usage)
+        return (tokens, self.spec) if tokens is not None and self.spec is not None else None
+
+
+def _parse_sglext_spec(sglext: Any) -> SpecStats | None:
+    """`sglext.spec_tokens_details`: one object, or a list with one per choice (n > 1; the first is read)."""
+    if sglext is None:
+        return None
+    if not isinstance(sglext, dict):
+        raise ProtocolError(f"sglext: expected an object, got {sglext!r}")
+    details = sglext.get("spec_tokens_details")
+    if isinstance(details, list):
+        details = details[0] if details else None
+    if details is None:
+        return None
+    if not isinstance(details, dict):
+        raise ProtocolError(f"sglext.spec_tokens_details: expected an object, got {details!r}")
+    return _parse_spec(details, "sglext.spec_tokens_details")
+
+
+def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int | None:
+    """The completion tokens behind `sglext.spec_tokens_details` (which does not carry them): the usage's, else
+    SGLang's own accept length times the rounds it divided by."""
+    if spec is None:
+        return None
+    if usage is not None:
+        return usage.completion_tokens
+    return round(spec.accept_length * spec.verify_ct) if spec.accept_length is not None else None
 
 
 def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
@@ -358,17 +433,20 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         usage=_parse_usage(data.get("usage")),
         meta=parse_meta_info(meta) if meta is not None else None,
+        spec=_parse_sglext_spec(data.get("sglext")),
     )
 
 
-def strip_meta_info(body: bytes) -> bytes:
-    """Remove `meta_info` from each choice of an OpenAI response (added upstream by a proxy, not asked by the client)."""
+def strip_spec_details(body: bytes) -> bytes:
+    """Remove `sglext.spec_tokens_details` from an OpenAI response (asked upstream by a proxy, not by the client),
+    and `sglext` with it when nothing else is left in it."""
     data = _json(body, "OpenAI response")
-    if isinstance(data, dict) and isinstance(data.get("choices"), list):
-        for choice in data["choices"]:
-            if isinstance(choice, dict):
-                choice.pop("meta_info", None)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    sglext = data.get("sglext") if isinstance(data, dict) else None
+    if isinstance(sglext, dict):
+        sglext.pop("spec_tokens_details", None)
+        if not sglext:
+            del data["sglext"]
+    return json_bytes(data)
 
 
 def parse_error_message(body: bytes | str) -> str:
@@ -391,8 +469,7 @@ def parse_error_message(body: bytes | str) -> str:
 
 def error_body(message: str, kind: str, code: int) -> bytes:
     """An OpenAI-style error object, `{"error": {"message", "type", "param", "code"}}`, as SGLang's clients read it."""
-    error = {"message": message, "type": kind, "param": None, "code": code}
-    return json.dumps({"error": error}, ensure_ascii=False, separators=(",", ":")).encode()
+    return json_bytes({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 def stream_error_events(message: str, kind: str, code: int) -> bytes:
@@ -513,24 +590,59 @@ def last_spec_verify_ct(events: bytes) -> int | None:
     return _SPEC_VERIFY_CT.read(events)
 
 
-def mentions_usage(events: bytes) -> bool:
-    """True when an event in `events` carries a non-null `usage` object (the final chunk with include_usage)."""
-    return b'"usage":{' in events or b'"usage": {' in events
+_IN_BAND_ERROR = (b'"error":', b'"status_code":')
+"""Keys that occur in a stream's events only where it reports an error in band: an error event, or (native) a final
+chunk whose abort carries a status. JSON escapes quotes inside strings, so generated text cannot contain them."""
 
 
-def last_data_event(events: bytes) -> str | None:
-    """The `data` of the last event in `events` other than `[DONE]` (single-line data, as SGLang sends)."""
-    end = len(events)
-    while end > 0:
-        start = events.rfind(b"\ndata:", 0, end) + 1
-        if start == 0 and not events.startswith(b"data:"):
-            return None
-        line_end = events.find(b"\n", start)
-        payload = events[start + 5 : line_end if line_end >= 0 else len(events)].strip()
-        if payload != DONE.encode():
-            return payload.decode("utf-8", "replace")
-        end = start - 1
+def native_stream_error(events: bytes) -> StreamError | None:
+    """The in-band error a native stream ended with, read from its last events; None when it ended well.
+
+    SGLang 0.5.23 answers a streamed `/generate` that fails validation with HTTP 200, then
+    `data: {"error": {"message", "type", "code", "retryable"}}`, then `data: [DONE]` (``http_server.generate_request``,
+    ``stream_results``); an abort with a status after the stream started is its last chunk, whose `finish_reason`
+    carries the status (``TokenizerManager._handle_abort_finish_reason``). Two byte searches settle the usual case
+    without decoding JSON.
+    """
+    if not any(key in events for key in _IN_BAND_ERROR):
+        return None
+    for data in reversed(SSEDecoder().feed(events)):
+        if data == DONE:
+            continue
+        event = parse_native_event(data)
+        if isinstance(event, StreamError):
+            return event
+        return event.meta.finish_reason.error if event.meta.finish_reason is not None else None
     return None
+
+
+@dataclass(frozen=True)
+class OpenAIStreamEnd:
+    """What the last events of a chat/completions stream show: an in-band error, the usage chunk, the spec details."""
+
+    error: StreamError | None = None
+    usage: Usage | None = None
+    spec: SpecStats | None = None
+
+
+_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":')
+
+
+def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
+    """Read a chat/completions stream's last events; only those that may carry an error, usage or `sglext` are
+    decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
+    (``OpenAIServingChat._generate_chat_stream``)."""
+    error, usage, spec = None, None, None
+    for data in SSEDecoder().feed(events):
+        if data == DONE or not any(key in data for key in _OPENAI_END_KEYS):
+            continue
+        event = parse_openai_event(data)
+        if isinstance(event, StreamError):
+            error = event
+            continue
+        usage = event.usage or usage
+        spec = event.spec or spec
+    return OpenAIStreamEnd(error, usage, spec)
 
 
 def _event_json(data: str, what: str) -> dict[str, Any]:
@@ -553,15 +665,39 @@ class NativeChunk:
 
 @dataclass(frozen=True)
 class StreamError:
-    """An error event inside a stream (SGLang sends `{"error": {...}}` as data when a request fails mid-stream)."""
+    """An error SGLang reports inside a 200 stream: an error event (native `{"error": {"message", "type", "code",
+    "retryable"}}`; OpenAI routes `{"error": {"object": "error", "message", "type", "param", "code"}}`), or a native
+    final chunk whose abort carries a status (`FinishReason.error`)."""
 
     message: str
+    code: int | None = None
+    """The HTTP status SGLang would have answered (400 for validation, 503 for a retraction without backup, ...)."""
+    kind: str | None = None
+    retryable: bool | None = None
+
+
+def _stream_error(obj: dict[str, Any]) -> StreamError | None:
+    error = obj.get("error")
+    if isinstance(error, str):
+        return StreamError(error)
+    if not isinstance(error, dict):
+        if obj.get("object") != "error":
+            return None
+        error = obj
+    message, code, kind, retryable = (error.get(k) for k in ("message", "code", "type", "retryable"))
+    return StreamError(
+        message=message if isinstance(message, str) else json.dumps(error),
+        code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        kind=kind if isinstance(kind, str) else None,
+        retryable=retryable if isinstance(retryable, bool) else None,
+    )
 
 
 def parse_native_event(data: str) -> NativeChunk | StreamError:
     obj = _event_json(data, "/generate stream")
-    if "error" in obj:
-        return StreamError(message=parse_error_message(data))
+    error = _stream_error(obj)
+    if error is not None:
+        return error
     if "meta_info" not in obj:
         raise ProtocolError("/generate stream: event without 'meta_info'")
     text = obj.get("text", "")
@@ -570,18 +706,21 @@ def parse_native_event(data: str) -> NativeChunk | StreamError:
 
 @dataclass(frozen=True)
 class OpenAIChunk:
-    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage if present."""
+    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage or spec details
+    (`sglext`) if present."""
 
     text: str
     finish_reason: FinishReason | None
     usage: Usage | None
     has_choice: bool
+    spec: SpecStats | None = None
 
 
 def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
     obj = _event_json(data, "OpenAI stream")
-    if "error" in obj or obj.get("object") == "error":
-        return StreamError(message=parse_error_message(data))
+    error = _stream_error(obj)
+    if error is not None:
+        return error
     choices = obj.get("choices") or []
     text = ""
     finish = None
@@ -591,7 +730,8 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         text = content if isinstance(content, str) else ""
         finish = parse_finish_reason(choice.get("finish_reason"))
-    return OpenAIChunk(text=text, finish_reason=finish, usage=_parse_usage(obj.get("usage")), has_choice=bool(choices))
+    return OpenAIChunk(text=text, finish_reason=finish, usage=_parse_usage(obj.get("usage")), has_choice=bool(choices),
+                       spec=_parse_sglext_spec(obj.get("sglext")))
 
 
 # ---------------------------------------------------------------------------------------------------------------

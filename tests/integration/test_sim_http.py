@@ -200,7 +200,9 @@ def test_metrics_carry_sglang_names_and_labels(zlab: str) -> None:
 @pytest.mark.parametrize(
     ("route", "body", "message"),
     [
-        ("/generate", b"{not json", "Invalid JSON"),
+        ("/generate", b"{not json", "JSON decode error"),
+        ("/generate", b'{"text": "x", "sampling_params": {"max_tokens": 5}}', "unknown field `max_tokens`"),
+        ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens must be positive"),
         ("/generate", b'{"sampling_params": {}}', "Either text, input_ids"),
         ("/generate", b'{"text": "x", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens must be"),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
@@ -214,6 +216,18 @@ def test_bad_input_gets_a_400_with_a_message(zlab: str, route: str, body: bytes,
     response = httpx.post(f"{zlab}{route}", content=body, timeout=10)
     assert response.status_code == 400
     assert message in proto.parse_error_message(response.content)
+
+
+@pytest.mark.parametrize("params", [{"max_new_tokens": -1}, {"max_new_tokens": 1_000_000}])
+def test_a_streamed_native_request_the_engine_refuses_gets_the_error_in_band(zlab: str, params: dict[str, int]) -> None:
+    """SGLang 0.5.23 has already answered 200 when its tokenizer manager refuses a streamed /generate (bad sampling
+    values, over the context length): the error comes as an event, then [DONE]."""
+    body = {"text": "def f():", "sampling_params": params, "stream": True}
+    response = httpx.post(f"{zlab}/generate", json=body, timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    error = proto.native_stream_error(response.content)
+    assert error is not None and error.code == 400 and error.kind == "invalid_request_error"
+    assert response.content.endswith(proto.SSE_DONE)
 
 
 def _accept_lengths(base: str, prompts: list[str], tokens: int) -> list[proto.MetaInfo]:

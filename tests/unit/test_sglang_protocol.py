@@ -42,7 +42,7 @@ def test_dflash_native_stream_gives_per_round_deltas_and_exact_acceptance(read_s
     final = metas[-1]
     assert final.finish_reason == proto.FinishReason(kind="stop", matched=151645)
     assert final.spec == proto.SpecStats(verify_ct=2, num_correct_drafts=15, num_proposed_drafts=30, accept_rate=0.5,
-                                         correct_drafts_histogram=(0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0))
+                                         correct_drafts_histogram=(0, 0, 0, 0, 0, 0, 0, 1, 1), accept_length=8.5)
     assert final.accept_length == 8.5 and final.e2e_latency_s == pytest.approx(0.4123) and not final.simulated
 
 
@@ -67,10 +67,47 @@ def test_a_malformed_event_raises_protocol_error() -> None:
         proto.parse_native_event(events[1])
 
 
-def test_an_error_event_mid_stream_is_data_not_an_exception() -> None:
+def test_a_native_stream_refused_in_band_is_an_error_with_its_status() -> None:
+    """SGLang 0.5.23 answers a streamed /generate over the context length with HTTP 200, an error event, [DONE]."""
     events, _ = sse_events("native_stream_error.sse")
-    error = proto.parse_native_event(events[1])
-    assert isinstance(error, proto.StreamError) and "shutting down" in error.message
+    error = proto.parse_native_event(events[0])
+    assert isinstance(error, proto.StreamError) and "context length" in error.message
+    assert (error.code, error.kind, error.retryable) == (400, "invalid_request_error", False)
+    raw = (SGLANG_FIXTURES / "native_stream_error.sse").read_bytes()
+    assert proto.native_stream_error(raw) == error
+    assert proto.native_stream_error((SGLANG_FIXTURES / "native_stream_dflash.sse").read_bytes()) is None
+
+
+def test_a_native_abort_with_a_status_is_an_in_band_error() -> None:
+    """An abort after the stream started is its last chunk: a finish reason with the status, not an error event."""
+    events, _ = sse_events("native_stream_abort.sse")
+    final = proto.parse_native_event(events[-2])
+    assert isinstance(final, proto.NativeChunk) and final.meta.finish_reason is not None
+    assert final.meta.finish_reason.error == proto.StreamError(
+        "Retracted under decode memory pressure without a KV backup. Retry later.", code=503)
+    assert proto.native_stream_error((SGLANG_FIXTURES / "native_stream_abort.sse").read_bytes()) is not None
+    assert proto.FinishReason(kind="abort", message="client left").error is None  # no status: not an error
+
+
+def test_openai_stream_ends_show_errors_spec_details_and_usage() -> None:
+    error_end = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_error.sse").read_bytes())
+    assert error_end.error is not None and (error_end.error.code, error_end.error.kind) == (503, "SERVICE_UNAVAILABLE")
+    assert error_end.usage == proto.Usage(prompt_tokens=12, completion_tokens=9)  # SGLang still sends usage after it
+    spec_end = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_spec_details.sse").read_bytes())
+    assert spec_end.error is None and spec_end.usage == proto.Usage(prompt_tokens=12, completion_tokens=17)
+    assert spec_end.spec is not None and spec_end.spec.verify_ct == 2 and spec_end.spec.accept_length == 8.5
+    assert proto.spec_completion_tokens(spec_end.spec, None) == 17
+    plain = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_usage.sse").read_bytes())
+    assert plain.spec is None and plain.error is None and plain.usage is not None
+
+
+def test_whole_openai_answers_give_exact_acceptance_from_spec_details_and_strip_them() -> None:
+    body = proto.json_bytes(fixture_body("chat_completion_spec_details.json"))
+    result = proto.parse_openai_response(body)
+    assert result.acceptance is not None and result.acceptance[0] == 17 and result.acceptance[1].verify_ct == 2
+    stripped = json.loads(proto.strip_spec_details(body))
+    assert "sglext" not in stripped and stripped["choices"] == fixture_body("chat_completion_spec_details.json")["choices"]
+    assert proto.parse_openai_response(fixture_body("completion.json")).acceptance is None
 
 
 def test_old_spec_field_names_parse_like_new_ones() -> None:
@@ -107,6 +144,7 @@ def test_completion_errors_and_server_info() -> None:
     assert completion.text == " return a + b" and completion.meta is None
     assert "not supported with streaming" in proto.parse_error_message(json.dumps(fixture_body("error_openai.json")))
     assert proto.parse_error_message(json.dumps(fixture_body("error_native.json"))).startswith("max_new_tokens")
+    assert proto.parse_error_message(json.dumps(fixture_body("error_contract.json"))).startswith("unknown field")
     assert proto.parse_error_message(b"<html>502 Bad Gateway</html>") == "<html>502 Bad Gateway</html>"
     info = proto.parse_server_info(fixture_body("server_info_dflash.json"))
     assert info.speculative_algorithm == "DFLASH" and info.max_running_requests == 48 and not info.simulated
