@@ -35,11 +35,16 @@ from dfserve.gateway.routing import Router, UnknownArm
 from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
+from dfserve.headers import ARM
 from dfserve.metrics import STREAM_ERROR, DfserveMetrics
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+PER_ENGINE = frozenset({"/server_info"})
+"""Documents of one engine's own state (its drafter, its running acceptance): without an arm header they come from
+the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
+figures for the split's. SGLang's own benchmark then prints no acceptance instead of the baseline's."""
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
 
 
@@ -128,8 +133,16 @@ class GatewayApp:
             await self.proxy(api, request, reply)
         elif path in FORWARDED_GETS and method == "GET":
             _, pinned = self._routing_keys(request, None)
+            router = self.gateway.router
+            if path in PER_ENGINE and pinned is None:
+                pinned = router.sole_arm()
+                if pinned is None:
+                    arms = ", ".join(f"{name} ({weight:g})" for name, weight in router.weights.items())
+                    send_error(reply, 409, f"{path}: traffic is split between arms {arms}, and one engine's state is "
+                               f"not the split's; name an arm with the {ARM} header", "invalid_request_error")
+                    return
             try:
-                arm = self.gateway.router.decide(self.gateway.rng, pinned=pinned).arm
+                arm = router.decide(self.gateway.rng, pinned=pinned).arm
             except UnknownArm as exc:
                 send_error(reply, 400, str(exc), "invalid_request_error")
                 return
