@@ -11,13 +11,22 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
 from dfserve.deploy.sim.profiles import load_profile
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.tasks import load_tasks
-from tests.integration.servers import dfserve_argv, refusing_port, serve, sim_argv, sim_server, url_of
+from tests.integration.servers import (
+    dfserve_argv,
+    gateway_server,
+    refusing_port,
+    serve,
+    sim_argv,
+    sim_server,
+    url_of,
+)
 
 pytestmark = pytest.mark.slow
 SHORT = ("--num-requests", "120", "--warmup", "4", "--concurrency", "16", "--max-new-tokens", "128", "--quiet")
@@ -212,3 +221,30 @@ def test_failures_are_classified(tmp_path: Path) -> None:
     assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
     assert refused.returncode == 2 and "does not answer" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("api", ["native", "chat"])
+def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_verdict(tmp_path: Path, api: str) -> None:
+    """A candidate engine aborts a third of its streams after they started (HTTP 200, then the error in band, as
+    SGLang 0.5.23 does for a request retracted without a KV backup). Through the gateway, every one of them must be
+    a failure in requests.jsonl, in the gateway's /metrics, and in the judge's error rate."""
+    with sim_server("zlab", 0.02, 0) as baseline, sim_server("zlab", 0.02, 0, "--abort-fraction", "0.3") as candidate:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(json.dumps({"arms": {"baseline": {"weight": 1, "replicas": [baseline]},
+                                               "candidate": {"weight": 0, "replicas": [candidate]}},
+                                      "scrape": {"enabled": False}}))
+        with gateway_server(config) as gw:
+            loadtest(tmp_path, "--arm", f"baseline={gw}", "--arm", f"candidate={gw}", "--pin-arms", "--api", api,
+                     "--num-requests", "60", "--warmup", "0", "--concurrency", "8", "--max-new-tokens", "64",
+                     "--name", "r", "--quiet")
+            metrics = httpx.get(gw + "/metrics").text
+    failed = [r for r in records(tmp_path / "r") if not r.ok]
+    assert failed and {r.arm for r in failed} == {"candidate"}
+    assert all((r.error_kind, r.http_status, r.error_code) == ("stream_error", 200, 503) for r in failed)
+    route = "native" if api == "native" else "chat"
+    labels = f'arm="candidate",error="stream_error",replica="{candidate}",route="{route}",status="5xx"'
+    assert f"dfserve_requests_total{{{labels}}} {float(len(failed))}" in metrics
+    compare(str(tmp_path / "r"), "--out", str(tmp_path / "v"))
+    verdict = json.loads(next((tmp_path / "v").glob("verdict-*/verdict.json")).read_text())
+    [error_rate] = [m for m in verdict["judgement"]["metrics"] if m["metric"] == "error_rate"]
+    assert error_rate["baseline"] == 0 and error_rate["candidate"] == pytest.approx(len(failed) / 60)
