@@ -372,3 +372,19 @@ def test_the_server_sets_tcp_nodelay_on_accepted_connections() -> None:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_a_client_that_falls_behind_gets_one_chunk_for_several_rounds() -> None:
+    """The backlog fault: SGLang sends a client that fell behind only its latest state, so one chunk spans several
+    verify rounds; the counts stay exact, and there are fewer chunks than rounds."""
+    body = {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0},
+            "stream": True}
+    with sim_server("zlab", 0.01, 0, "--backlog-fraction", "1") as behind:
+        raw = httpx.post(f"{behind}/generate", json=body, timeout=30).content
+    chunks = [proto.parse_native_event(e) for e in proto.SSEDecoder().feed(raw) if e != proto.DONE]
+    metas = [c.meta for c in chunks if isinstance(c, proto.NativeChunk)]
+    final = metas[-1]
+    assert final.completion_tokens == 200 and final.spec is not None
+    assert len(metas) < final.spec.verify_ct + 1  # the prefill chunk plus one per round, less the merged ones
+    deltas = [b.completion_tokens - a.completion_tokens for a, b in itertools.pairwise(metas)]
+    assert max(deltas) > 16  # more than one block of 16 can hold: several rounds in one chunk
