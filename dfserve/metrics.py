@@ -7,6 +7,10 @@ Two vocabularies live here:
 - `SGLangMetrics`: the names SGLang's server emits (``python/sglang/srt/observability/metrics_collector.py``),
   used by dfserve's simulated engine so that dashboards built for SGLang work against it unchanged;
 - `DfserveMetrics`: dfserve's own per-arm families, labelled `arm`, `replica`, `route`, shared by gateway and tester.
+
+The gateway and the load tester each turn a finished request into one `Outcome` and hand it to `observe`, the one
+function that updates the per-request families; it also holds the one decision of which requests count toward
+them: every request toward `dfserve_requests_total`, only those that succeeded toward latency, tokens and acceptance.
 """
 
 from __future__ import annotations
