@@ -2,8 +2,9 @@
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
 Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
-nothing else on that path; SSE framing and SGLang's JSON (through `dfserve.sglang` only) are parsed once the
-response has ended, or failed, or was cancelled (`read_stream`). Each event takes the arrival time of the read that
+nothing else on that path; when the response has ended, or failed, or was cancelled, the client hands what it
+kept (`Finished`: stamps, status, the stamped pieces) to its sink and does nothing more on the loop. SSE framing
+and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time of the read that
 completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
 a status) is a failure of kind `stream_error`, whatever its HTTP status said.
 """
@@ -183,8 +184,30 @@ def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: S
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """What one request left behind, as the loop saw it: `derive` makes its record."""
+
+    sent: Sent
+    http_status: int
+    pieces: list[tuple[float, bytes]]
+    error: Failure | None
+
+
+def derive(api: sglang.Api, t0: float, done: Finished) -> RequestRecord:
+    """The record of a finished request (`t0`: the run's start on the clock the pieces were stamped with)."""
+    error = done.error
+    if error is not None and error[0] == "cancelled":
+        return build_record(api, done.sent, done.http_status, read_stream(api, done.pieces, t0), error)
+    if done.http_status not in (0, 200) and (error is None or error[0] != "connect"):
+        message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
+        return build_record(api, done.sent, done.http_status, StreamRead(), ("http_status", message))
+    stream = read_stream(api, done.pieces, t0)
+    return build_record(api, done.sent, done.http_status, stream, error or stream.failure)
+
+
 class ArmClient:
-    """Sends requests of one arm; `sink` receives every record, also of requests cancelled mid-flight."""
+    """Sends requests of one arm; `sink` receives what every request left, also requests cancelled mid-flight."""
 
     def __init__(
         self,
@@ -192,7 +215,7 @@ class ArmClient:
         base_url: str,
         api: sglang.Api,
         sampling: sglang.SamplingParams,
-        sink: Callable[[RequestRecord], None],
+        sink: Callable[[Finished], None],
         *,
         model: str = "default",
         t0: float,
@@ -220,25 +243,23 @@ class ArmClient:
         return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True,
                                 return_spec_tokens_details=True, include_usage=True)
 
-    async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> RequestRecord:
+    async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> None:
         dispatched = time.perf_counter() - self.t0
         body = json.dumps(self._body(task)).encode()
         response = Response()
         sent: list[float] = []
         error: Failure | None = None
 
-        def finish(stream: StreamRead, error: Failure | None) -> RequestRecord:
+        def finish(error: Failure | None) -> None:
             stamps = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
                           sent[0] - self.t0 if sent else None, time.perf_counter() - self.t0)
-            record = build_record(self.api, stamps, response.status, stream, error)
-            self._sink(record)
-            return record
+            self._sink(Finished(stamps, response.status, list(response.pieces), error))
 
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.pool.post(self.route, body, response, sent.append)
         except asyncio.CancelledError:
-            finish(read_stream(self.api, response.pieces, self.t0), ("cancelled", "stopped"))
+            finish(("cancelled", "stopped"))
             raise
         except ConnectFailed as exc:
             error = ("connect", str(exc))
@@ -248,7 +269,4 @@ class ArmClient:
             error = ("disconnect", str(exc) or type(exc).__name__)
         except BadResponse as exc:
             error = ("protocol", str(exc))
-        if response.status not in (0, 200) and (error is None or error[0] != "connect"):
-            return finish(StreamRead(), ("http_status", sglang.parse_error_message(response.body())))
-        stream = read_stream(self.api, response.pieces, self.t0)
-        return finish(stream, error or stream.failure)
+        finish(error)
