@@ -72,11 +72,11 @@ class JsonlAppender:
         self._handle: IO[str] = path.open("x", encoding="utf-8")  # "x": the file must be new
 
     def append(self, model: BaseModel) -> None:
-        self.extend((model,))
+        self.write_lines((model.model_dump_json() + "\n",))
 
-    def extend(self, models: Iterable[BaseModel]) -> None:
-        """Append several records with one flush."""
-        self._handle.write("".join(model.model_dump_json() + "\n" for model in models))
+    def write_lines(self, lines: Iterable[str]) -> None:
+        """Append lines already serialised (each ending in a newline) with one flush."""
+        self._handle.write("".join(lines))
         self._handle.flush()
 
     def close(self) -> None:

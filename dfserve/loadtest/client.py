@@ -184,6 +184,9 @@ def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: S
     )
 
 
+Wire = tuple[tuple[Any, ...], int, list[tuple[float, bytes]], Failure | None]
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     """What one request left behind, as the loop saw it: `derive` makes its record."""
@@ -192,6 +195,17 @@ class Finished:
     http_status: int
     pieces: list[tuple[float, bytes]]
     error: Failure | None
+
+    def wire(self) -> Wire:
+        """Plain tuples, which `marshal` writes fastest (a few microseconds for a 64-chunk stream)."""
+        s = self.sent
+        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s),
+                self.http_status, self.pieces, self.error)
+
+    @classmethod
+    def from_wire(cls, wire: Wire) -> Finished:
+        sent, status, pieces, error = wire  # marshal gives back the tuples and lists it was given
+        return cls(Sent(*sent), status, pieces, error)
 
 
 def derive(api: sglang.Api, t0: float, done: Finished) -> RequestRecord:

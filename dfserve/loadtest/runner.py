@@ -2,7 +2,7 @@
 
 Same task at the same index for every arm; in open loop the same offset too, dispatched to all arms in the same
 loop iteration, so drift on the machine hits both arms alike. Records are derived and appended to requests.jsonl
-as requests finish, off the loop (`dfserve.loadtest.writer`: a crash loses what was in flight); a stop request
+as requests finish, by a process of their own (`dfserve.loadtest.writer`: a crash loses what was in flight); a stop request
 (Ctrl-C) cancels in-flight requests, which are recorded as `cancelled`, and the run still gets its summary.
 
     outcome = asyncio.run(execute(plan, observers=[], stop=asyncio.Event()))
@@ -14,7 +14,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,13 @@ import aiohttp
 from dfserve import sglang
 from dfserve.errors import UserError
 from dfserve.headers import ARM as PIN_HEADER
-from dfserve.loadtest.client import ArmClient, derive
+from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
+from dfserve.runs import Provenance, create_run_dir, write_model
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,9 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     async with aiohttp.ClientSession() as session:
         arms = [await probe_arm(session, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
     run_dir = create_run_dir(plan.out, plan.name)
+    writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
     t0 = time.perf_counter()
+    writer.begin(t0)
     config = RunConfig(
         run_id=run_dir.name,
         api="chat" if plan.api == "chat" else "native",
@@ -180,8 +181,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     write_model(run_dir / "config.json", config)
     order = plan.task_set.sequence(total, load.seed)
     deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
-    with JsonlAppender(run_dir / "requests.jsonl") as appender:
-        writer = RecordWriter(partial(derive, plan.api, t0), appender, observers)
+    try:
         clients = [
             ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
                       request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms)
@@ -199,7 +199,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         finally:
             for client in clients:
                 client.close()
-            records = writer.close()
+    finally:
+        records = await writer.close()
     return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -18,7 +20,9 @@ from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
 from dfserve.deploy.sim.profiles import load_profile
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.tasks import load_tasks
+from tests import ROOT
 from tests.integration.servers import (
+    Started,
     dfserve_argv,
     gateway_server,
     refusing_port,
@@ -167,6 +171,51 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(tmp_path: Path) -> Non
     assert 5 <= len(kept) < 208
     assert {r.error_kind for r in kept} <= {None, "cancelled"}
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["interrupted"] is True
+
+
+def sync_server(ttft_ms: float, gap_ms: float, chunks: int) -> contextlib.AbstractContextManager[Started]:
+    """bench/sync_server.py: streams of one length and known timing, with counts of what it has sent."""
+    return serve([sys.executable, str(ROOT / "bench" / "sync_server.py"), "--port", "0", "--ttft-ms", str(ttft_ms),
+                  "--gap-ms", str(gap_ms), "--chunks", str(chunks)])
+
+
+def marked_tasks(path: Path, count: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"r{n}", "prompt": f"req-{n}: add two numbers"}) + "\n"
+                            for n in range(count)))
+    return path
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs (an orphan that ended may stay a zombie where nothing reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def test_a_killed_tester_leaves_the_record_of_every_request_that_had_finished(tmp_path: Path) -> None:
+    """SIGKILL mid-run: every request whose stream the server had ended half a second before has its line, whole."""
+    with sync_server(5, 5, 16) as server:
+        run = subprocess.Popen(dfserve_argv("loadtest", "run", "--out", str(tmp_path), "--name", "k", "--api", "chat",
+                                            "--arm", f"sync={server.url}", "--tasks",
+                                            str(marked_tasks(tmp_path / "tasks.jsonl", 2000)), "--num-requests",
+                                            "2000", "--warmup", "0", "--concurrency", "8", "--quiet"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while (ended := httpx.get(server.url + "/progress").json()["ended"]) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        writers = Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()
+        run.kill()
+        run.wait(10)
+    assert len(writers) == 1
+    while running(int(writers[0])) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the writer reads to the end of its pipe, then exits
+    kept = records(tmp_path / "k")
+    assert len(kept) >= ended >= 40
+    assert all(r.ok and len(r.chunk_times_s) == 16 for r in kept)
+    assert len({r.task_id for r in kept}) == len(kept)
 
 
 def test_open_loop_chat_run_records_waits_and_exact_acceptance_from_spec_details(tmp_path: Path) -> None:

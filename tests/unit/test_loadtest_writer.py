@@ -1,80 +1,102 @@
-"""The record writer: order, flushing before the end, failures surfaced, the loop's switch interval restored."""
+"""The record writer: frames in and out in order, batches flushed as they come, failures surfaced."""
 
 from __future__ import annotations
 
-import sys
+import io
+import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from dfserve.loadtest.client import Finished, Sent, derive
-from dfserve.loadtest.records import RequestRecord, read_records
-from dfserve.loadtest.writer import SWITCH_INTERVAL_S, RecordWriter
+from dfserve.loadtest.records import read_records
+from dfserve.loadtest.writer import frame, read_frames, write_records
 from dfserve.runs import JsonlAppender
 
-
-def record(index: int) -> RequestRecord:
-    return RequestRecord(arm="a", index=index, task_id=f"t{index}", dispatched_s=float(index))
+PIECE = b'data: {"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1, "finish_reason": null}}\n\n'
 
 
-def test_records_are_written_observed_and_returned_in_submit_order(tmp_path: Path) -> None:
-    seen: list[int] = []
+def finished(index: int, error: tuple[str, str] | None = ("cancelled", "stopped")) -> Finished:
+    sent = Sent("a", f"t{index}", index, index < 2, None, 0.0, 0.1, 0.5)
+    return Finished(sent, 200, [(0.3, PIECE)], error)  # type: ignore[arg-type]
+
+
+def test_a_frame_carries_a_finished_request_whole() -> None:
+    original = finished(4)
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source, os.fdopen(write, "wb") as sink:
+        sink.write(frame(original))
+        sink.flush()
+        batch = read_frames(source)
+    assert batch == [original]
+
+
+def test_frames_come_back_in_order_in_batches_and_none_at_the_end() -> None:
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source:
+        with os.fdopen(write, "wb") as sink:
+            sink.write(b"".join(frame(finished(n)) for n in range(5)))
+        batches = []
+        while (batch := read_frames(source)) is not None:
+            batches.append([f.sent.index for f in batch])
+    assert [n for batch in batches for n in batch] == list(range(5))
+
+
+def test_records_are_written_and_echoed_in_order(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
-    with JsonlAppender(path) as appender:
-        writer = RecordWriter(record, appender, [lambda r: seen.append(r.index)])
-        for index in (5, 2, 9, *range(100, 400)):
-            writer.submit(index)
-        records = writer.close()
-    expected = [5, 2, 9, *range(100, 400)]
-    assert [r.index for r in records] == expected
-    assert seen == expected
-    assert [r.index for r in read_records(path)] == expected
+    echo = io.BytesIO()
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source, JsonlAppender(path) as appender:
+        with os.fdopen(write, "wb") as sink:
+            sink.write(frame(0.0) + b"".join(frame(finished(n)) for n in (7, 3, 9)))
+        write_records("native", source, appender, echo)
+    on_disk = list(read_records(path))
+    assert [r.index for r in on_disk] == [7, 3, 9]
+    assert on_disk == [derive("native", 0.0, finished(n)) for n in (7, 3, 9)]
+    assert echo.getvalue().decode() == path.read_text()
 
 
-def test_a_record_is_on_disk_while_the_writer_still_runs(tmp_path: Path) -> None:
-    """What a crash would find: the line of a finished request, flushed without waiting for the end of the run."""
+def test_each_batch_is_on_disk_before_the_next_arrives(tmp_path: Path) -> None:
+    """What a crash would find: the line of a finished request, flushed while the writer waits for more."""
     path = tmp_path / "requests.jsonl"
-    with JsonlAppender(path) as appender:
-        writer = RecordWriter(record, appender, [])
-        writer.submit(7)
-        deadline = time.monotonic() + 10
-        while not path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source, os.fdopen(write, "wb") as sink, JsonlAppender(path) as appender:
+        worker = threading.Thread(target=write_records, args=("native", source, appender, io.BytesIO()))
+        worker.start()
+        sink.write(frame(0.0) + frame(finished(1)))
+        sink.flush()
+        for _ in range(1000):
+            if path.read_text():
+                break
+            threading.Event().wait(0.01)
         on_disk = [r.index for r in read_records(path)]
-        writer.close()
-    assert on_disk == [7]
+        sink.close()
+        worker.join(10)
+    assert on_disk == [1]
 
 
-def test_batches_are_derived_off_the_submitting_thread(tmp_path: Path) -> None:
-    threads: set[int] = set()
+def test_an_echo_nobody_reads_does_not_stop_the_file(tmp_path: Path) -> None:
+    class Gone(io.BytesIO):
+        def write(self, data: object) -> int:
+            raise BrokenPipeError
 
-    def derive_here(index: int) -> RequestRecord:
-        threads.add(threading.get_ident())
-        return record(index)
-
-    with JsonlAppender(tmp_path / "requests.jsonl") as appender:
-        writer = RecordWriter(derive_here, appender, [])
-        for index in range(50):
-            writer.submit(index)
-        writer.close()
-    assert threads and threading.get_ident() not in threads
+    path = tmp_path / "requests.jsonl"
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source, JsonlAppender(path) as appender:
+        with os.fdopen(write, "wb") as sink:
+            sink.write(frame(0.0) + frame(finished(1)) + frame(finished(2)))
+        write_records("native", source, appender, Gone())
+    assert [r.index for r in read_records(path)] == [1, 2]
 
 
-def test_a_failure_in_the_thread_is_raised_by_close_and_the_switch_interval_restored(tmp_path: Path) -> None:
-    before = sys.getswitchinterval()
-
-    def broken(index: int) -> RequestRecord:
-        raise ValueError(f"cannot derive {index}")
-
-    with JsonlAppender(tmp_path / "requests.jsonl") as appender:
-        writer = RecordWriter(broken, appender, [])
-        assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
-        writer.submit(3)
-        with pytest.raises(ValueError, match="cannot derive 3"):
-            writer.close()
-    assert sys.getswitchinterval() == before
+def test_times_are_made_relative_to_the_run_start_of_the_first_frame(tmp_path: Path) -> None:
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source, JsonlAppender(tmp_path / "requests.jsonl") as appender:
+        with os.fdopen(write, "wb") as sink:
+            sink.write(frame(0.25) + frame(finished(1)))
+        write_records("native", source, appender, io.BytesIO())
+    assert [r.chunk_times_s for r in read_records(tmp_path / "requests.jsonl")] == [[pytest.approx(0.05)]]
 
 
 SENT = Sent("a", "t1", 0, False, None, 0.0, 0.1, 0.5)
@@ -88,7 +110,12 @@ def test_derive_classifies_a_refused_request_from_its_body() -> None:
 
 
 def test_derive_keeps_the_chunks_of_a_cancelled_stream() -> None:
-    piece = b'data: {"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1, "finish_reason": null}}\n\n'
-    r = derive("native", 0.0, Finished(SENT, 200, [(0.3, piece)], ("cancelled", "stopped")))
+    r = derive("native", 0.0, finished(5))
     assert r.error_kind == "cancelled"
     assert r.chunk_times_s == [0.3]
+
+
+@pytest.mark.parametrize("error", [None, ("timeout", "no complete answer within 1 s")])
+def test_wire_round_trip(error: tuple[str, str] | None) -> None:
+    original = finished(3, error)
+    assert Finished.from_wire(original.wire()) == original
