@@ -188,13 +188,16 @@ class Progress:
         return json.loads(self.connection.getresponse().read())
 
 
-def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: float) -> SyncRun:
-    """One client's run against a fresh sync server; CPU counted from the warm-up's end to the last stream's end."""
+def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: float,
+             before: Path | None = None) -> SyncRun:
+    """One client's run against a fresh sync server; CPU counted from the warm-up's end to the last stream's end.
+    `client` "before" is dfserve imported from `before` (an export of an earlier commit's `dfserve/`)."""
     total = load.warmup + load.requests
     name = f"sync-{load.streams or 'poisson'}-{pair}-{client}"
     server = pinned(0, [sys.executable, str(BENCH / "sync_server.py"), "--port", "0", "--ttft-ms", str(ttft_ms)])
     with serve(server) as started:
-        if client == "dfserve":
+        env = {**os.environ, "PYTHONPATH": str(before)} if client == "before" else None
+        if client != "floor":
             tasks = work / f"{name}.jsonl"
             tasks.write_text("".join(json.dumps({"id": f"r{n}", "prompt": f"req-{n}: write a function"}) + "\n"
                                      for n in range(total)))
@@ -206,7 +209,7 @@ def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: 
             argv = [sys.executable, str(BENCH / "floor_client.py"), "--url", started.url, "--api", api,
                     "--requests", str(total), "--out", str(work / f"{name}.json"), *load.args()]
         process = subprocess.Popen(pinned(1, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   start_new_session=True)
+                                   start_new_session=True, env=env)
         progress = Progress(started.url)
         window: list[tuple[float, int, float]] = []
         while process.poll() is None and len(window) < 2:
@@ -222,7 +225,7 @@ def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: 
         raise SystemExit(f"tester_timing: {client} ended before its CPU window closed; raise --sync-waves")
     (cpu0, chunks0, wall0), (cpu1, chunks1, wall1) = window
     sent_first: list[tuple[int, float, float]] = []
-    if client == "dfserve":
+    if client != "floor":
         run = work / name
         t0_unix = json.loads((run / "config.json").read_text())["t0_unix_s"]
         for r in read_records(run / "requests.jsonl"):
@@ -250,7 +253,7 @@ def sync_verdict(runs: list[SyncRun], streams: int = 128) -> list[str]:
     at = [r for r in runs if r.load.streams == streams]
     for pair in sorted({r.pair for r in at}):
         both = {r.client: r for r in at if r.pair == pair}
-        if set(both) != {"dfserve", "floor"}:
+        if not {"dfserve", "floor"} <= set(both):
             continue
         d, f = both["dfserve"], both["floor"]
         ratio = d.cpu_per_chunk_us / f.cpu_per_chunk_us
@@ -260,15 +263,18 @@ def sync_verdict(runs: list[SyncRun], streams: int = 128) -> list[str]:
             f"{'within' if pct(d.error, 99) <= 2.0 else 'NOT within'} 2 ms of the server's own lateness "
             f"(its first-chunk lateness p99 {pct(d.server_late, 99):.2f} ms, subtracted per request); "
             f"CPU per chunk {d.cpu_per_chunk_us:.1f} vs {f.cpu_per_chunk_us:.1f} µs = {ratio:.2f}x "
-            f"({'within' if ratio <= 1.2 else 'OVER'} 1.2x)")
+            f"({'within' if ratio <= 1.2 else 'OVER'} 1.2x)"
+            + (f"; before: TTFT error p99 {pct(both['before'].error, 99):.2f} ms, CPU per chunk "
+               f"{both['before'].cpu_per_chunk_us:.1f} µs" if "before" in both else ""))
     return lines
 
 
 def run_sync(work: Path, args: argparse.Namespace) -> str:
     loads = [Load(streams, None, streams, streams * args.sync_waves) for streams in args.sync_streams]
     loads.append(Load(None, args.rate, int(args.rate), int(args.rate * args.seconds)))
-    runs = [sync_run(work, load, pair, client, args.sync_api, args.ttft_ms)
-            for load in loads for pair in range(1, args.sync_pairs + 1) for client in ("dfserve", "floor")]
+    clients = ("dfserve", "floor", "before") if args.before else ("dfserve", "floor")
+    runs = [sync_run(work, load, pair, client, args.sync_api, args.ttft_ms, args.before)
+            for load in loads for pair in range(1, args.sync_pairs + 1) for client in clients]
     command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + " ".join(sys.argv[1:])
     return "\n".join([
         "## Load tester: timing error under synchronized completions, beside a minimal client",
@@ -279,7 +285,8 @@ def run_sync(work: Path, args: argparse.Namespace) -> str:
         + f". `--api {args.sync_api}`; every stream: first chunk {args.ttft_ms:g} ms after the server read the "
         "request, then 63 chunks 10 ms apart. Closed loop: a warm-up wave, then "
         f"{args.sync_waves} waves of requests; Poisson: {args.rate:g} req/s, 1 s of warm-up, then {args.seconds:g} s. "
-        "Runs interleaved in pairs (dfserve, floor); milliseconds.",
+        "Runs interleaved in pairs (dfserve, floor"
+        + (f", then `before`: dfserve from {args.before_label}" if args.before else "") + "); milliseconds.",
         "",
         "| load | pair | client | requests | TTFT error p50 / p99 / max | receive side p50 / p99 | "
         "send side p50 / p99 | server's lateness p50 / p99 | CPU per chunk (µs) | client CPU |",
@@ -348,6 +355,9 @@ def main() -> None:
     parser.add_argument("--sync-pairs", type=int, default=2, help="interleaved (dfserve, floor) runs per setting")
     parser.add_argument("--sync-api", choices=["chat", "native"], default="chat")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="the sync server's TTFT")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="also run dfserve imported from this folder (an export of an earlier commit), interleaved")
+    parser.add_argument("--before-label", default="an earlier commit", help="what --before holds, for RESULTS.md")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
