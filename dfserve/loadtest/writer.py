@@ -29,10 +29,10 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from dfserve import sglang
-from dfserve.loadtest.client import Finished, derive
+from dfserve.loadtest.client import Finished, Wire, derive
 from dfserve.loadtest.records import RequestRecord
 from dfserve.runs import JsonlAppender
 
@@ -55,10 +55,13 @@ def frame(finished: Finished | float) -> bytes:
 
 
 def _read_frame(source: IO[bytes]) -> object | None:
+    """The next frame's value; None at the end, or at a frame cut short (the caller killed mid-write)."""
     head = source.read(LENGTH)
     if len(head) < LENGTH:
         return None
-    return marshal.loads(source.read(int.from_bytes(head, "little")))
+    size = int.from_bytes(head, "little")
+    data = source.read(size)
+    return marshal.loads(data) if len(data) == size else None
 
 
 def read_frames(source: IO[bytes]) -> list[Finished] | None:
@@ -68,7 +71,7 @@ def read_frames(source: IO[bytes]) -> list[Finished] | None:
         wire = _read_frame(source)
         if wire is None:
             return batch or None
-        batch.append(Finished.from_wire(wire))  # type: ignore[arg-type]
+        batch.append(Finished.from_wire(cast(Wire, wire)))
     return batch
 
 

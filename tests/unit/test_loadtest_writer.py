@@ -43,6 +43,15 @@ def test_frames_come_back_in_order_in_batches_and_none_at_the_end() -> None:
     assert [n for batch in batches for n in batch] == list(range(5))
 
 
+def test_a_frame_cut_short_ends_the_input_after_the_whole_ones() -> None:
+    read, write = os.pipe()
+    with os.fdopen(read, "rb") as source:
+        with os.fdopen(write, "wb") as sink:
+            sink.write(frame(finished(1)) + frame(finished(2))[:-3])
+        assert [f.sent.index for f in read_frames(source) or []] == [1]
+        assert read_frames(source) is None
+
+
 def test_records_are_written_and_echoed_in_order(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     echo = io.BytesIO()
