@@ -39,6 +39,7 @@ import http.client
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -275,7 +276,7 @@ def run_sync(work: Path, args: argparse.Namespace) -> str:
     clients = ("dfserve", "floor", "before") if args.before else ("dfserve", "floor")
     runs = [sync_run(work, load, pair, client, args.sync_api, args.ttft_ms, args.before)
             for load in loads for pair in range(1, args.sync_pairs + 1) for client in clients]
-    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + " ".join(sys.argv[1:])
+    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + shlex.join(sys.argv[1:])
     return "\n".join([
         "## Load tester: timing error under synchronized completions, beside a minimal client",
         "",
@@ -310,7 +311,7 @@ def run_sim(work: Path, args: argparse.Namespace) -> str:
     ttft_rows = [run_ttft(work, streams, args.requests, trial)
                  for streams in args.streams for trial in range(1, args.trials + 1)]
     rate_rows = [run_rate(work, args.rate, args.seconds, arrival) for arrival in ("constant", "poisson")]
-    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + " ".join(sys.argv[1:])
+    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + shlex.join(sys.argv[1:])
     return "\n".join([
         "## Load tester: its own timing error and rate accuracy",
         "",
