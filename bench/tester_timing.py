@@ -192,7 +192,8 @@ class Progress:
 def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: float,
              before: Path | None = None) -> SyncRun:
     """One client's run against a fresh sync server; CPU counted from the warm-up's end to the last stream's end.
-    `client` "before" is dfserve imported from `before` (an export of an earlier commit's `dfserve/`)."""
+    `client` "before" is dfserve imported from `before` (an export of an earlier commit's `dfserve/`), run there:
+    `python -m` puts its working directory first on the path, ahead of PYTHONPATH."""
     total = load.warmup + load.requests
     name = f"sync-{load.streams or 'poisson'}-{pair}-{client}"
     server = pinned(0, [sys.executable, str(BENCH / "sync_server.py"), "--port", "0", "--ttft-ms", str(ttft_ms)])
@@ -210,7 +211,7 @@ def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: 
             argv = [sys.executable, str(BENCH / "floor_client.py"), "--url", started.url, "--api", api,
                     "--requests", str(total), "--out", str(work / f"{name}.json"), *load.args()]
         process = subprocess.Popen(pinned(1, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   start_new_session=True, env=env)
+                                   start_new_session=True, env=env, cwd=before if client == "before" else None)
         progress = Progress(started.url)
         window: list[tuple[float, int, float]] = []
         while process.poll() is None and len(window) < 2:
