@@ -3,8 +3,8 @@ it to requests.jsonl, so none of that runs on the event loop that stamps arrival
 
 Deriving a record (SSE and SGLang's JSON of every chunk) costs about a millisecond for a 64-chunk chat stream. In
 a closed loop with fixed output lengths every stream ends within the same few milliseconds, and the loop used to
-do that work for each of them while the next burst's first chunks arrived; a thread would not help, since the
-loop and the thread take turns holding the GIL. On the loop a finished request now costs one `marshal` of its
+do that work for each of them while the next burst's first chunks arrived; a thread would still take the GIL from
+the loop for that work (the two take turns holding it). On the loop a finished request now costs one `marshal` of its
 stamps and pieces (`Finished.wire`) and a pipe write that never blocks (the loop's pipe transport buffers).
 
 The writer process (`python -m dfserve.loadtest.writer API PATH`, niced) is started and ready before the run's
