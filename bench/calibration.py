@@ -41,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
 from bench.results import write_section  # noqa: E402
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402

@@ -13,36 +13,55 @@
    schedule's realised rate differs from the nominal one by chance, not by the tester), and send lateness
    (sent - scheduled) p50/p99.
 
-The simulator and the tester are pinned to different cores with taskset when it exists.
+3. Synchronized completions (`--parts sync`), against bench/sync_server.py: every stream gets its first chunk a
+   fixed TTFT after the server read the request, then 63 more a fixed gap apart, so in a closed loop every stream
+   ends at once and the next burst is dispatched while the tester finishes the last one. End-to-end TTFT error =
+   the tester's TTFT (send stamp to first-chunk stamp) - the server's TTFT - the server's own lateness in sending
+   that first chunk, per request (requests matched by the `req-N` marker in their prompt); beside it the
+   receive-side lateness (first chunk stamped - server sent it) and the send side (server read it - tester
+   stamped it). The same load is run by bench/floor_client.py (aiohttp + uvloop, a coroutine per request, no
+   records kept) as the floor, in pairs interleaved (dfserve, floor, dfserve, floor, ...) so that a slow spell of
+   the shared machine shows as one odd pair. CPU per chunk: the client's CPU time (every process of its group,
+   dfserve's record writer included, all threads) over the chunks the server sent, from the end of the warm-up
+   to the last stream's end.
+
+The server and the tester are pinned to different cores with taskset when it exists.
 
     flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py
 
-It prints its figures and replaces its own section of bench/RESULTS.md.
+It prints its figures and replaces its own sections of bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_overhead import group_cpu_s  # noqa: E402
 from bench.results import write_section as _write  # noqa: E402
 from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
 from tests.integration.servers import LOOPBACK, dfserve_argv, serve  # noqa: E402
 
 SECTION = "loadtest_tester_timing"
+SYNC_SECTION = "loadtest_tester_sync"
+BENCH = Path(__file__).resolve().parent
 PIN = shutil.which("taskset") is not None
 
 
@@ -119,22 +138,182 @@ def run_rate(work: Path, rate: float, seconds: float, arrival: str) -> str:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--streams", type=int, nargs="+", default=[128])
-    parser.add_argument("--requests", type=int, default=1024, help="measured requests per TTFT run")
-    parser.add_argument("--trials", type=int, default=1, help="TTFT runs per stream count (the tail varies run to run)")
-    parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each open-loop run")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        ttft_rows = [run_ttft(work, streams, args.requests, trial)
-                     for streams in args.streams for trial in range(1, args.trials + 1)]
-        rate_rows = [run_rate(work, args.rate, args.seconds, arrival) for arrival in ("constant", "poisson")]
-    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + " ".join(sys.argv[1:])
-    body = "\n".join([
+@dataclass(frozen=True)
+class Load:
+    """One synchronized-completion setting: a closed loop of `streams`, or Poisson arrivals at `rate`."""
+
+    streams: int | None
+    rate: float | None
+    warmup: int
+    requests: int
+
+    @property
+    def label(self) -> str:
+        return f"closed, {self.streams} streams" if self.streams else f"Poisson, {self.rate:g} req/s"
+
+    def args(self) -> list[str]:
+        """The flags of either client (the two share their names)."""
+        return ["--concurrency", str(self.streams)] if self.streams else ["--rate", str(self.rate)]
+
+
+@dataclass(frozen=True)
+class SyncRun:
+    load: Load
+    pair: int
+    client: str
+    error: list[float]
+    receive: list[float]
+    send: list[float]
+    server_late: list[float]
+    cpu_per_chunk_us: float
+    cpu_share: float
+
+    def row(self) -> str:
+        return (f"| {self.load.label} | {self.pair} | {self.client} | {len(self.error)} | "
+                f"{pct(self.error, 50):.2f} / {pct(self.error, 99):.2f} / {max(self.error):.2f} | "
+                f"{pct(self.receive, 50):.2f} / {pct(self.receive, 99):.2f} | "
+                f"{pct(self.send, 50):.2f} / {pct(self.send, 99):.2f} | "
+                f"{pct(self.server_late, 50):.2f} / {pct(self.server_late, 99):.2f} | "
+                f"{self.cpu_per_chunk_us:.1f} | {self.cpu_share:.0%} |")
+
+
+class Progress:
+    """The sync server's counters over one kept-alive connection."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=10)
+
+    def get(self, path: str) -> Any:
+        self.connection.request("GET", path)
+        return json.loads(self.connection.getresponse().read())
+
+
+def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: float,
+             before: Path | None = None) -> SyncRun:
+    """One client's run against a fresh sync server; CPU counted from the warm-up's end to the last stream's end.
+    `client` "before" is dfserve imported from `before` (an export of an earlier commit's `dfserve/`), run there:
+    `python -m` puts its working directory first on the path, ahead of PYTHONPATH."""
+    total = load.warmup + load.requests
+    name = f"sync-{load.streams or 'poisson'}-{pair}-{client}"
+    server = pinned(0, [sys.executable, str(BENCH / "sync_server.py"), "--port", "0", "--ttft-ms", str(ttft_ms)])
+    with serve(server) as started:
+        env = {**os.environ, "PYTHONPATH": str(before)} if client == "before" else None
+        if client != "floor":
+            tasks = work / f"{name}.jsonl"
+            tasks.write_text("".join(json.dumps({"id": f"r{n}", "prompt": f"req-{n}: write a function"}) + "\n"
+                                     for n in range(total)))
+            argv = dfserve_argv("loadtest", "run", "--quiet", "--api", api, "--arm", f"sync={started.url}",
+                                "--tasks", str(tasks), "--num-requests", str(load.requests), "--warmup",
+                                str(load.warmup), "--max-new-tokens", "64", "--out", str(work), "--name", name,
+                                *load.args())
+        else:
+            argv = [sys.executable, str(BENCH / "floor_client.py"), "--url", started.url, "--api", api,
+                    "--requests", str(total), "--out", str(work / f"{name}.json"), *load.args()]
+        process = subprocess.Popen(pinned(1, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   start_new_session=True, env=env, cwd=before if client == "before" else None)
+        progress = Progress(started.url)
+        window: list[tuple[float, int, float]] = []
+        while process.poll() is None and len(window) < 2:
+            counts = progress.get("/progress")
+            if (not window and counts["ended"] >= load.warmup) or (window and counts["ended"] >= total):
+                window.append((group_cpu_s(process.pid), counts["chunks"], time.perf_counter()))
+            time.sleep(0.02)
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            raise SystemExit(f"tester_timing: {client} failed: {stderr.decode(errors='replace')[-2000:]}")
+        served = {row[0]: row[1:] for row in progress.get("/log")}
+    if len(window) < 2:
+        raise SystemExit(f"tester_timing: {client} ended before its CPU window closed; raise --sync-waves")
+    (cpu0, chunks0, wall0), (cpu1, chunks1, wall1) = window
+    sent_first: list[tuple[int, float, float]] = []
+    if client != "floor":
+        run = work / name
+        t0_unix = json.loads((run / "config.json").read_text())["t0_unix_s"]
+        for r in read_records(run / "requests.jsonl"):
+            if not r.warmup and r.ok and r.sent_s is not None and r.first_token_s is not None:
+                sent_first.append((int(r.task_id[1:]), t0_unix + r.sent_s, t0_unix + r.first_token_s))
+    else:
+        sent_first = [(int(n), sent, first) for n, sent, first in json.loads((work / f"{name}.json").read_text())
+                      if n >= load.warmup and first]
+    error, receive, send, late = [], [], [], []
+    for number, sent, first in sent_first:
+        arrival, server_sent, first_late, _ = served[number]
+        error.append(((first - sent) - ttft_ms / 1e3 - first_late) * 1e3)
+        receive.append((first - server_sent) * 1e3)
+        send.append((arrival - sent) * 1e3)
+        late.append(first_late * 1e3)
+    result = SyncRun(load, pair, client, error, receive, send, late, (cpu1 - cpu0) / max(1, chunks1 - chunks0) * 1e6,
+                     (cpu1 - cpu0) / (wall1 - wall0))
+    print(result.row(), flush=True)
+    return result
+
+
+def sync_verdict(runs: list[SyncRun], streams: int = 128) -> list[str]:
+    """Per pair at `streams` closed-loop streams: dfserve's error p99 against the floor's and 2 ms, CPU ratio."""
+    lines = []
+    at = [r for r in runs if r.load.streams == streams]
+    for pair in sorted({r.pair for r in at}):
+        both = {r.client: r for r in at if r.pair == pair}
+        if not {"dfserve", "floor"} <= set(both):
+            continue
+        d, f = both["dfserve"], both["floor"]
+        ratio = d.cpu_per_chunk_us / f.cpu_per_chunk_us
+        lines.append(
+            f"- pair {pair}: TTFT error p99 dfserve {pct(d.error, 99):.2f} ms vs floor {pct(f.error, 99):.2f} ms "
+            f"({'at or below' if pct(d.error, 99) <= pct(f.error, 99) else 'ABOVE'}); "
+            f"{'within' if pct(d.error, 99) <= 2.0 else 'NOT within'} 2 ms of the server's own lateness "
+            f"(its first-chunk lateness p99 {pct(d.server_late, 99):.2f} ms, subtracted per request); "
+            f"CPU per chunk {d.cpu_per_chunk_us:.1f} vs {f.cpu_per_chunk_us:.1f} µs = {ratio:.2f}x "
+            f"({'within' if ratio <= 1.2 else 'OVER'} 1.2x)"
+            + (f"; before: TTFT error p99 {pct(both['before'].error, 99):.2f} ms, CPU per chunk "
+               f"{both['before'].cpu_per_chunk_us:.1f} µs" if "before" in both else ""))
+    return lines
+
+
+def run_sync(work: Path, args: argparse.Namespace) -> str:
+    loads = [Load(streams, None, streams, streams * args.sync_waves) for streams in args.sync_streams]
+    loads.append(Load(None, args.rate, int(args.rate), int(args.rate * args.seconds)))
+    clients = ("dfserve", "floor", "before") if args.before else ("dfserve", "floor")
+    runs = [sync_run(work, load, pair, client, args.sync_api, args.ttft_ms, args.before)
+            for load in loads for pair in range(1, args.sync_pairs + 1) for client in clients]
+    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + shlex.join(sys.argv[1:])
+    return "\n".join([
+        "## Load tester: timing error under synchronized completions, beside a minimal client",
+        "",
+        f"`{command.strip()}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
+        f"{os.cpu_count()} cores shared with other work; bench/sync_server.py "
+        + ("on core 0, the client on core 1 (taskset)" if PIN else "unpinned")
+        + f". `--api {args.sync_api}`; every stream: first chunk {args.ttft_ms:g} ms after the server read the "
+        "request, then 63 chunks 10 ms apart. Closed loop: a warm-up wave, then "
+        f"{args.sync_waves} waves of requests; Poisson: {args.rate:g} req/s, 1 s of warm-up, then {args.seconds:g} s. "
+        "Runs interleaved in pairs (dfserve, floor"
+        + (f", then `before`: dfserve from {args.before_label}" if args.before else "") + "); milliseconds.",
+        "",
+        "| load | pair | client | requests | TTFT error p50 / p99 / max | receive side p50 / p99 | "
+        "send side p50 / p99 | server's lateness p50 / p99 | CPU per chunk (µs) | client CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *(r.row() for r in runs),
+        "",
+        "TTFT error = (first chunk stamped - request stamped) - the server's TTFT - the server's lateness in sending "
+        "that first chunk, per request. Receive side = first chunk stamped - server sent it; send side = server "
+        "read the request - client stamped it. dfserve stamps just before its socket write; the floor stamps before "
+        "handing the request to aiohttp, so its send side includes aiohttp's own work on the request.",
+        "",
+        "At 128 synchronized streams (targets: dfserve's TTFT error p99 at or below the floor's and within 2 ms; CPU "
+        "per chunk at most 1.2x the floor's):",
+        "",
+        *sync_verdict(runs),
+    ])
+
+
+def run_sim(work: Path, args: argparse.Namespace) -> str:
+    """Parts 1 and 2: TTFT error against the simulator, and the open-loop rate."""
+    ttft_rows = [run_ttft(work, streams, args.requests, trial)
+                 for streams in args.streams for trial in range(1, args.trials + 1)]
+    rate_rows = [run_rate(work, args.rate, args.seconds, arrival) for arrival in ("constant", "poisson")]
+    command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/tester_timing.py " + shlex.join(sys.argv[1:])
+    return "\n".join([
         "## Load tester: its own timing error and rate accuracy",
         "",
         f"`{command.strip()}` — {time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, "
@@ -163,8 +342,34 @@ def main() -> None:
         "the p99 at 128, the tail comes from the machine (other processes preempting the simulator between its "
         "stamp and its write, or the tester before its read), not from the tester's load.",
     ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=["sim", "sync"], default=["sim", "sync"])
+    parser.add_argument("--streams", type=int, nargs="+", default=[128])
+    parser.add_argument("--requests", type=int, default=1024, help="measured requests per TTFT run")
+    parser.add_argument("--trials", type=int, default=1, help="TTFT runs per stream count (the tail varies run to run)")
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each open-loop run")
+    parser.add_argument("--sync-streams", type=int, nargs="+", default=[16, 128, 256])
+    parser.add_argument("--sync-waves", type=int, default=8, help="measured requests per closed-loop sync run, in waves")
+    parser.add_argument("--sync-pairs", type=int, default=2, help="interleaved (dfserve, floor) runs per setting")
+    parser.add_argument("--sync-api", choices=["chat", "native"], default="chat")
+    parser.add_argument("--ttft-ms", type=float, default=20.0, help="the sync server's TTFT")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="also run dfserve imported from this folder (an export of an earlier commit), interleaved")
+    parser.add_argument("--before-label", default="an earlier commit", help="what --before holds, for RESULTS.md")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        sections = {SECTION: run_sim(work, args)} if "sim" in args.parts else {}
+        if "sync" in args.parts:
+            sections[SYNC_SECTION] = run_sync(work, args)
     if not args.no_write:
-        _write(SECTION, body)
+        for section, body in sections.items():
+            _write(section, body)
 
 
 if __name__ == "__main__":

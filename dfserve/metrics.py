@@ -7,12 +7,18 @@ Two vocabularies live here:
 - `SGLangMetrics`: the names SGLang's server emits (``python/sglang/srt/observability/metrics_collector.py``),
   used by dfserve's simulated engine so that dashboards built for SGLang work against it unchanged;
 - `DfserveMetrics`: dfserve's own per-arm families, labelled `arm`, `replica`, `route`, shared by gateway and tester.
+
+The gateway and the load tester each turn a finished request into one `Outcome` and hand it to `observe`, the one
+function that updates the per-request families; it also holds the one decision of which requests count toward
+them: every request toward `dfserve_requests_total`, only those that succeeded toward latency, tokens and acceptance.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -78,18 +84,24 @@ REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
 """Labels of `dfserve_requests_total`, the same from the gateway and the load tester (see `request_labels`):
 
 - `status` is one of a fixed set: the HTTP status class of a finished answer (`2xx`; `4xx`/`5xx` for an error
-  answer, from the engine or made by the gateway: 429 overloaded, 502/503/504 no replica); `499` when the client
+  answer, from the engine or made by the gateway: 429 overloaded, 502/503/504 no replica; for a 200 stream that
+  SGLang ended with an error in band, the class of the error's code); `499` when the client
   side gave up first (nginx's code for it); `error` when there was no complete answer and no HTTP error status
   (connection refused, timeout, a stream cut or unreadable after its 2xx headers).
-- `error` is empty for a success, `http_status` for an HTTP error answer, else the producer's failure kind.
+- `error` is empty for a success, `http_status` for an HTTP error answer, `stream_error` for an error in band,
+  else the producer's failure kind.
 
 So `status!="2xx"` selects every failure, `status="5xx"` the server errors, and `error` says why."""
 STATUS_OK = "2xx"
+STREAM_ERROR = "stream_error"
+"""Failure kind of a stream that SGLang answered with HTTP 200 and then ended with an error in band (an error event,
+or a native abort with a status); its `status` label is the class of the code the error carried."""
 CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", "cancelled"})
 """Failure kinds where the client side gave up, not the arm: the gateway's client went away or stopped reading, or
 the load tester cancelled the request when its run stopped."""
-MEASURES = ("exact", "estimated")
-"""Values of the `measure` label on acceptance: exact from meta_info, estimated from chunk counts."""
+Measure = Literal["exact", "estimated"]
+MEASURES: tuple[Measure, ...] = ("exact", "estimated")
+"""Values of the `measure` label on acceptance: exact from SGLang's spec fields, estimated from chunk counts."""
 
 
 def request_labels(http_status: int | None, error: str | None) -> tuple[str, str]:
@@ -102,6 +114,88 @@ def request_labels(http_status: int | None, error: str | None) -> tuple[str, str
     if error is not None or not http_status:
         return "error", error or "no_status"
     return f"{http_status // 100}xx", ""
+
+
+def succeeded(http_status: int | None, error: str | None) -> bool:
+    """A complete answer: a 2xx status and no failure, in band or out."""
+    return request_labels(http_status, error)[0] == STATUS_OK
+
+
+@dataclass(frozen=True, slots=True)
+class Binned:
+    """Observations already counted into the buckets of a histogram (its bounds, then +Inf), and their sum."""
+
+    counts: tuple[int, ...]
+    total: float
+
+    @classmethod
+    def of(cls, values: Iterable[float], bounds: tuple[float, ...] = ITL_BUCKETS_S) -> Binned:
+        """Count `values` as a Prometheus histogram with `bounds` does (a value goes to the first bucket whose
+        bound is not below it)."""
+        counts = [0] * (len(bounds) + 1)
+        total = 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        return cls(tuple(counts), total)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One finished request as dfserve's per-request families see it, from the gateway's relay or the load tester:
+    the one type both turn their raw facts into, so that a series means the same from either (`observe`)."""
+
+    arm: str
+    route: str
+    replica: str
+    status: int | None
+    """The answer's status: its HTTP status, or the code an in-band error event carried; None or 0: no answer."""
+    error: str | None
+    """The failure kind; None for a complete answer."""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    chunk_gaps: Binned | None = None
+    """Gaps between the chunks that carried output, binned on `ITL_BUCKETS_S`."""
+    token_gaps: Binned | None = None
+    """The same gaps spread over the tokens each chunk carried, once per token; None where tokens per chunk are not
+    visible (OpenAI streams count chunks of text, not tokens)."""
+    output_tokens: int | None = None
+    verify_rounds: int | None = None
+    """Verify rounds SGLang reported for this request (exact acceptance only)."""
+    accept_length: float | None = None
+    measure: Measure | None = None
+
+
+def observe(metrics: DfserveMetrics, outcome: Outcome) -> None:
+    """Update every per-request family with one finished request.
+
+    Which requests count, decided once for the gateway and the load tester alike: `dfserve_requests_total` counts
+    every request (its labels say how it ended); every other per-request family (TTFT, inter-token and inter-chunk
+    latency, end-to-end latency, output tokens, verify rounds, acceptance) counts only requests that succeeded (a
+    complete 2xx answer without an in-band error), as the load test's summary and the judge do. A failed stream's
+    first token and gaps are then not latencies of an answer: a stream cut after its first chunk would otherwise
+    improve TTFT while it failed the user.
+    """
+    o = outcome
+    metrics.finished(o.arm, o.route, o.replica, o.status, o.error).inc()
+    if not succeeded(o.status, o.error):
+        return
+    arm, route = o.arm, o.route
+    if o.ttft_s is not None:
+        metrics.ttft.labels(arm, route).observe(o.ttft_s)
+    if o.e2e_s is not None:
+        metrics.e2e.labels(arm, route).observe(o.e2e_s)
+    if o.chunk_gaps is not None:
+        metrics.itl_per_chunk.labels(arm, route).add_binned(o.chunk_gaps.counts, o.chunk_gaps.total)
+    if o.token_gaps is not None:
+        metrics.itl_per_token.labels(arm, route).add_binned(o.token_gaps.counts, o.token_gaps.total)
+    if o.output_tokens:
+        metrics.output_tokens.labels(arm, route).inc(o.output_tokens)
+    if o.verify_rounds:
+        metrics.spec_verify_rounds.labels(arm, route).inc(o.verify_rounds)
+        metrics.spec_output_tokens.labels(arm, route).inc(o.output_tokens or 0)
+    if o.accept_length is not None and o.measure is not None:
+        metrics.accept_length.labels(arm, route, o.measure).observe(o.accept_length)
 
 
 @dataclass(frozen=True)

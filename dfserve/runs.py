@@ -13,6 +13,7 @@ import secrets
 import socket
 import sys
 import tempfile
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -71,7 +72,11 @@ class JsonlAppender:
         self._handle: IO[str] = path.open("x", encoding="utf-8")  # "x": the file must be new
 
     def append(self, model: BaseModel) -> None:
-        self._handle.write(model.model_dump_json() + "\n")
+        self.write_lines((model.model_dump_json() + "\n",))
+
+    def write_lines(self, lines: Iterable[str]) -> None:
+        """Append lines already serialised (each ending in a newline) with one flush."""
+        self._handle.write("".join(lines))
         self._handle.flush()
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
-"""SGLang's wire protocol: the one module that knows its JSON.
+"""SGLang's wire protocol from the client's side: the one module that knows how to read its JSON.
 
 Request bodies for native `POST /generate` and the OpenAI routes, parsing of their responses (whole or streamed as
-server-sent events), and acceptance math. No I/O: callers hand in bytes or decoded JSON and get typed results.
+server-sent events), the byte-level token marks a relay reads as a stream passes, and acceptance math. No I/O:
+callers hand in bytes or decoded JSON and get typed results. The engine's side (requests as SGLang reads them, the
+bodies it answers) is the simulator's, in `dfserve.deploy.sim.protocol`, built on the types here.
 
-Field names and shapes follow SGLang's code (``python/sglang/srt/managers/tokenizer_manager.py``,
+Field names and shapes follow SGLang 0.5.23's code (``python/sglang/srt/managers/tokenizer_manager.py``,
 ``_handle_batch_output`` and ``_calculate_spec_decoding_metrics``; ``python/sglang/srt/entrypoints/openai/``).
 
 Acceptance length counts the bonus token: one request's is ``completion_tokens / spec_verify_ct``; over many
@@ -13,7 +15,7 @@ requests it is ``sum(completion_tokens) / sum(spec_verify_ct)``, never the mean 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,27 +92,31 @@ def chat_body(
     *,
     stream: bool,
     return_meta_info: bool = False,
+    return_spec_tokens_details: bool = False,
     include_usage: bool = False,
 ) -> dict[str, Any]:
-    """Body of `POST /v1/chat/completions`; `return_meta_info` is refused by SGLang when streaming."""
+    """Body of `POST /v1/chat/completions`; `return_meta_info` is refused by SGLang when streaming, while
+    `return_spec_tokens_details` gives a request's spec fields streamed or not (SGLang 0.5.23)."""
     if stream and return_meta_info:
         raise ValueError("SGLang refuses return_meta_info with streaming")
     body: dict[str, Any] = {"model": model, "messages": list(messages), "stream": stream, **sampling.openai()}
     if return_meta_info:
-        body["return_meta_info"] = True
+        body[RETURN_META_INFO] = True
+    if return_spec_tokens_details:
+        body[RETURN_SPEC_DETAILS] = True
     if stream and include_usage:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-def completions_body(
-    model: str, prompt: str, sampling: SamplingParams, *, stream: bool, include_usage: bool = False
-) -> dict[str, Any]:
-    """Body of `POST /v1/completions`."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "stream": stream, **sampling.openai()}
-    if stream and include_usage:
-        body["stream_options"] = {"include_usage": True}
-    return body
+RETURN_META_INFO = "return_meta_info"
+"""Non-streamed chat: the whole native `meta_info` on each choice (``ChatCompletionRequest.return_meta_info``)."""
+
+RETURN_SPEC_DETAILS = "return_spec_tokens_details"
+"""Chat and completions, streamed or not: a request's spec fields in `sglext.spec_tokens_details`
+(``CompletionRequest``/``ChatCompletionRequest.return_spec_tokens_details`` in ``entrypoints/openai/protocol.py``;
+in a stream, an extra chunk with `choices: []` before the usage chunk, ``OpenAIServingChat._generate_chat_stream``)."""
+
 
 
 @dataclass(frozen=True)
@@ -121,10 +127,12 @@ class RequestInfo:
     stream: bool
     user: str | None
     return_meta_info: bool
+    return_spec_tokens_details: bool
 
 
 def inspect_request(body: bytes) -> RequestInfo:
-    """Read `stream`, the OpenAI `user` field and `return_meta_info` from a request body (any of the three APIs)."""
+    """Read `stream`, the OpenAI `user` field and the flags that ask for spec fields from a request body (any of the
+    three APIs)."""
     data = _json(body, "request body")
     if not isinstance(data, dict):
         raise ProtocolError("request body: expected a JSON object")
@@ -133,13 +141,14 @@ def inspect_request(body: bytes) -> RequestInfo:
         body=data,
         stream=data.get("stream") is True,
         user=user if isinstance(user, str) and user else None,
-        return_meta_info=data.get("return_meta_info") is True,
+        return_meta_info=data.get(RETURN_META_INFO) is True,
+        return_spec_tokens_details=data.get(RETURN_SPEC_DETAILS) is True,
     )
 
 
-def with_return_meta_info(request: dict[str, Any]) -> bytes:
-    """A non-streamed chat request body that also asks SGLang for `meta_info` (the only way to its spec fields)."""
-    return json.dumps({**request, "return_meta_info": True}, ensure_ascii=False, separators=(",", ":")).encode()
+def with_spec_details(request: dict[str, Any]) -> bytes:
+    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`)."""
+    return json_bytes({**request, RETURN_SPEC_DETAILS: True})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,23 +157,40 @@ def with_return_meta_info(request: dict[str, Any]) -> bytes:
 
 @dataclass(frozen=True)
 class FinishReason:
-    """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`."""
+    """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`.
+
+    An abort by the scheduler also carries `status_code` and `err_type` (``FINISH_ABORT.to_json`` in
+    ``managers/schedule_batch.py``): one with a status of 400 or more is an error that SGLang reports in band in a
+    native stream, as the stream's last chunk (``TokenizerManager._handle_abort_finish_reason``)."""
 
     kind: str
     matched: str | int | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @property
+    def error(self) -> StreamError | None:
+        """The in-band error this finish reason is, if it is one: an abort with a status code of 400 or more."""
+        if self.kind != "abort" or self.status_code is None or self.status_code < 400:
+            return None
+        return StreamError(self.message or "Aborted", code=self.status_code, kind=self.err_type)
 
 
 @dataclass(frozen=True)
 class SpecStats:
-    """Speculative-decoding fields of a finished request's meta_info."""
+    """Speculative-decoding fields of a finished request: its native `meta_info`, or the OpenAI routes'
+    `sglext.spec_tokens_details` (the same names). SGLang sends them only when the request ran at least one verify
+    round (``TokenizerManager._calculate_spec_decoding_metrics``), so `verify_ct` is positive."""
 
     verify_ct: int
     num_correct_drafts: int | None = None
     num_proposed_drafts: int | None = None
     accept_rate: float | None = None
     correct_drafts_histogram: tuple[int, ...] | None = None
+    accept_length: float | None = None
+    """SGLang's own `spec_accept_length`: completion tokens over verify rounds."""
 
 
 @dataclass(frozen=True)
@@ -192,12 +218,12 @@ class MetaInfo:
         return accept_length(self.completion_tokens, self.spec.verify_ct)
 
 
-def _int(obj: dict[str, Any], key: str, default: int | None = None) -> int:
+def _int(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         if value is None and default is not None:
             return default
-        raise ProtocolError(f"meta_info.{key}: expected an integer, got {value!r}")
+        raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
     return value
 
 
@@ -209,12 +235,12 @@ def _times(value: Any, key: str) -> tuple[float, ...] | None:
     return tuple(float(x) for x in value)
 
 
-def _opt_float(obj: dict[str, Any], key: str) -> float | None:
+def _opt_float(obj: dict[str, Any], key: str, where: str = "meta_info") -> float | None:
     value = obj.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProtocolError(f"meta_info.{key}: expected a number, got {value!r}")
+        raise ProtocolError(f"{where}.{key}: expected a number, got {value!r}")
     return float(value)
 
 
@@ -228,31 +254,37 @@ def parse_finish_reason(raw: Any) -> FinishReason | None:
         raise ProtocolError(f"finish_reason: expected an object with a 'type', got {raw!r}")
     length = raw.get("length")
     message = raw.get("message")
+    status = raw.get("status_code")
+    err_type = raw.get("err_type")
     return FinishReason(
         kind=raw["type"],
         matched=raw.get("matched"),
         length=length if isinstance(length, int) else None,
         message=message if isinstance(message, str) else None,
+        status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
+        err_type=err_type if isinstance(err_type, str) else None,
     )
 
 
-def _parse_spec(meta: dict[str, Any]) -> SpecStats | None:
-    if meta.get("spec_verify_ct") is None:
+def _parse_spec(meta: dict[str, Any], where: str = "meta_info") -> SpecStats | None:
+    """Spec fields, old and new names alike; None without a verify round (SGLang then sends none)."""
+    if not meta.get("spec_verify_ct"):
         return None
-    verify_ct = _int(meta, "spec_verify_ct")
+    verify_ct = _int(meta, "spec_verify_ct", where=where)
     correct = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
     proposed = meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts"))
     histogram = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
     if histogram is not None and not (
         isinstance(histogram, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in histogram)
     ):
-        raise ProtocolError(f"meta_info.spec_correct_drafts_histogram: expected a list of integers, got {histogram!r}")
+        raise ProtocolError(f"{where}.spec_correct_drafts_histogram: expected a list of integers, got {histogram!r}")
     return SpecStats(
         verify_ct=verify_ct,
         num_correct_drafts=correct if isinstance(correct, int) else None,
         num_proposed_drafts=proposed if isinstance(proposed, int) else None,
-        accept_rate=_opt_float(meta, "spec_accept_rate"),
+        accept_rate=_opt_float(meta, "spec_accept_rate", where),
         correct_drafts_histogram=tuple(histogram) if histogram is not None else None,
+        accept_length=_opt_float(meta, "spec_accept_length", where),
     )
 
 
@@ -340,12 +372,48 @@ def _parse_usage(raw: Any) -> Usage | None:
 
 @dataclass(frozen=True)
 class OpenAIResult:
-    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`."""
+    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`, `spec` only with
+    `return_spec_tokens_details` (and a verify round)."""
 
     text: str
     finish_reason: FinishReason | None
     usage: Usage | None
     meta: MetaInfo | None
+    spec: SpecStats | None = None
+
+    @property
+    def acceptance(self) -> tuple[int, SpecStats] | None:
+        """Completion tokens and spec fields, from `meta_info` or `sglext`, whichever came; None without either."""
+        if self.meta is not None and self.meta.spec is not None:
+            return self.meta.completion_tokens, self.meta.spec
+        tokens = spec_completion_tokens(self.spec, self.usage)
+        return (tokens, self.spec) if tokens is not None and self.spec is not None else None
+
+
+def _parse_sglext_spec(sglext: Any) -> SpecStats | None:
+    """`sglext.spec_tokens_details`: one object, or a list with one per choice (n > 1; the first is read)."""
+    if sglext is None:
+        return None
+    if not isinstance(sglext, dict):
+        raise ProtocolError(f"sglext: expected an object, got {sglext!r}")
+    details = sglext.get("spec_tokens_details")
+    if isinstance(details, list):
+        details = details[0] if details else None
+    if details is None:
+        return None
+    if not isinstance(details, dict):
+        raise ProtocolError(f"sglext.spec_tokens_details: expected an object, got {details!r}")
+    return _parse_spec(details, "sglext.spec_tokens_details")
+
+
+def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int | None:
+    """The completion tokens behind `sglext.spec_tokens_details` (which does not carry them): the usage's, else
+    SGLang's own accept length times the rounds it divided by."""
+    if spec is None:
+        return None
+    if usage is not None:
+        return usage.completion_tokens
+    return round(spec.accept_length * spec.verify_ct) if spec.accept_length is not None else None
 
 
 def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
@@ -365,17 +433,20 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         usage=_parse_usage(data.get("usage")),
         meta=parse_meta_info(meta) if meta is not None else None,
+        spec=_parse_sglext_spec(data.get("sglext")),
     )
 
 
-def strip_meta_info(body: bytes) -> bytes:
-    """Remove `meta_info` from each choice of an OpenAI response (added upstream by a proxy, not asked by the client)."""
+def strip_spec_details(body: bytes) -> bytes:
+    """Remove `sglext.spec_tokens_details` from an OpenAI response (asked upstream by a proxy, not by the client),
+    and `sglext` with it when nothing else is left in it."""
     data = _json(body, "OpenAI response")
-    if isinstance(data, dict) and isinstance(data.get("choices"), list):
-        for choice in data["choices"]:
-            if isinstance(choice, dict):
-                choice.pop("meta_info", None)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    sglext = data.get("sglext") if isinstance(data, dict) else None
+    if isinstance(sglext, dict):
+        sglext.pop("spec_tokens_details", None)
+        if not sglext:
+            del data["sglext"]
+    return json_bytes(data)
 
 
 def parse_error_message(body: bytes | str) -> str:
@@ -398,8 +469,7 @@ def parse_error_message(body: bytes | str) -> str:
 
 def error_body(message: str, kind: str, code: int) -> bytes:
     """An OpenAI-style error object, `{"error": {"message", "type", "param", "code"}}`, as SGLang's clients read it."""
-    error = {"message": message, "type": kind, "param": None, "code": code}
-    return json.dumps({"error": error}, ensure_ascii=False, separators=(",", ":")).encode()
+    return json_bytes({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 def stream_error_events(message: str, kind: str, code: int) -> bytes:
@@ -513,15 +583,6 @@ CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":')
 _SPEC_VERIFY_CT = TokenMarks((b'"spec_verify_ct":',), cumulative=True)
 
 
-def count_content_events(events: bytes) -> int:
-    """Streamed chat/completions events in `events` (whole events only) that carry text, reasoning included."""
-    return CONTENT_CHUNKS.read(events) or 0
-
-
-def last_completion_tokens(events: bytes) -> int | None:
-    """The cumulative `completion_tokens` of the last native event in `events`, None if none is there."""
-    return NATIVE_TOKENS.read(events)
-
 
 def last_spec_verify_ct(events: bytes) -> int | None:
     """The cumulative `spec_verify_ct` of the last native event in `events` that has one; None where speculative
@@ -529,24 +590,59 @@ def last_spec_verify_ct(events: bytes) -> int | None:
     return _SPEC_VERIFY_CT.read(events)
 
 
-def mentions_usage(events: bytes) -> bool:
-    """True when an event in `events` carries a non-null `usage` object (the final chunk with include_usage)."""
-    return b'"usage":{' in events or b'"usage": {' in events
+_IN_BAND_ERROR = (b'"error":', b'"status_code":')
+"""Keys that occur in a stream's events only where it reports an error in band: an error event, or (native) a final
+chunk whose abort carries a status. JSON escapes quotes inside strings, so generated text cannot contain them."""
 
 
-def last_data_event(events: bytes) -> str | None:
-    """The `data` of the last event in `events` other than `[DONE]` (single-line data, as SGLang sends)."""
-    end = len(events)
-    while end > 0:
-        start = events.rfind(b"\ndata:", 0, end) + 1
-        if start == 0 and not events.startswith(b"data:"):
-            return None
-        line_end = events.find(b"\n", start)
-        payload = events[start + 5 : line_end if line_end >= 0 else len(events)].strip()
-        if payload != DONE.encode():
-            return payload.decode("utf-8", "replace")
-        end = start - 1
+def native_stream_error(events: bytes) -> StreamError | None:
+    """The in-band error a native stream ended with, read from its last events; None when it ended well.
+
+    SGLang 0.5.23 answers a streamed `/generate` that fails validation with HTTP 200, then
+    `data: {"error": {"message", "type", "code", "retryable"}}`, then `data: [DONE]` (``http_server.generate_request``,
+    ``stream_results``); an abort with a status after the stream started is its last chunk, whose `finish_reason`
+    carries the status (``TokenizerManager._handle_abort_finish_reason``). Two byte searches settle the usual case
+    without decoding JSON.
+    """
+    if not any(key in events for key in _IN_BAND_ERROR):
+        return None
+    for data in reversed(SSEDecoder().feed(events)):
+        if data == DONE:
+            continue
+        event = parse_native_event(data)
+        if isinstance(event, StreamError):
+            return event
+        return event.meta.finish_reason.error if event.meta.finish_reason is not None else None
     return None
+
+
+@dataclass(frozen=True)
+class OpenAIStreamEnd:
+    """What the last events of a chat/completions stream show: an in-band error, the usage chunk, the spec details."""
+
+    error: StreamError | None = None
+    usage: Usage | None = None
+    spec: SpecStats | None = None
+
+
+_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":')
+
+
+def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
+    """Read a chat/completions stream's last events; only those that may carry an error, usage or `sglext` are
+    decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
+    (``OpenAIServingChat._generate_chat_stream``)."""
+    error, usage, spec = None, None, None
+    for data in SSEDecoder().feed(events):
+        if data == DONE or not any(key in data for key in _OPENAI_END_KEYS):
+            continue
+        event = parse_openai_event(data)
+        if isinstance(event, StreamError):
+            error = event
+            continue
+        usage = event.usage or usage
+        spec = event.spec or spec
+    return OpenAIStreamEnd(error, usage, spec)
 
 
 def _event_json(data: str, what: str) -> dict[str, Any]:
@@ -569,15 +665,39 @@ class NativeChunk:
 
 @dataclass(frozen=True)
 class StreamError:
-    """An error event inside a stream (SGLang sends `{"error": {...}}` as data when a request fails mid-stream)."""
+    """An error SGLang reports inside a 200 stream: an error event (native `{"error": {"message", "type", "code",
+    "retryable"}}`; OpenAI routes `{"error": {"object": "error", "message", "type", "param", "code"}}`), or a native
+    final chunk whose abort carries a status (`FinishReason.error`)."""
 
     message: str
+    code: int | None = None
+    """The HTTP status SGLang would have answered (400 for validation, 503 for a retraction without backup, ...)."""
+    kind: str | None = None
+    retryable: bool | None = None
+
+
+def _stream_error(obj: dict[str, Any]) -> StreamError | None:
+    error = obj.get("error")
+    if isinstance(error, str):
+        return StreamError(error)
+    if not isinstance(error, dict):
+        if obj.get("object") != "error":
+            return None
+        error = obj
+    message, code, kind, retryable = (error.get(k) for k in ("message", "code", "type", "retryable"))
+    return StreamError(
+        message=message if isinstance(message, str) else json.dumps(error),
+        code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        kind=kind if isinstance(kind, str) else None,
+        retryable=retryable if isinstance(retryable, bool) else None,
+    )
 
 
 def parse_native_event(data: str) -> NativeChunk | StreamError:
     obj = _event_json(data, "/generate stream")
-    if "error" in obj:
-        return StreamError(message=parse_error_message(data))
+    error = _stream_error(obj)
+    if error is not None:
+        return error
     if "meta_info" not in obj:
         raise ProtocolError("/generate stream: event without 'meta_info'")
     text = obj.get("text", "")
@@ -586,18 +706,21 @@ def parse_native_event(data: str) -> NativeChunk | StreamError:
 
 @dataclass(frozen=True)
 class OpenAIChunk:
-    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage if present."""
+    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage or spec details
+    (`sglext`) if present."""
 
     text: str
     finish_reason: FinishReason | None
     usage: Usage | None
     has_choice: bool
+    spec: SpecStats | None = None
 
 
 def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
     obj = _event_json(data, "OpenAI stream")
-    if "error" in obj or obj.get("object") == "error":
-        return StreamError(message=parse_error_message(data))
+    error = _stream_error(obj)
+    if error is not None:
+        return error
     choices = obj.get("choices") or []
     text = ""
     finish = None
@@ -607,7 +730,8 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         text = content if isinstance(content, str) else ""
         finish = parse_finish_reason(choice.get("finish_reason"))
-    return OpenAIChunk(text=text, finish_reason=finish, usage=_parse_usage(obj.get("usage")), has_choice=bool(choices))
+    return OpenAIChunk(text=text, finish_reason=finish, usage=_parse_usage(obj.get("usage")), has_choice=bool(choices),
+                       spec=_parse_sglext_spec(obj.get("sglext")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -620,47 +744,6 @@ def accept_length(completion_tokens: int, verify_ct: int) -> float | None:
         return None
     return completion_tokens / verify_ct
 
-
-def round_token_deltas(cumulative_completion_tokens: Iterable[int]) -> list[int]:
-    """Tokens each stream chunk added, from the cumulative `completion_tokens` of successive native chunks.
-
-    The first delta is the prefill token (plus whatever the first round added if chunks were merged); with SGLang's
-    default stream interval each later delta is one verify round's accepted tokens, bonus included. Chunks that
-    added nothing (a detokenizer flush) are dropped.
-    """
-    deltas = []
-    previous = 0
-    for cumulative in cumulative_completion_tokens:
-        if cumulative < previous:
-            raise ProtocolError(f"completion_tokens went backwards in a stream: {previous} -> {cumulative}")
-        if cumulative > previous:
-            deltas.append(cumulative - previous)
-        previous = cumulative
-    return deltas
-
-
-@dataclass(frozen=True)
-class AcceptanceTotals:
-    """Sums that aggregate acceptance exactly: Σ completion_tokens / Σ spec_verify_ct."""
-
-    completion_tokens: int = 0
-    verify_ct: int = 0
-    requests: int = 0
-
-    def add(self, completion_tokens: int, verify_ct: int) -> AcceptanceTotals:
-        return AcceptanceTotals(self.completion_tokens + completion_tokens, self.verify_ct + verify_ct, self.requests + 1)
-
-    @property
-    def accept_length(self) -> float | None:
-        return accept_length(self.completion_tokens, self.verify_ct)
-
-
-def aggregate_accept_length(pairs: Iterable[tuple[int, int]]) -> float | None:
-    """Σ completion_tokens / Σ spec_verify_ct over (completion_tokens, verify_ct) pairs; None without data."""
-    totals = AcceptanceTotals()
-    for completion_tokens, verify_ct in pairs:
-        totals = totals.add(completion_tokens, verify_ct)
-    return totals.accept_length
 
 
 @dataclass(frozen=True)
@@ -676,291 +759,12 @@ class ChatAcceptanceEstimate:
         return accept_length(self.completion_tokens, self.content_chunks)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Engine side: requests as an SGLang server reads them and the bodies it answers (used by dfserve's simulator).
-# Shapes follow python/sglang/srt/managers/io_struct.py (GenerateReqInput), sampling_params.py (verify),
-# entrypoints/http_server.py and entrypoints/openai/{protocol,serving_chat,serving_completions}.py.
-
-
-class RequestError(ProtocolError):
-    """A request an SGLang server refuses with 400; the message is worded like SGLang's."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One prompt as an engine sees it, from any of the three APIs."""
-
-    api: Api
-    prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None
-    input_ids: tuple[int, ...] | None
-    max_new_tokens: int | None
-    temperature: float
-    sampling_key: str
-    """The parameters that change sampled tokens, canonical JSON; empty at temperature 0 (greedy)."""
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    no_stop_trim: bool
-    stream: bool
-    rid: str | None
-    model: str | None
-    return_meta_info: bool = False
-    include_usage: bool = False
-
-
-_TOKEN_SHAPING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "sampling_seed", "seed", "n")
-
-
-def _request_json(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"Invalid JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise RequestError("The request body must be a JSON object")
-    return data
-
-
-def _number(params: dict[str, Any], key: str, default: float) -> float:
-    value = params.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"{key} must be a number, got {value!r}")
-    return float(value)
-
-
-def _string_list(value: Any, key: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise RequestError(f"{key} must be a string or a list of strings")
-
-
-def _sampling(params: dict[str, Any], max_tokens_key: str) -> dict[str, Any]:
-    """Checks of SGLang's `SamplingParams.verify`, shared by every API."""
-    max_new = params.get(max_tokens_key)
-    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
-        raise RequestError(f"{max_tokens_key} must be an integer, got {max_new!r}")
-    if max_new is not None and max_new < 0:
-        raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
-    temperature = _number(params, "temperature", 1.0)
-    if temperature < 0:
-        raise RequestError(f"temperature must be non-negative, got {temperature}.")
-    top_p = _number(params, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
-    stop_ids = params.get("stop_token_ids") or []
-    if not (isinstance(stop_ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids)):
-        raise RequestError("stop_token_ids must be a list of integers")
-    shaping = {k: params[k] for k in _TOKEN_SHAPING if params.get(k) is not None}
-    return {
-        "max_new_tokens": max_new,
-        "temperature": temperature,
-        "sampling_key": "" if temperature == 0 else json.dumps(shaping, sort_keys=True),
-        "stop": _string_list(params.get("stop"), "stop"),
-        "stop_token_ids": tuple(stop_ids),
-        "ignore_eos": params.get("ignore_eos") is True,
-        "no_stop_trim": params.get("no_stop_trim") is True,
-    }
-
-
-def parse_generate_request(body: bytes) -> EngineRequest:
-    """Native `POST /generate` with one prompt (`text` or `input_ids`); batched input is refused."""
-    data = _request_json(body)
-    text, ids = data.get("text"), data.get("input_ids")
-    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-        raise RequestError("Batched requests (a list of prompts) are not supported by this server")
-    if text is None and ids is None:
-        raise RequestError("Either text, input_ids or input_embeds should be provided.")
-    if text is not None and not isinstance(text, str):
-        raise RequestError("text must be a string")
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
-        raise RequestError("input_ids must be a list of integers")
-    params = data.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise RequestError("sampling_params must be an object")
-    rid = data.get("rid")
-    return EngineRequest(
-        api="native", prompt=text, messages=None, input_ids=tuple(ids) if ids is not None else None,
-        stream=data.get("stream") is True, rid=str(rid) if rid is not None else None, model=None,
-        **_sampling(params, "max_new_tokens"),
-    )
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        return "".join(p for p in parts if isinstance(p, str))
-    raise RequestError("messages: content must be a string or a list of content parts")
-
-
-def _openai_common(data: dict[str, Any]) -> dict[str, Any]:
-    if data.get("n", 1) != 1:
-        raise RequestError("n > 1 is not supported by this server")
-    options = data.get("stream_options")
-    stream = data.get("stream") is True
-    max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
-    return {
-        "stream": stream,
-        "model": data.get("model") if isinstance(data.get("model"), str) else None,
-        "rid": str(data["rid"]) if data.get("rid") is not None else None,
-        "include_usage": stream and isinstance(options, dict) and options.get("include_usage") is True,
-        **_sampling(data, max_key),
-    }
-
-
-def parse_chat_request(body: bytes) -> EngineRequest:
-    """`POST /v1/chat/completions`; `return_meta_info` with streaming is refused, as SGLang does."""
-    data = _request_json(body)
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages: Field required (a non-empty list)")
-    turns = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError("messages: each message needs a 'role'")
-        turns.append((message["role"], _content_text(message.get("content"))))
-    common = _openai_common(data)
-    return_meta = data.get("return_meta_info") is True
-    if return_meta and common["stream"]:
-        raise RequestError("return_meta_info is not supported with streaming")
-    return EngineRequest(api="chat", prompt=None, messages=tuple(turns), input_ids=None,
-                         return_meta_info=return_meta, **common)
-
-
-def parse_completions_request(body: bytes) -> EngineRequest:
-    """`POST /v1/completions` with one string prompt."""
-    data = _request_json(body)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt: Field required (one string)")
-    return EngineRequest(api="completions", prompt=prompt, messages=None, input_ids=None, **_openai_common(data))
-
-
-def finish_reason_body(finish: FinishReason | None) -> dict[str, Any] | None:
-    """Native `finish_reason`: `{"type": "stop", "matched": ...}`, `{"type": "length", "length": N}`, abort."""
-    if finish is None:
-        return None
-    body: dict[str, Any] = {"type": finish.kind}
-    if finish.kind == "length":
-        body["length"] = finish.length
-    elif finish.kind == "abort":
-        body["message"] = finish.message
-    else:
-        body["matched"] = finish.matched
-    return body
-
-
-def meta_info_body(
-    *,
-    rid: str,
-    finish: FinishReason | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int = 0,
-    weight_version: str = "default",
-    queue_time_s: float | None = None,
-    e2e_latency_s: float | None = None,
-    spec: SpecStats | None = None,
-    simulated: bool = False,
-) -> dict[str, Any]:
-    """A native `meta_info`; `spec` and `e2e_latency_s` belong on the final chunk only, as SGLang sends them."""
-    meta: dict[str, Any] = {
-        "id": rid, "finish_reason": finish_reason_body(finish), "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "weight_version": weight_version,
-        "num_retractions": 0, "reasoning_tokens": 0,
-    }
-    if queue_time_s is not None:
-        meta["queue_time"] = queue_time_s
-    if e2e_latency_s is not None:
-        meta["e2e_latency"] = e2e_latency_s
-    if spec is not None:
-        length = accept_length(completion_tokens, spec.verify_ct)
-        meta.update({
-            "spec_verify_ct": spec.verify_ct, "spec_accept_length": length or 0,
-            "spec_accept_rate": spec.accept_rate or 0.0,
-            "spec_num_correct_drafts": spec.num_correct_drafts, "spec_num_proposed_drafts": spec.num_proposed_drafts,
-            "spec_correct_drafts_histogram": list(spec.correct_drafts_histogram or ()),
-            "spec_accepted_drafts": spec.num_correct_drafts, "spec_proposed_drafts": spec.num_proposed_drafts,
-            "spec_accept_histogram": list(spec.correct_drafts_histogram or ()),
-        })
-    if simulated:
-        meta[SIM_MARKER_KEY] = True
-    return meta
-
-
 def json_bytes(obj: Any) -> bytes:
     """Compact UTF-8 JSON, as SGLang sends it."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def sse_event(obj: Any) -> bytes:
-    """One server-sent event carrying a JSON object, as SGLang frames it."""
-    return b"data: " + json_bytes(obj) + b"\n\n"
-
-
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def generate_response_body(text: str, output_ids: Sequence[int], meta: dict[str, Any]) -> dict[str, Any]:
-    """Native `/generate` answer for one prompt; also the shape of each streamed chunk."""
-    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
-
-
-class NativeStreamEncoder:
-    """The events of one native `/generate` stream, byte for byte what `sse_event(generate_response_body(...))` gives.
-
-    SGLang's chunks repeat the whole text and ids so far unless `--incremental-streaming-output` is set; this
-    encoder escapes and encodes each delta once and extends the bytes it sent before, instead of re-encoding the
-    whole text per chunk. It only appends: a final chunk whose text was trimmed (a stop string) uses the builder.
-    """
-
-    def __init__(self, incremental: bool) -> None:
-        self._incremental = incremental
-        self._text = b""
-        self._ids = b""
-        self._sent = b""
-        self._sent_count = 0
-
-    def event(self, text_delta: str, new_ids: Sequence[int], meta: dict[str, Any]) -> bytes:
-        text = json.dumps(text_delta, ensure_ascii=False)[1:-1].encode()
-        ids = ",".join(map(str, new_ids)).encode()
-        if not self._incremental:
-            self._text += text
-            self._ids = self._ids + b"," + ids if self._ids and ids else self._ids or ids
-            text, ids = self._text, self._ids
-        return b"".join((b'data: {"text":"', text, b'","output_ids":[', ids, b'],"meta_info":', json_bytes(meta),
-                         b"}\n\n"))
-
-    def with_sent_times(self, event: bytes, sent_unix_s: Sequence[float]) -> bytes:
-        """`event` with SIM_CHUNK_SENT_KEY added last to its `meta_info` (the event's last key).
-
-        The simulator encodes a final chunk before it is due and adds the send times as it sends it; times encoded
-        by `encode_sent_times` beforehand are reused, so only the last one is formatted then.
-        """
-        end = b"}}\n\n"
-        if not event.endswith(end):
-            raise ValueError("not a native event whose last key is meta_info")
-        self.encode_sent_times(sent_unix_s)
-        return b"".join((event[: -len(end)], b',"', SIM_CHUNK_SENT_KEY.encode(), b'":[', self._sent, b"]", end))
-
-    def encode_sent_times(self, sent_unix_s: Sequence[float]) -> None:
-        """Format the send times not formatted yet (a stream's times only grow); each float costs a third of a µs."""
-        new = ",".join(map(float.__repr__, sent_unix_s[self._sent_count :])).encode()
-        self._sent = self._sent + b"," + new if self._sent and new else self._sent or new
-        self._sent_count = len(sent_unix_s)
 
 
 @dataclass(frozen=True)
@@ -971,12 +775,6 @@ class SimStreamTimes:
     sent_unix_s: tuple[float, ...]
     due_unix_s: tuple[float, ...]
     queue_time_s: float
-
-
-def sim_times_comment(times: SimStreamTimes) -> bytes:
-    """The SSE comment that carries a simulated OpenAI stream's chunk times, inserted before `data: [DONE]`."""
-    return SIM_TIMES_COMMENT + json_bytes({SIM_CHUNK_SENT_KEY: times.sent_unix_s, SIM_CHUNK_DUE_KEY: times.due_unix_s,
-                                           "queue_time": times.queue_time_s}) + b"\n\n"
 
 
 def parse_sim_times_comment(events: bytes) -> SimStreamTimes | None:
@@ -993,116 +791,3 @@ def parse_sim_times_comment(events: bytes) -> SimStreamTimes | None:
     if sent is None or due is None or queue is None:
         raise ProtocolError("sim times comment: sent, due and queue_time are all required")
     return SimStreamTimes(sent, due, queue)
-
-
-def openai_finish_reason(finish: FinishReason | None) -> tuple[str | None, str | int | None]:
-    """OpenAI `finish_reason` and SGLang's `matched_stop` for a native finish reason."""
-    if finish is None:
-        return None, None
-    return finish.kind, finish.matched
-
-
-def _usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None, "reasoning_tokens": 0}
-
-
-@dataclass(frozen=True)
-class ResponseHead:
-    """The fields every OpenAI response and chunk of one request repeats."""
-
-    id: str
-    created: int
-    model: str
-
-    def fields(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
-def chat_completion_body(
-    head: ResponseHead, *, text: str, finish: FinishReason | None, prompt_tokens: int,
-    completion_tokens: int, meta: dict[str, Any] | None = None, weight_version: str = "default",
-) -> dict[str, Any]:
-    """Whole `/v1/chat/completions` answer; `meta` (the native meta_info) only when the client set return_meta_info."""
-    reason, matched = openai_finish_reason(finish)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
-        "logprobs": None, "finish_reason": reason, "matched_stop": matched,
-    }
-    if meta is not None:
-        choice["meta_info"] = meta
-    return {**head.fields("chat.completion"), "choices": [choice],
-            "usage": _usage_body(prompt_tokens, completion_tokens), "metadata": {"weight_version": weight_version}}
-
-
-def chat_chunk_body(
-    head: ResponseHead, *, content: str | None, finish: FinishReason | None = None,
-    first: bool = False,
-) -> dict[str, Any]:
-    """One streamed chat chunk: the first carries the role, the last the finish reason."""
-    reason, matched = openai_finish_reason(finish)
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
-    if content is not None:
-        delta["content"] = content
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
-    return {**head.fields("chat.completion.chunk"), "choices": [choice], "usage": None}
-
-
-def completion_body(
-    head: ResponseHead, *, text: str, finish: FinishReason | None, prompt_tokens: int,
-    completion_tokens: int,
-) -> dict[str, Any]:
-    """Whole `/v1/completions` answer."""
-    reason, matched = openai_finish_reason(finish)
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
-    return {**head.fields("text_completion"), "choices": [choice],
-            "usage": _usage_body(prompt_tokens, completion_tokens)}
-
-
-def completion_chunk_body(head: ResponseHead, *, text: str, finish: FinishReason | None = None) -> dict[str, Any]:
-    """One streamed `/v1/completions` chunk."""
-    reason, matched = openai_finish_reason(finish)
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
-    return {**head.fields("text_completion"), "choices": [choice], "usage": None}
-
-
-def usage_chunk_body(head: ResponseHead, *, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The last chunk of a stream with `stream_options.include_usage`: no choices, only usage."""
-    return {**head.fields(obj), "choices": [], "usage": _usage_body(prompt_tokens, completion_tokens)}
-
-
-def models_body(served_model_name: str, model_path: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """`GET /v1/models`."""
-    card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "sglang",
-            "root": model_path, "parent": None, "max_model_len": max_model_len}
-    return {"object": "list", "data": [card]}
-
-
-def model_info_body(model_path: str, model_type: str, architectures: Sequence[str]) -> dict[str, Any]:
-    """`GET /model_info`."""
-    return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": model_type, "architectures": list(architectures)}
-
-
-def server_info_body(
-    server_args: dict[str, Any], *, avg_spec_accept_length: float | None, last_gen_throughput: float,
-    version: str, simulated: bool = False,
-) -> dict[str, Any]:
-    """`GET /server_info`: resolved server args, one `internal_states` entry (DP rank 0), version, status."""
-    state: dict[str, Any] = {"last_gen_throughput": last_gen_throughput}
-    if avg_spec_accept_length is not None:
-        state["avg_spec_accept_length"] = avg_spec_accept_length
-    info = {**server_args, "internal_states": [state], "version": version, "status": "ready"}
-    if simulated:
-        info[SIM_MARKER_KEY] = True
-    return info
-
-
-def engine_error_body(api: Api, message: str, status: int) -> dict[str, Any]:
-    """What SGLang answers a refused request: native `{"error": {"message"}}`, OpenAI routes an ErrorResponse."""
-    if api == "native":
-        return {"error": {"message": message}}
-    kind = "BadRequestError" if status < 500 else "InternalServerError"
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}

@@ -27,13 +27,16 @@ def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, token
                                          end_s=0.1, error_kind="http_status", http_status=503, error_message="busy"))
             continue
         rate = tau * difficulty[task] * math.exp(own.normal(0, noise))
-        verify = max(1, round(tokens / rate))
+        verify = min(tokens - 1, max(1, round(tokens / rate)))
         step = tpot * math.exp(own.normal(0, 0.1))
-        times = [0.05 + step * i for i in range(tokens)]
+        # the prefill token, then one chunk per verify round, as SGLang streams them: rounds split the rest evenly
+        rounds = [(tokens - 1) * (k + 1) // verify - (tokens - 1) * k // verify for k in range(verify)]
+        chunk_tokens = [1, *rounds]
+        times = [0.05 + step * (sum(chunk_tokens[:i + 1]) - 1) for i in range(len(chunk_tokens))]
         text = f"out-{task}" + ("-lossy" if own.random() < lossy else "")
         records.append(RequestRecord(
             arm=arm, index=index, task_id=f"T{task}", dispatched_s=0.0, sent_s=0.0, first_token_s=times[0],
-            end_s=times[-1] + 0.001, chunk_times_s=times, chunk_tokens=[1] * tokens, completion_tokens=tokens,
+            end_s=times[-1] + 0.001, chunk_times_s=times, chunk_tokens=chunk_tokens, completion_tokens=tokens,
             spec_verify_ct=verify, acceptance="exact", finish_reason="length", output_sha256=text, http_status=200,
         ))
     return records

@@ -178,5 +178,6 @@ def sim_argv(spec: DeploymentSpec, python: str = sys.executable) -> list[str]:
         "--model-path", spec.target,
         "--draft-model-path", spec.drafter.model_path,
         "--max-running-requests", str(spec.sglang.max_running_requests),
+        "--context-length", str(spec.sglang.context_length),
         "--block-size", str(spec.drafter.block_size),
     ]

@@ -35,11 +35,16 @@ from dfserve.gateway.routing import Router, UnknownArm
 from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
-from dfserve.metrics import DfserveMetrics
+from dfserve.headers import ARM
+from dfserve.metrics import STREAM_ERROR, DfserveMetrics
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+PER_ENGINE = frozenset({"/server_info"})
+"""Documents of one engine's own state (its drafter, its running acceptance): without an arm header they come from
+the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
+figures for the split's. SGLang's own benchmark then prints no acceptance instead of the baseline's."""
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
 
 
@@ -128,8 +133,16 @@ class GatewayApp:
             await self.proxy(api, request, reply)
         elif path in FORWARDED_GETS and method == "GET":
             _, pinned = self._routing_keys(request, None)
+            router = self.gateway.router
+            if path in PER_ENGINE and pinned is None:
+                pinned = router.sole_arm()
+                if pinned is None:
+                    arms = ", ".join(f"{name} ({weight:g})" for name, weight in router.weights.items())
+                    send_error(reply, 409, f"{path}: traffic is split between arms {arms}, and one engine's state is "
+                               f"not the split's; name an arm with the {ARM} header", "invalid_request_error")
+                    return
             try:
-                arm = self.gateway.router.decide(self.gateway.rng, pinned=pinned).arm
+                arm = router.decide(self.gateway.rng, pinned=pinned).arm
             except UnknownArm as exc:
                 send_error(reply, 400, str(exc), "invalid_request_error")
                 return
@@ -184,22 +197,25 @@ class GatewayApp:
             return
         headers = self._headers(request)
         path = request.path
-        upstream_body = request.body
-        if api == "chat" and not inspected.stream and not inspected.return_meta_info:
-            upstream_body = sglang.with_return_meta_info(inspected.body)
+        # Spec fields for exact acceptance: asked for upstream where the client did not, but added to a stream only
+        # where no client reads it (a mirror); a whole answer has them stripped again before the client gets it.
+        with_spec = request.body
+        if api != "native" and not inspected.return_spec_tokens_details:
+            with_spec = sglang.with_spec_details(inspected.body)
         for mirror in decision.mirrors:
             if mirror in down:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
-                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, upstream_body, headers))
+                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, with_spec, headers))
+        upstream_body = request.body if inspected.stream else with_spec
         exchange = Exchange(arm=decision.arm, route=api, start=start)
         await self.forward(exchange, b"POST", path, upstream_body, headers, reply,
-                           strip_meta=upstream_body is not request.body)
+                           strip_spec=upstream_body is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
         """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
         try:
-            await self.forward(exchange, b"POST", path, body, headers, Discard(), strip_meta=False)
+            await self.forward(exchange, b"POST", path, body, headers, Discard())
             outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
         except Exception:
             outcome = "error"
@@ -215,7 +231,7 @@ class GatewayApp:
         body: bytes,
         headers: bytes,
         reply: Responder,
-        strip_meta: bool = False,
+        strip_spec: bool = False,
     ) -> None:
         """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
         (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
@@ -230,7 +246,7 @@ class GatewayApp:
                 exchange.status, exchange.error = failure.status, failure.kind
                 send_error(reply, failure.status, str(failure), "upstream_error", [(ARM_HEADER, exchange.arm.encode())])
             else:
-                await self._relay(opened, exchange, reply, strip_meta)
+                await self._relay(opened, exchange, reply, strip_spec)
         except asyncio.CancelledError:
             if not reply.disconnected:
                 raise
@@ -239,11 +255,12 @@ class GatewayApp:
             exchange.end = time.perf_counter()
             if opened is not None:
                 failed = exchange.error in ("stream_cut", "timeout")
-                gateway.upstream.release(opened, clean=exchange.error is None, failure=exchange.error if failed else None)
+                clean = exchange.error in (None, STREAM_ERROR)  # an error in band ends a well-formed stream
+                gateway.upstream.release(opened, clean=clean, failure=exchange.error if failed else None)
             in_flight.dec()
             record(gateway.metrics, exchange)
 
-    async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_meta: bool) -> None:
+    async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response
         exchange.replica, exchange.status = opened.replica.url, response.status
         arm, replica = opened.arm.name, opened.replica.url
@@ -264,8 +281,8 @@ class GatewayApp:
         if response.status == 200 and exchange.route in PROXIED.values():
             try:
                 exchange.acceptance = measure_whole(exchange.route, payload)
-                if strip_meta:
-                    payload = sglang.strip_meta_info(payload)
+                if strip_spec:
+                    payload = sglang.strip_spec_details(payload)
             except ProtocolError as exc:
                 exchange.unparsed = str(exc)
         reply.whole(response.status, headers, payload)

@@ -10,15 +10,21 @@ for `meta_info` itself and strips it again here.
 
 Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
-- non-streamed chat: the same, from the `meta_info` the gateway asked for (exact);
-- streamed chat and completions: usage tokens over content chunks (estimated; needs `include_usage`).
+- non-streamed chat and completions: the same, from the `sglext.spec_tokens_details` the gateway asked for and
+  strips again (exact), or from `meta_info` where the client asked for it;
+- streamed chat and completions: from `sglext.spec_tokens_details` where the client asked for it (exact; a stream
+  the client reads is passed on untouched, so the gateway adds nothing to it), else usage tokens over content chunks
+  (estimated; needs `include_usage`).
+
+A stream that SGLang ends with an in-band error (HTTP 200, then an error event, or a native abort with a status) is
+a failure: its last events are read once it is complete (`EventRelay.tail`), with no work per chunk.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from dfserve import sglang
 from dfserve._relay import EventRelay
@@ -26,9 +32,7 @@ from dfserve.errors import ProtocolError
 from dfserve.gateway.server import Responder
 from dfserve.gateway.upstream import MID_STREAM, Opened, mid_stream_error
 from dfserve.headers import ARM, REPLICA
-from dfserve.metrics import ITL_BUCKETS_S, DfserveMetrics
-
-Measure = Literal["exact", "estimated"]
+from dfserve.metrics import ITL_BUCKETS_S, STREAM_ERROR, Binned, DfserveMetrics, Measure, Outcome, observe
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -61,14 +65,6 @@ class Acceptance:
     measure: Measure | None = None
 
 
-@dataclass(frozen=True)
-class Binned:
-    """Observations already counted into the buckets of `ITL_BUCKETS_S` (then +Inf), and their sum."""
-
-    counts: tuple[int, ...]
-    total: float
-
-
 @dataclass
 class Exchange:
     """Raw facts about one relayed request (perf_counter seconds), turned into metrics by `record`."""
@@ -87,50 +83,55 @@ class Exchange:
     (native)."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     error: str | None = None
+    error_code: int | None = None
+    """The status an in-band error event carried (`error` is then `stream_error`; `status` stays 200)."""
     unparsed: str | None = None
 
 
 class StreamKind(Protocol):
-    """How a stream's events show its output: what the relay counts in each piece, and how acceptance is read once
-    the stream is complete."""
+    """How a stream's events show its output: what the relay counts in each piece, and what the stream's last
+    events say once it is complete."""
 
     @property
     def marks(self) -> sglang.TokenMarks:
         """What the relay counts in each piece: tokens (cumulative marks) or chunks of text."""
 
-    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
-        """From the relay's count and the stream's last events, once it is complete."""
+    def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        """Acceptance and the in-band error, if any, from the relay's count and the stream's last events."""
 
 
 class NativeStream:
     """Native `/generate`: cumulative `completion_tokens` in every event's `meta_info`, and the final
-    `spec_verify_ct`, both read from the bytes (no JSON decoding per request either)."""
+    `spec_verify_ct`, both read from the bytes (no JSON decoding unless the stream ended with an error)."""
 
     marks = sglang.NATIVE_TOKENS
 
-    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
+    def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        error = sglang.native_stream_error(tail)
         if count is None:
-            return Acceptance()
+            return Acceptance(), error
         verify_ct = sglang.last_spec_verify_ct(tail)
-        if verify_ct is None:
-            return Acceptance(output_tokens=count)
-        return Acceptance(count, verify_ct, sglang.accept_length(count, verify_ct), "exact")
+        if not verify_ct:
+            return Acceptance(output_tokens=count), error
+        return Acceptance(count, verify_ct, sglang.accept_length(count, verify_ct), "exact"), error
 
 
 class OpenAIStream:
-    """Streamed chat/completions: content chunks counted, and usage read from the final chunk when the client
-    asked for it (`include_usage`)."""
+    """Streamed chat/completions: content chunks counted; spec details, usage and errors read from the last events."""
 
     marks = sglang.CONTENT_CHUNKS
 
-    def acceptance(self, count: int | None, tail: bytes) -> Acceptance:
-        last = sglang.last_data_event(tail) if sglang.mentions_usage(tail) else None
-        parsed = sglang.parse_openai_event(last) if last is not None else None
-        if not isinstance(parsed, sglang.OpenAIChunk) or parsed.usage is None:
-            return Acceptance()
-        tokens = parsed.usage.completion_tokens
+    def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        end = sglang.openai_stream_end(tail)
+        tokens = sglang.spec_completion_tokens(end.spec, end.usage)
+        if end.spec is not None and tokens is not None:
+            verify_ct = end.spec.verify_ct
+            return Acceptance(tokens, verify_ct, sglang.accept_length(tokens, verify_ct), "exact"), end.error
+        if end.usage is None:
+            return Acceptance(), end.error
+        tokens = end.usage.completion_tokens
         length = sglang.ChatAcceptanceEstimate(tokens, count or 0).accept_length
-        return Acceptance(tokens, None, length, "estimated" if length is not None else None)
+        return Acceptance(tokens, None, length, "estimated" if length is not None else None), end.error
 
 
 def meter(relay: EventRelay, exchange: Exchange) -> None:
@@ -167,9 +168,12 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     try:
-        exchange.acceptance = kind.acceptance(relay.tokens, relay.tail)
+        exchange.acceptance, in_band = kind.read_end(relay.tokens, relay.tail)
     except ProtocolError as exc:
         exchange.unparsed = str(exc)
+    else:
+        if in_band is not None:
+            exchange.error, exchange.error_code = STREAM_ERROR, in_band.code
     reply.end(relay.pending, relay.last_chunk_written)
 
 
@@ -184,31 +188,24 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
             return Acceptance(total, verify, sglang.accept_length(total, verify), "exact")
         return Acceptance(output_tokens=total)
     result = sglang.parse_openai_response(body)
-    meta = result.meta
-    if meta is not None and meta.spec is not None:
-        return Acceptance(meta.completion_tokens, meta.spec.verify_ct, meta.accept_length, "exact")
+    exact = result.acceptance
+    if exact is not None:
+        tokens, spec = exact
+        return Acceptance(tokens, spec.verify_ct, sglang.accept_length(tokens, spec.verify_ct), "exact")
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
 def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
-    """Turn one exchange's raw facts into the per-arm metrics."""
-    arm, route = exchange.arm, exchange.route
-    metrics.finished(arm, route, exchange.replica, exchange.status, exchange.error).inc()
-    if exchange.first is not None:
-        metrics.ttft.labels(arm, route).observe(exchange.first - exchange.start)
-    if exchange.end is not None and exchange.status < 400 and exchange.error is None:
-        metrics.e2e.labels(arm, route).observe(exchange.end - exchange.start)
-    if exchange.chunk_gaps is not None:
-        metrics.itl_per_chunk.labels(arm, route).add_binned(exchange.chunk_gaps.counts, exchange.chunk_gaps.total)
-    if exchange.token_gaps is not None:
-        metrics.itl_per_token.labels(arm, route).add_binned(exchange.token_gaps.counts, exchange.token_gaps.total)
-    if exchange.unparsed is not None:
-        metrics.child(metrics.upstream_errors, arm, exchange.replica, "protocol").inc()
+    """Turn one exchange's raw facts into the per-arm metrics (`dfserve.metrics.observe` decides what counts)."""
     acceptance = exchange.acceptance
-    if acceptance.output_tokens:
-        metrics.output_tokens.labels(arm, route).inc(acceptance.output_tokens)
-    if acceptance.verify_ct:
-        metrics.spec_verify_rounds.labels(arm, route).inc(acceptance.verify_ct)
-        metrics.spec_output_tokens.labels(arm, route).inc(acceptance.output_tokens or 0)
-    if acceptance.accept_length is not None and acceptance.measure is not None:
-        metrics.accept_length.labels(arm, route, acceptance.measure).observe(acceptance.accept_length)
+    observe(metrics, Outcome(
+        arm=exchange.arm, route=exchange.route, replica=exchange.replica, status=exchange.error_code or exchange.status,
+        error=exchange.error,
+        ttft_s=exchange.first - exchange.start if exchange.first is not None else None,
+        e2e_s=exchange.end - exchange.start if exchange.end is not None else None,
+        chunk_gaps=exchange.chunk_gaps, token_gaps=exchange.token_gaps,
+        output_tokens=acceptance.output_tokens, verify_rounds=acceptance.verify_ct,
+        accept_length=acceptance.accept_length, measure=acceptance.measure,
+    ))
+    if exchange.unparsed is not None:
+        metrics.child(metrics.upstream_errors, exchange.arm, exchange.replica, "protocol").inc()

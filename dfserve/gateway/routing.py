@@ -121,6 +121,15 @@ class Router:
         return Decision(WeightedChoice(weights).choose(rng))
 
 
+    def sole_arm(self) -> str | None:
+        """The arm every unpinned request is answered by, if there is one: the primary in shadow mode, else the only
+        arm with a weight above 0; None while traffic is split between arms."""
+        if self.mode == "shadow":
+            return self.primary
+        serving = [name for name, weight in self.weights.items() if weight > 0]
+        return serving[0] if len(serving) == 1 else None
+
+
 def pick_replica(in_flight: Sequence[int], healthy: Sequence[bool], exclude: frozenset[int], start: int) -> int | None:
     """The healthy, not yet tried replica with the fewest requests in flight; ties go round-robin from `start`."""
     n = len(in_flight)

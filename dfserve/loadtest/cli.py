@@ -89,7 +89,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
                    load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
                    pin_arms=pin_arms)
-    exporter = Exporter(route="/generate" if api == "native" else "/v1/chat/completions")
+    exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
     progress = Progress([n for n, _ in plan.arms], num_requests + warmup, Console(stderr=True, quiet=quiet))

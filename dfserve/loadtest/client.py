@@ -2,8 +2,11 @@
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
 Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
-nothing else on that path; SSE framing and SGLang's JSON (through `dfserve.sglang` only) are parsed once the
-response has ended, or failed, or was cancelled. Each event takes the arrival time of the read that completed it.
+nothing else on that path; when the response has ended, or failed, or was cancelled, the client hands what it
+kept (`Finished`: stamps, status, the stamped pieces) to its sink and does nothing more on the loop. SSE framing
+and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time of the read that
+completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
+a status) is a failure of kind `stream_error`, whatever its HTTP status said.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +26,12 @@ from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Respon
 from dfserve.loadtest.records import Acceptance, ErrorKind, RequestRecord
 from dfserve.loadtest.tasks import Task
 
+Failure = tuple[ErrorKind, str]
+
 
 @dataclass
-class _Stream:
-    """What one stream has shown so far; turned into the record however the request ends."""
+class StreamRead:
+    """What one stream showed, however it ended; times are seconds since the run's start."""
 
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -41,10 +46,182 @@ class _Stream:
     server_e2e: float | None = None
     usage_seen: bool = False
     done: bool = False
+    error_code: int | None = None
+    """The status an in-band error carried."""
+    failure: Failure | None = None
+
+    def native_event(self, data: str, now: float) -> None:
+        event = sglang.parse_native_event(data)
+        if isinstance(event, sglang.StreamError):
+            self._in_band(event)
+            return
+        meta = event.meta
+        delta = meta.completion_tokens - self.completion_tokens
+        if delta < 0:
+            raise ProtocolError(f"completion_tokens went backwards: {self.completion_tokens} -> {meta.completion_tokens}")
+        if delta:
+            self.chunk_times.append(now)
+            self.chunk_tokens.append(delta)
+            self.completion_tokens = meta.completion_tokens
+        self.text = event.text
+        self.prompt_tokens = meta.prompt_tokens
+        self.simulated = meta.simulated
+        finish = meta.finish_reason
+        if finish is None:
+            return
+        if finish.error is not None:
+            self._in_band(finish.error)
+            return
+        self.finish_reason = finish.kind
+        self.verify_ct = meta.spec.verify_ct if meta.spec is not None else None
+        self.server_e2e = meta.e2e_latency_s
+        if meta.sim_chunk_sent_unix_s is not None:
+            self.sim_sent = list(meta.sim_chunk_sent_unix_s)
+        if meta.sim_chunk_due_unix_s is not None:
+            self.sim_due = list(meta.sim_chunk_due_unix_s)
+
+    def chat_event(self, data: str, now: float) -> None:
+        event = sglang.parse_openai_event(data)
+        if isinstance(event, sglang.StreamError):
+            self._in_band(event)
+            return
+        if event.text:
+            self.chunk_times.append(now)
+            self.text += event.text
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason.kind
+        if event.usage is not None:
+            self.usage_seen = True
+            self.prompt_tokens = event.usage.prompt_tokens
+            self.completion_tokens = event.usage.completion_tokens
+        if event.spec is not None:
+            self.verify_ct = event.spec.verify_ct
+            if not self.usage_seen:
+                self.completion_tokens = sglang.spec_completion_tokens(event.spec, None) or 0
+
+    def _in_band(self, error: sglang.StreamError) -> None:
+        """The first error in band is the stream's failure (SGLang still sends usage and `[DONE]` after it)."""
+        if self.failure is None:
+            self.failure = ("stream_error", error.message)
+            self.error_code = error.code
+
+
+def read_stream(api: sglang.Api, pieces: Iterable[tuple[float, bytes]], t0: float) -> StreamRead:
+    """Decode the SSE events of a response's pieces (each with the clock reading of its arrival); `failure` says how
+    the stream failed, if it did."""
+    decoder = sglang.SSEDecoder()
+    stream = StreamRead()
+    handle = stream.native_event if api == "native" else stream.chat_event
+    try:
+        for arrived, data in pieces:
+            for event in decoder.feed(data):
+                if event == sglang.DONE:
+                    stream.done = True
+                else:
+                    handle(event, arrived - t0)
+    except ProtocolError as exc:
+        stream.failure = ("protocol", str(exc))
+        return stream
+    if stream.failure is None and not stream.done:
+        stream.failure = ("disconnect", "stream ended before [DONE]")
+    elif stream.failure is None and stream.finish_reason is None:
+        stream.failure = ("protocol", "stream finished without a finish_reason")
+    return stream
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One request's place in the run and its timestamps (seconds since the run's start)."""
+
+    arm: str
+    task_id: str
+    index: int
+    warmup: bool
+    scheduled_s: float | None
+    dispatched_s: float
+    sent_s: float | None
+    end_s: float
+
+
+def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: StreamRead,
+                 error: Failure | None) -> RequestRecord:
+    """The record of one request: what it showed (`stream`), and how it failed (`error`), if it did."""
+    acceptance: Acceptance
+    if api == "native":
+        acceptance = "exact" if stream.verify_ct is not None else "unknown"
+        chunk_tokens: list[int] | None = stream.chunk_tokens
+    else:
+        acceptance = ("exact" if stream.verify_ct is not None
+                      else "estimated" if stream.usage_seen and stream.chunk_times else "unknown")
+        chunk_tokens = None
+    finished = error is None
+    return RequestRecord(
+        arm=sent.arm,
+        index=sent.index,
+        task_id=sent.task_id,
+        warmup=sent.warmup,
+        scheduled_s=sent.scheduled_s,
+        dispatched_s=sent.dispatched_s,
+        sent_s=sent.sent_s,
+        first_token_s=stream.chunk_times[0] if stream.chunk_times else None,
+        end_s=sent.end_s,
+        chunk_times_s=stream.chunk_times,
+        chunk_tokens=chunk_tokens,
+        prompt_tokens=stream.prompt_tokens,
+        completion_tokens=stream.completion_tokens if (finished or stream.chunk_times) else None,
+        spec_verify_ct=stream.verify_ct,
+        acceptance=acceptance if finished else "unknown",
+        finish_reason=stream.finish_reason,
+        output_sha256=hashlib.sha256(stream.text.encode()).hexdigest() if finished else None,
+        http_status=http_status or None,
+        error_kind=error[0] if error else None,
+        error_message=error[1][:500] if error else None,
+        error_code=stream.error_code if error else None,
+        simulated=stream.simulated,
+        server_e2e_latency_s=stream.server_e2e,
+        sim_chunk_sent_unix_s=stream.sim_sent,
+        sim_chunk_due_unix_s=stream.sim_due,
+    )
+
+
+Wire = tuple[tuple[Any, ...], int, list[tuple[float, bytes]], Failure | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """What one request left behind, as the loop saw it: `derive` makes its record."""
+
+    sent: Sent
+    http_status: int
+    pieces: list[tuple[float, bytes]]
+    error: Failure | None
+
+    def wire(self) -> Wire:
+        """Plain tuples, which `marshal` writes fastest (a few microseconds for a 64-chunk stream)."""
+        s = self.sent
+        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s),
+                self.http_status, self.pieces, self.error)
+
+    @classmethod
+    def from_wire(cls, wire: Wire) -> Finished:
+        sent, status, pieces, error = wire  # marshal gives back the tuples and lists it was given
+        return cls(Sent(*sent), status, pieces, error)
+
+
+def derive(api: sglang.Api, t0: float, done: Finished) -> RequestRecord:
+    """The record of a finished request (`t0`: the run's start on the clock the pieces were stamped with)."""
+    error = done.error
+    if error is not None and error[0] == "cancelled":
+        return build_record(api, done.sent, done.http_status, read_stream(api, done.pieces, t0), error)
+    if done.http_status not in (0, 200) and (error is None or error[0] != "connect"):
+        message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
+        return build_record(api, done.sent, done.http_status, StreamRead(), ("http_status", message))
+    stream = read_stream(api, done.pieces, t0)
+    return build_record(api, done.sent, done.http_status, stream, error or stream.failure)
 
 
 class ArmClient:
-    """Sends requests of one arm; `sink` receives every record, also of requests cancelled mid-flight."""
+    """Sends requests of one arm; `sink` receives what every request left, also requests cancelled mid-flight."""
 
     def __init__(
         self,
@@ -52,7 +229,7 @@ class ArmClient:
         base_url: str,
         api: sglang.Api,
         sampling: sglang.SamplingParams,
-        sink: Callable[[RequestRecord], None],
+        sink: Callable[[Finished], None],
         *,
         model: str = "default",
         t0: float,
@@ -77,20 +254,26 @@ class ArmClient:
     def _body(self, task: Task) -> dict[str, Any]:
         if self.api == "native":
             return sglang.generate_body(task.as_text(), self.sampling, stream=True)
-        return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True, include_usage=True)
+        return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True,
+                                return_spec_tokens_details=True, include_usage=True)
 
-    async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> RequestRecord:
+    async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> None:
         dispatched = time.perf_counter() - self.t0
         body = json.dumps(self._body(task)).encode()
         response = Response()
         sent: list[float] = []
-        error: tuple[ErrorKind, str] | None = None
+        error: Failure | None = None
+
+        def finish(error: Failure | None) -> None:
+            stamps = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
+                          sent[0] - self.t0 if sent else None, time.perf_counter() - self.t0)
+            self._sink(Finished(stamps, response.status, list(response.pieces), error))
+
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.pool.post(self.route, body, response, sent.append)
         except asyncio.CancelledError:
-            stream, _ = self._read(response)
-            self._finish(task, index, warmup, scheduled_s, dispatched, sent, response, stream, ("cancelled", "stopped"))
+            finish(("cancelled", "stopped"))
             raise
         except ConnectFailed as exc:
             error = ("connect", str(exc))
@@ -100,120 +283,4 @@ class ArmClient:
             error = ("disconnect", str(exc) or type(exc).__name__)
         except BadResponse as exc:
             error = ("protocol", str(exc))
-        if response.status not in (0, 200) and (error is None or error[0] != "connect"):
-            stream, error = _Stream(), ("http_status", sglang.parse_error_message(response.body()))
-        else:
-            stream, failure = self._read(response)
-            error = error or failure
-        return self._finish(task, index, warmup, scheduled_s, dispatched, sent, response, stream, error)
-
-    def _read(self, response: Response) -> tuple[_Stream, tuple[ErrorKind, str] | None]:
-        """Decode the SSE events received so far, each at the arrival time of the read that completed it."""
-        decoder = sglang.SSEDecoder()
-        stream = _Stream()
-        handle = self._native_event if self.api == "native" else self._chat_event
-        try:
-            for arrived, data in response.pieces:
-                for event in decoder.feed(data):
-                    if event == sglang.DONE:
-                        stream.done = True
-                        continue
-                    failure = handle(event, stream, arrived - self.t0)
-                    if failure is not None:
-                        return stream, ("protocol", failure)
-        except ProtocolError as exc:
-            return stream, ("protocol", str(exc))
-        if not stream.done:
-            return stream, ("disconnect", "stream ended before [DONE]")
-        if stream.finish_reason is None:
-            return stream, ("protocol", "stream finished without a finish_reason")
-        return stream, None
-
-    def _native_event(self, data: str, stream: _Stream, now: float) -> str | None:
-        event = sglang.parse_native_event(data)
-        if isinstance(event, sglang.StreamError):
-            return event.message
-        meta = event.meta
-        delta = meta.completion_tokens - stream.completion_tokens
-        if delta < 0:
-            raise ProtocolError(f"completion_tokens went backwards: {stream.completion_tokens} -> {meta.completion_tokens}")
-        if delta:
-            stream.chunk_times.append(now)
-            stream.chunk_tokens.append(delta)
-            stream.completion_tokens = meta.completion_tokens
-        stream.text = event.text
-        stream.prompt_tokens = meta.prompt_tokens
-        stream.simulated = meta.simulated
-        if meta.finish_reason is not None:
-            stream.finish_reason = meta.finish_reason.kind
-            stream.verify_ct = meta.spec.verify_ct if meta.spec is not None else None
-            stream.server_e2e = meta.e2e_latency_s
-            if meta.sim_chunk_sent_unix_s is not None:
-                stream.sim_sent = list(meta.sim_chunk_sent_unix_s)
-            if meta.sim_chunk_due_unix_s is not None:
-                stream.sim_due = list(meta.sim_chunk_due_unix_s)
-        return None
-
-    def _chat_event(self, data: str, stream: _Stream, now: float) -> str | None:
-        event = sglang.parse_openai_event(data)
-        if isinstance(event, sglang.StreamError):
-            return event.message
-        if event.text:
-            stream.chunk_times.append(now)
-            stream.text += event.text
-        if event.finish_reason is not None:
-            stream.finish_reason = event.finish_reason.kind
-        if event.usage is not None:
-            stream.usage_seen = True
-            stream.prompt_tokens = event.usage.prompt_tokens
-            stream.completion_tokens = event.usage.completion_tokens
-        return None
-
-    def _finish(
-        self,
-        task: Task,
-        index: int,
-        warmup: bool,
-        scheduled_s: float | None,
-        dispatched: float,
-        sent: list[float],
-        response: Response,
-        stream: _Stream,
-        error: tuple[ErrorKind, str] | None,
-    ) -> RequestRecord:
-        acceptance: Acceptance
-        if self.api == "native":
-            acceptance = "exact" if stream.verify_ct is not None else "unknown"
-            chunk_tokens: list[int] | None = stream.chunk_tokens
-        else:
-            acceptance = "estimated" if stream.usage_seen and stream.chunk_times else "unknown"
-            chunk_tokens = None
-        finished = error is None
-        record = RequestRecord(
-            arm=self.arm,
-            index=index,
-            task_id=task.id,
-            warmup=warmup,
-            scheduled_s=scheduled_s,
-            dispatched_s=dispatched,
-            sent_s=sent[0] - self.t0 if sent else None,
-            first_token_s=stream.chunk_times[0] if stream.chunk_times else None,
-            end_s=time.perf_counter() - self.t0,
-            chunk_times_s=stream.chunk_times,
-            chunk_tokens=chunk_tokens,
-            prompt_tokens=stream.prompt_tokens,
-            completion_tokens=stream.completion_tokens if (finished or stream.chunk_times) else None,
-            spec_verify_ct=stream.verify_ct,
-            acceptance=acceptance if finished else "unknown",
-            finish_reason=stream.finish_reason,
-            output_sha256=hashlib.sha256(stream.text.encode()).hexdigest() if finished else None,
-            http_status=response.status or None,
-            error_kind=error[0] if error else None,
-            error_message=error[1][:500] if error else None,
-            simulated=stream.simulated,
-            server_e2e_latency_s=stream.server_e2e,
-            sim_chunk_sent_unix_s=stream.sim_sent,
-            sim_chunk_due_unix_s=stream.sim_due,
-        )
-        self._sink(record)
-        return record
+        finish(error)

@@ -1,7 +1,9 @@
 """Prometheus export of a load test: live on `--metrics-port` (127.0.0.1) while it runs, pushed at the end.
 
-Families and names are `dfserve.metrics.DfserveMetrics`, the same the gateway exports, labelled by arm, so one
-dashboard reads both. Warm-up requests are left out, as they are from the summary.
+Families and names are `dfserve.metrics.DfserveMetrics`, the same the gateway exports, labelled by arm and route
+(`native`, `chat`), and each record goes through the same `dfserve.metrics.observe` as a relayed request, so one
+dashboard reads both and a series means the same from either. Warm-up requests are left out, as they are from the
+summary.
 """
 
 from __future__ import annotations
@@ -13,10 +15,23 @@ from prometheus_client import CollectorRegistry, push_to_gateway, start_http_ser
 from dfserve.errors import UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord
-from dfserve.metrics import DfserveMetrics
+from dfserve.metrics import Binned, DfserveMetrics, Outcome, observe
 
 LOOPBACK = "127.0.0.1"
 PUSH_JOB = "dfserve_loadtest"
+
+
+def outcome(r: RequestRecord, route: str) -> Outcome:
+    """A request record as the per-request families see it (what the gateway's relay sees of the same request)."""
+    exact = r.acceptance == "exact"
+    return Outcome(
+        arm=r.arm, route=route, replica="", status=r.error_code or r.http_status, error=r.error_kind,
+        ttft_s=rec.ttft_s(r), e2e_s=rec.e2e_s(r),
+        chunk_gaps=Binned.of(rec.itl_per_chunk_s(r)),
+        token_gaps=Binned.of(rec.itl_per_token_s(r)) if r.chunk_tokens is not None else None,
+        output_tokens=r.completion_tokens, verify_rounds=rec.verify_rounds(r) if exact else None,
+        accept_length=rec.request_accept_length(r), measure=r.acceptance if r.acceptance != "unknown" else None,
+    )
 
 
 class Exporter:
@@ -27,29 +42,8 @@ class Exporter:
         self._server: WSGIServer | None = None
 
     def observe(self, r: RequestRecord) -> None:
-        if r.warmup:
-            return
-        m, arm, route = self.metrics, r.arm, self.route
-        m.finished(arm, route, "", r.http_status, r.error_kind).inc()
-        if not r.ok:
-            return
-        ttft, e2e = rec.ttft_s(r), rec.e2e_s(r)
-        if ttft is not None:
-            m.ttft.labels(arm, route).observe(ttft)
-        if e2e is not None:
-            m.e2e.labels(arm, route).observe(e2e)
-        per_token, per_chunk = m.itl_per_token.labels(arm, route), m.itl_per_chunk.labels(arm, route)
-        for gap in rec.itl_per_token_s(r):
-            per_token.observe(gap)
-        for gap in rec.itl_per_chunk_s(r):
-            per_chunk.observe(gap)
-        m.output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
-        rounds, length = rec.verify_rounds(r), rec.request_accept_length(r)
-        if rounds and r.acceptance == "exact":
-            m.spec_verify_rounds.labels(arm, route).inc(rounds)
-            m.spec_output_tokens.labels(arm, route).inc(r.completion_tokens or 0)
-        if length is not None and r.acceptance != "unknown":
-            m.accept_length.labels(arm, route, r.acceptance).observe(length)
+        if not r.warmup:
+            observe(self.metrics, outcome(r, self.route))
 
     def serve(self, port: int) -> str:
         """Serve `/metrics` on 127.0.0.1:`port` (0: a free port) in a thread; returns the URL it listens on."""

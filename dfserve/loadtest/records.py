@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dfserve.errors import UserError
 from dfserve.sglang import accept_length
 
-ErrorKind = Literal["connect", "timeout", "http_status", "protocol", "disconnect", "cancelled"]
+ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
+"""`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or a native abort with
+a status); `error_code` holds the status it carried."""
 Acceptance = Literal["exact", "estimated", "unknown"]
 
 
@@ -54,6 +56,7 @@ class RequestRecord(BaseModel):
     http_status: int | None = None
     error_kind: ErrorKind | None = None
     error_message: str | None = None
+    error_code: int | None = Field(None, description="status an in-band error carried (http_status stays 200)")
     simulated: bool = False
     server_e2e_latency_s: float | None = Field(None, description="meta_info e2e_latency: the server's own view")
     sim_chunk_sent_unix_s: list[float] | None = Field(
@@ -121,8 +124,14 @@ def verify_rounds(r: RequestRecord) -> int | None:
 
 
 def round_tokens(r: RequestRecord) -> list[int]:
-    """Tokens accepted per verify round (bonus included), from native chunk deltas; the prefill token is dropped."""
-    if not r.ok or r.chunk_tokens is None or r.acceptance != "exact":
+    """Tokens accepted per verify round (bonus included), from native chunk deltas; the prefill token is dropped.
+
+    Only where the chunks are the rounds: one chunk for the prefill token, then one per verify round, as many as
+    `spec_verify_ct` says. A client that falls behind gets only SGLang's latest state (``_stream_one_response``), so
+    one chunk can carry several rounds; such a request's rounds are not visible one by one and it adds none."""
+    if not r.ok or r.chunk_tokens is None or r.acceptance != "exact" or r.spec_verify_ct is None:
+        return []
+    if len(r.chunk_tokens) != r.spec_verify_ct + 1:
         return []
     return r.chunk_tokens[1:]
 

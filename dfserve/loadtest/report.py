@@ -127,9 +127,11 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     measured = rec.measured_records(records)
     ok = [r for r in measured if r.ok]
     errors = Counter(r.error_kind for r in measured if r.error_kind is not None)
-    kinds = {r.acceptance for r in ok}
+    # Requests without a verify round (one token, or an engine without speculation) have no acceptance to measure;
+    # they leave the figure to the others, and its label says how the others measured it.
+    known = {r.acceptance for r in ok} - {"unknown"}
     acceptance: Literal["exact", "estimated", "unknown"] = (
-        "exact" if kinds == {"exact"} else "estimated" if kinds and "unknown" not in kinds else "unknown"
+        "exact" if known == {"exact"} else "estimated" if known else "unknown"
     )
     output_tokens = sum(r.completion_tokens or 0 for r in ok)
     starts = [r.sent_s for r in ok if r.sent_s is not None]

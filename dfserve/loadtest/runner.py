@@ -1,9 +1,9 @@
 """Drives every arm at once from one event loop with the identical schedule, and writes the run directory.
 
 Same task at the same index for every arm; in open loop the same offset too, dispatched to all arms in the same
-loop iteration, so drift on the machine hits both arms alike. Records are appended to requests.jsonl as they finish
-(a crash loses at most what was in flight); a stop request (Ctrl-C) cancels in-flight requests, which are recorded
-as `cancelled`, and the run still gets its summary.
+loop iteration, so drift on the machine hits both arms alike. Records are derived and appended to requests.jsonl
+as requests finish, by a process of their own (`dfserve.loadtest.writer`: a crash loses what was in flight); a stop request
+(Ctrl-C) cancels in-flight requests, which are recorded as `cancelled`, and the run still gets its summary.
 
     outcome = asyncio.run(execute(plan, observers=[], stop=asyncio.Event()))
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,8 @@ from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.tasks import Task, TaskSet
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
-
-Observer = Callable[[RequestRecord], None]
+from dfserve.loadtest.writer import Observer, RecordWriter
+from dfserve.runs import Provenance, create_run_dir, write_model
 
 
 @dataclass(frozen=True)
@@ -108,21 +107,6 @@ async def probe_arm(
     )
 
 
-class _Recorder:
-    """The one sink of every client: appends to requests.jsonl, keeps the record, tells the observers."""
-
-    def __init__(self, appender: JsonlAppender, observers: Sequence[Observer]) -> None:
-        self.appender = appender
-        self.observers = observers
-        self.records: list[RequestRecord] = []
-
-    def __call__(self, record: RequestRecord) -> None:
-        self.appender.append(record)
-        self.records.append(record)
-        for observe in self.observers:
-            observe(record)
-
-
 async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float) -> None:
     next_index = iter(range(len(order)))
 
@@ -176,7 +160,9 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     async with aiohttp.ClientSession() as session:
         arms = [await probe_arm(session, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
     run_dir = create_run_dir(plan.out, plan.name)
+    writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
     t0 = time.perf_counter()
+    writer.begin(t0)
     config = RunConfig(
         run_id=run_dir.name,
         api="chat" if plan.api == "chat" else "native",
@@ -195,10 +181,9 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     write_model(run_dir / "config.json", config)
     order = plan.task_set.sequence(total, load.seed)
     deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
-    with JsonlAppender(run_dir / "requests.jsonl") as appender:
-        recorder = _Recorder(appender, observers)
+    try:
         clients = [
-            ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), recorder, model=arm.model, t0=t0,
+            ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
                       request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms)
             for arm in arms
         ]
@@ -214,7 +199,9 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         finally:
             for client in clients:
                 client.close()
-    return RunOutcome(run_dir=run_dir, config=config, records=recorder.records, interrupted=interrupted)
+    finally:
+        records = await writer.close()
+    return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted)
 
 
 async def _until_done_or_stopped(drive: asyncio.Future[Any], stop: asyncio.Event) -> bool:

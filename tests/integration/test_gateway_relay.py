@@ -28,6 +28,13 @@ CHAT_EVENTS = [
 ]
 META = {"id": "r1", "finish_reason": {"type": "length", "length": 12}, "prompt_tokens": 5, "completion_tokens": 12,
         "cached_tokens": 0, "spec_verify_ct": 4, "spec_accept_length": 3.0}
+SGLEXT = {"spec_tokens_details": {"spec_accept_rate": 0.13, "spec_accept_length": 3.0, "spec_num_correct_drafts": 8,
+                                  "spec_num_proposed_drafts": 60, "spec_verify_ct": 4}}
+SPEC_CHUNK = {"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": None, "sglext": SGLEXT}
+IN_BAND = {"error": {"object": "error", "message": "Retracted under decode memory pressure without a KV backup.",
+                     "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}}
+NATIVE_IN_BAND = {"error": {"message": "Requested token count exceeds the model's maximum context length",
+                            "type": "invalid_request_error", "code": 400, "retryable": False}}
 
 
 def sse(obj: Any) -> bytes:
@@ -101,6 +108,8 @@ class Stub:
                 choice["meta_info"] = META
             payload = {"id": "c2", "object": "chat.completion", "choices": [choice],
                        "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
+            if body.get("return_spec_tokens_details"):
+                payload["sglext"] = SGLEXT
             return web.Response(body=json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode(),
                                 content_type="application/json")
         mode = request.headers.get("x-stub", "")
@@ -119,7 +128,12 @@ class Stub:
                 for _ in range(200):
                     await response.write(sse(CHAT_EVENTS[1]))
                     await asyncio.sleep(0.01)
-            frames = [sse(e) for e in CHAT_EVENTS] + [b"data: [DONE]\n\n"]
+            events = CHAT_EVENTS
+            if body.get("return_spec_tokens_details"):
+                events = [*CHAT_EVENTS[:-1], SPEC_CHUNK, CHAT_EVENTS[-1]]
+            if mode == "in-band":  # aborted after two chunks: the error event, then usage (SGLang sends it still)
+                events = [*CHAT_EVENTS[:2], IN_BAND, CHAT_EVENTS[-1]]
+            frames = [sse(e) for e in events] + [b"data: [DONE]\n\n"]
             wire = b": ping\n\n" + b"".join(frames)
             # Awkward framing: an event split across writes, and several events in one write.
             for piece in (wire[:7], wire[7:40], wire[40:41], wire[41:200], wire[200:]):
@@ -143,6 +157,10 @@ class Stub:
             return web.json_response({"text": "abc", "output_ids": [1, 2, 3], "meta_info": META})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if request.headers.get("x-stub") == "in-band":
+            await response.write(sse(NATIVE_IN_BAND) + b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for tokens, final in ((1, False), (5, False), (12, True)):
             meta = dict(META, completion_tokens=tokens) if final else {
                 "id": "r1", "finish_reason": None, "prompt_tokens": 5, "completion_tokens": tokens}
@@ -199,19 +217,57 @@ def test_stream_bytes_equal_direct_and_headers_name_arm(one_arm: tuple[Stub, str
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="chat") == 1
 
 
-def test_whole_chat_gets_exact_acceptance_and_meta_info_stays_hidden(one_arm: tuple[Stub, str]) -> None:
+def test_whole_chat_gets_exact_acceptance_and_spec_details_stay_hidden(one_arm: tuple[Stub, str]) -> None:
     stub, gw = one_arm
     direct = httpx.post(stub.url + "/v1/chat/completions", json=CHAT_WHOLE)
     via = httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE)
-    assert stub.seen[-1]["return_meta_info"] is True and "return_meta_info" not in stub.seen[-2]
+    assert stub.seen[-1]["return_spec_tokens_details"] is True and "return_spec_tokens_details" not in stub.seen[-2]
     assert via.content == direct.content
-    assert "meta_info" not in via.json()["choices"][0]
+    assert "sglext" not in via.json() and "meta_info" not in via.json()["choices"][0]
     asked = httpx.post(gw + "/v1/chat/completions", json={**CHAT_WHOLE, "return_meta_info": True})
     assert asked.json()["choices"][0]["meta_info"]["spec_verify_ct"] == 4
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="exact") == 2
     assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="exact") == 6.0
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 8
+
+
+def test_streamed_chat_is_exact_where_the_client_asks_for_spec_details_and_untouched_where_not(
+        one_arm: tuple[Stub, str]) -> None:
+    """A stream the client reads is relayed as the engine sent it: the gateway asks for spec details only where the
+    client did (the load tester does), and then reads them from the stream's last events."""
+    stub, gw = one_arm
+    asked = {**CHAT_STREAM, "return_spec_tokens_details": True}
+    direct = httpx.post(stub.url + "/v1/chat/completions", json=asked)
+    via = httpx.post(gw + "/v1/chat/completions", json=asked)
+    assert via.content == direct.content and b'"sglext"' in via.content
+    plain = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+    assert "return_spec_tokens_details" not in stub.seen[-1] and b"sglext" not in plain.content
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="exact") == 3.0  # 12 over 4
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 4
+    assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="estimated") == 1
+
+
+@pytest.mark.parametrize(("route", "body", "status"), [
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}, "4xx"),
+    ("/v1/chat/completions", CHAT_STREAM, "5xx")])
+def test_a_stream_ended_by_an_error_in_band_is_a_failure(one_arm: tuple[Stub, str], route: str,
+                                                         body: dict[str, Any], status: str) -> None:
+    """HTTP 200, then an error event: the client gets the bytes as sent, the metrics count a failure with the class
+    of the error's code, and none of its latencies or tokens."""
+    stub, gw = one_arm
+    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": "in-band"})
+    via = httpx.post(gw + route, json=body, headers={"x-stub": "in-band"})
+    assert via.status_code == 200 and via.content == direct.content
+    text = httpx.get(gw + "/metrics").text
+    api = "native" if route == "/generate" else "chat"
+    assert metric(text, "dfserve_requests_total", arm="a", route=api, status=status, error="stream_error") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", route=api, status="2xx") == 0
+    assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route=api) == 0
+    assert metric(text, "dfserve_output_tokens_total", arm="a", route=api) == 0
+    healthy = httpx.post(gw + route, json=body)  # the connection an error in band ended is still a good one
+    assert healthy.status_code == 200
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

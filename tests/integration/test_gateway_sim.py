@@ -166,6 +166,26 @@ def test_pinned_requests_reach_their_arm_whatever_the_split(sims: tuple[str, str
     assert unknown[0].status == 400
 
 
+def test_server_info_answers_for_the_arm_that_serves_unpinned_traffic_and_refuses_a_split(
+        sims: tuple[str, str], tmp_path: Path) -> None:
+    """SGLang's own benchmark reads acceptance from /server_info without an arm header: through a split it must not
+    get the baseline's figure as if it were the run's."""
+    baseline, candidate = sims
+    drafter = "speculative_draft_model_path"
+    split = write_config(tmp_path, {"baseline": [baseline], "candidate": [candidate]}, {"baseline": 50, "candidate": 50})
+    with gateway_server(split) as gw:
+        refused = httpx.get(gw + "/server_info")
+        pinned = httpx.get(gw + "/server_info", headers={"x-dfserve-arm": "candidate"})
+        models = httpx.get(gw + "/v1/models")
+    assert refused.status_code == 409 and "x-dfserve-arm" in refused.json()["error"]["message"]
+    assert pinned.status_code == 200 and pinned.json()[drafter] == "inhouse/Qwen3.6-27B-DFlash"
+    assert models.status_code == 200  # the same model behind every arm: any arm's list answers
+    test_only = write_config(tmp_path, {"baseline": [baseline], "candidate": [candidate]},
+                             {"baseline": 100, "candidate": 0})
+    with gateway_server(test_only) as gw:
+        assert all(httpx.get(gw + "/server_info").json()[drafter] == "z-lab/Qwen3.6-27B-DFlash" for _ in range(5))
+
+
 def stream_text(body: bytes) -> str:
     parts = []
     for event in body.split(b"\n\n"):

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
 from dfserve.deploy.sim.profiles import load_profile
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.tasks import load_tasks
-from tests.integration.servers import dfserve_argv, refusing_port, serve, sim_argv, sim_server, url_of
+from tests import ROOT
+from tests.integration.servers import (
+    Started,
+    dfserve_argv,
+    gateway_server,
+    refusing_port,
+    serve,
+    sim_argv,
+    sim_server,
+    url_of,
+)
 
 pytestmark = pytest.mark.slow
 SHORT = ("--num-requests", "120", "--warmup", "4", "--concurrency", "16", "--max-new-tokens", "128", "--quiet")
@@ -160,7 +173,52 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(tmp_path: Path) -> Non
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["interrupted"] is True
 
 
-def test_open_loop_chat_run_records_waits_and_estimated_acceptance(tmp_path: Path) -> None:
+def sync_server(ttft_ms: float, gap_ms: float, chunks: int) -> contextlib.AbstractContextManager[Started]:
+    """bench/sync_server.py: streams of one length and known timing, with counts of what it has sent."""
+    return serve([sys.executable, str(ROOT / "bench" / "sync_server.py"), "--port", "0", "--ttft-ms", str(ttft_ms),
+                  "--gap-ms", str(gap_ms), "--chunks", str(chunks)])
+
+
+def marked_tasks(path: Path, count: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"r{n}", "prompt": f"req-{n}: add two numbers"}) + "\n"
+                            for n in range(count)))
+    return path
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs (an orphan that ended may stay a zombie where nothing reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def test_a_killed_tester_leaves_the_record_of_every_request_that_had_finished(tmp_path: Path) -> None:
+    """SIGKILL mid-run: every request whose stream the server had ended half a second before has its line, whole."""
+    with sync_server(5, 5, 16) as server:
+        run = subprocess.Popen(dfserve_argv("loadtest", "run", "--out", str(tmp_path), "--name", "k", "--api", "chat",
+                                            "--arm", f"sync={server.url}", "--tasks",
+                                            str(marked_tasks(tmp_path / "tasks.jsonl", 2000)), "--num-requests",
+                                            "2000", "--warmup", "0", "--concurrency", "8", "--quiet"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while (ended := httpx.get(server.url + "/progress").json()["ended"]) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        writers = Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()
+        run.kill()
+        run.wait(10)
+    assert len(writers) == 1
+    while running(int(writers[0])) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the writer reads to the end of its pipe, then exits
+    kept = records(tmp_path / "k")
+    assert len(kept) >= ended >= 40
+    assert all(r.ok and len(r.chunk_times_s) == 16 for r in kept)
+    assert len({r.task_id for r in kept}) == len(kept)
+
+
+def test_open_loop_chat_run_records_waits_and_exact_acceptance_from_spec_details(tmp_path: Path) -> None:
     with sim_server("zlab", 0.05, 0, "--record-chunk-times") as zlab:
         loadtest(tmp_path, "--arm", f"zlab={zlab}", "--api", "chat", "--rate", "200", "--arrival", "constant",
                  "--concurrency", "4", "--num-requests", "40", "--warmup", "0", "--max-new-tokens", "64", "--name",
@@ -168,11 +226,12 @@ def test_open_loop_chat_run_records_waits_and_estimated_acceptance(tmp_path: Pat
         loadtest(tmp_path, "--arm", f"zlab={zlab}", "--rate", "50", "--num-requests", "30", "--warmup", "0",
                  "--max-new-tokens", "64", "--name", "n", "--quiet")
     chat = records(tmp_path / "o")
-    assert len(chat) == 40 and all(r.ok and r.acceptance == "estimated" for r in chat)
+    # streamed chat asks for return_spec_tokens_details: SGLang 0.5.23's verify rounds, exact as native's
+    assert len(chat) == 40 and all(r.ok and r.acceptance == "exact" and r.spec_verify_ct for r in chat)
     assert [r.scheduled_s for r in sorted(chat, key=lambda r: r.index)] == pytest.approx([i / 200 for i in range(40)])
     assert max(r.dispatched_s - (r.scheduled_s or 0) for r in chat) > 0.02  # the cap of 4 made requests wait
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())["arms"][0]
-    assert summary["acceptance"] == "estimated" and summary["wait_s"]["n"] == 40
+    assert summary["acceptance"] == "exact" and summary["wait_s"]["n"] == 40
     config = json.loads((tmp_path / "n" / "config.json").read_text())
     native = records(tmp_path / "n")
     for r in native:  # the simulator's own send times: every chunk arrives after it was sent, and soon after
@@ -211,3 +270,30 @@ def test_failures_are_classified(tmp_path: Path) -> None:
     assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
     assert refused.returncode == 2 and "does not answer" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("api", ["native", "chat"])
+def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_verdict(tmp_path: Path, api: str) -> None:
+    """A candidate engine aborts a third of its streams after they started (HTTP 200, then the error in band, as
+    SGLang 0.5.23 does for a request retracted without a KV backup). Through the gateway, every one of them must be
+    a failure in requests.jsonl, in the gateway's /metrics, and in the judge's error rate."""
+    with sim_server("zlab", 0.02, 0) as baseline, sim_server("zlab", 0.02, 0, "--abort-fraction", "0.3") as candidate:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(json.dumps({"arms": {"baseline": {"weight": 1, "replicas": [baseline]},
+                                               "candidate": {"weight": 0, "replicas": [candidate]}},
+                                      "scrape": {"enabled": False}}))
+        with gateway_server(config) as gw:
+            loadtest(tmp_path, "--arm", f"baseline={gw}", "--arm", f"candidate={gw}", "--pin-arms", "--api", api,
+                     "--num-requests", "60", "--warmup", "0", "--concurrency", "8", "--max-new-tokens", "64",
+                     "--name", "r", "--quiet")
+            metrics = httpx.get(gw + "/metrics").text
+    failed = [r for r in records(tmp_path / "r") if not r.ok]
+    assert failed and {r.arm for r in failed} == {"candidate"}
+    assert all((r.error_kind, r.http_status, r.error_code) == ("stream_error", 200, 503) for r in failed)
+    route = "native" if api == "native" else "chat"
+    labels = f'arm="candidate",error="stream_error",replica="{candidate}",route="{route}",status="5xx"'
+    assert f"dfserve_requests_total{{{labels}}} {float(len(failed))}" in metrics
+    compare(str(tmp_path / "r"), "--out", str(tmp_path / "v"))
+    verdict = json.loads(next((tmp_path / "v").glob("verdict-*/verdict.json")).read_text())
+    [error_rate] = [m for m in verdict["judgement"]["metrics"] if m["metric"] == "error_rate"]
+    assert error_rate["baseline"] == 0 and error_rate["candidate"] == pytest.approx(len(failed) / 60)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dfserve import metrics as names
 from dfserve import sglang as proto
+from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -64,14 +65,14 @@ def metric_samples(base: str) -> dict[str, float]:
 def test_native_stream_deltas_sum_to_completion_tokens_and_final_chunk_has_spec(zlab: str) -> None:
     chunks = native_stream(zlab, {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 80, "temperature": 0}})
     final = chunks[-1].meta
-    deltas = proto.round_token_deltas(c.meta.completion_tokens for c in chunks)
-    assert sum(deltas) == final.completion_tokens
+    counts = [c.meta.completion_tokens for c in chunks]
+    assert counts == sorted(set(counts)) and counts[-1] == final.completion_tokens
     assert final.spec is not None
     assert len(chunks) == final.spec.verify_ct + 1  # the prefill chunk, then one chunk per verify round
     assert all(c.meta.spec is None and c.meta.e2e_latency_s is None for c in chunks[:-1])
     assert final.spec is not None and final.e2e_latency_s is not None and final.e2e_latency_s > 0
     assert final.accept_length == pytest.approx(final.completion_tokens / final.spec.verify_ct)
-    assert max(deltas[1:]) <= 16 and final.simulated and all(c.meta.simulated for c in chunks)
+    assert max(b - a for a, b in itertools.pairwise(counts)) <= 16 and final.simulated and all(c.meta.simulated for c in chunks)
     assert chunks[-1].text.startswith(chunks[-2].text)  # cumulative text by default
     sent, due = final.sim_chunk_sent_unix_s or (), final.sim_chunk_due_unix_s or ()
     assert len(sent) == len(chunks) == len(due) and list(sent) == sorted(sent)
@@ -137,7 +138,7 @@ def test_streamed_chat_ends_with_its_chunk_times_in_a_comment_sse_clients_skip(z
         raw = b"".join(response.iter_raw())
     times = proto.parse_sim_times_comment(raw)
     assert times is not None and raw.endswith(proto.SSE_DONE)
-    assert len(times.sent_unix_s) == len(times.due_unix_s) == proto.count_content_events(raw) > 2
+    assert len(times.sent_unix_s) == len(times.due_unix_s) == proto.CONTENT_CHUNKS.read(raw) > 2
     assert list(times.sent_unix_s) == sorted(times.sent_unix_s) and times.queue_time_s >= 0
     assert all(sent >= due - 0.005 for sent, due in zip(times.sent_unix_s, times.due_unix_s, strict=True))
     events = proto.SSEDecoder().feed(raw)
@@ -146,7 +147,7 @@ def test_streamed_chat_ends_with_its_chunk_times_in_a_comment_sse_clients_skip(z
 
 def test_sim_times_comment_round_trips_and_rejects_a_broken_one() -> None:
     times = proto.SimStreamTimes((1.5, 2.25), (1.0, 2.0), 0.125)
-    events = b'data: {"choices":[]}\n\n' + proto.sim_times_comment(times) + proto.SSE_DONE
+    events = b'data: {"choices":[]}\n\n' + engine.sim_times_comment(times) + proto.SSE_DONE
     assert proto.parse_sim_times_comment(events) == times
     assert proto.parse_sim_times_comment(b'data: {"choices":[]}\n\n' + proto.SSE_DONE) is None
     with pytest.raises(ProtocolError, match="sim times"):
@@ -154,10 +155,10 @@ def test_sim_times_comment_round_trips_and_rejects_a_broken_one() -> None:
 
 
 def test_completions_whole_and_streamed(zlab: str) -> None:
-    body = proto.completions_body("m", "def sort(xs):", proto.SamplingParams(max_new_tokens=30), stream=False)
+    body = {"model": "m", "prompt": "def sort(xs):", "max_tokens": 30, "stream": False}
     whole = proto.parse_openai_response(httpx.post(f"{zlab}/v1/completions", json=body, timeout=30).content)
     assert whole.usage is not None and whole.meta is None
-    body = proto.completions_body("m", "def sort(xs):", proto.SamplingParams(max_new_tokens=30), stream=True)
+    body = {"model": "m", "prompt": "def sort(xs):", "max_tokens": 30, "stream": True}
     decoder = proto.SSEDecoder()
     with httpx.stream("POST", f"{zlab}/v1/completions", json=body, timeout=30) as response:
         events = [e for raw in response.iter_raw() for e in decoder.feed(raw)]
@@ -199,7 +200,9 @@ def test_metrics_carry_sglang_names_and_labels(zlab: str) -> None:
 @pytest.mark.parametrize(
     ("route", "body", "message"),
     [
-        ("/generate", b"{not json", "Invalid JSON"),
+        ("/generate", b"{not json", "JSON decode error"),
+        ("/generate", b'{"text": "x", "sampling_params": {"max_tokens": 5}}', "unknown field `max_tokens`"),
+        ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens must be positive"),
         ("/generate", b'{"sampling_params": {}}', "Either text, input_ids"),
         ("/generate", b'{"text": "x", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens must be"),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
@@ -213,6 +216,18 @@ def test_bad_input_gets_a_400_with_a_message(zlab: str, route: str, body: bytes,
     response = httpx.post(f"{zlab}{route}", content=body, timeout=10)
     assert response.status_code == 400
     assert message in proto.parse_error_message(response.content)
+
+
+@pytest.mark.parametrize("params", [{"max_new_tokens": -1}, {"max_new_tokens": 1_000_000}])
+def test_a_streamed_native_request_the_engine_refuses_gets_the_error_in_band(zlab: str, params: dict[str, int]) -> None:
+    """SGLang 0.5.23 has already answered 200 when its tokenizer manager refuses a streamed /generate (bad sampling
+    values, over the context length): the error comes as an event, then [DONE]."""
+    body = {"text": "def f():", "sampling_params": params, "stream": True}
+    response = httpx.post(f"{zlab}/generate", json=body, timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    error = proto.native_stream_error(response.content)
+    assert error is not None and error.code == 400 and error.kind == "invalid_request_error"
+    assert response.content.endswith(proto.SSE_DONE)
 
 
 def _accept_lengths(base: str, prompts: list[str], tokens: int) -> list[proto.MetaInfo]:
@@ -357,3 +372,19 @@ def test_the_server_sets_tcp_nodelay_on_accepted_connections() -> None:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_a_client_that_falls_behind_gets_one_chunk_for_several_rounds() -> None:
+    """The backlog fault: SGLang sends a client that fell behind only its latest state, so one chunk spans several
+    verify rounds; the counts stay exact, and there are fewer chunks than rounds."""
+    body = {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0},
+            "stream": True}
+    with sim_server("zlab", 0.01, 0, "--backlog-fraction", "1") as behind:
+        raw = httpx.post(f"{behind}/generate", json=body, timeout=30).content
+    chunks = [proto.parse_native_event(e) for e in proto.SSEDecoder().feed(raw) if e != proto.DONE]
+    metas = [c.meta for c in chunks if isinstance(c, proto.NativeChunk)]
+    final = metas[-1]
+    assert final.completion_tokens == 200 and final.spec is not None
+    assert len(metas) < final.spec.verify_ct + 1  # the prefill chunk plus one per round, less the merged ones
+    deltas = [b.completion_tokens - a.completion_tokens for a, b in itertools.pairwise(metas)]
+    assert max(deltas) > 16  # more than one block of 16 can hold: several rounds in one chunk

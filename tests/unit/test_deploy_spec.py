@@ -152,6 +152,7 @@ def test_sim_argv_carries_the_same_deployment() -> None:
     assert flag(argv, "--draft-model-path") == "z-lab/Qwen3.6-27B-DFlash"
     assert flag(argv, "--served-model-name") == spec.served_model_name
     assert flag(argv, "--block-size") == "16" and flag(argv, "--time-scale") == "0.05"
+    assert flag(argv, "--context-length") == "65536"  # the profile's, as SGLang with it would serve
 
 
 def test_zlab_dry_run_never_imports_torch() -> None:

@@ -56,15 +56,15 @@ def test_native_stream_counts_tokens_per_piece_of_events() -> None:
                                            native(4) + native(10, final=True) + b"data: [DONE]\n\n"])
     assert relay.tokens == 10 and relay.first == 1.0
     assert relay.chunk_gaps == ((0, 1, 0), 2.0) and relay.token_gaps == ((9, 0, 0), 2.0)  # 2 s over 9 tokens
-    acceptance = NativeStream().acceptance(relay.tokens, relay.tail)
+    acceptance, error = NativeStream().read_end(relay.tokens, relay.tail)
     assert (acceptance.output_tokens, acceptance.verify_ct, acceptance.accept_length, acceptance.measure) == (
-        10, 4, 2.5, "exact")
+        10, 4, 2.5, "exact") and error is None
 
 
 def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
-    assert NativeStream().acceptance(None, b"") == Acceptance()
+    assert NativeStream().read_end(None, b"") == (Acceptance(), None)
     relay, _ = relayed(NativeStream(), [native(3) + native(7)])
-    assert NativeStream().acceptance(relay.tokens, relay.tail) == Acceptance(output_tokens=7)
+    assert NativeStream().read_end(relay.tokens, relay.tail) == (Acceptance(output_tokens=7), None)
 
 
 def test_openai_stream_estimates_only_with_usage() -> None:
@@ -72,12 +72,12 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     relay, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
-    assert relay.tokens == 2 and OpenAIStream().acceptance(relay.tokens, relay.tail).accept_length is None
+    assert relay.tokens == 2 and OpenAIStream().read_end(relay.tokens, relay.tail)[0].accept_length is None
     relay.received(2.0, chunk + usage)
     relay.received(3.0, b"data: [DONE]\n\n")
     assert relay.first == 1.0 and relay.chunk_gaps == ((1, 0, 0), 1.0) and relay.token_gaps is None
-    acceptance = OpenAIStream().acceptance(relay.tokens, relay.tail)
-    assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated"
+    acceptance, error = OpenAIStream().read_end(relay.tokens, relay.tail)
+    assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated" and error is None
 
 
 def test_measure_whole() -> None:
@@ -96,13 +96,13 @@ def test_measure_whole() -> None:
 def test_byte_scanning_ignores_lookalikes_inside_strings() -> None:
     tricky = {"choices": [{"delta": {"content": 'say "content":"x" and\ndata: [DONE] "completion_tokens":99'}}]}
     events = b"data: " + json.dumps(tricky).encode() + b"\n\n"
-    assert sglang.count_content_events(events) == 1
-    assert sglang.last_completion_tokens(events) is None
+    assert sglang.CONTENT_CHUNKS.read(events) == 1
+    assert sglang.NATIVE_TOKENS.read(events) is None
     quoted = {"text": 'a "spec_verify_ct": 7 b', "meta_info": {"completion_tokens": 3}}
     assert sglang.last_spec_verify_ct(b"data: " + json.dumps(quoted).encode() + b"\n\n") is None
-    assert sglang.last_data_event(events + b"data: [DONE]\n\n") == json.dumps(tricky)
-    assert sglang.last_data_event(b"data: [DONE]\n\n") is None
-    assert sglang.count_content_events(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
+    said = {"text": 'he said "error": "status_code": 500', "meta_info": {"completion_tokens": 3}}
+    assert sglang.native_stream_error(b"data: " + json.dumps(said).encode() + b"\n\ndata: [DONE]\n\n") is None
+    assert sglang.CONTENT_CHUNKS.read(b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n') == 1
 
 
 def test_gaps_counted_by_the_relay_add_up_as_prometheus_observes_them() -> None:

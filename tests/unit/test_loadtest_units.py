@@ -127,6 +127,16 @@ def test_latency_figures_come_from_raw_timestamps() -> None:
     assert rec.wait_s(_record(scheduled_s=0.5, dispatched_s=0.8)) == pytest.approx(0.3)
 
 
+def test_a_chunk_that_merged_rounds_adds_none_to_the_per_round_histogram() -> None:
+    """A client that fell behind gets SGLang's latest state only: three rounds (4, 2, 3 tokens) arrive as two
+    chunks (4, then 2 + 3). Counting chunks as rounds would show a round of 5 that never ran."""
+    merged = _record(chunk_times_s=[1.1, 1.2, 1.4], chunk_tokens=[1, 4, 5], spec_verify_ct=3)
+    assert rec.round_tokens(merged) == []
+    assert rec.request_accept_length(merged) == pytest.approx(10 / 3)  # exact all the same: tokens over rounds
+    prefill_merged = _record(chunk_times_s=[1.1, 1.4], chunk_tokens=[5, 5], spec_verify_ct=2)
+    assert rec.round_tokens(prefill_merged) == []
+
+
 def test_estimated_and_unknown_acceptance() -> None:
     chat = _record(acceptance="estimated", chunk_tokens=None, spec_verify_ct=None)
     assert rec.request_accept_length(chat) == pytest.approx(10 / 3)

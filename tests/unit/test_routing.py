@@ -129,3 +129,10 @@ def test_the_arms_down_follow_every_change_of_replica_health() -> None:
     assert upstream.down() == frozenset()
     upstream._failed(upstream.arms["a"], upstream.arms["a"].replicas[1], "connect")
     assert upstream.down() == {"a"}
+
+
+def test_the_sole_arm_is_the_one_unpinned_traffic_goes_to() -> None:
+    assert Router("split", {"baseline": 90, "candidate": 10}).sole_arm() is None
+    assert Router("split", {"baseline": 100, "candidate": 0}).sole_arm() == "baseline"
+    assert Router("sticky", {"baseline": 0, "candidate": 1}).sole_arm() == "candidate"
+    assert Router("shadow", {"baseline": 1, "candidate": 1}, primary="candidate").sole_arm() == "candidate"

@@ -37,12 +37,12 @@ def test_dflash_native_stream_gives_per_round_deltas_and_exact_acceptance(read_s
     chunks = [proto.parse_native_event(e) for e in events[:-1]]
     assert all(isinstance(c, proto.NativeChunk) for c in chunks)
     metas = [c.meta for c in chunks if isinstance(c, proto.NativeChunk)]
-    assert proto.round_token_deltas(m.completion_tokens for m in metas) == [1, 8, 8]
+    assert [m.completion_tokens for m in metas] == [1, 9, 17]
     assert all(m.spec is None and m.finish_reason is None for m in metas[:-1])
     final = metas[-1]
     assert final.finish_reason == proto.FinishReason(kind="stop", matched=151645)
     assert final.spec == proto.SpecStats(verify_ct=2, num_correct_drafts=15, num_proposed_drafts=30, accept_rate=0.5,
-                                         correct_drafts_histogram=(0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0))
+                                         correct_drafts_histogram=(0, 0, 0, 0, 0, 0, 0, 1, 1), accept_length=8.5)
     assert final.accept_length == 8.5 and final.e2e_latency_s == pytest.approx(0.4123) and not final.simulated
 
 
@@ -67,10 +67,47 @@ def test_a_malformed_event_raises_protocol_error() -> None:
         proto.parse_native_event(events[1])
 
 
-def test_an_error_event_mid_stream_is_data_not_an_exception() -> None:
+def test_a_native_stream_refused_in_band_is_an_error_with_its_status() -> None:
+    """SGLang 0.5.23 answers a streamed /generate over the context length with HTTP 200, an error event, [DONE]."""
     events, _ = sse_events("native_stream_error.sse")
-    error = proto.parse_native_event(events[1])
-    assert isinstance(error, proto.StreamError) and "shutting down" in error.message
+    error = proto.parse_native_event(events[0])
+    assert isinstance(error, proto.StreamError) and "context length" in error.message
+    assert (error.code, error.kind, error.retryable) == (400, "invalid_request_error", False)
+    raw = (SGLANG_FIXTURES / "native_stream_error.sse").read_bytes()
+    assert proto.native_stream_error(raw) == error
+    assert proto.native_stream_error((SGLANG_FIXTURES / "native_stream_dflash.sse").read_bytes()) is None
+
+
+def test_a_native_abort_with_a_status_is_an_in_band_error() -> None:
+    """An abort after the stream started is its last chunk: a finish reason with the status, not an error event."""
+    events, _ = sse_events("native_stream_abort.sse")
+    final = proto.parse_native_event(events[-2])
+    assert isinstance(final, proto.NativeChunk) and final.meta.finish_reason is not None
+    assert final.meta.finish_reason.error == proto.StreamError(
+        "Retracted under decode memory pressure without a KV backup. Retry later.", code=503)
+    assert proto.native_stream_error((SGLANG_FIXTURES / "native_stream_abort.sse").read_bytes()) is not None
+    assert proto.FinishReason(kind="abort", message="client left").error is None  # no status: not an error
+
+
+def test_openai_stream_ends_show_errors_spec_details_and_usage() -> None:
+    error_end = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_error.sse").read_bytes())
+    assert error_end.error is not None and (error_end.error.code, error_end.error.kind) == (503, "SERVICE_UNAVAILABLE")
+    assert error_end.usage == proto.Usage(prompt_tokens=12, completion_tokens=9)  # SGLang still sends usage after it
+    spec_end = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_spec_details.sse").read_bytes())
+    assert spec_end.error is None and spec_end.usage == proto.Usage(prompt_tokens=12, completion_tokens=17)
+    assert spec_end.spec is not None and spec_end.spec.verify_ct == 2 and spec_end.spec.accept_length == 8.5
+    assert proto.spec_completion_tokens(spec_end.spec, None) == 17
+    plain = proto.openai_stream_end((SGLANG_FIXTURES / "chat_stream_usage.sse").read_bytes())
+    assert plain.spec is None and plain.error is None and plain.usage is not None
+
+
+def test_whole_openai_answers_give_exact_acceptance_from_spec_details_and_strip_them() -> None:
+    body = proto.json_bytes(fixture_body("chat_completion_spec_details.json"))
+    result = proto.parse_openai_response(body)
+    assert result.acceptance is not None and result.acceptance[0] == 17 and result.acceptance[1].verify_ct == 2
+    stripped = json.loads(proto.strip_spec_details(body))
+    assert "sglext" not in stripped and stripped["choices"] == fixture_body("chat_completion_spec_details.json")["choices"]
+    assert proto.parse_openai_response(fixture_body("completion.json")).acceptance is None
 
 
 def test_old_spec_field_names_parse_like_new_ones() -> None:
@@ -107,6 +144,7 @@ def test_completion_errors_and_server_info() -> None:
     assert completion.text == " return a + b" and completion.meta is None
     assert "not supported with streaming" in proto.parse_error_message(json.dumps(fixture_body("error_openai.json")))
     assert proto.parse_error_message(json.dumps(fixture_body("error_native.json"))).startswith("max_new_tokens")
+    assert proto.parse_error_message(json.dumps(fixture_body("error_contract.json"))).startswith("unknown field")
     assert proto.parse_error_message(b"<html>502 Bad Gateway</html>") == "<html>502 Bad Gateway</html>"
     info = proto.parse_server_info(fixture_body("server_info_dflash.json"))
     assert info.speculative_algorithm == "DFLASH" and info.max_running_requests == 48 and not info.simulated
@@ -130,106 +168,5 @@ def test_malformed_simulator_chunk_times_raise_protocol_error() -> None:
         proto.parse_meta_info(meta)
 
 
-def test_stream_going_backwards_is_a_protocol_error() -> None:
-    with pytest.raises(ProtocolError, match="backwards"):
-        proto.round_token_deltas([1, 9, 5])
-
-
-def test_aggregate_acceptance_is_sum_over_sum() -> None:
-    assert proto.aggregate_accept_length([(100, 10), (10, 5)]) == 110 / 15
-    assert proto.aggregate_accept_length([]) is None and proto.accept_length(5, 0) is None
-
-
-# --- builders (engine side) round-trip through the parsers (client side) ------------------------------------
-
-
-def test_meta_info_round_trip_with_spec_and_simulator_keys() -> None:
-    spec = proto.SpecStats(verify_ct=4, num_correct_drafts=30, num_proposed_drafts=60, accept_rate=0.5,
-                           correct_drafts_histogram=(0,) * 15 + (4,))
-    meta = proto.meta_info_body(rid="r", finish=proto.FinishReason(kind="length", length=34), prompt_tokens=3,
-                                completion_tokens=34, queue_time_s=0.25, e2e_latency_s=1.5, spec=spec, simulated=True)
-    meta[proto.SIM_CHUNK_SENT_KEY] = [1.0, 2.0]
-    meta[proto.SIM_CHUNK_DUE_KEY] = [0.5, 1.5]
-    parsed = proto.parse_meta_info(json.loads(proto.json_bytes(meta)))
-    assert parsed.spec == spec and parsed.accept_length == 34 / 4 and parsed.simulated
-    assert parsed.finish_reason == proto.FinishReason(kind="length", length=34)
-    assert parsed.queue_time_s == 0.25 and parsed.e2e_latency_s == 1.5
-    assert parsed.sim_chunk_sent_unix_s == (1.0, 2.0) and parsed.sim_chunk_due_unix_s == (0.5, 1.5)
-    assert meta["spec_accepted_drafts"] == 30 and meta["spec_accept_length"] == 8.5
-    running = proto.parse_meta_info(proto.meta_info_body(rid="r", finish=None, prompt_tokens=3, completion_tokens=1))
-    assert running.finish_reason is None and running.spec is None and not running.simulated
-
-
-def test_openai_bodies_round_trip() -> None:
-    head = proto.ResponseHead("r", 1, "m")
-    stop = proto.FinishReason(kind="stop", matched="\n\n")
-    chat = proto.chat_completion_body(head, text="hi", finish=stop, prompt_tokens=2, completion_tokens=3,
-                                      meta=proto.meta_info_body(rid="r", finish=stop, prompt_tokens=2,
-                                                                completion_tokens=3))
-    parsed = proto.parse_openai_response(proto.json_bytes(chat))
-    assert parsed.text == "hi" and parsed.usage == proto.Usage(2, 3) and parsed.meta is not None
-    assert chat["choices"][0]["matched_stop"] == "\n\n"
-    first = proto.parse_openai_event(proto.sse_event(proto.chat_chunk_body(head, content="", first=True))[6:-2]
-                                     .decode())
-    assert isinstance(first, proto.OpenAIChunk) and first.text == "" and first.finish_reason is None
-    last = proto.parse_openai_event(json.dumps(proto.chat_chunk_body(head, content=None, finish=stop)))
-    assert isinstance(last, proto.OpenAIChunk) and last.finish_reason == proto.FinishReason(kind="stop")
-    usage = proto.parse_openai_event(json.dumps(proto.usage_chunk_body(head, obj="chat.completion.chunk",
-                                                                       prompt_tokens=2, completion_tokens=3)))
-    assert isinstance(usage, proto.OpenAIChunk) and usage.usage == proto.Usage(2, 3) and not usage.has_choice
-    text = proto.parse_openai_event(json.dumps(proto.completion_chunk_body(head, text="abc")))
-    assert isinstance(text, proto.OpenAIChunk) and text.text == "abc"
-    whole = proto.parse_openai_response(proto.completion_body(head, text="abc", finish=None, prompt_tokens=1,
-                                                              completion_tokens=1))
-    assert whole.text == "abc" and whole.finish_reason is None
-    assert proto.first_model_id(proto.models_body("served", "path", 1, 100)) == "served"
-    info = proto.parse_server_info(proto.server_info_body({"speculative_algorithm": "DFLASH"},
-                                                          avg_spec_accept_length=9.0, last_gen_throughput=1.0,
-                                                          version="v", simulated=True))
-    assert info.simulated and info.speculative_algorithm == "DFLASH" and info.version == "v"
-    for api in ("native", "chat"):
-        assert proto.parse_error_message(proto.json_bytes(proto.engine_error_body(api, "bad", 400))) == "bad"
-
-
-def test_request_bodies_round_trip_into_engine_requests() -> None:
-    sampling = proto.SamplingParams(max_new_tokens=7, temperature=0.0, stop=("\n\n",), ignore_eos=True)
-    native = proto.parse_generate_request(proto.json_bytes(proto.generate_body("p", sampling, stream=True, rid="x")))
-    assert (native.prompt, native.max_new_tokens, native.stop, native.ignore_eos, native.stream, native.rid) == (
-        "p", 7, ("\n\n",), True, True, "x")
-    assert native.sampling_key == ""  # greedy: sampling parameters cannot change the tokens
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    chat = proto.parse_chat_request(proto.json_bytes(proto.chat_body("m", messages, sampling, stream=False,
-                                                                      return_meta_info=True)))
-    assert chat.messages == (("user", "hi"),) and chat.return_meta_info and chat.max_new_tokens == 7
-    completions = proto.parse_completions_request(proto.json_bytes(proto.completions_body(
-        "m", "p", proto.SamplingParams(temperature=0.7), stream=True, include_usage=True)))
-    assert completions.include_usage and completions.sampling_key != "" and completions.max_new_tokens == 256
-
-
-@pytest.mark.parametrize(
-    ("parse", "body", "message"),
-    [
-        (proto.parse_generate_request, b'{"text": ["a", "b"]}', "Batched"),
-        (proto.parse_generate_request, b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p"),
-        (proto.parse_generate_request, b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}', "integer"),
-        (proto.parse_generate_request, b'{"input_ids": "abc"}', "input_ids"),
-        (proto.parse_chat_request, b'{"messages": []}', "messages"),
-        (proto.parse_chat_request, b'{"messages": [{"content": "x"}]}', "role"),
-        (proto.parse_completions_request, b'{"prompt": 3}', "prompt"),
-        (proto.parse_completions_request, b'{"prompt": "x", "n": 2}', "n > 1"),
-    ],
-)
-def test_engine_side_parsing_refuses_bad_requests(parse: Any, body: bytes, message: str) -> None:
-    with pytest.raises(proto.RequestError, match=message):
-        parse(body)
-
-
-@pytest.mark.parametrize("incremental", [False, True])
-def test_native_stream_encoder_matches_the_builder_byte_for_byte(incremental: bool) -> None:
-    encoder = proto.NativeStreamEncoder(incremental)
-    text, ids = "", []
-    for delta, new_ids in [("def", [750]), ("", []), (' "é"\n', [1, 2, 3]), ("\\ x", [4])]:
-        text, ids = text + delta, ids + new_ids
-        meta = proto.meta_info_body(rid="r", finish=None, prompt_tokens=1, completion_tokens=len(ids))
-        shown = (delta, new_ids) if incremental else (text, ids)
-        assert encoder.event(delta, new_ids, meta) == proto.sse_event(proto.generate_response_body(*shown, meta))
+def test_acceptance_length_needs_a_verify_round() -> None:
+    assert proto.accept_length(34, 4) == 8.5 and proto.accept_length(5, 0) is None

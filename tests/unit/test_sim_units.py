@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from dfserve import sglang as proto
 from dfserve.cli import main
+from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -21,11 +22,11 @@ from dfserve.deploy.sim.acceptance import (
     request_accept_length_moments,
 )
 from dfserve.deploy.sim.config import SimConfig
-from dfserve.deploy.sim.engine import Engine, EngineSettings
+from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest
 from dfserve.deploy.sim.faults import FaultConfig, FaultPlan
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile
-from dfserve.deploy.sim.telemetry import Telemetry
+from dfserve.deploy.sim.telemetry import DECODE_LOG_INTERVAL, RoundRecord, Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
 from dfserve.errors import UserError
 from dfserve.sglang import FinishReason
@@ -222,6 +223,34 @@ def test_fault_plan_rates_and_replay() -> None:
     assert FaultPlan(FaultConfig(), random.Random(0)).draw().error is False
 
 
+def test_telemetry_refreshes_acceptance_on_sglangs_decode_log_interval() -> None:
+    """Like SGLang's scheduler: decode rounds only, and the gauge and /server_info's running figure move once every
+    DECODE_LOG_INTERVAL rounds, not per round."""
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry, "m", 400_000)
+    gauge = {"model_name": "m", "engine_type": "unified", "tp_rank": "0"}
+    for _ in range(DECODE_LOG_INTERVAL - 1):
+        telemetry.round(RoundRecord(tokens=36, verify_calls=4, correct_drafts=32, proposed_drafts=60, duration_s=0.03),
+                        [])
+    assert telemetry.avg_spec_accept_length is None
+    assert registry.get_sample_value("sglang:spec_accept_length", gauge) == 0
+    telemetry.round(RoundRecord(tokens=4, verify_calls=4, correct_drafts=0, proposed_drafts=60, duration_s=0.03), [])
+    expected = (36 * 39 + 4) / (4 * 40)
+    assert telemetry.avg_spec_accept_length == pytest.approx(expected)
+    assert registry.get_sample_value("sglang:spec_accept_length", gauge) == pytest.approx(expected)
+    telemetry.round(RoundRecord(tokens=64, verify_calls=4, correct_drafts=60, proposed_drafts=60, duration_s=0.03), [])
+    assert telemetry.avg_spec_accept_length == pytest.approx(expected)  # the next interval has not ended
+
+
+def test_a_request_without_a_verify_round_has_no_spec_fields_and_the_histogram_grows_as_sglangs() -> None:
+    request = SimRequest(rid="r", prompt_tokens=1, output=None, round_model=RoundModel.build(zlab(), 0.5),  # type: ignore[arg-type]
+                         rng=random.Random(0), arrived_s=0.0)
+    assert request.spec_stats() is None
+    request.verify_ct, request.correct_drafts, request.histogram = 2, 5, [0, 0, 1, 1]
+    stats = request.spec_stats()
+    assert stats is not None and stats.correct_drafts_histogram == (0, 0, 1, 1) and stats.num_proposed_drafts == 30
+
+
 # --- scheduler -----------------------------------------------------------------------------------------------
 
 
@@ -250,16 +279,16 @@ def test_scheduler_caps_running_requests_and_queue_time_shows_in_ttft(vocabulary
 
 
 def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() -> None:
-    meta = proto.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
+    meta = engine.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
                                 completion_tokens=2)
     meta[proto.SIM_CHUNK_DUE_KEY] = [1.5, 2.25]
-    event = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], meta))
+    event = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], meta))
     sent = [1764505000.123456, 1764505000.2]
-    expected = proto.sse_event(proto.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
-    encoder = proto.NativeStreamEncoder(incremental=False)
+    expected = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
+    encoder = engine.NativeStreamEncoder(incremental=False)
     encoder.encode_sent_times(sent[:1])  # ahead of time, as the sim does while it computes a step
     assert encoder.with_sent_times(event, sent) == expected
-    assert proto.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
+    assert engine.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
     with pytest.raises(ValueError, match="meta_info"):
         encoder.with_sent_times(event + proto.SSE_DONE, sent)
 

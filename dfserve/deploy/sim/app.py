@@ -1,6 +1,6 @@
 """The simulator's HTTP face: SGLang's routes on Starlette, streaming written straight to the ASGI channel.
 
-Every body comes from a builder in `dfserve.sglang`, so field names live in one module. A stream sends one chunk per
+Every body comes from a builder in `dfserve.deploy.sim.protocol`, so field names live in one module. A stream sends one chunk per
 step of the engine; a client that disconnects is noticed by a watcher on the ASGI `receive` channel and its slot is
 freed at the next step.
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -20,20 +22,24 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dfserve import __version__
-from dfserve import sglang as proto
+from dfserve import __version__, sglang
+from dfserve.deploy.sim import protocol as proto
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
-from dfserve.deploy.sim.faults import FaultPlan, RequestFaults, SimulatedDisconnect
+from dfserve.deploy.sim.faults import (
+    ABORT_MESSAGE,
+    ABORT_STATUS,
+    BACKLOG_ROUNDS,
+    FaultPlan,
+    RequestFaults,
+    SimulatedDisconnect,
+)
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile
 from dfserve.deploy.sim.telemetry import Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
-
-NATIVE_MAX_NEW_TOKENS = 128
-"""SGLang's default `max_new_tokens` for native requests that set none."""
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -55,6 +61,8 @@ class SimResponse(Response):
     deadline only the send is left. Only the send times of --record-chunk-times are added to a final chunk
     as it is sent, and a stream ends its response on a later turn of the loop: in a step where many requests
     finish, encoding final chunks or ending responses during the hand-over would delay every chunk behind them.
+    A stream whose client falls behind (the backlog fault) encodes as it sends instead: SGLang then sends one chunk
+    with the latest state, whose delta spans every step the client missed.
     """
 
     def __init__(self, ctx: Context, request: proto.EngineRequest, sim: SimRequest, faults: RequestFaults) -> None:
@@ -68,9 +76,10 @@ class SimResponse(Response):
         self._shown_text = 0
         self._shown_ids = 0
         self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
-        self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk} - {None}
+        self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk, faults.abort_after_chunk,
+                              faults.backlog_after_chunk} - {None}
         self._stamp_final = request.stream and ctx.config.record_chunk_times
-        if request.stream:
+        if request.stream and faults.backlog_after_chunk is None:
             sim.encode = self._encode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,25 +108,62 @@ class SimResponse(Response):
             update = await updates.get()
             if update is None:
                 return
+            if chunks == self.faults.backlog_after_chunk:
+                update = await self._fall_behind(update, updates)
+                if update is None:
+                    return
             payload = update.payload if update.payload is not None else self._chunk(update)
             self.sent_unix.append(time.time())
             if update.finished and self._stamp_final:
                 payload = self._stamped(payload)
             await send({"type": "http.response.body", "body": payload, "more_body": True})
             chunks += 1
+            if chunks == self.faults.abort_after_chunk and not update.finished:
+                await send({"type": "http.response.body", "body": self._aborted(update), "more_body": False})
+                return
             if update.finished:
                 await asyncio.sleep(0)  # the response's end and teardown wait until the step's chunks are out
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            if chunks in self._fault_chunks:
+            if chunks in (self.faults.stall_after_chunk, self.faults.disconnect_after_chunk):
                 await self._fault(chunks)
+
+    async def _fall_behind(self, update: Update, updates: asyncio.Queue[Update | None]) -> Update | None:
+        """The client misses `BACKLOG_ROUNDS` steps: the latest of them is what it gets next (None: it left)."""
+        for _ in range(BACKLOG_ROUNDS - 1):
+            if update.finished:
+                break
+            latest = await updates.get()
+            if latest is None:
+                return None
+            update = latest
+        return update
+
+    def _aborted(self, last: Update) -> bytes:
+        """The end of a stream the engine aborts with a status after `last` (the abort fault): native, a final
+        chunk whose finish reason carries the status; OpenAI, an error event and the closing chunks."""
+        self.ctx.engine.cancel(self.sim)
+        abort = sglang.FinishReason(kind="abort", message=ABORT_MESSAGE, status_code=ABORT_STATUS)
+        sim, tokens = self.sim, last.completion_tokens
+        if self.request.api == "native":
+            meta = proto.meta_info_body(rid=sim.rid, finish=abort, prompt_tokens=sim.prompt_tokens,
+                                        completion_tokens=tokens, queue_time_s=sim.queue_time_s,
+                                        e2e_latency_s=time.perf_counter() - sim.arrived_s, spec=sim.spec_stats(),
+                                        simulated=True)
+            text = sim.output.text[: self._shown_text]
+            body = proto.generate_response_body(text, sim.output.ids[:tokens], meta)
+            return proto.sse_event(body) + sglang.SSE_DONE
+        status = HTTPStatus(ABORT_STATUS)
+        parts = [proto.openai_error_event(ABORT_MESSAGE, status.name, status.value)]
+        parts += [proto.sse_event(chunk) for chunk in self._end_chunks(tokens)]
+        return b"".join([*parts, sglang.SSE_DONE])
 
     def _stamped(self, payload: bytes) -> bytes:
         """The final payload with every chunk's send time, its own (taken just before) included."""
         if self.request.api == "native":
-            return self._native.with_sent_times(payload, self.sent_unix) + proto.SSE_DONE
-        times = proto.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
-        return payload[: -len(proto.SSE_DONE)] + proto.sim_times_comment(times) + proto.SSE_DONE
+            return self._native.with_sent_times(payload, self.sent_unix) + sglang.SSE_DONE
+        times = sglang.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
+        return payload[: -len(sglang.SSE_DONE)] + proto.sim_times_comment(times) + sglang.SSE_DONE
 
     def _encode(self, update: Update) -> bytes:
         return self._chunk(update)
@@ -134,9 +180,14 @@ class SimResponse(Response):
                 return
             if update.finished:
                 break
+            if self.faults.abort_after_chunk is not None:
+                self.ctx.engine.cancel(self.sim)
+                await _answer(proto.failure_answer(self.request.api, ABORT_MESSAGE, ABORT_STATUS))(
+                    {"type": "http"}, _never, send)
+                return
         if self.faults.stall_after_chunk is not None:
             await asyncio.sleep(self.ctx.config.faults.stall_s * self.ctx.config.time_scale)
-        body = proto.json_bytes(self._whole_body(update))
+        body = sglang.json_bytes(self._whole_body(update))
         headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if self.faults.disconnect_after_chunk is not None:
@@ -159,9 +210,9 @@ class SimResponse(Response):
             simulated=True,
         )
         if final and self.ctx.config.record_chunk_times:
-            meta[proto.SIM_CHUNK_DUE_KEY] = self.due_unix
+            meta[sglang.SIM_CHUNK_DUE_KEY] = self.due_unix
             if not self.request.stream:  # a stream's final chunk gets its send times as it is sent
-                meta[proto.SIM_CHUNK_SENT_KEY] = [time.time()]
+                meta[sglang.SIM_CHUNK_SENT_KEY] = [time.time()]
         return meta
 
     def _text_delta(self, update: Update) -> str:
@@ -171,8 +222,20 @@ class SimResponse(Response):
         self._shown_text = end
         return delta
 
+    def _end_chunks(self, completion_tokens: int) -> list[dict[str, Any]]:
+        request, sim = self.request, self.sim
+        obj = "chat.completion.chunk" if request.api == "chat" else "text_completion"
+        spec = sim.spec_stats() if request.return_spec_tokens_details else None
+        return proto.stream_end_chunks(self._head(), obj=obj, prompt_tokens=sim.prompt_tokens,
+                                       completion_tokens=completion_tokens, spec=spec,
+                                       include_usage=request.include_usage)
+
     def _chunk(self, update: Update) -> bytes:
-        """One update's bytes; called once per update, in order (it advances what was shown)."""
+        """One update's bytes; called once per update sent, in order (it advances what was shown).
+
+        Chat sends the role first, a content chunk only where there is new text, and the finish reason in a chunk
+        of its own (``_generate_chat_stream``); completions send a chunk per update, the last with the finish
+        reason (``_generate_completion_stream``). Both end with the spec details and usage asked for."""
         first = self._encoded == 0
         self._encoded += 1
         self.due_unix.append(update.due_unix_s)
@@ -180,22 +243,18 @@ class SimResponse(Response):
             return self._native_chunk(update)
         head = self._head()
         delta = self._text_delta(update)
+        finish = self.sim.finish if update.finished else None
         if self.request.api == "chat":
             parts = [proto.sse_event(proto.chat_chunk_body(head, content="", first=True))] if first else []
-            parts.append(proto.sse_event(proto.chat_chunk_body(head, content=delta)))
-            if update.finished:
-                parts.append(proto.sse_event(proto.chat_chunk_body(head, content=None, finish=self.sim.finish)))
+            if delta:
+                parts.append(proto.sse_event(proto.chat_chunk_body(head, content=delta)))
+            if finish is not None:
+                parts.append(proto.sse_event(proto.chat_chunk_body(head, content=None, finish=finish)))
         else:
-            parts = [proto.sse_event(proto.completion_chunk_body(head, text=delta))]
-            if update.finished:
-                parts.append(proto.sse_event(proto.completion_chunk_body(head, text="", finish=self.sim.finish)))
+            parts = [proto.sse_event(proto.completion_chunk_body(head, text=delta, finish=finish))]
         if update.finished:
-            if self.request.include_usage:
-                obj = "chat.completion.chunk" if self.request.api == "chat" else "text_completion"
-                parts.append(proto.sse_event(proto.usage_chunk_body(
-                    head, obj=obj, prompt_tokens=self.sim.prompt_tokens,
-                    completion_tokens=update.completion_tokens)))
-            parts.append(proto.SSE_DONE)
+            parts += [proto.sse_event(chunk) for chunk in self._end_chunks(update.completion_tokens)]
+            parts.append(sglang.SSE_DONE)
         return b"".join(parts)
 
     def _native_chunk(self, update: Update) -> bytes:
@@ -212,7 +271,7 @@ class SimResponse(Response):
         else:
             body = proto.generate_response_body(output.text, output.ids, meta)
         event = proto.sse_event(body)
-        return event if self._stamp_final else event + proto.SSE_DONE
+        return event if self._stamp_final else event + sglang.SSE_DONE
 
     def _whole_body(self, update: Update) -> dict[str, Any]:
         sim, api = self.sim, self.request.api
@@ -221,12 +280,13 @@ class SimResponse(Response):
         if api == "native":
             return proto.generate_response_body(text, sim.output.ids, self._meta(update))
         head, tokens = self._head(), update.completion_tokens
+        spec = sim.spec_stats() if self.request.return_spec_tokens_details else None
         if api == "chat":
             meta = self._meta(update) if self.request.return_meta_info else None
             return proto.chat_completion_body(head, text=text, finish=sim.finish, prompt_tokens=sim.prompt_tokens,
-                                              completion_tokens=tokens, meta=meta)
+                                              completion_tokens=tokens, meta=meta, spec=spec)
         return proto.completion_body(head, text=text, finish=sim.finish, prompt_tokens=sim.prompt_tokens,
-                                     completion_tokens=tokens)
+                                     completion_tokens=tokens, spec=spec)
 
     def _head(self) -> proto.ResponseHead:
         return proto.ResponseHead(self.sim.rid, self.ctx.created, self.request.model or self.ctx.config.model_name)
@@ -256,18 +316,21 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         return prompt, vocabulary.count(prompt)
 
     def start(request: proto.EngineRequest) -> Response:
+        """Validate as SGLang's tokenizer manager does (context length, then sampling parameters), then submit."""
         draw = faults.draw()
         if draw.error:
-            return _error(request.api, "Simulated engine error (--error-rate).", 500)
+            return _answer(proto.failure_answer(request.api, "Simulated engine error (--error-rate).", 500))
         prompt, prompt_tokens = prompt_of(request)
+        try:
+            refused = proto.context_error(config.context_length, prompt_tokens, request.max_new_tokens)
+            if refused is not None:
+                raise refused
+            proto.verify(request)
+        except proto.RequestError as exc:
+            return _answer(proto.error_answer(request.api, exc, request.stream))
         max_new = request.max_new_tokens
         if max_new is None:
-            max_new = NATIVE_MAX_NEW_TOKENS if request.api == "native" else config.context_length - prompt_tokens
-        if prompt_tokens + max_new > config.context_length:
-            return _error(request.api, f"Requested token count exceeds the model's maximum context length of "
-                          f"{config.context_length} tokens. You requested a total of {prompt_tokens + max_new} "
-                          f"tokens: {prompt_tokens} tokens from the input messages and {max_new} tokens for the "
-                          f"completion.", 400)
+            max_new = config.context_length - prompt_tokens
         limits = Limits(max_new, request.stop, request.stop_token_ids, request.ignore_eos, request.no_stop_trim)
         output = text_model.start(prompt, request.sampling_key, limits)
         sim = engine.submit(prompt=prompt, sampling_key=request.sampling_key, prompt_tokens=prompt_tokens,
@@ -331,10 +394,10 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
     return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start)
 
 
-GENERATION_ROUTES: dict[str, tuple[proto.Api, Callable[[bytes], proto.EngineRequest]]] = {
-    proto.ROUTES["native"]: ("native", proto.parse_generate_request),
-    proto.ROUTES["chat"]: ("chat", proto.parse_chat_request),
-    proto.ROUTES["completions"]: ("completions", proto.parse_completions_request),
+GENERATION_ROUTES: dict[str, tuple[sglang.Api, Callable[[bytes], proto.EngineRequest]]] = {
+    sglang.ROUTES["native"]: ("native", proto.parse_generate_request),
+    sglang.ROUTES["chat"]: ("chat", proto.parse_chat_request),
+    sglang.ROUTES["completions"]: ("completions", proto.parse_completions_request),
 }
 
 
@@ -363,17 +426,32 @@ class GenerationRoutes:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
         try:
-            request = parse(b"".join(chunks))
+            request = parse(body)
         except proto.RequestError as exc:
-            response = _error(api, str(exc), 400)
+            response = _answer(proto.error_answer(api, exc, _asks_stream(body)))
         else:
             response = self.start(request)
         await response(scope, receive, send)
 
 
-def _error(api: proto.Api, message: str, status: int) -> Response:
-    return JSONResponse(proto.engine_error_body(api, message, status), status_code=status)
+def _asks_stream(body: bytes) -> bool:
+    """Whether a refused request asked for a stream (it decides where a native engine error goes)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and data.get("stream") is True
+
+
+def _answer(answer: proto.Answer) -> Response:
+    media_type = "text/event-stream; charset=utf-8" if answer.stream else "application/json"
+    return Response(answer.body, status_code=answer.status, media_type=media_type)
+
+
+async def _never() -> Message:
+    raise RuntimeError("a whole answer reads nothing")
 
 
 def _server_args(config: SimConfig, engine: Engine) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from dfserve.errors import UserError, describe_invalid_flag
 
 
 def _config(**values: object) -> SimConfig:
-    fault_keys = ("error_rate", "stall_fraction", "stall_s", "disconnect_fraction")
+    fault_keys = ("error_rate", "stall_fraction", "stall_s", "disconnect_fraction", "abort_fraction",
+                  "backlog_fraction")
     faults = {k: values.pop(k) for k in fault_keys}
     try:
         return SimConfig.model_validate({**values, "faults": FaultConfig.model_validate(faults)})
@@ -41,6 +42,10 @@ def _config(**values: object) -> SimConfig:
 @click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")
 @click.option("--stall-s", type=float, default=5.0, help="Length of a stall, seconds at time scale 1.")
 @click.option("--disconnect-fraction", type=float, default=0.0, help="Fraction of requests dropped mid-stream.")
+@click.option("--abort-fraction", type=float, default=0.0,
+              help="Fraction of requests the engine aborts mid-stream with status 503 (in band in a 200 stream).")
+@click.option("--backlog-fraction", type=float, default=0.0,
+              help="Fraction of streams whose client falls behind: one chunk then carries several verify rounds.")
 def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
     from dfserve.deploy.sim.server import run

@@ -70,6 +70,7 @@ class SimRequest:
     verify_ct: int = 0
     correct_drafts: int = 0
     histogram: list[int] = field(default_factory=list)
+    """Verify rounds by correct drafts, as long as the most seen (``Req.update_spec_correct_drafts_histogram``)."""
     queue_time_s: float = 0.0
     last_token_s: float = 0.0
     finished_s: float | None = None
@@ -82,7 +83,8 @@ class SimRequest:
         return self.output.finish
 
     def spec_stats(self) -> SpecStats | None:
-        if self.round_model is None:
+        """The request's spec fields; None until a verify round ran (SGLang then sends none)."""
+        if self.round_model is None or self.verify_ct == 0:
             return None
         proposed = self.verify_ct * (self.round_model.block_size - 1)
         return SpecStats(
@@ -142,7 +144,6 @@ class Engine:
             round_model=round_model,
             rng=random.Random(int.from_bytes(digest, "big")),
             arrived_s=time.perf_counter(),
-            histogram=[0] * self.block_size,
         )
         self._waiting.append(request)
         self._wake.set()
@@ -223,7 +224,7 @@ class Engine:
                 produced = request.output.take(accepted + 1)
                 request.verify_ct += 1
                 request.correct_drafts += accepted
-                request.histogram[accepted] += 1
+                _count_into(request.histogram, accepted)
                 verify += 1
                 correct += accepted
             tokens += produced
@@ -276,3 +277,9 @@ async def _sleep_until(deadline: float, step_s: float) -> None:
         await asyncio.sleep(delay)
     while time.perf_counter() < deadline:  # noqa: ASYNC110 - timers are too coarse for the last millisecond
         await asyncio.sleep(0)
+
+
+def _count_into(histogram: list[int], value: int) -> None:
+    if len(histogram) <= value:
+        histogram.extend([0] * (value + 1 - len(histogram)))
+    histogram[value] += 1

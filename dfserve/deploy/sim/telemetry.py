@@ -1,11 +1,16 @@
 """The simulator's Prometheus families (SGLang's names and labels) and the running figures `/server_info` shows.
 
-Updated by the scheduler after a step's chunks are handed to their streams, so no stream waits on a metric.
+Updated by the scheduler after a step's chunks are handed to their streams, so no stream waits on a metric. The
+speculative figures follow SGLang's scheduler (``SchedulerMetricsReporter`` in
+``managers/scheduler_components/metrics_reporter.py``): each verify round adds its batch's tokens and verify calls
+to the current decode-log interval; every `DECODE_LOG_INTERVAL` rounds the interval's averages become the
+`sglang:spec_accept_length` / `spec_accept_rate` / `gen_throughput` gauges and its sums join the since-start totals
+behind `/server_info`'s `avg_spec_accept_length` (``SchedulerInternalState._average_accept_length``). Decode rounds
+only: the prefill token is in no round, so these read lower than a request's `completion_tokens / spec_verify_ct`.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -13,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from dfserve.metrics import SGLangMetrics
 
 DECODE_LOG_INTERVAL = 40
-"""SGLang averages its spec gauges over one decode-log interval of this many rounds."""
+"""SGLang's `--decode-log-interval` default: decode rounds per refresh of its spec gauges and running totals."""
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,11 @@ class Telemetry:
         self.cache_hit_rate = metrics.cache_hit_rate.labels(**labels)
         self.spec_accept_length = metrics.spec_accept_length.labels(**labels)
         self.spec_accept_rate = metrics.spec_accept_rate.labels(**labels)
-        self._window: deque[RoundRecord] = deque(maxlen=DECODE_LOG_INTERVAL)
+        self._interval: list[RoundRecord] = []
         self._max_total_tokens = max_total_tokens
         self.total_tokens = 0
         self.total_verify_calls = 0
+        self.last_gen_throughput = 0.0
 
     def prefill(self, prompt_tokens: int, ttfts_s: list[float], queue_times_s: list[float]) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -71,18 +77,24 @@ class Telemetry:
             per_token = gap / tokens
             for _ in range(tokens):
                 self.itl.observe(per_token)
-        self._window.append(record)
-        self.total_tokens += record.tokens
-        self.total_verify_calls += record.verify_calls
-        tokens = sum(r.tokens for r in self._window)
-        seconds = sum(r.duration_s for r in self._window)
-        verify = sum(r.verify_calls for r in self._window)
-        proposed = sum(r.proposed_drafts for r in self._window)
-        self.gen_throughput.set(tokens / seconds if seconds > 0 else 0.0)
+        self._interval.append(record)
+        if len(self._interval) == DECODE_LOG_INTERVAL:
+            self._log_interval()
+
+    def _log_interval(self) -> None:
+        rounds, self._interval = self._interval, []
+        tokens = sum(r.tokens for r in rounds)
+        seconds = sum(r.duration_s for r in rounds)
+        verify = sum(r.verify_calls for r in rounds)
+        proposed = sum(r.proposed_drafts for r in rounds)
+        self.last_gen_throughput = tokens / seconds if seconds > 0 else 0.0
+        self.gen_throughput.set(self.last_gen_throughput)
         if verify:
             self.spec_accept_length.set(tokens / verify)
+            self.total_tokens += tokens
+            self.total_verify_calls += verify
         if proposed:
-            self.spec_accept_rate.set(sum(r.correct_drafts for r in self._window) / proposed)
+            self.spec_accept_rate.set(sum(r.correct_drafts for r in rounds) / proposed)
 
     def finished(self, e2e_s: float, aborted: bool) -> None:
         if aborted:
@@ -98,10 +110,6 @@ class Telemetry:
 
     @property
     def avg_spec_accept_length(self) -> float | None:
-        """Since start, warm-up included, like SGLang's `internal_states[0].avg_spec_accept_length`."""
+        """Since start, warm-up included, like SGLang's `internal_states[0].avg_spec_accept_length`: decode rounds
+        of the logged intervals only; None before the first."""
         return self.total_tokens / self.total_verify_calls if self.total_verify_calls else None
-
-    @property
-    def last_gen_throughput(self) -> float:
-        seconds = sum(r.duration_s for r in self._window)
-        return sum(r.tokens for r in self._window) / seconds if seconds > 0 else 0.0
