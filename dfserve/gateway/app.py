@@ -238,8 +238,7 @@ class GatewayApp:
         finally:
             exchange.end = time.perf_counter()
             if opened is not None:
-                failed = exchange.error in ("stream_cut", "timeout")
-                gateway.upstream.release(opened, clean=exchange.error is None, failure=exchange.error if failed else None)
+                gateway.upstream.release(opened, clean=exchange.error is None, failure=exchange.error)
             in_flight.dec()
             record(gateway.metrics, exchange)
 
@@ -251,7 +250,7 @@ class GatewayApp:
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
             reply.start(response.status, headers)
             await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
-                               exchange)
+                               exchange, self.gateway.config.limits.max_event_bytes)
             return
         try:
             await opened.call.finish()
