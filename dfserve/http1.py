@@ -71,7 +71,7 @@ class Sink(Protocol):
 class Response:
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    """Header names lower-cased, values as sent."""
+    """Header names lower-cased, values as sent but for the whitespace around them."""
     pieces: list[tuple[float, bytes]] = field(default_factory=list)
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
 
@@ -95,7 +95,8 @@ _NO_BODY = frozenset({204, 304})
 
 
 class _Head:
-    """httptools' callbacks for one response head: its header fields, names lower-cased."""
+    """httptools' callbacks for one response head: its header fields, names lower-cased, values without the
+    whitespace around them (llhttp keeps what trails)."""
 
     __slots__ = ("headers",)
 
@@ -103,7 +104,7 @@ class _Head:
         self.headers: list[tuple[bytes, bytes]] = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.headers.append((name.lower(), value.rstrip(b" \t")))
 
 
 class _Connection(asyncio.Protocol):

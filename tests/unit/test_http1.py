@@ -320,6 +320,13 @@ def test_a_connection_header_listing_close_ends_reuse() -> None:
     assert done.done() and not done.exception() and not connection.reusable
 
 
+def test_whitespace_around_header_values_is_not_part_of_them() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \tchunked \t\r\nX-Engine:  stub  \r\n\r\n"
+    connection, response, done = feed([CHUNKED.replace(CHUNKED[:CHUNKED.index(b"\r\n\r\n") + 4], head)])
+    assert done.result() is response and response.body() == PAYLOAD and connection.reusable
+    assert response.header(b"x-engine") == b"stub"
+
+
 def test_an_event_past_the_relay_cap_fails_the_response_with_its_reason() -> None:
     """Whether the relay refuses a piece kept before it was attached, or one the de-chunker hands it as the
     transport's protocol, the response fails with `EventTooLarge`, and the connection is closed."""
