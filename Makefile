@@ -8,13 +8,13 @@ SGLANG_VERSION := 0.5.23
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: demo test lint system-deps
+.PHONY: demo test lint sanitize system-deps
 
-$(STAMP): pyproject.toml setup.py dfserve/_relay.c requirements/ci.txt
+$(STAMP): pyproject.toml setup.py $(wildcard dfserve/relay_c/*) requirements/ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements/ci.txt
-	# Builds the relay's C extension (dfserve/_relay.c) in place: needs gcc and the Python headers.
+	# Builds the relay's C extension (dfserve/relay_c/) in place: needs gcc and the Python headers.
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -35,11 +35,37 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Debian packages the tests start: Prometheus (with promtool) and its Pushgateway; installed only where missing.
+# The relay's C extension built with AddressSanitizer and UBSan (any report is fatal) in a copy of the package (which
+# must be what the tests import, not the venv's build), and its tests run on it, with a bounded fuzz: the
+# differential test against the pure-Python twin, on more inputs.
+SANITIZE_DIR := build/sanitize
+SANITIZERS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+SANITIZED := LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+	UBSAN_OPTIONS=print_stacktrace=1 PYTHONMALLOC=malloc
+sanitize: $(STAMP)
+	rm -rf $(SANITIZE_DIR) && mkdir -p $(SANITIZE_DIR)
+	cp -r dfserve tests pyproject.toml setup.py README.md $(SANITIZE_DIR)/
+	rm -f $(SANITIZE_DIR)/dfserve/_relay.*.so
+	cd $(SANITIZE_DIR) && CFLAGS="$(SANITIZERS) -g" LDFLAGS="$(SANITIZERS)" \
+		$(abspath $(BIN))/python setup.py -q build_ext --inplace
+	cd $(SANITIZE_DIR) && $(SANITIZED) $(abspath $(BIN))/python -c \
+		'import os, dfserve._relay as r; assert r.__file__.startswith(os.getcwd()), r.__file__'
+	cd $(SANITIZE_DIR) && $(SANITIZED) DFSERVE_FUZZ_EXAMPLES=400 \
+		$(abspath $(BIN))/python -m pytest -q --capture=sys -p no:cacheprovider \
+		tests/unit/test_relay.py tests/unit/test_relay_differential.py tests/unit/test_http1.py
+
+# Debian packages the tests need, each installed only where missing: gcc (with its AddressSanitizer and UBSan
+# runtimes) and the Python headers, which build the relay's extension; Prometheus (with promtool) and its
+# Pushgateway, which the tests start.
+PY_INCLUDE = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("include"))')
 system-deps:
+	@command -v gcc >/dev/null && test -f "$(PY_INCLUDE)/Python.h" \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			gcc libc6-dev $(notdir $(PYTHON))-dev; }
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v prometheus-pushgateway >/dev/null \
 		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 			prometheus prometheus-pushgateway; }
 
-test: $(STAMP) $(SGLANG_STAMP) system-deps lint
+# system-deps first: the venv's install builds the extension the tests import.
+test: system-deps $(STAMP) $(SGLANG_STAMP) lint sanitize
 	$(BIN)/python -m pytest -q

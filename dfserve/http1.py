@@ -4,14 +4,17 @@ Why not aiohttp: with 128 streams a verify round makes every stream's chunk arri
 a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
 bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol stamps `perf_counter()` as
 `data_received` is called, before any other work, and only de-chunks the body there. A chunked body is read by
-`dfserve._relay.Dechunker` (C), which becomes the transport's protocol from the end of the head to the end of the
-body, so a read costs no Python frame; it hands each read's piece to the response's sink: the `Response`, which
-keeps it, until a relay is attached (`Call.attach`); from then on pieces go straight from the de-chunker to the
-relay.
+`dfserve.relay_core.Dechunker` (C where the extension was built), which becomes the transport's protocol from the
+end of the head to the end of the body, so a read costs no Python frame; it hands each read's piece to the
+response's sink: the `Response`, which keeps it, until a relay is attached (`Call.attach`); from then on pieces go
+straight from the de-chunker to the relay.
 
 What it speaks: one request at a time per connection, keep-alive reuse, `Content-Length` or chunked bodies
 (trailers read and dropped), TCP_NODELAY (asyncio sets it on TCP connections), optional connect and read
-timeouts. Failures raise the exceptions below so the caller can classify them.
+timeouts. Response heads are parsed by httptools (llhttp), which refuses a CR or LF inside a header value, so no
+header can be smuggled to whoever the headers are passed on to; interim 1xx responses are skipped; 204, 304 and a
+response to HEAD have no body, whatever their headers say; a head (with the interim ones before it) over 64 KiB is
+refused however it arrives. Failures raise the exceptions below so the caller can classify them.
 
     pool = Pool("http://127.0.0.1:30000", time.perf_counter)
     response = Response()
@@ -29,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
-from dfserve._relay import BadChunk, Dechunker
+import httptools
+
 from dfserve.errors import UserError
+from dfserve.relay_core import BadChunk, Dechunker, EventTooLarge
 
 
 class ConnectFailed(Exception):
@@ -66,7 +71,7 @@ class Sink(Protocol):
 class Response:
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    """Header names lower-cased, values as sent."""
+    """Header names lower-cased, values as sent but for the whitespace around them."""
     pieces: list[tuple[float, bytes]] = field(default_factory=list)
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
 
@@ -86,6 +91,20 @@ class Response:
 
 
 _MAX_HEAD = 64 * 1024
+_NO_BODY = frozenset({204, 304})
+
+
+class _Head:
+    """httptools' callbacks for one response head: its header fields, names lower-cased, values without the
+    whitespace around them (llhttp keeps what trails)."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value.rstrip(b" \t")))
 
 
 class _Connection(asyncio.Protocol):
@@ -108,7 +127,9 @@ class _Connection(asyncio.Protocol):
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
         self._last = 0.0
         self._buffer = bytearray()
+        self._head_bytes = 0  # of the heads read so far, interim ones included
         self._head_done = False
+        self._no_body = False  # a response to HEAD
         self._dechunker: Dechunker | None = None
         self._remaining: int | None = None  # bytes left in a Content-Length body
         self._keep_alive = True
@@ -129,10 +150,8 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._feed(now, data)
-        except BadChunk as exc:
-            self._fail(BadResponse(str(exc)))
-        except BadResponse as exc:
-            self._fail(exc)
+        except (BadChunk, BadResponse, EventTooLarge) as exc:
+            self._fail(_failure(exc))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -147,10 +166,12 @@ class _Connection(asyncio.Protocol):
 
     # request/response -------------------------------------------------------------------------------------------
 
-    def start(self, request: bytes, response: Response) -> tuple[float, asyncio.Future[Response]]:
-        """Write one request; returns the clock reading just before the write and the response future."""
+    def start(self, request: bytes, response: Response, no_body: bool = False) -> tuple[float, asyncio.Future[Response]]:
+        """Write one request; returns the clock reading just before the write and the response future. `no_body`:
+        the response has none whatever its head says (a request with method HEAD)."""
         assert self.transport is not None
         self._reset(response)
+        self._no_body = no_body
         self.done = self.loop.create_future()
         self.head = self.loop.create_future()
         sent = self._last = self.clock()
@@ -187,10 +208,15 @@ class _Connection(asyncio.Protocol):
 
     def attach(self, sink: Sink) -> None:
         """Send the body to `sink` from now on: first the pieces kept so far, then each read's piece as it comes
-        (straight from the de-chunker), then the end."""
-        for now, data in self.response.pieces:
-            sink.received(now, data)
-        self.response.pieces = []
+        (straight from the de-chunker), then the end. A sink that refuses a piece (`EventTooLarge`) fails the
+        response."""
+        pieces, self.response.pieces = self.response.pieces, []
+        try:
+            for now, data in pieces:
+                sink.received(now, data)
+        except EventTooLarge as exc:
+            self._fail(exc)
+            return
         if self._over:
             sink.ended()
             return
@@ -240,16 +266,27 @@ class _Connection(asyncio.Protocol):
 
     def _feed(self, now: float, data: bytes) -> None:
         if not self._head_done:
-            buffer = self._buffer
-            buffer += data
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > _MAX_HEAD:
-                    raise BadResponse("response head too large")
+            if self._buffer:
+                self._buffer += data
+                data = bytes(self._buffer)
+                self._buffer.clear()
+            start = 0
+            while not self._head_done:  # interim (1xx) heads, then the final one
+                end = data.find(b"\r\n\r\n", start)
+                size = (end + 4 if end >= 0 else len(data)) - start
+                if self._head_bytes + size > _MAX_HEAD:
+                    raise BadResponse(f"response head over {_MAX_HEAD} bytes")
+                if end < 0:
+                    self._buffer += data[start:]
+                    return
+                self._head_bytes += size
+                self._parse_head(data[start : end + 4])
+                start = end + 4
+            data = data[start:]
+            if self._finished:  # a response without a body
+                if data:
+                    self._keep_alive = False  # bytes no request asked for: the server's framing is out of step
                 return
-            self._parse_head(bytes(buffer[:end]))
-            data = bytes(buffer[end + 4 :])
-            buffer.clear()
         if self._dechunker is None:
             self._plain(now, data)
         elif self._dechunker.feed(now, data):
@@ -270,10 +307,10 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
         self._finish()
 
-    def body_failed(self, exc: BadChunk) -> None:
-        """From the de-chunker: the body's framing is broken."""
+    def body_failed(self, exc: BadChunk | EventTooLarge) -> None:
+        """From the de-chunker: the body's framing is broken, or its sink refused it."""
         self._take_back()
-        self._fail(BadResponse(str(exc)))
+        self._fail(_failure(exc))
 
     def _take_back(self) -> None:
         assert self._dechunker is not None and self.transport is not None
@@ -281,31 +318,41 @@ class _Connection(asyncio.Protocol):
         self.transport.set_protocol(self)
 
     def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise BadResponse(f"bad status line {lines[0][:80]!r}")
-        self.response.status = int(parts[1])
+        """One response head, its blank line included: an interim (1xx) one is skipped; a final one says how the
+        body is framed, and a response without a body (204, 304, or to HEAD) is complete with it."""
+        parsed = _Head()
+        parser = httptools.HttpResponseParser(parsed)
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserUpgrade:
+            raise BadResponse("a 101 upgrade, which no request asked for") from None
+        except httptools.HttpParserError as exc:
+            raise BadResponse(f"bad response head ({exc}): {head[:80]!r}") from None
+        status, version = parser.get_status_code(), parser.get_http_version()
+        if version not in ("1.0", "1.1"):
+            raise BadResponse(f"HTTP/{version} response to an HTTP/1.1 request")
+        if status < 200:
+            if status == 101:
+                raise BadResponse("a 101 upgrade, which no request asked for")
+            return
+        self.response.status = status
+        self.response.headers = parsed.headers
         length, chunked = None, False
-        headers = self.response.headers
-        for line in lines[1:]:
-            name, _, raw = line.partition(b":")
-            name, raw = name.strip().lower(), raw.strip()
-            headers.append((name, raw))
-            value = raw.lower()
+        for name, raw in parsed.headers:
             if name == b"transfer-encoding":
-                if value != b"chunked":  # another coding, or a list: the body could not be relayed as sent
-                    raise BadResponse(f"unsupported transfer-encoding {value[:40]!r}")
+                if raw.lower() != b"chunked":  # another coding, or a list: the body could not be relayed as sent
+                    raise BadResponse(f"unsupported transfer-encoding {raw[:40]!r}")
                 chunked = True
             elif name == b"content-length":
-                if not value.isdigit():
-                    raise BadResponse(f"bad content-length {value!r}")
-                length = int(value)
-            elif name == b"connection" and value == b"close":
+                length = int(raw)  # llhttp took only digits, and one Content-Length
+            elif name == b"connection" and b"close" in (token.strip().lower() for token in raw.split(b",")):
                 self._keep_alive = False
-        if parts[0] == b"HTTP/1.0":
+        if version == "1.0":
             self._keep_alive = False
         self._head_done = True
+        if self._no_body or status in _NO_BODY:
+            self._finish()
+            return
         if chunked:
             self._dechunker = Dechunker(self.sink, self.clock)
         elif length is not None:
@@ -328,6 +375,11 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False  # bytes after the body: the server's framing is out of step
         if self._remaining == 0:
             self._finish()
+
+
+def _failure(exc: BadChunk | BadResponse | EventTooLarge) -> Exception:
+    """What a response fails with: broken chunk framing is a bad response; a body refused by its sink says why."""
+    return BadResponse(str(exc)) if isinstance(exc, BadChunk) else exc
 
 
 _POST_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -364,15 +416,21 @@ class Call:
             self.connection.abort()
 
 
+def is_base_url(url: str) -> bool:
+    """An http(s) URL with a host, as `Pool` needs its base URL."""
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 class Pool:
     """Keep-alive connections to one server; a connection carries one request at a time."""
 
     def __init__(self, base_url: str, clock: Callable[[], float], headers: Mapping[str, str] | None = None,
                  connect_timeout_s: float | None = None, read_timeout_s: float | None = None) -> None:
+        if not is_base_url(base_url):
+            raise UserError(f"base_url {base_url!r}: not an http(s) URL with a host")
         parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UserError(f"--arm: {base_url!r} is not an http(s) URL")
-        self.host = parts.hostname
+        self.host = cast(str, parts.hostname)  # is_base_url: never None
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
@@ -416,9 +474,10 @@ class Pool:
         await self._settle(connection, done)
 
     async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
-        """Send one request and return once its response head has arrived (`response.status`, `.headers`)."""
+        """Send one request and return once its final response head has arrived (`response.status`, `.headers`);
+        a response without a body (204, 304, to HEAD) is complete by then."""
         connection = await self._connection()
-        _, done = connection.start(self.request_bytes(path, body, method, headers), response)
+        _, done = connection.start(self.request_bytes(path, body, method, headers), response, method == b"HEAD")
         assert connection.head is not None
         try:
             await connection.head

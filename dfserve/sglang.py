@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dfserve._relay import read_marks
 from dfserve.errors import ProtocolError
+from dfserve.relay_core import read_marks
 
 SIM_CHUNK_SENT_KEY = "dfserve_sim_chunk_sent_unix_s"
 """meta_info key, written only by dfserve's simulator, with the wall-clock time it sent each chunk of a stream."""

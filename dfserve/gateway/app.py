@@ -254,9 +254,8 @@ class GatewayApp:
         finally:
             exchange.end = time.perf_counter()
             if opened is not None:
-                failed = exchange.error in ("stream_cut", "timeout")
                 clean = exchange.error in (None, STREAM_ERROR)  # an error in band ends a well-formed stream
-                gateway.upstream.release(opened, clean=clean, failure=exchange.error if failed else None)
+                gateway.upstream.release(opened, clean=clean, failure=exchange.error)
             in_flight.dec()
             record(gateway.metrics, exchange)
 
@@ -268,7 +267,7 @@ class GatewayApp:
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
             reply.start(response.status, headers)
             await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
-                               exchange)
+                               exchange, self.gateway.config.limits.max_event_bytes)
             return
         try:
             await opened.call.finish()

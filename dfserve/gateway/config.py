@@ -91,6 +91,8 @@ class Limits(_Model):
     read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk, "
                                   "and for a client that reads nothing of a stream.")
     max_retries: int = Field(2, ge=0, description="Other replicas of the same arm tried before the first byte.")
+    max_event_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Longest part of an upstream's server-sent "
+                                 "event held while waiting for its end; past it the stream ends with an error event.")
 
 
 class HealthConfig(_Model):

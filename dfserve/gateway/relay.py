@@ -2,7 +2,7 @@
 
 Streams go out as they arrive (no buffering of whole streams), cut only at event boundaries so that a stream that
 fails after its first byte can still end with a well-formed error event. That per-read work runs in C
-(`dfserve._relay.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
+(`dfserve.relay_core.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
 client, then counts the tokens it carried, found by the JSON keys `dfserve.sglang` names (`TokenMarks`), and
 counts the gap since the last piece with tokens into histogram buckets; the buckets go into the metrics once per
 request (`record`). Whole responses are read, measured and sent; for non-streamed chat the gateway asked SGLang
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dfserve import sglang
-from dfserve._relay import EventRelay
 from dfserve.errors import ProtocolError
 from dfserve.gateway.server import Responder
 from dfserve.gateway.upstream import MID_STREAM, Opened, mid_stream_error
 from dfserve.headers import ARM, REPLICA
 from dfserve.metrics import ITL_BUCKETS_S, STREAM_ERROR, Binned, DfserveMetrics, Measure, Outcome, observe
+from dfserve.relay_core import EventRelay
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -143,13 +143,15 @@ def meter(relay: EventRelay, exchange: Exchange) -> None:
     exchange.token_gaps = Binned(*token_gaps) if token_gaps is not None else None
 
 
-async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange) -> None:
+async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange,
+                       max_event_bytes: int) -> None:
     """Pass an SSE body through as it arrives, whole events at a time (`EventRelay`, fed by the upstream
     connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it;
-    a failure after the first byte ends it with an error event, never half an event. The relay holds nothing of
-    this coroutine's, so a finished request leaves no cycle for the garbage collector."""
+    a failure after the first byte, or an event longer than `max_event_bytes` (held until it is whole), ends it
+    with an error event, never half an event. The relay holds nothing of this coroutine's, so a finished request
+    leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
-    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S)
+    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
     failure: Exception | None = None
@@ -163,8 +165,12 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         meter(relay, exchange)
     if failure is not None:
         exchange.error = mid_stream_error(failure)
-        message = str(failure) if exchange.error == "client_stalled" else \
-            f"upstream replica failed mid-stream ({type(failure).__name__})"
+        if exchange.error == "client_stalled":
+            message = str(failure)
+        elif exchange.error == "event_too_large":
+            message = f"upstream replica sent {failure}"
+        else:
+            message = f"upstream replica failed mid-stream ({type(failure).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     try:

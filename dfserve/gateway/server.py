@@ -29,7 +29,7 @@ from urllib.parse import unquote
 import httptools
 
 from dfserve import sglang
-from dfserve._relay import LAST_CHUNK, frame
+from dfserve.relay_core import LAST_CHUNK, frame
 
 log = logging.getLogger("dfserve.gateway")
 

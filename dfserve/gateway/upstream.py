@@ -30,6 +30,7 @@ from dfserve.http1 import (
     Response,
 )
 from dfserve.metrics import DfserveMetrics
+from dfserve.relay_core import EventTooLarge
 
 
 @dataclass(eq=False)
@@ -64,15 +65,21 @@ class UpstreamFailure(Exception):
         self.kind = kind
 
 
-MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled)
+MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled, EventTooLarge)
 """What a response can fail with once its head has arrived."""
+
+REPLICA_FAULTS = frozenset({"stream_cut", "timeout", "event_too_large"})
+"""Failure kinds after the head that count against the replica (`Upstream.release`); the others are the client's."""
 
 
 def mid_stream_error(exc: Exception) -> str:
-    """The failure kind of a response cut after its head: the replica's (`timeout`, `stream_cut`) unless the
-    gateway's own client stopped reading (`client_stalled`)."""
+    """The failure kind of a response cut after its head: the replica's (`timeout`, `event_too_large`: an event
+    longer than `limits.max_event_bytes`, `stream_cut`) unless the gateway's own client stopped reading
+    (`client_stalled`)."""
     if isinstance(exc, ReaderStalled):
         return "client_stalled"
+    if isinstance(exc, EventTooLarge):
+        return "event_too_large"
     return "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
 
 
@@ -183,7 +190,7 @@ class Upstream:
                 raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
             except (ConnectFailed, Disconnected, BadResponse) as exc:
                 self._finish(arm, replica)
-                self._failed(arm, replica, "connect")
+                self._failed(arm, replica, "bad_response" if isinstance(exc, BadResponse) else "connect")
                 failure = UpstreamFailure(502, "connect", f"arm {arm_name!r}: {type(exc).__name__} from a replica")
                 continue
             except BaseException:
@@ -205,7 +212,8 @@ class Upstream:
 
     def release(self, opened: Opened, clean: bool, failure: str | None = None) -> None:
         """Return the replica's slot. Unclean ends close the connection, which makes SGLang abort the request;
-        `failure` names an upstream fault (a stream cut short), counted against the replica."""
+        `failure` is the request's failure kind, counted against the replica when it is its fault
+        (`REPLICA_FAULTS`: a stream cut short, say)."""
         if opened._released:
             return
         opened._released = True
@@ -214,7 +222,7 @@ class Upstream:
         else:
             opened.call.connection.abort()
         self._finish(opened.arm, opened.replica)
-        if failure is not None:
+        if failure in REPLICA_FAULTS:
             self._failed(opened.arm, opened.replica, failure)
         elif opened.response.status < 500:
             self._succeeded(opened.arm, opened.replica)

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.errors import UserError
+from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, read_config
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
@@ -37,7 +38,7 @@ EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 def _arm(value: str) -> tuple[str, str]:
     name, sep, url = value.partition("=")
-    if not sep or not name or not url.startswith(("http://", "https://")):
+    if not sep or not name or not is_base_url(url):
         raise UserError(f"--arm: {value!r} is not NAME=http://HOST:PORT")
     return name, url
 

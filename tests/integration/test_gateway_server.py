@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from dfserve._relay import EventRelay
+from dfserve.relay_core import EventRelay
 from dfserve.gateway.server import Reply, Request, Server, ServerLimits
 
 LOOPBACK = "127.0.0.1"

@@ -1,4 +1,6 @@
-"""The tester's HTTP/1.1 reader on byte streams cut at every possible point: de-chunking, lengths, failures."""
+"""The tester's and the gateway's HTTP/1.1 reader on byte streams cut at every possible point: de-chunking, lengths,
+failures, and heads a hostile or unusual server sends (header injection, interim 1xx, bodiless 204/304/HEAD,
+oversize heads)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import time
 
 import pytest
 
-from dfserve.http1 import BadResponse, Disconnected, Pool, ReadTimeout, Response, _Connection
+from dfserve import sglang
+from dfserve.errors import UserError
+from dfserve.http1 import BadResponse, Disconnected, Pool, ReadTimeout, Response, _Connection, is_base_url
+from dfserve.relay_core import EventRelay, EventTooLarge, frame
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"f\r\ndata: {\"a\":1}\n\n\r\n"
@@ -46,13 +51,14 @@ class FakeTransport:
         return self.aborted
 
 
-def feed(parts: list[bytes], close: bool = False) -> tuple[_Connection, Response, asyncio.Future[Response]]:
+def feed(parts: list[bytes], close: bool = False,
+         no_body: bool = False) -> tuple[_Connection, Response, asyncio.Future[Response]]:
     async def go() -> tuple[_Connection, Response, asyncio.Future[Response]]:
         ticks = itertools.count()
         connection = _Connection(lambda: float(next(ticks)))
         transport = FakeTransport(connection)
         response = Response()
-        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", response)
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", response, no_body)
         for part in parts:
             transport.deliver(part)
         if close:
@@ -248,3 +254,103 @@ def test_a_kept_alive_connection_lets_go_of_the_sink_it_served() -> None:
     assert b"".join(sink.pieces) == PAYLOAD and sink.over and connection.reusable
     assert connection.sink is connection.response and connection._dechunker is not None
     assert connection._dechunker.sink is connection.response
+
+
+@pytest.mark.parametrize("injected", [b"a\nSet-Cookie: pwned=1", b"a\rSet-Cookie: pwned=1",
+                                      b"a\r\n Set-Cookie: pwned=1", b"a\x00b"])
+def test_a_header_value_with_a_bare_line_break_is_refused_never_split(injected: bytes) -> None:
+    head = b"HTTP/1.1 200 OK\r\nx-evil: " + injected + b"\r\nContent-Length: 2\r\n\r\nok"
+    for parts in ([head], [head[:20], head[20:]]):
+        connection, response, done = feed(parts)
+        assert isinstance(done.exception(), BadResponse) and connection.closed
+        assert not any(b"set-cookie" in name or b"\n" in value for name, value in response.headers)
+
+
+def test_the_head_limit_holds_however_the_head_arrives() -> None:
+    fields = b"".join(b"x-field-%05d: %s\r\n" % (n, b"v" * 40) for n in range(1400))  # about 70 KiB
+    head = b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 2\r\n\r\nok"
+    for parts in ([head], [head[:30000], head[30000:]], [head[:100], head[100:60000], head[60000:]]):
+        connection, _, done = feed(parts)
+        assert isinstance(done.exception(), BadResponse) and "head over 65536 bytes" in str(done.exception())
+        assert connection.closed
+    fitting = b"HTTP/1.1 200 OK\r\n" + fields[:60000].rpartition(b"\r\n")[0] + b"\r\nContent-Length: 2\r\n\r\nok"
+    _, response, done = feed([fitting])
+    assert done.result() is response and response.body() == b"ok" and len(response.headers) > 1000
+
+
+def test_interim_responses_are_skipped_and_count_toward_the_head_limit() -> None:
+    final = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+    whole = interim + final
+    for cut in range(1, len(whole)):
+        connection, response, done = feed([whole[:cut], whole[cut:]])
+        assert done.result() is response and response.status == 200 and response.body() == b"ok", cut
+        assert response.header(b"link") is None and connection.reusable, cut
+    hint = b"HTTP/1.1 103 Early Hints\r\nLink: " + b"x" * 4000 + b"\r\n\r\n"
+    _, _, done = feed([hint * 17 + final])
+    assert isinstance(done.exception(), BadResponse)
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+                                  b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+                                  b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n"])
+def test_an_upgrade_or_another_protocol_is_refused(head: bytes) -> None:
+    connection, _, done = feed([head])
+    assert isinstance(done.exception(), BadResponse) and connection.closed
+
+
+@pytest.mark.parametrize(("head", "no_body"), [
+    (b"HTTP/1.1 204 No Content\r\n\r\n", False),
+    (b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", False),
+    (b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\n\r\n", False),
+    (b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", True),  # the answer to HEAD
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+])
+def test_responses_without_a_body_are_complete_at_their_head(head: bytes, no_body: bool) -> None:
+    connection, response, done = feed([head], no_body=no_body)
+    assert done.result() is response and response.body() == b"" and connection.reusable
+    assert connection.head is not None and connection.head.done()
+    connection, _, done = feed([head + b"junk"], no_body=no_body)  # bytes no request asked for
+    assert done.done() and not done.exception() and not connection.reusable
+
+
+def test_a_connection_header_listing_close_ends_reuse() -> None:
+    connection, _, done = feed([b"HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\nContent-Length: 0\r\n\r\n"])
+    assert done.done() and not done.exception() and not connection.reusable
+
+
+def test_whitespace_around_header_values_is_not_part_of_them() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \tchunked \t\r\nX-Engine:  stub  \r\n\r\n"
+    connection, response, done = feed([CHUNKED.replace(CHUNKED[:CHUNKED.index(b"\r\n\r\n") + 4], head)])
+    assert done.result() is response and response.body() == PAYLOAD and connection.reusable
+    assert response.header(b"x-engine") == b"stub"
+
+
+def test_an_event_past_the_relay_cap_fails_the_response_with_its_reason() -> None:
+    """Whether the relay refuses a piece kept before it was attached, or one the de-chunker hands it as the
+    transport's protocol, the response fails with `EventTooLarge`, and the connection is closed."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    marks = sglang.NATIVE_TOKENS
+
+    async def go(before: bytes, after: bytes) -> tuple[_Connection, BaseException | None, list[bytes]]:
+        connection = _Connection(time.perf_counter)
+        transport = FakeTransport(connection)
+        _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
+        transport.deliver(head + before)
+        written: list[bytes] = []
+        connection.attach(EventRelay(written.append, False, marks.keys, marks.cumulative, (), 64))
+        if not done.done():
+            transport.deliver(after)
+        return connection, done.exception(), written
+
+    event = b"data: {}\n\n"
+    for before, after in ((frame(event + b"x" * 100), b""), (frame(event + b"x" * 10), frame(b"y" * 100))):
+        connection, failure, written = asyncio.run(go(before, after))
+        assert isinstance(failure, EventTooLarge) and connection.closed and written == [event]
+
+
+def test_a_bad_base_url_is_named_as_the_field_it_came_from() -> None:
+    assert is_base_url("https://host:8443/prefix") and not is_base_url("http://") and not is_base_url("ftp://h")
+    with pytest.raises(UserError, match=r"^base_url 'http://': not an http\(s\) URL with a host$"):
+        Pool("http://", time.perf_counter)

@@ -1,4 +1,6 @@
-"""The C relay (`dfserve._relay`) on byte streams cut every way: de-chunking, event cutting, framing, metering."""
+"""The relay, in C (`dfserve._relay`) and in its pure-Python twin (`dfserve._relay_py`), each test run on both: byte
+streams cut every way, de-chunking, event cutting, framing, metering, the cap on a held event, and objects whose
+`__init__` never ran or failed."""
 
 from __future__ import annotations
 
@@ -8,12 +10,21 @@ import json
 import random
 import time
 import weakref
+from types import ModuleType
 
 import numpy as np
 import pytest
 
-from dfserve import sglang
-from dfserve._relay import BadChunk, Dechunker, EventRelay, frame, read_marks
+from dfserve import _relay, _relay_py, sglang
+from dfserve.relay_core import EventRelay
+
+Relay = ModuleType
+
+
+@pytest.fixture(params=[_relay, _relay_py], ids=["c", "python"])
+def impl(request: pytest.FixtureRequest) -> Relay:
+    """The C extension, then its twin: both must pass every test here."""
+    return request.param
 
 EVENT = b'data: {"completion_tokens":1}\n\n'
 PAYLOAD = EVENT + b"data: "
@@ -33,26 +44,26 @@ class Pieces:
         self.pieces.append((now, data))
 
 
-def dechunk(reads: list[bytes]) -> tuple[Pieces, list[bool]]:
+def dechunk(impl: Relay, reads: list[bytes]) -> tuple[Pieces, list[bool]]:
     sink = Pieces()
-    dechunker = Dechunker(sink, time.perf_counter)
+    dechunker = impl.Dechunker(sink, time.perf_counter)
     done = [dechunker.feed(float(at), read) for at, read in enumerate(reads)]
     return sink, done
 
 
-def test_a_body_cut_at_every_pair_of_points_gives_the_same_payload_one_piece_per_read() -> None:
+def test_a_body_cut_at_every_pair_of_points_gives_the_same_payload_one_piece_per_read(impl: Relay) -> None:
     for first in range(1, len(BODY)):
         for second in range(first, len(BODY)):
             reads = [BODY[:first], BODY[first:second], BODY[second:]]
-            sink, done = dechunk(reads)
+            sink, done = dechunk(impl, reads)
             assert b"".join(piece for _, piece in sink.pieces) == PAYLOAD, (first, second)
             assert done == [False, False, True] if second < len(BODY) else done[-2:] == [True, True]
             assert len({at for at, _ in sink.pieces}) == len(sink.pieces)  # one piece per read at most
 
 
-def test_bytes_after_the_last_chunk_are_dropped_and_noted() -> None:
+def test_bytes_after_the_last_chunk_are_dropped_and_noted(impl: Relay) -> None:
     sink = Pieces()
-    dechunker = Dechunker(sink, time.perf_counter)
+    dechunker = impl.Dechunker(sink, time.perf_counter)
     assert dechunker.feed(0.0, b"3\r\nabc\r\n0\r\n\r\n") and not dechunker.overrun
     assert dechunker.feed(1.0, b"HTTP/1.1 200 OK\r\n") and dechunker.overrun
     assert sink.pieces == [(0.0, b"abc")]
@@ -67,15 +78,15 @@ def test_bytes_after_the_last_chunk_are_dropped_and_noted() -> None:
     (b"3;" + b"e" * 5000 + b"\r\n", "chunk line too long"),
     (b"fffffffffffffffffff\r\n", "chunk size too large"),
 ])
-def test_broken_framing_is_refused_by_name(body: bytes, problem: str) -> None:
-    with pytest.raises(BadChunk, match=problem):
-        dechunk([body])
-    assert issubclass(BadChunk, ValueError)
+def test_broken_framing_is_refused_by_name(impl: Relay, body: bytes, problem: str) -> None:
+    with pytest.raises(impl.BadChunk, match=problem):
+        dechunk(impl, [body])
+    assert issubclass(impl.BadChunk, ValueError)
 
 
-def test_the_sink_can_change_mid_body() -> None:
+def test_the_sink_can_change_mid_body(impl: Relay) -> None:
     first, second = Pieces(), Pieces()
-    dechunker = Dechunker(first, time.perf_counter)
+    dechunker = impl.Dechunker(first, time.perf_counter)
     dechunker.feed(0.0, b"3\r\nabc\r\n3\r\nd")
     dechunker.sink = second
     assert dechunker.feed(1.0, b"ef\r\n0\r\n\r\n") and dechunker.done
@@ -91,7 +102,7 @@ class Owner:
     def body_done(self) -> None:
         self.calls.append("done")
 
-    def body_failed(self, exc: BadChunk) -> None:
+    def body_failed(self, exc: ValueError) -> None:
         self.calls.append(f"failed: {exc}")
 
     def eof_received(self) -> bool:
@@ -108,10 +119,10 @@ class Owner:
         self.calls.append("resume")
 
 
-def test_as_the_protocol_it_stamps_reads_and_reports_the_end_to_its_owner() -> None:
+def test_as_the_protocol_it_stamps_reads_and_reports_the_end_to_its_owner(impl: Relay) -> None:
     ticks = itertools.count(10)
     sink, owner = Pieces(), Owner()
-    dechunker = Dechunker(sink, lambda: float(next(ticks)))
+    dechunker = impl.Dechunker(sink, lambda: float(next(ticks)))
     dechunker.data_received(b"3\r\nabc\r\n")
     assert sink.pieces == [] and owner.calls == []  # no owner: not its body (any more)
     dechunker.owner = owner
@@ -125,86 +136,86 @@ def test_as_the_protocol_it_stamps_reads_and_reports_the_end_to_its_owner() -> N
     assert owner.calls == ["done", "eof", "pause", "resume", "lost: None"]
 
 
-def test_as_the_protocol_it_reports_broken_framing_to_its_owner() -> None:
+def test_as_the_protocol_it_reports_broken_framing_to_its_owner(impl: Relay) -> None:
     owner = Owner()
-    dechunker = Dechunker(Pieces(), time.perf_counter)
+    dechunker = impl.Dechunker(Pieces(), time.perf_counter)
     dechunker.owner = owner
     dechunker.data_received(b"3\r\nabcXY")
     assert owner.calls == ["failed: chunk data not followed by CRLF: b'XY'"]
 
 
-def test_read_marks_reads_the_last_running_total_or_counts_text() -> None:
+def test_read_marks_reads_the_last_running_total_or_counts_text(impl: Relay) -> None:
     keys = (b'"completion_tokens":', b'"tokens":')
     events = b'data: {"tokens": 4, "completion_tokens":7}\n\ndata: {"completion_tokens":9, "tokens":  12}\n\n'
-    assert read_marks(events, keys, True) == 12
-    assert read_marks(b'data: {"completion_tokens":null}\n\n', keys, True) is None
+    assert impl.read_marks(events, keys, True) == 12
+    assert impl.read_marks(b'data: {"completion_tokens":null}\n\n', keys, True) is None
     chat = b'{"content":"a"} {"content": ""} {"content":null} {"text": "b"} {"content":"\\"q"}'
-    assert read_marks(chat, (b'"content":', b'"text":'), False) == 2 + 0 + 1
-    assert read_marks(b"", keys, False) == 0
-    assert read_marks(b'{"tokens": 7} {"tokens": 99999999999999999999999}', keys, True) == 7  # beyond int64
+    assert impl.read_marks(chat, (b'"content":', b'"text":'), False) == 2 + 0 + 1
+    assert impl.read_marks(b"", keys, False) == 0
+    assert impl.read_marks(b'{"tokens": 7} {"tokens": 99999999999999999999999}', keys, True) == 7  # beyond int64
     with pytest.raises(TypeError):
-        read_marks(b"", (), True)
+        impl.read_marks(b"", (), True)
 
 
-def test_frame_is_one_http_chunk() -> None:
-    assert frame(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
-    assert frame(b"x" * 4096).startswith(b"1000\r\n")
+def test_frame_is_one_http_chunk(impl: Relay) -> None:
+    assert impl.frame(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
+    assert impl.frame(b"x" * 4096).startswith(b"1000\r\n")
     with pytest.raises(ValueError, match="last chunk"):
-        frame(b"")
+        impl.frame(b"")
 
 
 def native(tokens: int) -> bytes:
     return b"data: " + json.dumps({"text": "t", "meta_info": {"completion_tokens": tokens}}).encode() + b"\n\n"
 
 
-def relay_for(write: list[bytes] | None, chunked: bool) -> EventRelay:
+def relay_for(impl: Relay, write: list[bytes] | None, chunked: bool) -> EventRelay:
     marks = sglang.NATIVE_TOKENS
-    return EventRelay(write.append if write is not None else None, chunked, marks.keys, marks.cumulative, (1.5, 2.5))
+    return impl.EventRelay(write.append if write is not None else None, chunked, marks.keys, marks.cumulative, (1.5, 2.5))
 
 
-def test_crlf_events_are_cut_whole_and_framed_as_chunks() -> None:
+def test_crlf_events_are_cut_whole_and_framed_as_chunks(impl: Relay) -> None:
     written: list[bytes] = []
-    relay = relay_for(written, chunked=True)
+    relay = relay_for(impl, written, chunked=True)
     crlf = native(2).replace(b"\n", b"\r\n")
     relay.received(1.0, crlf[:-1])
     assert written == [] and relay.pending == crlf[:-1]
     relay.received(2.0, crlf[-1:] + b"data: {")
-    assert written == [frame(crlf)] and relay.pending == b"data: {"
+    assert written == [impl.frame(crlf)] and relay.pending == b"data: {"
     assert relay.first == 2.0
 
 
-def test_the_body_ends_in_the_same_write_as_the_last_events_when_nothing_is_held() -> None:
+def test_the_body_ends_in_the_same_write_as_the_last_events_when_nothing_is_held(impl: Relay) -> None:
     """A system call fewer per request: a chunked client body is ended with the upstream body's last events, not
     when the end came in a read of its own, or with half an event held, or for a body that is not chunked."""
     written: list[bytes] = []
-    relay = relay_for(written, chunked=True)
-    dechunker = Dechunker(relay, time.perf_counter)
-    dechunker.feed(0.0, frame(native(1)))
-    dechunker.feed(1.0, frame(native(2)) + b"0\r\n\r\n")
+    relay = relay_for(impl, written, chunked=True)
+    dechunker = impl.Dechunker(relay, time.perf_counter)
+    dechunker.feed(0.0, impl.frame(native(1)))
+    dechunker.feed(1.0, impl.frame(native(2)) + b"0\r\n\r\n")
     relay.received(2.0, native(3))  # the client's body is over: nothing more goes out
-    assert written == [frame(native(1)), frame(native(2)) + b"0\r\n\r\n"] and relay.last_chunk_written
+    assert written == [impl.frame(native(1)), impl.frame(native(2)) + b"0\r\n\r\n"] and relay.last_chunk_written
     assert relay.tokens == 2
 
     written = []
-    relay = relay_for(written, chunked=True)
-    dechunker = Dechunker(relay, time.perf_counter)
-    dechunker.feed(0.0, frame(native(1)))
+    relay = relay_for(impl, written, chunked=True)
+    dechunker = impl.Dechunker(relay, time.perf_counter)
+    dechunker.feed(0.0, impl.frame(native(1)))
     dechunker.feed(1.0, b"0\r\n\r\n")
-    assert written == [frame(native(1))] and not relay.last_chunk_written
+    assert written == [impl.frame(native(1))] and not relay.last_chunk_written
 
-    for chunked, held, expected in ((True, b"data: {", frame(native(1))), (False, b"", native(1))):
+    for chunked, held, expected in ((True, b"data: {", impl.frame(native(1))), (False, b"", native(1))):
         written = []
-        relay = relay_for(written, chunked=chunked)
+        relay = relay_for(impl, written, chunked=chunked)
         relay.received(0.0, native(1) + held, True)
         assert written == [expected] and not relay.last_chunk_written and relay.pending == held
 
 
-def test_without_a_writer_or_once_detached_nothing_is_written_but_all_is_metered() -> None:
-    relay = relay_for(None, chunked=True)
+def test_without_a_writer_or_once_detached_nothing_is_written_but_all_is_metered(impl: Relay) -> None:
+    relay = relay_for(impl, None, chunked=True)
     relay.received(1.0, native(1))
     assert relay.tokens == 1
     written: list[bytes] = []
-    relay = relay_for(written, chunked=False)
+    relay = relay_for(impl, written, chunked=False)
     relay.received(1.0, native(1))
     relay.detach()
     relay.received(2.0, native(3))
@@ -215,8 +226,8 @@ def test_without_a_writer_or_once_detached_nothing_is_written_but_all_is_metered
     assert relay.tail == native(1) + native(3)
 
 
-def test_a_long_stream_is_metered_whole() -> None:
-    relay = relay_for(None, chunked=True)
+def test_a_long_stream_is_metered_whole(impl: Relay) -> None:
+    relay = relay_for(impl, None, chunked=True)
     for n in range(1, 5001):
         relay.received(n / 100, native(3 * n))
     assert relay.tokens == 15000
@@ -226,7 +237,7 @@ def test_a_long_stream_is_metered_whole() -> None:
     assert chunk_sum == pytest.approx(49.99) and token_sum == pytest.approx(49.99)
 
 
-def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
+def test_random_streams_through_dechunker_and_relay_arrive_byte_exact(impl: Relay) -> None:
     rng = random.Random(7)
     for _ in range(200):
         totals = np.cumsum([rng.randrange(1, 5) for _ in range(rng.randrange(1, 30))]).tolist()
@@ -240,8 +251,8 @@ def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
         body = b"".join(chunks) + b"0\r\n\r\n"
         cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randrange(0, 12))))
         written: list[bytes] = []
-        relay = relay_for(written, chunked=False)
-        dechunker = Dechunker(relay, time.perf_counter)
+        relay = relay_for(impl, written, chunked=False)
+        dechunker = impl.Dechunker(relay, time.perf_counter)
         done = [dechunker.feed(float(n), body[a:b]) for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(body)],
                                                                                     strict=True))]
         assert done[-1] and not any(done[:-1])
@@ -253,14 +264,14 @@ def test_random_streams_through_dechunker_and_relay_arrive_byte_exact() -> None:
         assert sum(relay.chunk_gaps[0]) == max(with_tokens - 1, 0)
 
 
-def test_a_relay_in_a_reference_cycle_is_collected() -> None:
+def test_a_relay_in_a_reference_cycle_is_collected(impl: Relay) -> None:
     class Holder:
         def write(self, data: bytes) -> None:
             """The relay's writer: a bound method, so the relay holds its holder."""
 
     def cycle() -> weakref.ref[Holder]:
         holder = Holder()
-        holder.relay = EventRelay(holder.write, True, (b'"x":',), True, ())  # type: ignore[attr-defined]
+        holder.relay = impl.EventRelay(holder.write, True, (b'"x":',), True, ())  # type: ignore[attr-defined]
         return weakref.ref(holder)
 
     gone = cycle()
@@ -268,36 +279,102 @@ def test_a_relay_in_a_reference_cycle_is_collected() -> None:
     assert gone() is None
 
 
-def test_an_event_spread_over_many_reads_is_relayed_once_and_whole() -> None:
+def test_an_event_spread_over_many_reads_is_relayed_once_and_whole(impl: Relay) -> None:
     written: list[bytes] = []
-    relay = relay_for(written, chunked=False)
+    relay = relay_for(impl, written, chunked=False)
     event = b"data: " + json.dumps({"text": "x" * 300_000, "meta_info": {"completion_tokens": 5}}).encode() + b"\n\n"
     for at in range(0, len(event), 1000):
         relay.received(1.0, event[at:at + 1000])
     assert written == [event] and relay.pending == b"" and relay.tokens == 5
 
 
-def test_a_bad_clock_or_bad_bounds_raise_instead_of_corrupting_state() -> None:
-    dechunker = Dechunker(Pieces(), lambda: "noon")  # type: ignore[arg-type, return-value]
+def test_a_bad_clock_or_bad_bounds_raise_instead_of_corrupting_state(impl: Relay) -> None:
+    dechunker = impl.Dechunker(Pieces(), lambda: "noon")  # type: ignore[arg-type, return-value]
     dechunker.owner = Owner()
     with pytest.raises(TypeError):
         dechunker.data_received(b"3\r\nab")
     for bounds in ((0.1, float("nan")), (0.2, 0.1)):
         with pytest.raises(ValueError, match="increase"):
-            EventRelay(None, True, (b'"x":',), True, bounds)
+            impl.EventRelay(None, True, (b'"x":',), True, bounds)
 
 
-def test_objects_made_without_init_are_inert() -> None:
-    dechunker = Dechunker.__new__(Dechunker)
+def test_objects_made_without_init_are_inert(impl: Relay) -> None:
+    dechunker = impl.Dechunker.__new__(impl.Dechunker)
     assert dechunker.sink is None and dechunker.owner is None
     dechunker.data_received(b"3\r\nabc\r\n")  # no owner: not its body
-    relay = EventRelay.__new__(EventRelay)
+    relay = impl.EventRelay.__new__(impl.EventRelay)
     relay.received(1.0, b"data: {}\n\n")
     relay.ended()
     assert relay.tail == b"" and relay.pending == b"" and relay.first is None
+    assert relay.chunk_gaps == ((0,), 0.0) and relay.token_gaps is None  # C: its bins were never allocated
 
 
-def test_cycles_through_subclassed_keys_or_payloads_are_collected() -> None:
+def test_a_relay_whose_init_failed_is_inert_and_readable(impl: Relay) -> None:
+    relay = impl.EventRelay.__new__(impl.EventRelay)
+    with pytest.raises(TypeError):
+        relay.__init__(None, True, (), True, (1.0,))  # no keys
+    relay.received(1.0, native(3))
+    assert relay.chunk_gaps == ((0,), 0.0) and relay.tokens == 0 and relay.tail == b""
+    working = relay_for(impl, [], chunked=True)
+    working.received(1.0, native(1))
+    with pytest.raises(ValueError, match="increase"):
+        working.__init__(None, True, (b'"x":',), True, (2.0, 1.0))
+    working.received(2.0, native(5))
+    assert working.tokens == 1 and working.chunk_gaps == ((0, 0, 0), 0.0)  # the old relay's, which relays no more
+
+
+def test_empty_pieces_hold_nothing(impl: Relay) -> None:
+    """An empty piece, first of all: in C, memcpy to a buffer not yet allocated (UBSan: a null pointer)."""
+    written: list[bytes] = []
+    relay = relay_for(impl, written, chunked=False)
+    relay.received(1.0, b"")
+    relay.received(2.0, b"data: ")
+    relay.received(3.0, b"")
+    relay.received(4.0, native(1)[6:])
+    assert written == [native(1)] and relay.pending == b""
+
+
+def test_an_event_longer_than_the_cap_ends_the_relay_and_lets_go_of_it(impl: Relay) -> None:
+    written: list[bytes] = []
+    marks = sglang.NATIVE_TOKENS
+    relay = impl.EventRelay(written.append, False, marks.keys, marks.cumulative, (), 100)
+    relay.received(1.0, native(1) + b"data: " + b"x" * 80)
+    assert written == [native(1)] and len(relay.pending) == 86
+    relay.received(2.0, b"x" * 14)  # 100 bytes held: at the cap, not past it
+    with pytest.raises(impl.EventTooLarge, match="longer than 100 bytes"):
+        relay.received(3.0, b"x\n\ndata: " + b"y" * 100)  # whole events go out first, then the rest is too long
+    assert written == [native(1), b"data: " + b"x" * 95 + b"\n\n"] and relay.pending == b""
+    relay.received(4.0, native(9))
+    assert len(written) == 2 and relay.tokens == 1  # over: nothing more is relayed
+    assert issubclass(impl.EventTooLarge, ValueError) and not issubclass(impl.EventTooLarge, impl.BadChunk)
+
+
+def test_the_cap_applies_to_what_is_held_not_to_whole_events_passing_through(impl: Relay) -> None:
+    written: list[bytes] = []
+    relay = impl.EventRelay(written.append, False, (b'"x":',), True, (), 10)
+    big = b"data: " + b"z" * 50 + b"\n\n"
+    relay.received(1.0, big)
+    assert written == [big]
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            impl.EventRelay(None, False, (b'"x":',), True, (), limit)
+
+
+def test_a_dechunker_as_the_protocol_reports_a_refused_event_to_its_owner(impl: Relay) -> None:
+    owner = Owner()
+    relay = impl.EventRelay(None, True, (b'"x":',), True, (), 16)
+    dechunker = impl.Dechunker(relay, time.perf_counter)
+    dechunker.owner = owner
+    dechunker.data_received(impl.frame(b"data: " + b"x" * 10))
+    assert owner.calls == []
+    dechunker.data_received(impl.frame(b"x" * 10))
+    assert owner.calls == ["failed: an event longer than 16 bytes (max_event_bytes)"]
+    with pytest.raises(impl.EventTooLarge):  # fed by hand, the sink's refusal is raised
+        impl.Dechunker(impl.EventRelay(None, True, (b'"x":',), True, (), 4), time.perf_counter).feed(
+            0.0, impl.frame(b"data: {}"))
+
+
+def test_cycles_through_subclassed_keys_or_payloads_are_collected(impl: Relay) -> None:
     class Keys(tuple):  # type: ignore[type-arg]
         """A tuple that can carry attributes, so it can point back at its relay."""
 
@@ -309,13 +386,13 @@ def test_cycles_through_subclassed_keys_or_payloads_are_collected() -> None:
 
     def through_keys() -> weakref.ref[Sentinel]:
         keys = Keys((b'"x":',))
-        keys.relay = EventRelay(None, True, keys, True, ())  # type: ignore[attr-defined]
+        keys.relay = impl.EventRelay(None, True, keys, True, ())  # type: ignore[attr-defined]
         keys.sentinel = Sentinel()  # type: ignore[attr-defined]
         return weakref.ref(keys.sentinel)  # type: ignore[attr-defined]
 
     def through_payload() -> weakref.ref[Sentinel]:
         payload = Payload(b"data: {}\n\n")
-        relay = EventRelay(None, True, (b'"x":',), True, ())
+        relay = impl.EventRelay(None, True, (b'"x":',), True, ())
         relay.received(1.0, payload)
         payload.relay, payload.sentinel = relay, Sentinel()  # type: ignore[attr-defined]
         return weakref.ref(payload.sentinel)  # type: ignore[attr-defined]

@@ -1,0 +1,373 @@
+/* EventRelay: a server-sent-event body relayed to a client whole events at a time, and metered. */
+#include "relay.h"
+
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *write;    /* writes bytes to the client's socket, or None: nothing is sent (HEAD, a shadow) */
+    int chunked;        /* frame what is written as HTTP chunks */
+    PyObject *keys;     /* token marks (see read_marks) */
+    int cumulative;
+    char *held;         /* bytes after the last whole event, kept until their event is complete */
+    Py_ssize_t held_length, held_capacity;
+    Py_ssize_t max_event_bytes; /* the most it holds: an event still incomplete past it ends the relay */
+    PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
+    int64_t tokens;     /* cumulative: the running total seen so far (-1: none); else: marks counted */
+    double first;       /* arrival time of the first piece that carried tokens (-1: none yet) */
+    double previous;    /* and of the latest */
+    Bins chunk_gaps;    /* gaps between pieces that carried tokens */
+    Bins token_gaps;    /* the same gaps per token, one per token (cumulative marks: exact token counts) */
+    int closed;
+    int last_chunk_written; /* the body's end went out with its last events */
+} EventRelay;
+
+/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"), looking only at
+ * lines that end at or after `from`; 0 if none. */
+static Py_ssize_t
+event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
+{
+    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--) {
+        if (buf[i] != '\n')
+            continue;
+        if (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'))
+            return i + 1;
+    }
+    return 0;
+}
+
+static int
+relay_meter(EventRelay *self, PyObject *now, PyObject *events)
+{
+    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
+    int64_t produced = found;
+    if (self->cumulative) {
+        produced = found > self->tokens ? found - Py_MAX(self->tokens, 0) : 0;
+        self->tokens = Py_MAX(self->tokens, found);
+    }
+    else
+        self->tokens += found;
+    if (produced <= 0)
+        return 0;
+    double arrival = PyFloat_AsDouble(now);
+    if (arrival == -1.0 && PyErr_Occurred())
+        return -1;
+    if (self->first < 0)
+        self->first = arrival;
+    else {
+        double gap = arrival - self->previous;
+        bins_add(&self->chunk_gaps, gap, 1);
+        if (self->cumulative)
+            bins_add(&self->token_gaps, gap / (double)produced, produced);
+    }
+    self->previous = arrival;
+    return 0;
+}
+
+static int
+hold(EventRelay *self, const char *data, Py_ssize_t length)
+{
+    if (length == 0)
+        return 0;
+    if (self->held_length + length > self->held_capacity) {
+        Py_ssize_t capacity = Py_MAX(self->held_capacity * 2, self->held_length + length);
+        char *held = PyMem_Realloc(self->held, capacity);
+        if (held == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->held = held;
+        self->held_capacity = capacity;
+    }
+    memcpy(self->held + self->held_length, data, length);
+    self->held_length += length;
+    return 0;
+}
+
+/* An event still incomplete past `max_event_bytes` ends the relay (EventTooLarge), and what it held is let go. */
+static int
+check_held(EventRelay *self)
+{
+    if (self->held_length <= self->max_event_bytes)
+        return 0;
+    PyMem_Free(self->held);
+    self->held = NULL;
+    self->held_length = self->held_capacity = 0;
+    self->closed = 1;
+    PyErr_Format(EventTooLarge, "an event longer than %zd bytes (max_event_bytes)", self->max_event_bytes);
+    return -1;
+}
+
+/* The relay's whole job for one piece of body: whole events go to the client, then are metered. `last`: the
+ * upstream body ends with this piece; when it leaves nothing held, the client's body is ended in the same write
+ * (one system call fewer per request). */
+int
+relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
+{
+    EventRelay *self = (EventRelay *)relay;
+    if (self->closed)
+        return 0;
+    const char *data = PyBytes_AS_STRING(payload);
+    Py_ssize_t length = PyBytes_GET_SIZE(payload);
+    PyObject *events;
+    if (self->held_length == 0 && length >= 2 && data[length - 1] == '\n' && data[length - 2] == '\n') {
+        events = PyBytes_CheckExact(payload) ? Py_NewRef(payload) /* the usual read: whole events, nothing held */
+                                             : PyBytes_FromStringAndSize(data, length);
+        if (events == NULL)
+            return -1;
+    }
+    else {
+        Py_ssize_t before = self->held_length;
+        if (hold(self, data, length) < 0)
+            return -1;
+        /* what was held had no boundary, so a boundary's last newline can only be a new byte */
+        Py_ssize_t cut = event_boundary(self->held, self->held_length, before);
+        if (cut == 0)
+            return check_held(self);
+        events = PyBytes_FromStringAndSize(self->held, cut);
+        if (events == NULL)
+            return -1;
+        memmove(self->held, self->held + cut, self->held_length - cut);
+        self->held_length -= cut;
+    }
+    if (self->write != Py_None) {
+        PyObject *write = Py_NewRef(self->write); /* the call may detach it */
+        int end = last && self->chunked && self->held_length == 0;
+        PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), end)
+                                      : Py_NewRef(events);
+        PyObject *result = out ? PyObject_CallOneArg(write, out) : NULL;
+        Py_XDECREF(out);
+        Py_DECREF(write);
+        if (result == NULL) {
+            Py_DECREF(events);
+            return -1;
+        }
+        Py_DECREF(result);
+        if (end)
+            self->last_chunk_written = self->closed = 1; /* the client's body is over: nothing more goes out */
+    }
+    int failed = relay_meter(self, now, events);
+    Py_SETREF(self->tail[0], self->tail[1]);
+    self->tail[1] = events;
+    return failed ? -1 : check_held(self);
+}
+
+/* Every object field set to something harmless, so that no method meets a NULL: after __new__ without
+ * __init__, and after the garbage collector has cleared the object. */
+static int
+EventRelay_reset_fields(EventRelay *self)
+{
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    PyObject *no_keys = PyTuple_New(0);
+    if (empty == NULL || no_keys == NULL) {
+        Py_XDECREF(empty);
+        Py_XDECREF(no_keys);
+        return -1;
+    }
+    Py_XSETREF(self->write, Py_NewRef(Py_None));
+    Py_XSETREF(self->keys, no_keys);
+    Py_XSETREF(self->tail[0], Py_NewRef(empty));
+    Py_XSETREF(self->tail[1], empty);
+    return 0;
+}
+
+static PyObject *
+EventRelay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    EventRelay *self = (EventRelay *)type->tp_alloc(type, 0);
+    if (self != NULL && EventRelay_reset_fields(self) < 0)
+        Py_CLEAR(self);
+    if (self != NULL) {
+        self->closed = 1; /* until __init__ */
+        self->first = -1.0;
+        self->max_event_bytes = PY_SSIZE_T_MAX;
+    }
+    return (PyObject *)self;
+}
+
+static int
+EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"write", "chunked", "keys", "cumulative", "gap_bounds", "max_event_bytes", NULL};
+    PyObject *write, *keys, *gap_bounds, *limit = Py_None;
+    int chunked, cumulative;
+    self->closed = 1; /* until this succeeds */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|O", names, &write, &chunked, &keys, &cumulative,
+                                     &gap_bounds, &limit))
+        return -1;
+    Py_ssize_t max_event_bytes = PY_SSIZE_T_MAX;
+    if (limit != Py_None) {
+        max_event_bytes = PyLong_AsSsize_t(limit);
+        if (max_event_bytes == -1 && PyErr_Occurred())
+            return -1;
+        if (max_event_bytes <= 0) {
+            PyErr_SetString(PyExc_ValueError, "max_event_bytes must be positive");
+            return -1;
+        }
+    }
+    if (check_keys(keys) < 0 || bins_init(&self->chunk_gaps, gap_bounds) < 0
+        || bins_init(&self->token_gaps, gap_bounds) < 0 || EventRelay_reset_fields(self) < 0)
+        return -1;
+    Py_SETREF(self->write, Py_NewRef(write));
+    Py_SETREF(self->keys, Py_NewRef(keys));
+    self->held_length = 0;
+    self->max_event_bytes = max_event_bytes;
+    self->chunked = chunked;
+    self->cumulative = cumulative;
+    self->tokens = cumulative ? -1 : 0;
+    self->first = -1.0;
+    self->previous = 0.0;
+    self->closed = 0;
+    self->last_chunk_written = 0;
+    return 0;
+}
+
+static PyObject *
+EventRelay_received(EventRelay *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 2 || nargs > 3 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "received(now, payload: bytes, last=False)");
+        return NULL;
+    }
+    int last = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (last < 0 || relay_receive((PyObject *)self, args[0], args[1], last) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventRelay_ended(EventRelay *self, PyObject *unused)
+{
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventRelay_detach(EventRelay *self, PyObject *unused)
+{
+    Py_SETREF(self->write, Py_NewRef(Py_None));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventRelay_get_pending(EventRelay *self, void *closure)
+{
+    return PyBytes_FromStringAndSize(self->held_length ? self->held : NULL, self->held_length);
+}
+
+static PyObject *
+EventRelay_get_last_chunk_written(EventRelay *self, void *closure)
+{
+    return PyBool_FromLong(self->last_chunk_written);
+}
+
+static PyObject *
+EventRelay_get_tail(EventRelay *self, void *closure)
+{
+    return PySequence_Concat(self->tail[0], self->tail[1]);
+}
+
+static PyObject *
+EventRelay_get_tokens(EventRelay *self, void *closure)
+{
+    if (self->tokens < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(self->tokens);
+}
+
+static PyObject *
+EventRelay_get_first(EventRelay *self, void *closure)
+{
+    if (self->first < 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->first);
+}
+
+static PyObject *
+EventRelay_get_chunk_gaps(EventRelay *self, void *closure)
+{
+    return bins_result(&self->chunk_gaps);
+}
+
+static PyObject *
+EventRelay_get_token_gaps(EventRelay *self, void *closure)
+{
+    if (!self->cumulative)
+        Py_RETURN_NONE;
+    return bins_result(&self->token_gaps);
+}
+
+static int
+EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->write);
+    Py_VISIT(self->keys);
+    Py_VISIT(self->tail[0]);
+    Py_VISIT(self->tail[1]);
+    return 0;
+}
+
+static int
+EventRelay_clear(EventRelay *self)
+{
+    self->closed = 1;
+    return EventRelay_reset_fields(self);
+}
+
+static void
+EventRelay_dealloc(EventRelay *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->keys);
+    Py_CLEAR(self->tail[0]);
+    Py_CLEAR(self->tail[1]);
+    PyMem_Free(self->held);
+    bins_free(&self->chunk_gaps);
+    bins_free(&self->token_gaps);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef EventRelay_methods[] = {
+    {"received", (PyCFunction)(void (*)(void))EventRelay_received, METH_FASTCALL,
+     "received(now, payload, last=False): relay the whole events now complete, meter them, keep the rest for the "
+     "next piece; `last`: the body ends here, so a chunked body is ended in the same write if nothing is held. "
+     "An event still incomplete past max_event_bytes raises EventTooLarge and ends the relay."},
+    {"ended", (PyCFunction)EventRelay_ended, METH_NOARGS,
+     "The response is over (or abandoned): nothing more is relayed."},
+    {"detach", (PyCFunction)EventRelay_detach, METH_NOARGS, "The client is gone: stop writing to it."},
+    {NULL},
+};
+
+static PyGetSetDef EventRelay_getset[] = {
+    {"pending", (getter)EventRelay_get_pending, NULL, "Bytes after the last whole event.", NULL},
+    {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
+    {"last_chunk_written", (getter)EventRelay_get_last_chunk_written, NULL,
+     "The client's chunked body was ended (its last chunk written) with the upstream body's last events.", NULL},
+    {"tokens", (getter)EventRelay_get_tokens, NULL,
+     "cumulative: the last running total seen (None if none); else the marks counted.", NULL},
+    {"first", (getter)EventRelay_get_first, NULL, "When the first piece with tokens arrived (None if none).", NULL},
+    {"chunk_gaps", (getter)EventRelay_get_chunk_gaps, NULL,
+     "(counts per bucket of gap_bounds, then +Inf; sum) of the gaps between pieces that carried tokens.", NULL},
+    {"token_gaps", (getter)EventRelay_get_token_gaps, NULL,
+     "The same gaps per token, counted once per token (None unless cumulative: counts of text are not tokens).",
+     NULL},
+    {NULL},
+};
+
+PyTypeObject EventRelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dfserve._relay.EventRelay",
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None): relays a "
+              "server-sent-event body to a client whole events at a time, and meters the gaps between the pieces "
+              "that carried tokens.",
+    .tp_basicsize = sizeof(EventRelay),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = EventRelay_new,
+    .tp_init = (initproc)EventRelay_init,
+    .tp_dealloc = (destructor)EventRelay_dealloc,
+    .tp_traverse = (traverseproc)EventRelay_traverse,
+    .tp_clear = (inquiry)EventRelay_clear,
+    .tp_methods = EventRelay_methods,
+    .tp_getset = EventRelay_getset,
+};
