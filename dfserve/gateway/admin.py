@@ -15,11 +15,12 @@ import hmac
 import json
 
 from dfserve.errors import UserError
-from dfserve.gateway.app import Gateway
+from dfserve.gateway.app import TOO_DEEP, Gateway
 from dfserve.gateway.config import parse_routing
 from dfserve.gateway.server import JSON_HEADERS, Reply, Request, send_error
 
 MAX_ADMIN_BODY_BYTES = 1024 * 1024
+MAX_ADMIN_CONNECTIONS = 32
 
 
 class AdminApp:
@@ -65,6 +66,9 @@ class AdminApp:
             raw = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             send_error(reply, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
+            return
+        except RecursionError:
+            send_error(reply, 400, TOO_DEEP, "invalid_request_error")
             return
         try:
             routing = parse_routing(raw, "body")

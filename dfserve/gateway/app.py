@@ -2,7 +2,8 @@
 
 A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
 path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
-`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
+`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics` (both
+also answer HEAD). Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
 
@@ -41,6 +42,8 @@ PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/g
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
+TOO_DEEP = "request body: JSON nested too deeply"
+"""A body nested past Python's recursion limit (json raises RecursionError): a bad request, not a gateway bug."""
 
 
 def build_router(routing: RoutingConfig) -> Router:
@@ -135,9 +138,9 @@ class GatewayApp:
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
             await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
-        elif path == "/health" and method == "GET":
+        elif path == "/health" and method in ("GET", "HEAD"):
             self.health(reply)
-        elif path == "/metrics" and method == "GET":
+        elif path == "/metrics" and method in ("GET", "HEAD"):
             reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
         elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
             send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
@@ -153,8 +156,13 @@ class GatewayApp:
 
     @staticmethod
     def _headers(request: Request) -> bytes:
-        """The client's headers to pass upstream, as header lines."""
-        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in _NOT_FORWARDED)
+        """The client's headers to pass upstream, as header lines: neither hop-by-hop ones nor those its
+        `Connection` header names as such (RFC 9110 §7.6.1)."""
+        dropped = _NOT_FORWARDED
+        for name, value in request.headers:
+            if name == b"connection":
+                dropped = dropped | {option.strip().lower() for option in value.split(b",")}
+        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in dropped)
 
     def _routing_keys(self, request: Request, user: str | None) -> tuple[str | None, str | None]:
         """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
@@ -174,6 +182,9 @@ class GatewayApp:
             inspected = sglang.inspect_request(request.body)
         except ProtocolError as exc:
             send_error(reply, 400, str(exc), "invalid_request_error")
+            return
+        except RecursionError:
+            send_error(reply, 400, TOO_DEEP, "invalid_request_error")
             return
         key, pinned = self._routing_keys(request, inspected.user)
         down = gateway.upstream.down()
@@ -266,6 +277,6 @@ class GatewayApp:
                 exchange.acceptance = measure_whole(exchange.route, payload)
                 if strip_meta:
                     payload = sglang.strip_meta_info(payload)
-            except ProtocolError as exc:
+            except (ProtocolError, RecursionError) as exc:
                 exchange.unparsed = str(exc)
         reply.whole(response.status, headers, payload)

@@ -86,6 +86,15 @@ class RoutingConfig(_Model):
 
 class Limits(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    max_connections: int = Field(2048, gt=0, description="Client connections open at once; one more is answered "
+                                 "503 and closed.")
+    head_timeout_s: float = Field(10.0, gt=0, description="Time a client has to send a whole request head, from its "
+                                  "first byte (from the connection's start for its first request); then 408 and close. "
+                                  "Bytes that trickle in do not extend it.")
+    body_timeout_s: float = Field(60.0, gt=0, description="Time a client has to send a whole request body, from the "
+                                  "end of its head; then 408 and close.")
+    idle_timeout_s: float = Field(75.0, gt=0, description="A kept-alive connection with no request under way is "
+                                  "closed after this long.")
     max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
     connect_timeout_s: float = Field(3.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk, "
