@@ -59,7 +59,8 @@ class AdminApp:
                    for r in arm.replicas]
             for name, arm in gateway.upstream.arms.items()
         }
-        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas}).encode()
+        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas},
+                          allow_nan=False).encode()  # standard JSON: validation keeps weights finite
 
     def put(self, body: bytes, reply: Reply) -> None:
         try:

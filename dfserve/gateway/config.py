@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dfserve.errors import UserError, describe_invalid, describe_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
+MAX_WEIGHT = 1e6
+"""Weights are relative shares; a bound keeps their sum, and so the split, exact (two weights of 1e308 add up to
+infinity, which sends everything to the last arm)."""
 
 
 class _Model(BaseModel):
@@ -34,7 +37,8 @@ class ArmConfig(_Model):
     """One deployment under test: its replicas (SGLang servers or routers) and its share of traffic."""
 
     replicas: tuple[str, ...] = Field(min_length=1, description="Base URLs, e.g. http://10.0.0.1:30000.")
-    weight: float = Field(ge=0, description="Relative share of traffic in split and sticky modes.")
+    weight: float = Field(ge=0, le=MAX_WEIGHT, allow_inf_nan=False,
+                          description=f"Relative share of traffic in split and sticky modes, 0 to {MAX_WEIGHT:g}.")
 
     @field_validator("replicas")
     @classmethod
