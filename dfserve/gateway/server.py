@@ -97,6 +97,12 @@ def _head(status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> by
     return b"".join([line, *(name + b": " + value + b"\r\n" for name, value in headers), framing, b"\r\n"])
 
 
+def _last_answer(status: int, message: str, kind: str) -> bytes:
+    """The server's own JSON error, whole, as the last answer of its connection."""
+    body = sglang.error_body(message, kind, status)
+    return _head(status, JSON_HEADERS, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
+
+
 class Reply:
     """The response to one request, written to the client's transport as it is produced.
 
@@ -492,8 +498,7 @@ class ClientConnection(asyncio.Protocol):
     def refuse(self, status: int, message: str) -> None:
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
         it cannot be parsed)."""
-        body = sglang.error_body(message, "invalid_request_error", status)
-        self.refusal = _head(status, JSON_HEADERS, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
+        self.refusal = _last_answer(status, message, "invalid_request_error")
         if self.task is None:
             self._linger(self.refusal)
         else:
@@ -636,9 +641,8 @@ class Server:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-_OVER_CAPACITY = _head(503, JSON_HEADERS, b"connection: close\r\n") + sglang.error_body(
-    "the gateway has as many client connections open as it allows (limits.max_connections); retry later",
-    "server_overloaded", 503)
+_OVER_CAPACITY = _last_answer(503, "the gateway has as many client connections open as it allows "
+                              "(limits.max_connections); retry later", "server_overloaded")
 
 
 class _Linger(asyncio.Protocol):
