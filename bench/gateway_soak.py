@@ -5,7 +5,9 @@ send a request head one byte at a time (a byte every `--dribble-s`) and, once th
 deadline (`limits.head_timeout_s`, 408), connect again at once, so that 1,000 stay open all along. The attack runs in
 a process of its own, its connections' starts spread over one head deadline so that they are not all cut at once.
 Normal clients must keep their latency (TTFT and chunk gap, the streams alone against the streams beside the flood),
-and the gateway's descriptors and resident memory must come back to where they were once the flood stops.
+and the gateway's descriptors must come back to where they were once the flood stops. The flood and the streams
+after it run `--rounds` times: Python's allocator keeps memory it once used, so what shows a leak is resident memory
+that keeps growing from one round to the next, not the first round's rise.
 
     flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_soak.py
 
@@ -204,6 +206,44 @@ def attacker(url: str, connections: int, gap_s: float, seconds: float, open_now:
     report.put(attack)
 
 
+@dataclass
+class Round:
+    """One flood: the streams beside it and after it, the gateway gauged meanwhile, and its idle figures after."""
+
+    beside: Streams
+    gauge: Gauge
+    attack: Attack
+    settled_s: float
+    after: Streams
+    idle: tuple[int, float]
+
+
+def flood_round(gateway_url: str, pid: int, idle_descriptors: int, args: argparse.Namespace) -> Round:
+    """`--slow` slow connections kept open, the streams measured beside them once all are, then the streams alone."""
+    url = gateway_url + "/generate"
+    open_now: Synchronized[int] = multiprocessing.Value("i", 0)
+    report: multiprocessing.Queue[Attack] = multiprocessing.Queue()
+    ramp_s = HEAD_TIMEOUT_S + 2
+    flood = multiprocessing.get_context("fork").Process(
+        target=attacker, args=(gateway_url, args.slow, args.dribble_s, ramp_s + args.seconds + 5, open_now, report))
+    flood.start()
+    time.sleep(ramp_s)
+    gauge = Gauge()
+
+    def sample() -> None:
+        gauge.descriptors.append(descriptors(pid))
+        gauge.rss_mib.append(rss_mib(pid))
+        gauge.slow_open.append(open_now.value)
+
+    beside = uvloop.run(run_streams(url, args.streams, args.seconds, args.max_tokens, sample))
+    attack = report.get(timeout=60)
+    flood.join(30)
+    settled_s = settle(pid, idle_descriptors)
+    after = uvloop.run(run_streams(url, args.streams, args.after_seconds, args.max_tokens))
+    time.sleep(1.0)
+    return Round(beside, gauge, attack, settled_s, after, (descriptors(pid), rss_mib(pid)))
+
+
 def settle(pid: int, baseline: int, timeout_s: float = 30.0) -> float:
     """Seconds until the gateway's descriptors are back at `baseline` or fewer (at most `timeout_s`)."""
     start = time.monotonic()
@@ -227,6 +267,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64, help="Normal streams, in both phases.")
     parser.add_argument("--seconds", type=float, default=60.0, help="Measured time of each phase.")
     parser.add_argument("--after-seconds", type=float, default=20.0, help="Measured time of the streams after it.")
+    parser.add_argument("--rounds", type=int, default=2, help="Floods, each followed by the streams alone.")
     parser.add_argument("--dribble-s", type=float, default=1.0, help="Seconds between a slow connection's bytes.")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
@@ -252,55 +293,41 @@ def main() -> None:
         time.sleep(1.0)  # the streams' connections closed; the gateway's upstream pool stays, as it will after
         idle_before = (descriptors(pid), rss_mib(pid))
 
-        open_now: Synchronized[int] = multiprocessing.Value("i", 0)
-        report: multiprocessing.Queue[Attack] = multiprocessing.Queue()
-        ramp_s = HEAD_TIMEOUT_S + 2
-        flood = multiprocessing.get_context("fork").Process(
-            target=attacker, args=(gateway.url, args.slow, args.dribble_s, ramp_s + args.seconds + 5, open_now, report))
-        flood.start()
-        time.sleep(ramp_s)
-        gauge = Gauge()
-
-        def sample() -> None:
-            gauge.descriptors.append(descriptors(pid))
-            gauge.rss_mib.append(rss_mib(pid))
-            gauge.slow_open.append(open_now.value)
-
-        beside = uvloop.run(run_streams(url, args.streams, args.seconds, args.max_tokens, sample))
-        attack = report.get(timeout=60)
-        flood.join(30)
-        settled_s = settle(pid, idle_before[0])
-        again = uvloop.run(run_streams(url, args.streams, args.after_seconds, args.max_tokens))
-        time.sleep(1.0)
-        idle_after = (descriptors(pid), rss_mib(pid))
+        rounds = [flood_round(gateway.url, pid, idle_before[0], args) for _ in range(args.rounds)]
         metrics = httpx.get(gateway.url + "/metrics", trust_env=False).text
     counted = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("dfserve_client_connections_refused_total{")}
 
     header = "| normal streams | requests | errors | TTFT p50 / p99 ms | chunk gap p50 / p99 ms |\n|---|---|---|---|---|"
-    rows = [row(f"{args.streams} alone", alone), row(f"{args.streams} beside {args.slow} slow connections", beside),
-            f"| change | | | {ms(beside.ttft_s, 50) - ms(alone.ttft_s, 50):+.2f} / "
-            f"{ms(beside.ttft_s, 99) - ms(alone.ttft_s, 99):+.2f} | {ms(beside.gaps_s, 50) - ms(alone.gaps_s, 50):+.2f}"
-            f" / {ms(beside.gaps_s, 99) - ms(alone.gaps_s, 99):+.2f} |",
-            row(f"{args.streams} alone again, after the attack", again)]
-    resources = "\n".join([
-        "| gateway | open descriptors | resident memory MiB |", "|---|---|---|",
-        f"| idle, before the attack | {idle_before[0]} | {idle_before[1]:.1f} |",
-        f"| during the attack, median / max | {int(np.median(gauge.descriptors))} / {max(gauge.descriptors)} | "
-        f"{np.median(gauge.rss_mib):.1f} / {max(gauge.rss_mib):.1f} |",
-        f"| idle, after the attack and the streams alone again | {idle_after[0]} | {idle_after[1]:.1f} |",
-    ])
-    lifetimes = np.asarray(attack.lifetimes_s or [float("nan")])
-    attack_line = (
-        f"Slow connections open at once during the measured window: median {int(np.median(gauge.slow_open))}, "
-        f"min {min(gauge.slow_open)}. Over the attack the attacker opened {attack.opened}; the gateway answered "
-        f"{attack.timed_out} of them 408 at the head deadline (held p50 {np.median(lifetimes):.1f} s, max "
-        f"{lifetimes.max():.1f} s; `head_timeout_s` {HEAD_TIMEOUT_S:g}), closed {attack.closed_silently} without an "
-        f"answer, refused {attack.refused} with 503, reset {attack.reset}; {attack.connect_failed} connects failed. "
-        f"The gateway counted head_timeout {counted.get('head_timeout', 0):.0f}, body_timeout "
+    rows = [row(f"{args.streams} alone", alone)]
+    resources = ["| gateway | open descriptors | resident memory MiB |", "|---|---|---|",
+                 f"| idle, before the attack | {idle_before[0]} | {idle_before[1]:.1f} |"]
+    attack_lines = []
+    for number, done in enumerate(rounds, 1):
+        beside, gauge, attack = done.beside, done.gauge, done.attack
+        rows += [row(f"{args.streams} beside {args.slow} slow connections, round {number}", beside),
+                 f"| change from alone | | | {ms(beside.ttft_s, 50) - ms(alone.ttft_s, 50):+.2f} / "
+                 f"{ms(beside.ttft_s, 99) - ms(alone.ttft_s, 99):+.2f} | "
+                 f"{ms(beside.gaps_s, 50) - ms(alone.gaps_s, 50):+.2f} / {ms(beside.gaps_s, 99) - ms(alone.gaps_s, 99):+.2f} |",
+                 row(f"{args.streams} alone again, after round {number}", done.after)]
+        resources += [f"| during round {number}, median / max | {int(np.median(gauge.descriptors))} / "
+                      f"{max(gauge.descriptors)} | {np.median(gauge.rss_mib):.1f} / {max(gauge.rss_mib):.1f} |",
+                      f"| idle, after round {number} and the streams alone again | {done.idle[0]} | {done.idle[1]:.1f} |"]
+        lifetimes = np.asarray(attack.lifetimes_s or [float("nan")])
+        attack_lines.append(
+            f"Round {number}: slow connections open at once during the measured window: median "
+            f"{int(np.median(gauge.slow_open))}, min {min(gauge.slow_open)}. The attacker opened {attack.opened}; the "
+            f"gateway answered {attack.timed_out} of them 408 at the head deadline (held p50 "
+            f"{np.median(lifetimes):.1f} s, max {lifetimes.max():.1f} s; `head_timeout_s` {HEAD_TIMEOUT_S:g}), closed "
+            f"{attack.closed_silently} without an answer, refused {attack.refused} with 503, reset {attack.reset}; "
+            f"{attack.connect_failed} connects failed. When it stopped, the gateway's descriptors were back at the idle "
+            f"count in {done.settled_s:.1f} s.")
+    attack_lines.append(
+        f"Over all rounds the gateway counted head_timeout {counted.get('head_timeout', 0):.0f}, body_timeout "
         f"{counted.get('body_timeout', 0):.0f}, over_capacity {counted.get('over_capacity', 0):.0f}.")
-    attack_line += (f" When the attack stopped, the gateway's descriptors were back at the idle count in {settled_s:.1f} s.")
-    for block in (header, *rows, "", resources, "", attack_line):
+    attack_line = " ".join(attack_lines)
+    resources_table = "\n".join(resources)
+    for block in (header, *rows, "", resources_table, "", attack_line):
         print(block, flush=True)
     if args.no_write:
         return
@@ -315,11 +342,12 @@ def main() -> None:
         f"alone, then {args.seconds:g} s beside {args.slow} connections, each sending a request head a byte every "
         f"{args.dribble_s:g} s and connecting again as soon as the gateway cut it off, so that {args.slow} were open "
         "all along (their starts spread over one head deadline, and the streams measured once all were open), then "
-        f"{args.after_seconds:g} s alone again. The idle figures are taken a second after the streams stopped, with "
-        "the gateway's upstream connections still pooled both times. "
+        f"{args.after_seconds:g} s alone again; the flood and the streams after it ran {args.rounds} times. The idle "
+        "figures are taken a second after the streams stopped, with the gateway's upstream connections still pooled "
+        "each time. "
         + ("Client, engine and attack on CPU 0, the gateway on the other cores. " if gateway_cpus else "Nothing "
            "pinned. ") + "Client-side times: TTFT to the first event, chunk gap between events.", "",
-        header, *rows, "", resources, "", attack_line,
+        header, *rows, "", resources_table, "", attack_line,
     ]))
 
 
