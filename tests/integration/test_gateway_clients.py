@@ -124,6 +124,18 @@ def test_slow_and_surplus_clients_are_cut_off_as_configured_and_counted(tmp_path
         == (1, 2, 1)
 
 
+def test_a_kept_alive_connection_is_closed_after_the_configured_idle_timeout(tmp_path: Path) -> None:
+    with recorder() as upstream, gateway_server(write_config(tmp_path, upstream.url, idle_timeout_s=0.5,
+                                                             head_timeout_s=30)) as gw:
+        sock = connect(gw)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        began = time.monotonic()
+        answer = read_until_closed(sock)
+        idle_s = time.monotonic() - began
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.count(b"HTTP/1.1") == 1
+    assert 0.4 < idle_s < 5
+
+
 def test_hop_by_hop_headers_and_trailers_stay_on_the_client_side(tmp_path: Path) -> None:
     """Headers the client's Connection header names are hop-by-hop (RFC 9110 §7.6.1), and trailer fields of a
     chunked body are not headers: neither reaches the replica."""
