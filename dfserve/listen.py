@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from dfserve.errors import UserError
 
 LISTENING = re.compile(r"listening on http://(\S+:\d+)")
 """What `announce` writes; group 1 is HOST:PORT."""
+BACKLOG = 2048
+"""Connections the kernel completes before the server accepts them; an event loop that starts serving on a bound
+socket must pass it again (`create_server(sock=..., backlog=BACKLOG)`), or it listens anew with its default of 100."""
 
 
 def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -40,13 +44,25 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-        sock.listen(2048)
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"{flag}: {host}:{port} is already in use; pick another {flag} or stop that server") from None
         raise UserError(f"{flag}: cannot listen on {host}:{port} ({exc.strerror})") from None
     return sock
+
+
+def raise_open_files_limit(wanted: int) -> int:
+    """Raise this process's soft limit on open descriptors towards `wanted` (never above the hard limit, never
+    lowering it); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return sys.maxsize
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return max(soft, target)
 
 
 def url_of(sock: socket.socket) -> str:

@@ -78,6 +78,10 @@ REPLICA_HEALTHY = "dfserve_replica_healthy"
 SHADOW_REQUESTS = "dfserve_shadow_requests"
 ARM_WEIGHT = "dfserve_arm_weight"
 ARM_WINDOWED_ACCEPT_LENGTH = "dfserve_arm_windowed_accept_length"
+CLIENT_CONNECTIONS_REFUSED = "dfserve_client_connections_refused"
+REFUSAL_REASONS = ("over_capacity", "head_timeout", "body_timeout")
+"""Why the gateway closed a client's connection on its own: it came with `max_connections` already open (answered
+503), or it did not send a whole request head or body in time (answered 408)."""
 
 ARM_LABELS = ("arm", "route")
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
@@ -278,6 +282,7 @@ class DfserveMetrics:
     shadow_requests: Counter
     arm_weight: Gauge
     arm_windowed_accept_length: Gauge
+    client_connections_refused: Counter
     _children: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def child(self, family: Family, *labels: str) -> Family:
@@ -332,4 +337,8 @@ class DfserveMetrics:
                 ARM_WINDOWED_ACCEPT_LENGTH,
                 "Acceptance length of an arm over the last scrape window, from its replicas' SGLang counters "
                 "(Δ generation_tokens / Δ spec_verify_calls).", ("arm",), registry=registry),
+            client_connections_refused=Counter(
+                CLIENT_CONNECTIONS_REFUSED, "Client connections the gateway closed on its own; reason: over_capacity "
+                "(answered 503), head_timeout or body_timeout (a request not sent in time, answered 408).",
+                ("reason",), registry=registry),
         )

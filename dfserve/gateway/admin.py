@@ -15,11 +15,12 @@ import hmac
 import json
 
 from dfserve.errors import UserError
-from dfserve.gateway.app import Gateway
+from dfserve.gateway.app import TOO_DEEP, Gateway
 from dfserve.gateway.config import parse_routing
 from dfserve.gateway.server import JSON_HEADERS, Reply, Request, send_error
 
 MAX_ADMIN_BODY_BYTES = 1024 * 1024
+MAX_ADMIN_CONNECTIONS = 32
 
 
 class AdminApp:
@@ -58,13 +59,17 @@ class AdminApp:
                    for r in arm.replicas]
             for name, arm in gateway.upstream.arms.items()
         }
-        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas}).encode()
+        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas},
+                          allow_nan=False).encode()  # standard JSON: validation keeps weights finite
 
     def put(self, body: bytes, reply: Reply) -> None:
         try:
             raw = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             send_error(reply, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
+            return
+        except RecursionError:
+            send_error(reply, 400, TOO_DEEP, "invalid_request_error")
             return
         try:
             routing = parse_routing(raw, "body")

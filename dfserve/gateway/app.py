@@ -2,7 +2,8 @@
 
 A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
 path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
-`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics`. Every response names the arm
+`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics` (both
+also answer HEAD). Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
 
@@ -46,6 +47,8 @@ PER_ENGINE = frozenset({"/server_info"})
 the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
 figures for the split's. SGLang's own benchmark then prints no acceptance instead of the baseline's."""
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
+TOO_DEEP = "request body: JSON nested too deeply"
+"""A body nested past Python's recursion limit (json raises RecursionError): a bad request, not a gateway bug."""
 
 
 def build_router(routing: RoutingConfig) -> Router:
@@ -148,9 +151,9 @@ class GatewayApp:
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
             await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
-        elif path == "/health" and method == "GET":
+        elif path == "/health" and method in ("GET", "HEAD"):
             self.health(reply)
-        elif path == "/metrics" and method == "GET":
+        elif path == "/metrics" and method in ("GET", "HEAD"):
             reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
         elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
             send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
@@ -166,8 +169,13 @@ class GatewayApp:
 
     @staticmethod
     def _headers(request: Request) -> bytes:
-        """The client's headers to pass upstream, as header lines."""
-        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in _NOT_FORWARDED)
+        """The client's headers to pass upstream, as header lines: neither hop-by-hop ones nor those its
+        `Connection` header names as such (RFC 9110 §7.6.1)."""
+        dropped = _NOT_FORWARDED
+        for name, value in request.headers:
+            if name == b"connection":
+                dropped = dropped | {option.strip().lower() for option in value.split(b",")}
+        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in dropped)
 
     def _routing_keys(self, request: Request, user: str | None) -> tuple[str | None, str | None]:
         """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""
@@ -187,6 +195,9 @@ class GatewayApp:
             inspected = sglang.inspect_request(request.body)
         except ProtocolError as exc:
             send_error(reply, 400, str(exc), "invalid_request_error")
+            return
+        except RecursionError:
+            send_error(reply, 400, TOO_DEEP, "invalid_request_error")
             return
         key, pinned = self._routing_keys(request, inspected.user)
         down = gateway.upstream.down()
@@ -282,6 +293,6 @@ class GatewayApp:
                 exchange.acceptance = measure_whole(exchange.route, payload)
                 if strip_spec:
                     payload = sglang.strip_spec_details(payload)
-            except ProtocolError as exc:
+            except (ProtocolError, RecursionError) as exc:
                 exchange.unparsed = str(exc)
         reply.whole(response.status, headers, payload)

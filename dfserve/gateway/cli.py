@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import click
 
 from dfserve.errors import UserError
 from dfserve.gateway.config import GatewayConfig, load_config, parse_arm_flag
-from dfserve.listen import announce, bind
+from dfserve.listen import announce, bind, raise_open_files_limit
 
 log = logging.getLogger("dfserve.gateway")
 
@@ -29,16 +30,26 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
 
     SIGHUP calls `reload` and applies the routing it returns, atomically; a bad file is logged and changes nothing.
     """
-    from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, AdminApp
+    from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, MAX_ADMIN_CONNECTIONS, AdminApp
     from dfserve.gateway.app import Gateway, GatewayApp
     from dfserve.gateway.server import Server, ServerLimits
+    from dfserve.metrics import REFUSAL_REASONS
 
     token = config.admin_token()
     gateway = Gateway(config)
-    listeners = [(Server(GatewayApp(gateway), ServerLimits(config.limits.max_body_bytes)),
+    limits = config.limits
+    client_limits = ServerLimits(max_body_bytes=limits.max_body_bytes, max_connections=limits.max_connections,
+                                 head_timeout_s=limits.head_timeout_s, body_timeout_s=limits.body_timeout_s,
+                                 idle_timeout_s=limits.idle_timeout_s)
+    _raise_descriptor_limit(limits.max_connections)
+    metrics = gateway.metrics
+    refusals = {reason: metrics.child(metrics.client_connections_refused, reason) for reason in REFUSAL_REASONS}
+    listeners = [(Server(GatewayApp(gateway), client_limits, lambda reason: refusals[reason].inc()),
                   bind(config.host, config.port, "--port"))]
     if config.admin.port is not None and token is not None:
-        listeners.append((Server(AdminApp(gateway, token), ServerLimits(MAX_ADMIN_BODY_BYTES)),
+        admin_limits = replace(client_limits, max_body_bytes=MAX_ADMIN_BODY_BYTES,
+                               max_connections=MAX_ADMIN_CONNECTIONS)
+        listeners.append((Server(AdminApp(gateway, token), admin_limits),
                           bind(config.admin.host, config.admin.port, "--admin-port")))
     for (_, sock), name in zip(listeners, ("dfserve gateway", "dfserve gateway admin"), strict=False):
         announce(name, sock)
@@ -67,6 +78,23 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     finally:
         await asyncio.gather(*(server.stop() for server, _ in listeners))
         await gateway.stop()
+
+
+_OTHER_DESCRIPTORS = 128
+"""Descriptors besides client connections and their upstream ones: listeners, admin connections, health checks,
+scrapes, logs."""
+
+
+def _raise_descriptor_limit(max_connections: int) -> None:
+    """Each client connection may hold an upstream one, and as many refused ones may linger (`gateway.server`). Past
+    the process's descriptor limit the event loop accepts and drops connections, so the soft limit is raised as far
+    as the hard one allows, and a limit still too low for `max_connections` is said at start."""
+    wanted = 3 * max_connections + _OTHER_DESCRIPTORS
+    allowed = raise_open_files_limit(wanted)
+    if allowed < wanted:
+        log.warning("limits.max_connections: %d client connections may need %d open descriptors, but this process may "
+                    "open %d (ulimit -n); lower limits.max_connections to %d or raise the limit",
+                    max_connections, wanted, allowed, max(1, (allowed - _OTHER_DESCRIPTORS) // 3))
 
 
 @click.command()

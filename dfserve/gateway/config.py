@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dfserve.errors import UserError, describe_invalid, describe_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
+MAX_WEIGHT = 1e6
+"""Weights are relative shares; a bound keeps their sum, and so the split, exact (two weights of 1e308 add up to
+infinity, which sends everything to the last arm)."""
 
 
 class _Model(BaseModel):
@@ -34,7 +37,8 @@ class ArmConfig(_Model):
     """One deployment under test: its replicas (SGLang servers or routers) and its share of traffic."""
 
     replicas: tuple[str, ...] = Field(min_length=1, description="Base URLs, e.g. http://10.0.0.1:30000.")
-    weight: float = Field(ge=0, description="Relative share of traffic in split and sticky modes.")
+    weight: float = Field(ge=0, le=MAX_WEIGHT, allow_inf_nan=False,
+                          description=f"Relative share of traffic in split and sticky modes, 0 to {MAX_WEIGHT:g}.")
 
     @field_validator("replicas")
     @classmethod
@@ -86,6 +90,15 @@ class RoutingConfig(_Model):
 
 class Limits(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    max_connections: int = Field(2048, gt=0, description="Client connections open at once; one more is answered "
+                                 "503 and closed.")
+    head_timeout_s: float = Field(10.0, gt=0, description="Time a client has to send a whole request head, from its "
+                                  "first byte (from the connection's start for its first request); then 408 and close. "
+                                  "Bytes that trickle in do not extend it.")
+    body_timeout_s: float = Field(60.0, gt=0, description="Time a client has to send a whole request body, from the "
+                                  "end of its head; then 408 and close.")
+    idle_timeout_s: float = Field(75.0, gt=0, description="A kept-alive connection with no request under way is "
+                                  "closed after this long.")
     max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
     connect_timeout_s: float = Field(3.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk, "

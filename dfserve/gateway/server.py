@@ -12,6 +12,10 @@ One request at a time per connection: a pipelined request waits (reading paused)
 The server's own refusals (malformed HTTP, an oversize request, a handler's bug) are OpenAI-style JSON errors. A
 client that shuts down its sending side is taken as gone, as uvicorn does: an LLM request is too expensive to leave
 running for a client that may have left.
+
+Slow clients cannot hold connections (`ServerLimits`): a request head and a request body each have a deadline that
+bytes trickling in do not extend, a kept-alive connection is closed after an idle time, and connections past
+`max_connections` are answered 503 at once, so the descriptors a slow flood can take stay bounded.
 """
 
 from __future__ import annotations
@@ -19,22 +23,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import unquote
 
 import httptools
 
 from dfserve import sglang
 from dfserve.relay_core import LAST_CHUNK, frame
+from dfserve.listen import BACKLOG
 
 log = logging.getLogger("dfserve.gateway")
 
 _MAX_HEAD_BYTES = 64 * 1024
+"""Also the most a chunk-size line (extensions included) or a trailer section may run to: llhttp reads past both
+without a bound of its own."""
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LINGER_S = 1.0
+"""How long a connection refused with an error answer is held open, reading and dropping what its client still
+sends, for the client to read that answer: closing with bytes unread resets the connection, and a client may lose
+an answer it had not read yet to the reset."""
 
 
 @dataclass(eq=False)
@@ -83,6 +95,12 @@ def send_error(reply: Responder, status: int, message: str, kind: str,
 def _head(status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
     line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
     return b"".join([line, *(name + b": " + value + b"\r\n" for name, value in headers), framing, b"\r\n"])
+
+
+def _last_answer(status: int, message: str, kind: str) -> bytes:
+    """The server's own JSON error, whole, as the last answer of its connection."""
+    body = sglang.error_body(message, kind, status)
+    return _head(status, JSON_HEADERS, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
 
 
 class Reply:
@@ -213,11 +231,15 @@ class Discard:
 Handler = Callable[[Request, Reply], Awaitable[None]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerLimits:
+    """What a listener allows its clients; the gateway's come from its config (`Limits`, which documents each)."""
+
     max_body_bytes: int
-    idle_timeout_s: float = 75.0
-    """A connection that receives nothing for this long while no request is being answered is closed."""
+    max_connections: int
+    head_timeout_s: float
+    body_timeout_s: float
+    idle_timeout_s: float
 
 
 @dataclass(eq=False)
@@ -227,16 +249,34 @@ class _Incoming:
     url: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     in_head: bool = True
+    in_body: bool = False
     head_bytes: int = 0
     body: list[bytes] = field(default_factory=list)
     body_bytes: int = 0
+    chunks: int = 0
+    framing_bytes: int = 0
+    """Bytes of a chunked body's framing since its last chunk-size line ended: a line or trailers in the making."""
+    close_after: bool = False
+    """RFC 9112 §6.1: an HTTP/1.0 request with Transfer-Encoding is answered, then its connection closed."""
+
+
+# What a connection waits for while no request of it is being answered; each has its own deadline.
+_FIRST = "first request"
+_IDLE = "next request"
+_HEAD = "request head"
+_BODY = "request body"
 
 
 class ClientConnection(asyncio.Protocol):
     """One client connection: parses its requests, runs `handler` for each in a task of its own, one at a time.
 
     Requests that arrive while one is being answered wait their turn (pipelining); so does a refusal of what follows
-    (malformed, oversize), which is answered after them and closes the connection."""
+    (malformed, oversize), which is answered after them and closes the connection.
+
+    While none of its requests is being answered, it waits for one thing (`_waiting`) until a deadline: its first
+    request head (from the connection's start), the next request (an idle kept-alive connection), the rest of a
+    request head (from its first byte) or of a body (from the end of its head). Bytes arriving do not move a
+    deadline; one timer per connection is moved only when a deadline comes sooner than it."""
 
     def __init__(self, handler: Handler, limits: ServerLimits, server: Server) -> None:
         self.handler = handler
@@ -255,21 +295,26 @@ class ClientConnection(asyncio.Protocol):
         """The error answer owed to a request that could not be parsed; sent once the ones before it are answered."""
         self.continue_owed = False
         """A request waiting its turn expects `100 Continue` before sending its body."""
-        self._last_read = 0.0
-        self._idle: asyncio.TimerHandle | None = None
+        self._read_at = 0.0
+        self._waiting: str | None = _FIRST
+        self._deadline = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     # asyncio callbacks ------------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup is a getpid() system call
-        self.server.connections.add(self)
-        self._last_read = self.loop.time()
-        self._arm_idle(self.limits.idle_timeout_s)
+        self._wait(_FIRST, self.loop.time())
+        self._arm()
 
     def data_received(self, data: bytes) -> None:
-        self._last_read = self.loop.time()
-        head_under_way = self.incoming if self.incoming.in_head and self.incoming.url else None
+        self._read_at = self.loop.time()
+        incoming = self.incoming
+        head_under_way = incoming if incoming.in_head and incoming.url else None
+        body_under_way = incoming if incoming.in_body else None
+        body_bytes, chunks = incoming.body_bytes, incoming.chunks
         while True:
             try:
                 self.parser.feed_data(data)
@@ -285,17 +330,25 @@ class ClientConnection(asyncio.Protocol):
                 self.refuse(400, f"malformed HTTP request ({exc})")
                 return
             break
-        incoming = self.incoming
-        if incoming is head_under_way and incoming.in_head:  # httptools holds a head whole until it ends
+        if self.incoming is head_under_way and incoming.in_head:  # httptools holds a head whole until it ends
             incoming.head_bytes += len(data)
             if incoming.head_bytes > _MAX_HEAD_BYTES:
                 self.refuse(431, f"request head over {_MAX_HEAD_BYTES} bytes")
+                return
+        elif self.incoming is body_under_way and incoming.in_body and incoming.chunks == chunks:
+            # a read that ended no chunk-size line: what is not body is a line, or trailers, still growing
+            incoming.framing_bytes += len(data) - (incoming.body_bytes - body_bytes)
+            if incoming.framing_bytes > _MAX_HEAD_BYTES:
+                self.refuse(400, f"chunk-size line or trailer section over {_MAX_HEAD_BYTES} bytes")
+                return
+        if self._deadline < self._timer_at and self._waiting is not None:
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.lost(self)
-        if self._idle is not None:
-            self._idle.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if self.task is not None and self.reply is not None and not self.reply.complete:
             self.reply.lost()
             self.task.cancel()
@@ -314,21 +367,29 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.incoming = _Incoming()
+        if self._waiting is _IDLE:
+            self._wait(_HEAD, self._read_at)
+        elif self._waiting is _FIRST:
+            self._waiting = _HEAD  # the first head's deadline runs from the connection's start
 
     def on_url(self, url: bytes) -> None:
         self.incoming.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.incoming.headers.append((name.lower(), value))
+        if self.incoming.in_head:  # trailer fields of a chunked body are dropped, never taken for headers
+            self.incoming.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         incoming, parser = self.incoming, self.parser
         incoming.in_head = False
-        size, host, length, coded, expects = len(incoming.url), False, b"", False, False
+        incoming.in_body = True
+        if self._waiting is not None:
+            self._wait(_BODY, self._read_at)
+        size, hosts, length, coded, expects = len(incoming.url), 0, b"", False, False
         for name, value in incoming.headers:
             size += len(name) + len(value)
             if name == b"host":
-                host = True
+                hosts += 1
             elif name == b"content-length":
                 length = value  # llhttp refuses a second one
             elif name == b"transfer-encoding":
@@ -343,8 +404,11 @@ class ClientConnection(asyncio.Protocol):
             # httptools stops at the head of an upgrade: its body would be read as the next request
             raise _Refused(400, "an Upgrade request with a body is not supported")
         http11 = parser.get_http_version() == "1.1"
-        if http11 and not host:
+        if hosts > 1:
+            raise _Refused(400, "more than one Host header")
+        if http11 and not hosts:
             raise _Refused(400, "an HTTP/1.1 request needs a Host header")
+        incoming.close_after = coded and not http11
         limit = self.limits.max_body_bytes
         if length.isdigit() and int(length) > limit:
             raise _Refused(413, f"request body over the {limit}-byte limit")
@@ -354,6 +418,10 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self.continue_owed = True  # after the answer under way, never inside it
                 self._pause_reading()
+
+    def on_chunk_header(self) -> None:
+        self.incoming.chunks += 1
+        self.incoming.framing_bytes = 0
 
     def on_body(self, body: bytes) -> None:
         incoming = self.incoming
@@ -365,13 +433,15 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.continue_owed = False  # the body came without it
         incoming, parser = self.incoming, self.parser
+        incoming.in_body = False
         method = parser.get_method().decode("ascii", "replace")
         try:
             path = unquote(httptools.parse_url(incoming.url).path.decode("latin-1"))
         except httptools.HttpParserInvalidURLError:
             raise _Refused(400, f"malformed request target {incoming.url[:80]!r}") from None
         http11 = parser.get_http_version() == "1.1"
-        reply = Reply(self, head_only=method == "HEAD", http11=http11, keep_alive=parser.should_keep_alive())
+        reply = Reply(self, head_only=method == "HEAD", http11=http11,
+                      keep_alive=parser.should_keep_alive() and not incoming.close_after)
         self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body)), reply))
         if self.task is None:
             self._next()
@@ -381,6 +451,7 @@ class ClientConnection(asyncio.Protocol):
     # requests ---------------------------------------------------------------------------------------------------
 
     def _next(self) -> None:
+        self._waiting = None
         request, reply = self.waiting.pop(0)
         if self.stopping:
             reply.keep_alive = False
@@ -410,8 +481,7 @@ class ClientConnection(asyncio.Protocol):
         elif self.waiting:
             self._next()
         elif self.refusal is not None:
-            self.write(self.refusal)
-            self.close()
+            self._linger(self.refusal)
         elif self.stopping:
             self.close()
         else:
@@ -420,18 +490,30 @@ class ClientConnection(asyncio.Protocol):
                 self.write(_CONTINUE)
             assert self.transport is not None
             self.transport.resume_reading()
-            self._last_read = self.loop.time()  # quiet from the end of the answer
+            incoming = self.incoming  # what came behind the answer; its deadline runs from the answer's end
+            self._wait(_BODY if incoming.in_body else _HEAD if incoming.in_head else _IDLE, self.loop.time())
+            if self._deadline < self._timer_at:
+                self._arm()
 
     def refuse(self, status: int, message: str) -> None:
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
         it cannot be parsed)."""
-        body = sglang.error_body(message, "invalid_request_error", status)
-        self.refusal = _head(status, JSON_HEADERS, b"content-length: %d\r\nconnection: close\r\n" % len(body)) + body
+        self.refusal = _last_answer(status, message, "invalid_request_error")
         if self.task is None:
-            self.write(self.refusal)
-            self.close()
+            self._linger(self.refusal)
         else:
             self._pause_reading()
+
+    def _linger(self, answer: bytes) -> None:
+        """Send the last answer and hand the connection to `_Linger`: done with here, and no longer counted."""
+        self.closed = True
+        self.server.lost(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self.transport is not None
+        lingering = _Linger(self.server, answer)
+        self.transport.set_protocol(lingering)
+        lingering.connection_made(self.transport)
 
     def stop(self) -> None:
         """Finish the answer under way, if any, and close; nothing more is read."""
@@ -451,20 +533,36 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
-    def _arm_idle(self, delay_s: float) -> None:
-        self._idle = self.loop.call_later(delay_s, self._check_idle)
+    def _wait(self, waiting: str, since: float) -> None:
+        limits = self.limits
+        self._waiting = waiting
+        self._deadline = since + (limits.idle_timeout_s if waiting is _IDLE else
+                                  limits.body_timeout_s if waiting is _BODY else limits.head_timeout_s)
 
-    def _check_idle(self) -> None:
-        """One timer per connection, not one per request: it re-arms itself for the time left since the last read
-        (the end of an answer counts as one); a request being answered is never idle."""
-        self._idle = None
-        if self.closed:
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+        self._timer_at = self._deadline
+
+    def _check_deadline(self) -> None:
+        """The one timer of a connection: a deadline that moved later re-arms it, one that passed closes the
+        connection (408 when part of a request came); a request being answered has none."""
+        self._timer, self._timer_at = None, math.inf
+        waiting = self._waiting
+        if self.closed or waiting is None:
             return
-        quiet_s = 0.0 if self.task is not None else self.loop.time() - self._last_read
-        if quiet_s >= self.limits.idle_timeout_s:
+        if self.loop.time() < self._deadline:
+            self._arm()
+        elif waiting is _IDLE:
             self.close()
         else:
-            self._arm_idle(self.limits.idle_timeout_s - quiet_s)
+            self.server.refused("body_timeout" if waiting is _BODY else "head_timeout")
+            if waiting is _FIRST:
+                self.close()
+            else:
+                limit_s = self.limits.body_timeout_s if waiting is _BODY else self.limits.head_timeout_s
+                self.refuse(408, f"{waiting} not received within {limit_s:g} s")
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -485,19 +583,38 @@ class _Refused(Exception):
         self.status = status
 
 
-class Server:
-    """The client listener: accepts connections on a bound socket and, on `stop`, lets answers under way finish."""
+def _not_counted(reason: str) -> None:
+    pass
 
-    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+
+class Server:
+    """The client listener: accepts connections on a bound socket and, on `stop`, lets answers under way finish.
+
+    `refused` is called with the reason (`dfserve.metrics.REFUSAL_REASONS`) whenever it closes a client's
+    connection on its own."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits,
+                 refused: Callable[[str], object] = _not_counted) -> None:
         self.handler = handler
         self.limits = limits
+        self.refused = refused
         self.connections: set[ClientConnection] = set()
+        self.lingering: set[_Linger] = set()
         self._server: asyncio.Server | None = None
         self._drained: asyncio.Event | None = None
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: ClientConnection(self.handler, self.limits, self), sock=sock)
+        self._server = await loop.create_server(self._accepted, sock=sock, backlog=BACKLOG)
+
+    def _accepted(self) -> asyncio.Protocol:
+        """The protocol of a connection just accepted, counted at once: a loop may accept many before it makes any."""
+        if len(self.connections) >= self.limits.max_connections:
+            self.refused("over_capacity")
+            return _Linger(self, _OVER_CAPACITY)
+        connection = ClientConnection(self.handler, self.limits, self)
+        self.connections.add(connection)
+        return connection
 
     def lost(self, connection: ClientConnection) -> None:
         self.connections.discard(connection)
@@ -518,4 +635,43 @@ class Server:
         tasks = [c.task for c in self.connections if c.task is not None]
         for connection in list(self.connections):
             connection.abort()  # cancels what is still running
+        for lingering in list(self.lingering):
+            if lingering.transport is not None:
+                lingering.transport.abort()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_OVER_CAPACITY = _last_answer(503, "the gateway has as many client connections open as it allows "
+                              "(limits.max_connections); retry later", "server_overloaded")
+
+
+class _Linger(asyncio.Protocol):
+    """A connection the server is done with, after one last answer (a refusal): the answer goes out with the end of
+    the server's side, and what the client still sends is read and dropped until it closes its side, for
+    `_LINGER_S` at most. Connections past `max_connections` start here, answered 503 before their request is read.
+    Lingering connections are bounded like served ones; past that one is closed right after its answer."""
+
+    def __init__(self, server: Server, answer: bytes) -> None:
+        self.server = server
+        self.answer = answer
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        transport.write(self.answer)
+        if len(self.server.lingering) >= self.server.limits.max_connections:
+            transport.close()
+            return
+        self.server.lingering.add(self)
+        transport.write_eof()
+        transport.resume_reading()
+        self.timer = asyncio.get_running_loop().call_later(_LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.lingering.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()

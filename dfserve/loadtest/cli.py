@@ -1,7 +1,8 @@
 """Commands `dfserve loadtest run`, `dfserve compare`, `dfserve promote` and `dfserve baseline show|history`.
 
 Each command parses its flags into typed objects and calls one entry point; user mistakes raise `UserError`.
-`compare` exits 0 on PASS, 1 on FAIL and 3 on INCONCLUSIVE (2 is left to usage errors).
+`compare` exits 0 on PASS, 1 on FAIL and 3 on INCONCLUSIVE (2 is left to usage errors); `loadtest run` exits 4 when
+an arm failed more requests than `--max-error-rate` allows (its run is kept), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord, read_records
-from dfserve.loadtest.report import Summary, render_html, summarize
+from dfserve.loadtest.report import Summary, over_error_rate, render_html, summarize
 from dfserve.loadtest.runner import Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.tasks import load_tasks
@@ -34,6 +35,7 @@ from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
 from dfserve.runs import Provenance, create_run_dir, write_atomic, write_model
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+EXIT_TOO_MANY_ERRORS = 4
 
 
 def _arm(value: str) -> tuple[str, str]:
@@ -70,14 +72,16 @@ def loadtest() -> None:
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT (0: a free port, named on stderr).")
 @click.option("--pushgateway", default=None, metavar="URL", help="Push the final metrics to a Prometheus Pushgateway.")
+@click.option("--max-error-rate", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+              help="Exit 4 when any arm's share of failed measured requests is above this (the run is kept).")
 @click.option("--pin-arms", is_flag=True,
               help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")
 @click.option("--quiet", is_flag=True, help="No live table.")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
-                name: str | None, metrics_port: int | None, pushgateway: str | None, pin_arms: bool,
-                quiet: bool) -> None:
+                name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
+                pin_arms: bool, quiet: bool) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     if concurrency is None and rate is None:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
@@ -111,6 +115,13 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     if outcome.interrupted:
         click.echo("interrupted: partial run kept", err=True)
         sys.exit(130)
+    failing = over_error_rate(summary, max_error_rate)
+    if failing:
+        click.echo(f"errors over --max-error-rate {max_error_rate:g}: " + "; ".join(
+            f"{a.arm} failed {a.requests - a.succeeded} of {a.requests} ({a.error_rate:.1%}: "
+            + ", ".join(f"{kind}={count}" for kind, count in a.errors.items()) + ")" for a in failing)
+            + f"; run kept: {outcome.run_dir}", err=True)
+        sys.exit(EXIT_TOO_MANY_ERRORS)
 
 
 async def _until_signal(plan: RunPlan, observers: list[Observer]) -> RunOutcome:

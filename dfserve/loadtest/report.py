@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.loadtest import records as rec
 from dfserve.loadtest import stats
@@ -48,7 +48,7 @@ class ArmSummary(_Model):
     arm: str
     requests: int
     succeeded: int
-    errors: dict[str, int]
+    errors: dict[str, int] = Field(description="Failed requests by kind; HTTP error answers by status (`http_503`).")
     error_rate: float
     acceptance: Literal["exact", "estimated", "unknown"]
     accept_length: Figure | None
@@ -122,11 +122,20 @@ def _each(records: Sequence[RequestRecord], f: Callable[[RequestRecord], float |
     return [v for v in map(f, records) if v is not None]
 
 
+def _error_name(r: RequestRecord) -> str:
+    return f"http_{r.http_status}" if r.error_kind == "http_status" and r.http_status else str(r.error_kind)
+
+
+def over_error_rate(summary: Summary, max_error_rate: float) -> list[ArmSummary]:
+    """The arms whose share of failed measured requests is above `max_error_rate` (0 to 1)."""
+    return [a for a in summary.arms if a.error_rate > max_error_rate]
+
+
 def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     """Figures of one arm's measured (non-warm-up) records."""
     measured = rec.measured_records(records)
     ok = [r for r in measured if r.ok]
-    errors = Counter(r.error_kind for r in measured if r.error_kind is not None)
+    errors = Counter(_error_name(r) for r in measured if r.error_kind is not None)
     # Requests without a verify round (one token, or an engine without speculation) have no acceptance to measure;
     # they leave the figure to the others, and its label says how the others measured it.
     known = {r.acceptance for r in ok} - {"unknown"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -84,6 +85,30 @@ def test_put_replaces_weights_and_bad_documents_change_nothing(admin: tuple[str,
         assert refused.status_code == status, body
         assert refused.json()["error"]["message"]
     assert httpx.get(base + "/admin/arms", headers=AUTH).json()["routing"] == routing
+
+
+def _standard_json(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{constant} is not standard JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_weights_must_be_finite_and_bounded(admin: tuple[str, str]) -> None:
+    """An infinite weight (or one that overflows to it) would reverse the split and make GET answer non-standard
+    JSON; a nested body is a 400, not a traceback."""
+    gw, base = admin
+    before = httpx.get(base + "/admin/arms", headers=AUTH).text
+    for weight in (b"Infinity", b"1e400", b"NaN", b"1e308"):
+        body = b'{"arms": {"baseline": {"weight": 1, "replicas": ["http://h:1"]}, "candidate": {"weight": %s, ' \
+               b'"replicas": ["http://h:1"]}}}' % weight
+        refused = httpx.put(base + "/admin/arms", headers=AUTH, content=body)
+        assert refused.status_code == 422, weight
+        assert refused.json()["error"]["message"].startswith("body: arms.candidate.weight: "), refused.text
+    nested = httpx.put(base + "/admin/arms", headers=AUTH, content=b"[" * 100_000)
+    assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+    after = httpx.get(base + "/admin/arms", headers=AUTH).text
+    assert after == before and _standard_json(after)
+    assert 'dfserve_arm_weight{arm="candidate"} 10.0' in httpx.get(gw + "/metrics").text
 
 
 def test_put_can_add_and_remove_arms(admin: tuple[str, str], unused: str) -> None:

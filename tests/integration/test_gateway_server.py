@@ -9,29 +9,40 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import uvloop
 
 from dfserve.relay_core import EventRelay
 from dfserve.gateway.server import Reply, Request, Server, ServerLimits
+from dfserve.listen import bind
 
 LOOPBACK = "127.0.0.1"
 JSON = [(b"content-type", b"application/json")]
 
 
-async def listen(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
-                 idle_timeout_s: float = 30.0) -> tuple[Server, int]:
+LIMITS = ServerLimits(max_body_bytes=1000, max_connections=100, head_timeout_s=30.0, body_timeout_s=30.0,
+                      idle_timeout_s=30.0)
+
+
+async def listen(handler: Callable[[Request, Reply], Awaitable[None]], limits: ServerLimits = LIMITS,
+                 refused: Callable[[str], object] = lambda reason: None) -> tuple[Server, int]:
     """A started server on a free loopback port, and the port."""
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
     sock.listen()
-    listener = Server(handler, ServerLimits(max_body_bytes, idle_timeout_s))
+    listener = Server(handler, limits, refused)
     await listener.start(sock)
     return listener, sock.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
-async def server(handler: Callable[[Request, Reply], Awaitable[None]], max_body_bytes: int = 1000,
-                 idle_timeout_s: float = 30.0) -> AsyncIterator[int]:
-    listener, port = await listen(handler, max_body_bytes, idle_timeout_s)
+async def server(handler: Callable[[Request, Reply], Awaitable[None]], refused: Callable[[str], object] = lambda reason: None,
+                 **limits: float) -> AsyncIterator[int]:
+    """`listen` with `LIMITS` changed where named; stopped after the block."""
+    listener, port = await listen(handler, replace(LIMITS, **limits), refused)
     try:
         yield port
     finally:
@@ -403,3 +414,226 @@ def test_stop_sends_whole_answers_including_a_pipelined_one() -> None:
 
     first, second = asyncio.run(scenario())
     assert first.endswith(piece * 8) and second[2] == b"small" and second[1][b"connection"] == b"close"
+
+
+async def dribble(writer: asyncio.StreamWriter, piece: bytes, gap_s: float) -> None:
+    """Send `piece` a byte at a time, forever: only the server closing the connection stops it."""
+    with contextlib.suppress(ConnectionError):
+        while True:
+            for byte in piece:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(gap_s)
+
+
+async def cut_off(port: int, start: bytes, piece: bytes) -> tuple[bytes, float]:
+    """Everything the server answers to `start` followed by `piece` trickling in, and when its connection ended."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    began = time.perf_counter()
+    writer.write(start)
+    trickle = asyncio.ensure_future(dribble(writer, piece, 0.05))
+    try:
+        answer = await asyncio.wait_for(reader.read(-1), 10)
+    except ConnectionResetError:  # the answer came, then the reset for the bytes still trickling in
+        answer = b"reset"
+    elapsed = time.perf_counter() - began
+    trickle.cancel()
+    writer.close()
+    return answer, elapsed
+
+
+def test_a_head_or_a_body_trickling_in_is_cut_at_its_deadline_and_counted() -> None:
+    """Bytes arriving do not extend a deadline: a head must be whole within head_timeout_s of its first byte, a body
+    within body_timeout_s of the head's end; a connection that sends nothing is closed without an answer."""
+    async def scenario() -> tuple[list[tuple[bytes, float]], bytes, list[str]]:
+        refused: list[str] = []
+        async with server(echo, refused.append, head_timeout_s=0.5, body_timeout_s=0.5) as port:
+            head = await cut_off(port, b"GET /x HTTP/1.1\r\nHost: x\r\n", b"X-Slow: 1\r\n")
+            body = await cut_off(port, b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n", b"y")
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            silent = await asyncio.wait_for(reader.read(-1), 10)
+            writer.close()
+        return [head, body], silent, refused
+
+    (head, body), silent, refused = asyncio.run(scenario())
+    for answer, elapsed in (head, body):
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and b"connection: close" in answer, answer
+        assert 0.4 < elapsed < 3.0
+    assert b"request head not received within 0.5 s" in head[0]
+    assert b"request body not received within 0.5 s" in body[0]
+    assert silent == b""
+    assert refused == ["head_timeout", "body_timeout", "head_timeout"]
+
+
+def test_each_wait_of_a_kept_alive_connection_has_its_own_deadline() -> None:
+    """Idle time between requests is not held against the next head, and a head pipelined behind a long answer has
+    its deadline from that answer's end."""
+    async def slow_echo(request: Request, reply: Reply) -> None:
+        await asyncio.sleep(0.6)
+        await echo(request, reply)
+
+    async def scenario() -> list[int]:
+        statuses = []
+        async with server(slow_echo, head_timeout_s=0.3, idle_timeout_s=30) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            second = post("/second", b"2")
+            writer.write(post("/first", b"1") + second[:10])  # a head begun behind an answer 0.6 s long
+            statuses.append((await read_response(reader))[0])
+            await asyncio.sleep(0.1)
+            writer.write(second[10:])
+            statuses.append((await read_response(reader))[0])
+            await asyncio.sleep(0.6)  # idle: longer than a head may take, shorter than the idle timeout
+            writer.write(post("/third", b"3"))
+            statuses.append((await read_response(reader))[0])
+            writer.close()
+        return statuses
+
+    assert asyncio.run(scenario()) == [200, 200, 200]
+
+
+GET_AND_CLOSE = b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def _read_to_end(sock: socket.socket, send_after_first_read: bytes = b"") -> bytes:
+    received = sock.recv(65536)
+    sock.sendall(send_after_first_read)
+    while chunk := sock.recv(65536):
+        received += chunk
+    sock.close()
+    return received
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed() -> None:
+    """Counted as they are accepted: of a burst that arrives at once, as many as the cap are served and the rest
+    answered 503 and closed, cleanly whether their request came before that answer or after it."""
+    async def scenario() -> tuple[list[bytes], list[bytes], list[str]]:
+        refused: list[str] = []
+        async with server(echo, refused.append, max_connections=5) as port:
+            # connected while the event loop is busy here: the server accepts all of them in one go
+            asking = [socket.create_connection((LOOPBACK, port)) for _ in range(7)]
+            for sock in asking:
+                sock.sendall(GET_AND_CLOSE)
+            waiting = [socket.create_connection((LOOPBACK, port)) for _ in range(3)]
+            answers = await asyncio.gather(*(asyncio.to_thread(_read_to_end, sock) for sock in asking),
+                                           *(asyncio.to_thread(_read_to_end, sock, GET_AND_CLOSE) for sock in waiting))
+            later = []
+            for _ in range(5):
+                sock = socket.create_connection((LOOPBACK, port))
+                sock.sendall(GET_AND_CLOSE)
+                later.append(await asyncio.to_thread(_read_to_end, sock))
+        return answers, later, refused
+
+    answers, later, refused = asyncio.run(scenario())
+    assert [answer.split(b" ", 2)[1] for answer in answers] == [b"200"] * 5 + [b"503"] * 5
+    for answer in answers[5:]:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert b"connection: close" in head and b"content-length: %d" % len(body) in head
+        assert json.loads(body)["error"]["code"] == 503
+    assert all(answer.startswith(b"HTTP/1.1 200 OK") for answer in later)  # the cap counts connections open now
+    assert refused == ["over_capacity"] * 5
+
+
+def test_a_chunk_size_line_or_trailer_section_past_the_head_limit_is_refused() -> None:
+    """llhttp reads past chunk extensions and trailers without a bound: the server holds them to 64 KiB."""
+    async def send_until_answered(port: int, start: bytes, endless: bytes) -> tuple[bytes, int]:
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(start)
+        sent = 0
+        answer = asyncio.ensure_future(reader.read(-1))
+        with contextlib.suppress(ConnectionError):
+            while sent < 50_000_000 and not answer.done():
+                writer.write(endless)
+                await writer.drain()
+                sent += len(endless)
+        try:
+            received = await asyncio.wait_for(answer, 10)
+        except ConnectionResetError:
+            received = b"reset"
+        writer.close()
+        return received, sent
+
+    async def scenario() -> list[tuple[bytes, int]]:
+        async with server(echo, max_body_bytes=100_000_000) as port:
+            chunked = b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            return [await send_until_answered(port, chunked + b"5;ext=", b"a" * 65536),
+                    await send_until_answered(port, chunked + b"5\r\nhello\r\n0\r\nX-Trailer: ", b"b" * 65536)]
+
+    for answer, sent in asyncio.run(scenario()):
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:200]
+        assert b"chunk-size line or trailer section over 65536 bytes" in answer
+        assert sent < 5_000_000
+
+
+def test_parser_edges_are_answered_as_rfc_9112_says() -> None:
+    """Two Host headers: 400. HTTP/1.0 with Transfer-Encoding: answered, then closed (§6.1), so nothing pipelined
+    behind it is read. Trailer fields of a chunked body are not headers."""
+    async def scenario() -> tuple[bytes, bytes, tuple[int, dict[bytes, bytes], bytes]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+            two_hosts = await reader.read(-1)
+            writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"POST /x HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n0\r\n\r\n" + post("/smuggled", b""))
+            http10_chunked = await asyncio.wait_for(reader.read(-1), 5)
+            writer.close()
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n0\r\nX-Trailer: evil\r\nHost: elsewhere\r\n\r\n")
+            trailers = await read_response(reader)
+            writer.close()
+        return two_hosts, http10_chunked, trailers
+
+    two_hosts, http10_chunked, (status, _, body) = asyncio.run(scenario())
+    assert two_hosts.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"more than one Host header" in two_hosts
+    head, _, rest = http10_chunked.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in head
+    assert json.loads(rest)["body"] == "hello" and b"smuggled" not in rest
+    echoed = json.loads(body)
+    assert status == 200 and echoed["body"] == "hello"
+    assert echoed["headers"] == {"host": "x", "transfer-encoding": "chunked"}
+
+
+def _accept_queue(port: int) -> int:
+    """Connections the kernel completed on the listening socket at `port` that nobody accepted yet (the rx_queue
+    column of a LISTEN row in /proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":
+            return int(fields[4].split(":")[1], 16)
+    raise LookupError(f"no listening socket on port {port}")
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_the_listen_backlog_is_the_one_asked_for(loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """Starting to serve on a bound socket listens again: with the loop's default the kernel would queue 101."""
+    wanted = min(300, int(Path("/proc/sys/net/core/somaxconn").read_text()) + 1)
+
+    async def scenario() -> int:
+        sock = bind(LOOPBACK, 0)
+        listener = Server(echo, LIMITS)
+        await listener.start(sock)
+        queued = _connect_without_accepting(sock.getsockname()[1], 300, wanted)
+        await listener.stop(drain_s=1.0)
+        return queued
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        assert runner.run(scenario()) == wanted
+
+
+def _connect_without_accepting(port: int, count: int, wanted: int) -> int:
+    """Open `count` connections while the caller's event loop cannot run (it is here): how many the kernel queues,
+    once `wanted` are or after 5 s."""
+    clients = []
+    for _ in range(count):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex((LOOPBACK, port))
+        clients.append(client)
+    deadline = time.monotonic() + 5
+    while (queued := _accept_queue(port)) < wanted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for client in clients:
+        client.close()
+    return queued

@@ -35,10 +35,17 @@ def test_yaml_with_flag_overrides(tmp_path: Path) -> None:
         ("arms: {a: {weight: 1, replicas: ['ftp://h:1']}}\n", "routing.arms.a.replicas"),
         ("arms: {a: {weight: 1, replicas: ['http://h:1/v1']}}\n", "routing.arms.a.replicas"),
         ("arms: {a: {weight: -1, replicas: ['http://h:1']}}\n", "routing.arms.a.weight"),
+        ("arms: {a: {weight: .inf, replicas: ['http://h:1']}}\n", "routing.arms.a.weight: Input should be a finite"),
+        ("arms: {a: {weight: 1.0e+400, replicas: ['http://h:1']}}\n", "routing.arms.a.weight"),
+        ("arms: {a: {weight: .nan, replicas: ['http://h:1']}}\n", "routing.arms.a.weight"),
+        ("arms: {a: {weight: 1.0e+308, replicas: ['http://h:1']}}\n", "routing.arms.a.weight: Input should be less"),
         ("arms: {a: {weight: 1, replicas: ['http://h:1'], extra: 1}}\n", "routing.arms.a.extra"),
         ("mode: shadow\narms: {a: {weight: 1, replicas: ['http://h:1']}, b: {weight: 1, replicas: ['http://h:2']}}\n",
          "primary"),
         ("arms: {a: {weight: 1, replicas: ['http://h:1']}}\nlimits: {max_body_bytes: 0}\n", "limits.max_body_bytes"),
+        ("arms: {a: {weight: 1, replicas: ['http://h:1']}}\nlimits: {head_timeout_s: 0}\n", "limits.head_timeout_s"),
+        ("arms: {a: {weight: 1, replicas: ['http://h:1']}}\nlimits: {max_connections: -1}\n",
+         "limits.max_connections"),
         ("- not a mapping\n", "mapping"),
         ("arms: [unclosed\n", "invalid YAML"),
     ],
@@ -56,6 +63,9 @@ def test_arm_flag() -> None:
     for bad in ("candidate", "c=x@http://h:1", "c=1@", "=1@http://h:1"):
         with pytest.raises(UserError, match="--arm"):
             parse_arm_flag(bad)
+    for unbounded in ("inf", "-inf", "nan", "1e400", "1e308"):
+        with pytest.raises(UserError, match=r"^--arm: weight: Input should be"):
+            parse_arm_flag(f"c={unbounded}@http://h:1")
 
 
 def test_admin_port_needs_a_long_token(tmp_path: Path) -> None:

@@ -7,9 +7,11 @@ import io
 from rich.console import Console
 
 from dfserve.loadtest.progress import Progress
+from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import (
     accept_length_figure,
     distribution,
+    over_error_rate,
     render_html,
     summarize,
     summarize_arm,
@@ -23,7 +25,7 @@ def test_arm_summary_counts_errors_and_excludes_warmup() -> None:
     records += [records[0].model_copy(update={"warmup": True, "index": 500})]
     summary = summarize_arm("zlab", records)
     assert summary.requests == 100
-    assert summary.succeeded + sum(summary.errors.values()) == 100 and summary.errors.get("http_status", 0) > 0
+    assert summary.succeeded + sum(summary.errors.values()) == 100 and summary.errors.get("http_503", 0) > 0
     assert summary.error_rate == (100 - summary.succeeded) / 100
     assert summary.acceptance == "exact" and summary.accept_length is not None
     assert summary.accept_length.low < summary.accept_length.estimate < summary.accept_length.high
@@ -34,6 +36,21 @@ def test_arm_summary_counts_errors_and_excludes_warmup() -> None:
     assert sum(summary.round_tokens_histogram) == rounds  # one chunk per verify round after the prefill chunk
     assert sum(k * n for k, n in enumerate(summary.round_tokens_histogram)) == len(ok) * 63
     assert summary.wait_s is None  # closed loop: nothing waited for a slot
+
+
+def test_arms_over_the_error_rate_limit_are_named_with_their_error_kinds() -> None:
+    def failed(r: RequestRecord, kind: str, status: int | None) -> RequestRecord:
+        return r.model_copy(update={"error_kind": kind, "http_status": status, "completion_tokens": None})
+
+    zlab = synthetic("zlab", 40, 8.0, seed=1, tokens=8)
+    inhouse = synthetic("inhouse", 40, 8.0, seed=1, tokens=8)
+    zlab[0] = failed(zlab[0], "timeout", None)  # 2.5%
+    inhouse[:10] = [failed(r, "connect", None) for r in inhouse[:6]] + [failed(r, "http_status", 503)
+                                                                       for r in inhouse[6:10]]  # 25%
+    summary = summarize(run_config("run-e"), zlab + inhouse, interrupted=False)
+    (over,) = over_error_rate(summary, 0.05)
+    assert over.arm == "inhouse" and over.error_rate == 0.25 and over.errors == {"connect": 6, "http_503": 4}
+    assert over_error_rate(summary, 0.25) == [] and len(over_error_rate(summary, 0.0)) == 2
 
 
 def test_no_data_is_none_not_zero() -> None:
