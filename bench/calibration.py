@@ -48,7 +48,7 @@ from dfserve.loadtest import cli as loadtest_cli  # noqa: E402
 from dfserve.loadtest.judge import DEFAULT_GATE, Gate, judge  # noqa: E402
 from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
 from dfserve.loadtest.tasks import Task, load_tasks  # noqa: E402
-from tests.servers import dfserve_argv, sim_server  # noqa: E402
+from tests.integration.servers import dfserve_argv, sim_server  # noqa: E402
 
 SECTION = "loadtest_calibration"
 

@@ -31,7 +31,7 @@ from dfserve.deploy.sglang_engine import (
     stop,
 )
 from dfserve.deploy.spec import DeploymentSpec, build_spec
-from dfserve.errors import UserError
+from dfserve.errors import UserError, command_flags, flags_for
 from dfserve.listen import ensure_free
 
 DEFAULT_ROOT = "deployments"
@@ -113,7 +113,8 @@ def deploy(ctx: click.Context, **opts: object) -> None:
         return
     if not opts["drafter"]:
         raise UserError("--drafter: required (zlab, a checkpoint, a model folder, or baseline)")
-    run_deploy(**opts)  # type: ignore[arg-type]
+    with flags_for(command_flags(ctx.command)):
+        run_deploy(**opts)  # type: ignore[arg-type]
 
 
 def run_deploy(
