@@ -143,6 +143,9 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterA
         layer_ids = []
     elif bad := [i for i in layer_ids if not 0 <= i < target.num_hidden_layers]:
         problems.append(f"dflash_config.target_layer_ids {bad} outside the target's {target.num_hidden_layers} layers")
+    elif target.num_hidden_layers - 1 in layer_ids:
+        problems.append(f"dflash_config.target_layer_ids include the target's last layer ({target.num_hidden_layers - 1}), "
+                        "whose output Hugging Face and SGLang expose only after the final norm")
     mask = dflash.get("mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
         problems.append(f"dflash_config.mask_token_id must be a token id below {target.vocab_size}, got {mask!r}")

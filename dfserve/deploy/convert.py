@@ -13,9 +13,6 @@ by a final rename, so a second conversion of the same checkpoint does nothing an
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +34,7 @@ from dfserve.deploy.assets import (
 )
 from dfserve.deploy.hashes import file_sha256, remember_sha256
 from dfserve.errors import FieldError, UserError
-from dfserve.runs import utc_now_iso
+from dfserve.runs import staged_folder, utc_now_iso
 
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "draft_model", "drafter")
 """Keys under which trainers nest the drafter's state dict, tried in this order."""
@@ -167,17 +164,7 @@ def convert_checkpoint(
         renamed={old: new for old, new in renamed.items() if old != new}, created_at=utc_now_iso(),
         torch_version=torch.__version__,
     )
-    store.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=store, prefix=f".{folder.name}.", suffix=".tmp"))
-    try:
+    with staged_folder(folder) as tmp:  # another conversion of the same bytes may win the race: its folder stays
         _write_folder(tmp, tensors, config, record)
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not folder.is_dir():  # another conversion of the same bytes won the race: keep its folder
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     remember_sha256(checkpoint, hash_cache, digest)
     return ConvertResult(folder, digest, converted=True)
