@@ -238,7 +238,10 @@ def test_a_second_checkpoint_reuses_the_features_and_compares_across_runs(
 
 
 def _tree(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+    """Every path under `folder` but the machine's memo of file content hashes (`.hashes`, shared with deploy)."""
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".hashes" not in p.parts)
 
 
 def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: FirstRun,
@@ -253,14 +256,14 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     models.save_drafter(models.new_drafter(world.target, taps=(1, models.TARGET_LAYERS - 1)), last_tap)
     outside = world.root / "outside"
     models.save_drafter(models.new_drafter(world.target, taps=(1, models.TARGET_LAYERS + 2)), outside)
-    hybrid = models.qwen35_target(world.root / "qwen35")
+    other_target = models.qwen3_target(world.root / "qwen3-other", seed=1)  # same shapes, other weights
     features = json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"]
     cases = [
         ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
         ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
         ([str(last_tap)], {}, "drafter config: ", "include the target's last layer (3)"),
-        ([str(outside)], {}, "drafter config: ", "target_layer_ids [5] outside the target's 4 layers"),
-        ([str(world.short)], {"target": hybrid, "features": features}, "--features: ",
+        ([str(outside)], {}, "drafter config: ", "target_layer_ids [6] outside the target's 4 layers"),
+        ([str(world.short)], {"target": other_target, "features": features}, "--features: ",
          "was built for target"),
     ]
     before = {name: _tree(world.root / name) for name in ("bad", "cache", "store")}
@@ -283,6 +286,8 @@ def test_a_hybrid_gated_deltanet_target_in_the_vision_language_layout(world: Wor
                                                       cache="hybrid-cache", target=target, **{"num-tasks": 2}))
     assert status == 0, err
     config = json.loads((world.root / "hybrid-runs" / "hybrid" / "config.json").read_text())
-    assert config["target"]["family"] == "qwen3_5" and config["features"]["taps"] == [1, 5]
+    layers = json.loads((target / "config.json").read_text())["text_config"]["layer_types"]
+    assert layers.count("linear_attention") == 6 and layers.count("full_attention") == 2
+    assert config["target"]["family"] == "qwen3_5_text" and config["features"]["taps"] == [1, 5]
     assert config["features"]["health"]["fraction"] >= 0.99
     assert "drafter" in out
