@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
+from dfserve.errors import FieldError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
 from dfserve.eval.records import AnchorRecord, PromptSettings
@@ -18,7 +19,6 @@ from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalGate, EvalRule, check_gate, judge_offline
-from dfserve.errors import FieldError
 from dfserve.loadtest.cli import compare
 from dfserve.runs import JsonlAppender, create_run_dir, write_model
 from tests.synthetic import run_config, synthetic
