@@ -89,11 +89,16 @@ def block_embeddings(head: TargetHead, tokens: Tensor, anchors: Tensor, block_si
     return embedded.reshape(1, -1, embedded.shape[-1])
 
 
+def project_context(model: DFlashDraftModel, features: Tensor) -> Tensor:
+    """z-lab's `hidden_norm(fc(features))`: the context every drafter layer reads its extra keys and values from. It
+    depends on no anchor, so one projection of a whole sequence serves every block (the drafter's largest matrix)."""
+    return model.hidden_norm(model.fc(features))
+
+
 def draft_hidden(model: DFlashDraftModel, context: Tensor, blocks: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     """The drafter's final hidden states of every block row, [n, B, hidden]: z-lab's `DFlashDraftModel.forward`
-    with one mask per layer kind instead of one for all layers. `context` is the raw target features of positions
-    0..T-1 ([1, T, taps·hidden]); gradients flow (training uses it too)."""
-    target_hidden = model.hidden_norm(model.fc(context))
+    with one mask per layer kind instead of one for all layers. `context` is the projected target features of
+    positions 0..T-1 ([1, T, hidden], `project_context`); gradients flow (training uses it too)."""
     positions = torch.cat([torch.arange(context.shape[1]),
                            (anchors[:, None] + torch.arange(block_size)[None, :]).reshape(-1)])[None]
     position_embeddings = model.rotary_emb(blocks, positions)
@@ -102,7 +107,7 @@ def draft_hidden(model: DFlashDraftModel, context: Tensor, blocks: Tensor, ancho
     for layer, kind in zip(model.layers, layer_kinds(model), strict=True):
         if kind not in masks:
             masks[kind] = block_mask(anchors, block_size, context.shape[1], kind)
-        hidden = layer(hidden_states=hidden, target_hidden=target_hidden, attention_mask=masks[kind],
+        hidden = layer(hidden_states=hidden, target_hidden=context, attention_mask=masks[kind],
                        position_embeddings=position_embeddings)
     return model.norm(hidden).reshape(anchors.shape[0], block_size, -1)
 
@@ -130,12 +135,15 @@ def score_anchors(
     scale = float(getattr(config, "dflash_config", {}).get("input_embedding_scale",
                                                            getattr(config, "input_embedding_scale", 1.0)))
     drafts, top_ids, top_logprobs = [], [], []
+    context = features[None, :int(anchors.max())].to(head.embed.dtype)
+    projected = project_context(model, context) if anchors_per_forward > 1 else None
     for start in range(0, anchors.shape[0], anchors_per_forward):
         chunk = anchors[start:start + anchors_per_forward]
-        context = features[None, :int(chunk.max())]
         blocks = block_embeddings(head, tokens, chunk, block_size, int(model.mask_token_id), scale, mask_embedding)
-        forward = _one_by_one if anchors_per_forward == 1 else draft_hidden
-        hidden = forward(model, context.to(blocks.dtype), blocks, chunk, block_size)
+        if projected is not None:
+            hidden = draft_hidden(model, projected[:, :int(chunk.max())], blocks, chunk, block_size)
+        else:
+            hidden = _one_by_one(model, context, blocks, chunk, block_size)
         logits = model.compute_logits(hidden[:, 1:], head.logits).float()
         drafts.append(torch.argmax(logits, dim=-1))
         values, ids = torch.topk(logits, k=min(top_k, logits.shape[-1]), dim=-1)
