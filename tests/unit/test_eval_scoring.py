@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,8 +11,15 @@ from dflash.model import DFlashDraftModel
 from transformers import Qwen3Config
 
 from dfserve.eval.scoring import TargetHead, block_mask, layer_kinds, score_anchors
+from tests.fixtures.eval.models import one_thread
 
 VOCAB, HIDDEN = 96, 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 def drafter(**changes: Any) -> DFlashDraftModel:
