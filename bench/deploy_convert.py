@@ -27,13 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_section  # noqa: E402
-from dfserve.deploy.drafters import (  # noqa: E402
-    expected_tensors,
-    file_sha256,
-    resolve_drafter,
-    target_from_config,
-    verify_drafter_config,
-)
+from dfserve.deploy.assets import expected_tensors, target_from_config, verify_drafter_config  # noqa: E402
+from dfserve.deploy.drafters import resolve_drafter  # noqa: E402
+from dfserve.deploy.hashes import file_sha256  # noqa: E402
 from dfserve.deploy.profiles import load_profile  # noqa: E402
 
 
@@ -52,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     profile = load_profile("pro6000")
     target_config, drafter_config = configs(args.hidden)
-    target = target_from_config("synthetic-target", target_config, "bench", profile)
+    target = target_from_config("synthetic-target", target_config, "bench", profile.target_families)
     arch = verify_drafter_config(drafter_config, target)
     generator = torch.Generator().manual_seed(0)
     state = {name: torch.randn(shape, generator=generator) for name, shape in expected_tensors(arch).items()}

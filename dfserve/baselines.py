@@ -3,10 +3,12 @@
 One small JSON file beside the runs (`baselines.json`), rewritten atomically (temp file, fsync, rename) under an
 exclusive lock, so readers never see half a file and two promotions cannot interleave. Entries are only appended:
 the current baseline of a target is its latest entry, and the history is the list. `dfserve promote` appends;
-`dfserve baseline show|history` and `dfserve deploy --drafter baseline` read.
+`dfserve baseline show|history` and `dfserve deploy --drafter baseline` read. The same file keeps each drafter's
+offline τ (`dfserve eval` appends), so `dfserve compare` can show it beside the online τ of the same drafter.
 
     registry = BaselineRegistry(Path("runs"))
     current = registry.current("Qwen/Qwen3.6-27B")
+    offline = registry.offline(current.drafter)
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,6 +28,15 @@ from dfserve.errors import UserError
 from dfserve.runs import utc_now_iso
 
 FILENAME = "baselines.json"
+CONVERTED_DRAFTER = re.compile(r"inhouse-[0-9a-f]{16}")
+"""How deploy names a converted drafter's folder: by its checkpoint's content hash (deploy.convert)."""
+
+
+def drafter_identity(drafter: str) -> str:
+    """What names one drafter on every machine: a converted in-house drafter by its content-hash folder name, any
+    other drafter (a Hugging Face id, a folder) as given."""
+    name = PurePath(drafter).name
+    return name if CONVERTED_DRAFTER.fullmatch(name) else drafter
 
 
 class BaselineEntry(BaseModel):
@@ -42,11 +54,33 @@ class BaselineEntry(BaseModel):
     reason: str | None = None
 
 
+class OfflineScore(BaseModel):
+    """A drafter's offline τ from one `dfserve eval` run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str
+    drafter: str = Field(description="the drafter's identity (see drafter_identity)")
+    label: str
+    run_id: str
+    run_dir: str
+    features: str = Field(description="key of the feature cache: scores on the same key are comparable")
+    tasks: int
+    rounds: int
+    tau: float = Field(description="Σ tokens / Σ rounds along the online trajectory (z-lab's counting)")
+    tau_low: float
+    tau_high: float
+    tau_as_sglang: float = Field(description="with each task's first token counted, as SGLang's accept length is")
+    ddtree: dict[str, float] = Field(default_factory=dict, description="τ per DDTree method (ddtree8: budget 8)")
+    recorded_at: str
+
+
 class Registry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1] = 1
     entries: list[BaselineEntry] = Field(default_factory=list)
+    offline: list[OfflineScore] = Field(default_factory=list)
 
 
 class BaselineRegistry:
@@ -72,6 +106,17 @@ class BaselineRegistry:
             registry = self.read()
             registry.entries.extend(entries)
             self._write(registry)
+
+    def record_offline(self, *scores: OfflineScore) -> None:
+        with self._locked():
+            registry = self.read()
+            registry.offline.extend(scores)
+            self._write(registry)
+
+    def offline(self, drafter: str) -> OfflineScore | None:
+        """The latest offline score of a drafter, found by its identity (a path or the name of its folder)."""
+        wanted = drafter_identity(drafter)
+        return next((s for s in reversed(self.read().offline) if s.drafter == wanted), None)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("dfserve.deploy.sim.cli:sim", "Serve the simulated SGLang engine (same HTTP API, modelled acceptance and latency)."),
     "gateway": ("dfserve.gateway.cli:gateway", "Split or mirror live OpenAI/SGLang traffic between drafter arms and measure each."),
     "loadtest": ("dfserve.loadtest.cli:loadtest", "Replay coding tasks against all arms at once; record per-request acceptance and latency."),
+    "eval": ("dfserve.eval.cli:eval_group", "Screen drafters offline: τ on cached target features, paired verdicts (needs dfserve[eval])."),
     "compare": ("dfserve.loadtest.cli:compare", "Judge a candidate against a baseline: paired statistics, losslessness, gate, verdict."),
     "promote": ("dfserve.loadtest.cli:promote", "Make a PASSed candidate the new baseline (history kept)."),
     "baseline": ("dfserve.loadtest.cli:baseline", "Show the current baseline and its history."),

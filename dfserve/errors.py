@@ -4,6 +4,10 @@ Library code raises these; the CLI turns a `UserError` into one line on stderr a
 Per-request failures (timeouts, HTTP errors) are data in records, never exceptions.
 """
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import yaml
 from pydantic import ValidationError
 
@@ -14,6 +18,38 @@ class DfserveError(Exception):
 
 class UserError(DfserveError):
     """Bad input the user can fix: a flag, a file, a field. The message names it."""
+
+
+class FieldError(UserError):
+    """A `UserError` about one input, named by its field (`drafter`, `target_config`), never by a flag: each command
+    maps fields to its own flags (`flags_for`). `{other}` in the message names a second field the same way."""
+
+    def __init__(self, field: str, message: str, other: str | None = None) -> None:
+        self.field = field
+        self.message = message
+        self.other = other
+        super().__init__(self.render({}))
+
+    def render(self, flags: Mapping[str, str]) -> str:
+        text = self.message if self.other is None else self.message.replace("{other}", flags.get(self.other, self.other))
+        return f"{flags.get(self.field, self.field)}: {text}"
+
+
+@contextlib.contextmanager
+def flags_for(flags: Mapping[str, str]) -> Iterator[None]:
+    """Inside, a `FieldError` about one of `flags`' fields becomes one line naming the flag: `--drafter: ...`."""
+    try:
+        yield
+    except FieldError as exc:
+        if exc.field not in flags:
+            raise
+        raise UserError(exc.render(flags)) from None
+
+
+def command_flags(command: Any) -> dict[str, str]:
+    """A click command's option names mapped to their flags (`target_config` -> `--target-config`)."""
+    return {param.name: max(param.opts, key=len) for param in command.params
+            if param.name and any(opt.startswith("--") for opt in param.opts)}
 
 
 class ProtocolError(DfserveError):

@@ -7,21 +7,24 @@ and streamed records are appended to a file the run itself created.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import platform
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 
 
 def utc_now_iso() -> str:
@@ -64,6 +67,42 @@ def write_model(path: Path, model: BaseModel) -> None:
     write_atomic(path, model.model_dump_json(indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def staged_folder(final: Path) -> Iterator[Path]:
+    """A folder that appears whole or not at all: written in a temporary sibling, renamed to `final` at the end.
+    If another writer of the same content-addressed folder won the race, its folder is kept and this one dropped;
+    on an error nothing is left behind."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def link_input(source: Path, staged: Path, field: str) -> Path:
+    """Hard-link a large input (a 15 GB checkpoint) to `staged`, never copied; linking the same file again does
+    nothing. Failures are about `field`, the input naming the folder `staged` lies in."""
+    if staged.exists():
+        if staged.samefile(source):
+            return staged
+        raise FieldError(field, f"{staged} already holds another file than {source}")
+    try:
+        os.link(source, staged)
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise FieldError(field, f"{staged.parent} is on another file system than {source}; a hard link is "
+                             "impossible and a copy is refused") from None
+        raise FieldError(field, f"cannot hard-link {source} to {staged} ({exc.strerror})") from None
+    return staged
+
+
 class JsonlAppender:
     """Appends one JSON line per record and flushes it, so a crash loses at most what was in flight."""
 
@@ -89,6 +128,27 @@ class JsonlAppender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_jsonl(path: Path, model: type[M], what: str) -> Iterator[M]:
+    """Read what a `JsonlAppender` wrote; a torn last line (a crash mid-write) is skipped, anything else malformed
+    is an error naming the line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield model.model_validate_json(line)
+        except ValidationError as exc:
+            if number == len(lines):
+                return
+            raise UserError(f"{path}:{number}: not {what} ({exc.errors()[0]['msg']})") from None
 
 
 def package_versions(*names: str) -> dict[str, str]:

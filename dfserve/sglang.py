@@ -85,6 +85,12 @@ def generate_body(
     return body
 
 
+def generate_ids_body(input_ids: Sequence[int], sampling: SamplingParams) -> dict[str, Any]:
+    """Body of native `POST /generate` for one tokenized prompt; the answer carries `output_ids`, so no text is
+    tokenized twice (offline references are token ids, not text)."""
+    return {"input_ids": list(input_ids), "sampling_params": sampling.native(), "stream": False}
+
+
 def chat_body(
     model: str,
     messages: Sequence[dict[str, Any]],

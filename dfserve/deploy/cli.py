@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import errno
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -31,8 +29,9 @@ from dfserve.deploy.sglang_engine import (
     stop,
 )
 from dfserve.deploy.spec import DeploymentSpec, build_spec
-from dfserve.errors import UserError
+from dfserve.errors import UserError, command_flags, flags_for
 from dfserve.listen import ensure_free
+from dfserve.runs import link_input
 
 DEFAULT_ROOT = "deployments"
 
@@ -42,22 +41,6 @@ def _root_option(f):
         "--root", type=click.Path(path_type=Path), envvar="DFSERVE_DEPLOY_ROOT", default=DEFAULT_ROOT, show_default=True,
         help="Folder holding deployments and converted drafters.",
     )(f)
-
-
-def stage_checkpoint(checkpoint: Path, deployment_dir: Path) -> Path:
-    """Hard-link the checkpoint into the deployment folder; never copied, never re-linked or replaced."""
-    staged = deployment_dir / f"checkpoint{checkpoint.suffix}"
-    if staged.exists():
-        if staged.samefile(checkpoint):
-            return staged
-        raise UserError(f"{staged} already holds another checkpoint; deploy under another --name")
-    try:
-        os.link(checkpoint, staged)
-    except OSError as exc:
-        if exc.errno == errno.EXDEV:
-            raise UserError(f"--root: {deployment_dir} is on another file system than {checkpoint}; a hard link is impossible and a 15 GB copy is refused") from None
-        raise UserError(f"cannot hard-link {checkpoint} into {deployment_dir} ({exc.strerror})") from None
-    return staged
 
 
 def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
@@ -113,7 +96,8 @@ def deploy(ctx: click.Context, **opts: object) -> None:
         return
     if not opts["drafter"]:
         raise UserError("--drafter: required (zlab, a checkpoint, a model folder, or baseline)")
-    run_deploy(**opts)  # type: ignore[arg-type]
+    with flags_for(command_flags(ctx.command)):
+        run_deploy(**opts)  # type: ignore[arg-type]
 
 
 def run_deploy(
@@ -179,8 +163,9 @@ def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_d
     created = not deployment_dir.exists()
     deployment_dir.mkdir(parents=True, exist_ok=True)
     try:
-        if drafter.kind == "checkpoint" and drafter.source:
-            stage_checkpoint(Path(drafter.source), deployment_dir)
+        if drafter.kind == "checkpoint" and drafter.source:  # a deployment keeps the bytes it was started with
+            checkpoint = Path(drafter.source)
+            link_input(checkpoint, deployment_dir / f"checkpoint{checkpoint.suffix}", "root")
     except UserError:
         if created:
             deployment_dir.rmdir()

@@ -13,9 +13,6 @@ by a final rename, so a second conversion of the same checkpoint does nothing an
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,19 +23,18 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
-from dfserve.deploy.drafters import (
+from dfserve.deploy.assets import (
     DrafterArch,
     Target,
     TensorInfo,
     expected_tensors,
-    file_sha256,
     problems_error,
     read_safetensors_header,
-    remember_sha256,
     tensor_table_problems,
 )
-from dfserve.errors import UserError
-from dfserve.runs import utc_now_iso
+from dfserve.deploy.hashes import file_sha256, remember_sha256
+from dfserve.errors import FieldError, UserError
+from dfserve.runs import staged_folder, utc_now_iso
 
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "draft_model", "drafter")
 """Keys under which trainers nest the drafter's state dict, tried in this order."""
@@ -73,7 +69,8 @@ def _is_state_dict(obj: object) -> bool:
 
 
 def find_state_dict(obj: object, where: str) -> Mapping[str, torch.Tensor]:
-    """The drafter's tensors inside a loaded checkpoint: the object itself or a dict nested under `WRAPPER_KEYS`."""
+    """The drafter's tensors inside a loaded checkpoint (`where` names it): the object itself or a dict nested under
+    `WRAPPER_KEYS`."""
     if _is_state_dict(obj):
         return obj  # type: ignore[return-value]
     if isinstance(obj, Mapping):
@@ -81,8 +78,9 @@ def find_state_dict(obj: object, where: str) -> Mapping[str, torch.Tensor]:
             if isinstance(obj.get(key), Mapping):
                 return find_state_dict(obj[key], f"{where}[{key!r}]")
         keys = ", ".join(sorted(map(str, obj))[:10])
-        raise UserError(f"{where}: no drafter state dict (a dict of tensors) found; keys: {keys}; looked under {list(WRAPPER_KEYS)}")
-    raise UserError(f"{where}: holds a {type(obj).__name__}, not a state dict")
+        raise FieldError("drafter", f"{where}: no drafter state dict (a dict of tensors) found; keys: {keys}; "
+                         f"looked under {list(WRAPPER_KEYS)}")
+    raise FieldError("drafter", f"{where}: holds a {type(obj).__name__}, not a state dict")
 
 
 def strip_prefixes(names: list[str]) -> dict[str, str]:
@@ -95,7 +93,7 @@ def strip_prefixes(names: list[str]) -> dict[str, str]:
         mapping[name] = short
     collisions = sorted(short for short, count in Counter(mapping.values()).items() if count > 1)
     if collisions:
-        raise UserError(f"checkpoint: tensors {collisions[:5]} appear under more than one prefix")
+        raise FieldError("drafter", f"checkpoint tensors {collisions[:5]} appear under more than one prefix")
     return mapping
 
 
@@ -105,12 +103,13 @@ def load_checkpoint(path: Path) -> Mapping[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as exc:
-            raise UserError(f"--drafter: {path} is not a readable safetensors file ({exc.__class__.__name__}: {exc})") from None
+            raise FieldError("drafter", f"{path} is not a readable safetensors file ({exc.__class__.__name__}: {exc})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise UserError(f"--drafter: {path} is not a torch checkpoint that loads with weights_only ({exc.__class__.__name__}: {str(exc)[:200]})") from None
-    return find_state_dict(obj, f"--drafter {path}")
+        raise FieldError("drafter", f"{path} is not a torch checkpoint that loads with weights_only "
+                         f"({exc.__class__.__name__}: {str(exc)[:200]})") from None
+    return find_state_dict(obj, str(path))
 
 
 def nonfinite_problems(tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -148,7 +147,7 @@ def convert_checkpoint(
 ) -> ConvertResult:
     """Convert once per checkpoint content; a folder already converted from the same bytes is reused as is."""
     if not checkpoint.is_file():
-        raise UserError(f"--drafter: {checkpoint} is not a file")
+        raise FieldError("drafter", f"{checkpoint} is not a file")
     digest = file_sha256(checkpoint, hash_cache, remember=False)
     folder = store / f"inhouse-{digest[:16]}"
     if folder.is_dir():
@@ -159,23 +158,13 @@ def convert_checkpoint(
     tensors = {renamed[name]: tensor for name, tensor in stored.items()}
     problems = verify_checkpoint(tensors, arch)
     if problems:
-        raise problems_error(f"--drafter {checkpoint} (against target {target.model_path})", problems)
+        raise problems_error(f"{checkpoint} (against target {target.model_path})", problems, field="drafter")
     record = ConversionRecord(
         source=str(checkpoint.resolve()), sha256=digest, tensors=len(tensors),
         renamed={old: new for old, new in renamed.items() if old != new}, created_at=utc_now_iso(),
         torch_version=torch.__version__,
     )
-    store.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=store, prefix=f".{folder.name}.", suffix=".tmp"))
-    try:
+    with staged_folder(folder) as tmp:  # another conversion of the same bytes may win the race: its folder stays
         _write_folder(tmp, tensors, config, record)
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not folder.is_dir():  # another conversion of the same bytes won the race: keep its folder
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     remember_sha256(checkpoint, hash_cache, digest)
     return ConvertResult(folder, digest, converted=True)

@@ -211,6 +211,7 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     verdict_dir = create_run_dir(out or run.parent, prefix="verdict")
     write_model(verdict_dir / FILENAME, verdict)
     _print_verdict(verdict)
+    _print_offline(verdict, BaselineRegistry(run.parent))
     click.echo(f"verdict: {verdict_dir / FILENAME}")
     sys.exit(EXIT[verdict.verdict])
 
@@ -247,6 +248,19 @@ def _print_verdict(verdict: Verdict) -> None:
         console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
     console.print(f"[bold]verdict: {verdict.verdict}[/]" +
                   (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
+
+
+def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
+    """Each drafter's offline τ (`dfserve eval`, recorded in the registry) beside its online τ, where both exist."""
+    online = next(m for m in verdict.judgement.metrics if m.metric == "accept_length")
+    lines = []
+    for side, value in ((verdict.baseline, online.baseline), (verdict.candidate, online.candidate)):
+        score = registry.offline(side.drafter)
+        if score is not None and value is not None:
+            lines.append(f"  {side.arm} ({side.drafter}): online {value:.3f}, offline {score.tau_as_sglang:.3f} "
+                         f"(eval run {score.run_id}, {score.tasks} tasks, features {score.features})")
+    if lines:
+        click.echo("acceptance length offline (dfserve eval, counted as SGLang does) beside online:\n" + "\n".join(lines))
 
 
 @click.command()

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -29,6 +29,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.sglang import parse_server_info
 
 Status = Literal["PASS", "FAIL", "INCONCLUSIVE"]
+G = TypeVar("G", bound=BaseModel)
 RuleStatus = Literal["PASS", "FAIL", "INCONCLUSIVE", "NOT_APPLICABLE"]
 
 
@@ -105,8 +106,13 @@ DEFAULT_GATE = Gate(rules=(
 
 def load_gate(path: Path | None) -> Gate:
     """The gate in a YAML file (`rules: [{metric, max_worse | at_least}]`), or the defaults."""
+    return read_gate(path, DEFAULT_GATE)
+
+
+def read_gate(path: Path | None, default: G) -> G:
+    """A gate of `default`'s type from a YAML file (the offline evaluation's has its own metrics), or `default`."""
     if path is None:
-        return DEFAULT_GATE
+        return default
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -114,7 +120,7 @@ def load_gate(path: Path | None) -> Gate:
     except yaml.YAMLError as exc:
         raise UserError(describe_yaml(exc, f"--gate: {path}")) from None
     try:
-        return Gate.model_validate(raw)
+        return type(default).model_validate(raw)
     except ValidationError as exc:
         raise UserError(describe_invalid(exc, f"--gate: {path}")) from None
 
@@ -294,21 +300,36 @@ def _rule(rule: Rule, metrics: dict[str, MetricResult], lossless: Lossless, task
                           tasks_needed=tasks_needed(tasks, (lossless.high - lossless.low) / 2,
                                                     lossless.high - limit))
     assert rule.max_worse is not None
-    result = metrics[rule.metric]
+    return max_worse_rule(rule.max_worse, metrics[rule.metric], tasks)
+
+
+def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleResult:
+    """PASS when the candidate's whole 95% interval is at most `max_worse` worse than the baseline, FAIL when all
+    of it is worse than that, INCONCLUSIVE otherwise: a gate rule on one paired metric, whoever paired it (the
+    offline evaluation pairs drafters by task on cached features)."""
     if result.change is None or result.change_low is None or result.change_high is None or math.isnan(result.change_low):
-        return RuleResult(metric=rule.metric, limit=rule.max_worse, status="INCONCLUSIVE", detail="no paired data")
+        return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail="no paired data")
     # Express "worse" as a positive number on both sides so one comparison serves every direction.
     sign = -1.0 if result.higher_is_better else 1.0
     worse_low, worse_high = sorted((sign * result.change_low, sign * result.change_high))
     worse = sign * result.change
     unit = "" if not result.relative else " (relative)"
-    detail = f"worse by {worse:+.4f}{unit}, interval [{worse_low:+.4f}, {worse_high:+.4f}], limit {rule.max_worse:.4f}"
-    if worse_high <= rule.max_worse:
-        return RuleResult(metric=rule.metric, limit=rule.max_worse, status="PASS", detail=detail)
-    if worse_low > rule.max_worse:
-        return RuleResult(metric=rule.metric, limit=rule.max_worse, status="FAIL", detail=detail)
-    return RuleResult(metric=rule.metric, limit=rule.max_worse, status="INCONCLUSIVE", detail=detail,
-                      tasks_needed=tasks_needed(tasks, (worse_high - worse_low) / 2, abs(worse - rule.max_worse)))
+    detail = f"worse by {worse:+.4f}{unit}, interval [{worse_low:+.4f}, {worse_high:+.4f}], limit {max_worse:.4f}"
+    if worse_high <= max_worse:
+        return RuleResult(metric=result.metric, limit=max_worse, status="PASS", detail=detail)
+    if worse_low > max_worse:
+        return RuleResult(metric=result.metric, limit=max_worse, status="FAIL", detail=detail)
+    return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail=detail,
+                      tasks_needed=tasks_needed(tasks, (worse_high - worse_low) / 2, abs(worse - max_worse)))
+
+
+def overall(rules: Sequence[RuleResult]) -> tuple[Status, int | None]:
+    """The verdict of a set of rule results (any FAIL fails; any INCONCLUSIVE leaves it open) and the distinct
+    tasks the undecided rules would need."""
+    statuses = {r.status for r in rules}
+    verdict: Status = "FAIL" if "FAIL" in statuses else "INCONCLUSIVE" if "INCONCLUSIVE" in statuses else "PASS"
+    needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
+    return verdict, max(needed) if needed else None
 
 
 def judge(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord], gate: Gate, temperature: float) -> Judgement:
@@ -320,12 +341,9 @@ def judge(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord],
     metrics = {name: _compare(name, spec, pairs, weights) for name, spec in METRICS.items()}
     lossless = _lossless(pairs, temperature)
     rules = tuple(_rule(rule, metrics, lossless, pairs.tasks) for rule in gate.rules)
-    statuses = {r.status for r in rules}
-    verdict: Status = "FAIL" if "FAIL" in statuses else "INCONCLUSIVE" if "INCONCLUSIVE" in statuses else "PASS"
-    needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
+    verdict, needed = overall(rules)
     return Judgement(verdict=verdict, paired_requests=len(pairs.base), tasks=pairs.tasks,
-                     metrics=tuple(metrics.values()), rules=rules, lossless=lossless,
-                     tasks_needed=max(needed) if needed else None)
+                     metrics=tuple(metrics.values()), rules=rules, lossless=lossless, tasks_needed=needed)
 
 
 def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand_arm: str) -> list[str]:

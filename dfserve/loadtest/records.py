@@ -19,9 +19,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from dfserve.errors import UserError
+from dfserve.runs import read_jsonl
 from dfserve.sglang import accept_length
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
@@ -143,16 +143,4 @@ def measured_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
 
 def read_records(path: Path) -> Iterator[RequestRecord]:
     """Read requests.jsonl; a torn last line (a crash mid-write) is skipped, anything else malformed is an error."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            yield RequestRecord.model_validate_json(line)
-        except ValidationError as exc:
-            if number == len(lines):
-                return
-            raise UserError(f"{path}:{number}: not a request record ({exc.errors()[0]['msg']})") from None
+    return read_jsonl(path, RequestRecord, "a request record")

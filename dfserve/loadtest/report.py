@@ -199,6 +199,22 @@ def svg_cdf(title: str, series: dict[str, list[float]], unit_scale: float = 1000
     return "".join(parts) + "</svg>"
 
 
+def svg_lines(title: str, series: dict[str, list[float | None]], xlabel: str) -> str:
+    """One line per series over x = 0, 1, 2, ... (the list index) on a 0..1 scale (shares); None is no point."""
+    present = {name: values for name, values in series.items() if any(v is not None for v in values)}
+    if not present:
+        return f"<p>{html.escape(title)}: no data</p>"
+    width = max(len(v) for v in present.values())
+    parts = [_frame(title, xlabel, float(width - 1), integer=True)]
+    for values, colour in zip(present.values(), _COLOURS, strict=False):
+        points = [(_PAD + i / max(1, width - 1) * (_W - 2 * _PAD), _H - _PAD - v * (_H - 2 * _PAD))
+                  for i, v in enumerate(values) if v is not None]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
+    parts.append(_legend(list(present)))
+    return "".join(parts) + "</svg>"
+
+
 def svg_histogram(title: str, series: dict[str, list[int]]) -> str:
     """Share of verify rounds that emitted k tokens, bars side by side per arm."""
     present = {name: counts for name, counts in series.items() if sum(counts)}

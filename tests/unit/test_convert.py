@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dfserve.deploy.assets import verify_drafter_config
 from dfserve.deploy.convert import RECORD_NAME, convert_checkpoint, strip_prefixes
-from dfserve.deploy.drafters import resolve_drafter, resolve_target, verify_drafter_config
+from dfserve.deploy.drafters import resolve_drafter, resolve_target
 from dfserve.deploy.profiles import load_profile
 from dfserve.errors import UserError
 from tests.fixtures.deploy.synth import (
@@ -208,7 +209,7 @@ def test_converted_folder_with_a_tensor_removed_is_rejected(tmp_path: Path) -> N
 def test_raw_bit_scan_counts_nan_and_inf_like_torch(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from dfserve.deploy.drafters import read_safetensors_header, safetensors_nonfinite
+    from dfserve.deploy.assets import read_safetensors_header, safetensors_nonfinite
 
     generator = torch.Generator().manual_seed(3)
     tensors = {}

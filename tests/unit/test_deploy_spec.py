@@ -10,16 +10,11 @@ from pathlib import Path
 import pytest
 
 from dfserve.baselines import BaselineRegistry, entry
-from dfserve.deploy.drafters import (
-    expected_tensors,
-    hf_cached_file,
-    resolve_drafter,
-    resolve_target,
-    verify_drafter_config,
-)
+from dfserve.deploy.assets import expected_tensors, verify_drafter_config
+from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
 from dfserve.deploy.profiles import load_profile, profile_names
 from dfserve.deploy.spec import build_spec, server_args, sim_argv
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from tests.fixtures.deploy.synth import TINY_TARGET, tiny_config
 
 PROFILE = load_profile("pro6000")
@@ -92,6 +87,30 @@ def test_missing_or_wrong_target_config(tmp_path: Path, monkeypatch: pytest.Monk
     llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 9}))
     with pytest.raises(UserError, match=r"model_type 'llama' is not one of"):
         resolve_target(None, PROFILE, llama)
+
+
+def test_library_errors_name_the_field_and_the_cli_names_its_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dfserve.cli import main
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    with pytest.raises(FieldError) as info:
+        resolve_drafter(str(tmp_path / "nope.pt"), PROFILE, target, tmp_path / "store")
+    assert info.value.field == "drafter" and str(info.value).startswith("drafter: ")
+    with pytest.raises(FieldError, match=r"^target: no config\.json for Qwen/Qwen3-8B: .*; pass target_config FILE$"):
+        resolve_target("Qwen/Qwen3-8B", PROFILE, None)
+    cases = [
+        (["--drafter", str(tmp_path / "nope.pt")], f"dfserve: error: --drafter: {tmp_path / 'nope.pt'} is not 'zlab'"),
+        (["--drafter", "zlab", "--target", "Qwen/Qwen3-8B"], "; pass --target-config FILE"),
+        (["--drafter", "zlab", "--target-config", str(tmp_path / "none.json")], f"--target-config: {tmp_path / 'none.json'} not found"),
+    ]
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["deploy", *args, "--dry-run"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and expected in err and err.count("\n") == 1, err
 
 
 def test_drafter_config_mismatches_are_all_named() -> None:
@@ -184,7 +203,7 @@ def test_a_simulated_drafter_runs_only_on_the_simulator_under_a_simulated_identi
         "simulated", "sim-inhouse", "dfserve-sim/inhouse", "inhouse")
     with pytest.raises(UserError, match="no drafter"):
         simulated_drafter("none")
-    with pytest.raises(UserError, match="--drafter sim:nope"):
+    with pytest.raises(UserError, match="drafter: sim:nope"):
         simulated_drafter("nope")
     target = resolve_target(None, PROFILE, None)
     with pytest.raises(UserError, match="only with --engine sim"):

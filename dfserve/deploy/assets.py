@@ -1,0 +1,260 @@
+"""What a target and a DFlash drafter are, read from their files and checked against each other: config facts,
+z-lab's tensor table, safetensors headers and a NaN/Inf scan of their raw bits (numpy, no torch).
+
+Every problem is collected and named in one error before anything loads weights; deploy (before SGLang starts) and
+eval (before the first forward) run the same checks::
+
+    target = target_from_config("Qwen/Qwen3.6-27B", config, "config.json", ["qwen3_5"])
+    arch = verify_drafter_config(drafter_config, target)
+    problems = tensor_table_problems(read_safetensors_header(path), expected_tensors(arch))
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dfserve.errors import FieldError, UserError
+
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+MAX_PROBLEMS_SHOWN = 8
+
+
+def problems_error(what: str, problems: list[str], field: str | None = None) -> UserError:
+    """One line naming every problem (the first few, then how many more), about `field` when an input is to blame."""
+    shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
+    more = f"; and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
+    message = f"{what}: {len(problems)} problem(s): {shown}{more}"
+    return UserError(message) if field is None else FieldError(field, message)
+
+
+def read_json(path: Path, field: str) -> dict[str, Any]:
+    """A JSON object from a file the input `field` named; any problem is a `FieldError` about that field."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FieldError(field, f"{path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FieldError(field, f"{path} is not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise FieldError(field, f"{path} must hold a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Target
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target model: the path SGLang gets, where its config.json was found, and the shapes read from it."""
+
+    model_path: str
+    config_source: str
+    family: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    inner = config.get("text_config")
+    return inner if isinstance(inner, Mapping) else config
+
+
+def _positive_int(config: Mapping[str, Any], key: str, where: str, problems: list[str]) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        problems.append(f"{where}{key} must be a positive integer, got {value!r}")
+        return 0
+    return value
+
+
+def target_from_config(model_path: str, config: Mapping[str, Any], source: str, families: Sequence[str]) -> Target:
+    """Check the target's config is of one of `families` and read the shapes a drafter must match."""
+    problems: list[str] = []
+    text = text_config(config)
+    family = str(text.get("model_type") or config.get("model_type") or "")
+    if not {str(config.get("model_type")), family} & set(families):
+        problems.append(f"model_type {family or None!r} is not one of {list(families)}")
+    prefix = "text_config." if text is not config else ""
+    hidden = _positive_int(text, "hidden_size", prefix, problems)
+    layers = _positive_int(text, "num_hidden_layers", prefix, problems)
+    vocab = _positive_int(text, "vocab_size", prefix, problems)
+    if problems:
+        raise problems_error(f"target config ({source})", problems)
+    return Target(model_path, source, family, hidden, layers, vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafter config and tensors
+
+
+@dataclass(frozen=True)
+class DrafterArch:
+    """The shapes a DFlash drafter's config.json fixes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    num_context_layers: int
+
+
+def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterArch:
+    """Check a DFlash config.json against its target; every problem is named in one `UserError`."""
+    problems: list[str] = []
+    if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
+        problems.append(f"architectures must include {DRAFTER_ARCHITECTURE!r}, got {config.get('architectures')!r}")
+    ints = {
+        key: _positive_int(config, key, "", problems)
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size", "num_target_layers")
+    }
+    head_dim = config.get("head_dim")
+    if head_dim is None and ints["num_attention_heads"]:
+        head_dim = ints["hidden_size"] // ints["num_attention_heads"]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        problems.append(f"head_dim must be a positive integer, got {head_dim!r}")
+        head_dim = 0
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, Mapping):
+        problems.append("dflash_config is missing")
+        dflash = {}
+    block_size = dflash.get("block_size", config.get("block_size", 16))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        problems.append(f"block_size must be an integer >= 2, got {block_size!r}")
+        block_size = 0
+    layer_ids = dflash.get("target_layer_ids")
+    if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+        problems.append(f"dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
+        layer_ids = []
+    elif bad := [i for i in layer_ids if not 0 <= i < target.num_hidden_layers]:
+        problems.append(f"dflash_config.target_layer_ids {bad} outside the target's {target.num_hidden_layers} layers")
+    elif target.num_hidden_layers - 1 in layer_ids:
+        problems.append(f"dflash_config.target_layer_ids include the target's last layer ({target.num_hidden_layers - 1}), "
+                        "whose output Hugging Face and SGLang expose only after the final norm")
+    mask = dflash.get("mask_token_id")
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
+        problems.append(f"dflash_config.mask_token_id must be a token id below {target.vocab_size}, got {mask!r}")
+    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
+                      ("num_target_layers", target.num_hidden_layers)):
+        if ints[key] and ints[key] != want:
+            problems.append(f"{key} {ints[key]} does not match the target's {want}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != ints["num_hidden_layers"]:
+            problems.append(f"layer_types must list one type per layer ({ints['num_hidden_layers']}), got {layer_types!r}")
+        elif unknown := sorted({t for t in layer_types if t not in LAYER_TYPES}):
+            problems.append(f"layer_types {unknown} not in {list(LAYER_TYPES)}")
+        elif "sliding_attention" in layer_types and not isinstance(config.get("sliding_window"), int):
+            problems.append("sliding_attention layers need an integer sliding_window")
+    if problems:
+        raise problems_error("drafter config", problems)
+    return DrafterArch(
+        ints["hidden_size"], ints["intermediate_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
+        ints["num_key_value_heads"], head_dim, ints["vocab_size"], block_size, len(layer_ids),
+    )
+
+
+def expected_tensors(arch: DrafterArch) -> dict[str, tuple[int, ...]]:
+    """z-lab's tensor names and shapes for a drafter (no biases, no embedding or LM head: it uses the target's)."""
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, arch.num_context_layers * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for n in range(arch.num_hidden_layers):
+        layer = f"layers.{n}."
+        shapes |= {
+            layer + "input_layernorm.weight": (h,),
+            layer + "post_attention_layernorm.weight": (h,),
+            layer + "self_attn.q_proj.weight": (q, h),
+            layer + "self_attn.k_proj.weight": (kv, h),
+            layer + "self_attn.v_proj.weight": (kv, h),
+            layer + "self_attn.o_proj.weight": (h, q),
+            layer + "self_attn.q_norm.weight": (d,),
+            layer + "self_attn.k_norm.weight": (d,),
+            layer + "mlp.gate_proj.weight": (i, h),
+            layer + "mlp.up_proj.weight": (i, h),
+            layer + "mlp.down_proj.weight": (h, i),
+        }
+    return shapes
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int] | None = None
+    """Byte range in a safetensors file's data section, when read from one."""
+
+
+def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Missing, unexpected, mis-shaped and non-float tensors, each named."""
+    problems = [f"missing tensor {name}" for name in expected if name not in found]
+    problems += [f"unexpected tensor {name}" for name in found if name not in expected]
+    for name, info in found.items():
+        if name in expected and info.shape != expected[name]:
+            problems.append(f"{name} has shape {list(info.shape)}, expected {list(expected[name])}")
+        if info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name} has dtype {info.dtype}, expected a floating-point type")
+    return problems
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor names, dtypes, shapes and byte ranges from a safetensors header, without reading the data."""
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                raise ValueError("header length implausible")
+            header = json.loads(handle.read(length))
+        start = 8 + length
+        return {
+            name: TensorInfo(
+                str(entry["dtype"]), tuple(entry["shape"]),
+                (start + entry["data_offsets"][0], start + entry["data_offsets"][1]),
+            )
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise UserError(f"drafter: {path} is not a safetensors file ({exc.__class__.__name__}: {exc})") from None
+
+
+# Exponent and mantissa bits by safetensors dtype: a value is NaN or Inf when its exponent bits are all set.
+_FLOAT_BITS = {"BF16": (np.uint16, 0x7F80, 0x007F), "F16": (np.uint16, 0x7C00, 0x03FF),
+               "F32": (np.uint32, 0x7F800000, 0x007FFFFF), "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF)}
+
+
+def safetensors_nonfinite(path: Path, table: Mapping[str, TensorInfo]) -> list[str]:
+    """NaN and Inf counts per tensor of a safetensors file, read from the raw bits (no torch; bf16 included)."""
+    problems = []
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in table.items():
+        if info.dtype not in _FLOAT_BITS or info.data_offsets is None:
+            continue
+        kind, exponent, mantissa = _FLOAT_BITS[info.dtype]
+        begin, end = info.data_offsets
+        bits = data[begin:end].view(kind)
+        special = (bits & kind(exponent)) == kind(exponent)
+        nan = int(np.count_nonzero(special & ((bits & kind(mantissa)) != 0)))
+        inf = int(np.count_nonzero(special)) - nan
+        if nan or inf:
+            problems.append(f"{name} has {nan} NaN and {inf} Inf values")
+    return problems

@@ -1,0 +1,121 @@
+"""Drafters to evaluate, resolved and verified as `dfserve deploy` does, then loaded as z-lab's `DFlashDraftModel`.
+
+`zlab` (its snapshot in the local Hugging Face cache), `baseline` (the registry's current drafter for the target),
+a Hugging Face DFlash folder, or a trainer's checkpoint (converted once into the store deploy shares, keyed by its
+content hash, so a checkpoint screened here deploys without a second conversion). Every config, tensor table and
+NaN/Inf scan runs before any weight is loaded. A drafter's identity is the name the baseline registry and
+`dfserve compare` know it by: z-lab's Hugging Face id, or a converted drafter's `inhouse-<sha16>` folder::
+
+    drafter = resolve_eval_drafter("ckpt/step-4000/checkpoint.pt", None, context)
+    model, mask_embedding = load_drafter(drafter, torch.float32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dfserve.baselines import drafter_identity
+from dfserve.deploy.assets import Target, read_json
+from dfserve.deploy.drafters import baseline_drafter, hf_cache_dir, hf_cached_file, resolve_drafter
+from dfserve.deploy.profiles import HostProfile
+from dfserve.errors import FieldError
+from dfserve.eval.records import DrafterInfo
+
+MASK_EMBEDDING = "mask_embedding.pt"
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What resolving a drafter needs beyond its name: the host profile (z-lab's id and default config), the
+    target, deploy's store of converted drafters, a config for checkpoints, the baseline registry."""
+
+    profile: HostProfile
+    target: Target
+    store: Path
+    drafter_config: Path | None
+    registry: Path
+
+
+@dataclass(frozen=True)
+class EvalDrafter:
+    info: DrafterInfo
+    folder: Path
+    checkpoint: Path | None
+    """The trainer's checkpoint the folder was converted from, staged into the run by hard link."""
+
+
+def _layers(config: dict[str, Any]) -> tuple[str, ...]:
+    """Each layer's attention as z-lab's `Qwen3DFlashAttention` decides it (config `is_causal` overrides)."""
+    kinds = config.get("layer_types") or ["full_attention"] * int(config.get("num_hidden_layers", 0))
+    override = config.get("is_causal")
+    described = []
+    for kind in kinds:
+        causal = kind == "sliding_attention" if override is None else bool(override)
+        window = f", window {config.get('sliding_window')}" if kind == "sliding_attention" else ""
+        described.append(("causal" if causal else "bidirectional") + window)
+    return tuple(described)
+
+
+def resolve_eval_drafter(spec: str, label: str | None, context: DrafterContext) -> EvalDrafter:
+    """One drafter as given on the command line, verified against the target; conversion happens here, once."""
+    if spec == "baseline":
+        spec = baseline_drafter(context.registry, context.target, context.profile)
+    source = spec
+    if spec == "zlab":
+        repo = context.profile.zlab.model_path
+        cached = hf_cached_file(repo, "config.json")
+        if cached is None:
+            raise FieldError("drafter", f"zlab: {repo} is not in the Hugging Face cache ({hf_cache_dir()}); download "
+                             f"it first (huggingface-cli download {repo})")
+        spec = str(cached.parent)
+    resolved = resolve_drafter(spec, context.profile, context.target, context.store, context.drafter_config,
+                               context.registry)
+    folder = Path(resolved.model_path)
+    config = read_json(folder / "config.json", "drafter")
+    dflash = config.get("dflash_config") or {}
+    kind = "zlab" if source == "zlab" else "checkpoint" if resolved.kind == "checkpoint" else "folder"
+    identity = context.profile.zlab.model_path if kind == "zlab" else drafter_identity(str(folder))
+    info = DrafterInfo(
+        label=label or ("zlab" if kind == "zlab" else resolved.label), kind=kind, identity=identity, source=source,
+        folder=str(folder), sha256=resolved.sha256, converted=resolved.converted, staged=None,
+        block_size=resolved.block_size, target_layer_ids=tuple(dflash["target_layer_ids"]),
+        mask_token_id=int(dflash["mask_token_id"]), layers=_layers(config),
+        mask_embedding=(folder / MASK_EMBEDDING).is_file(),
+    )
+    checkpoint = Path(resolved.source) if resolved.kind == "checkpoint" and resolved.source else None
+    return EvalDrafter(info, folder, checkpoint)
+
+
+def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor | None]:
+    """z-lab's `DFlashDraftModel` with the folder's weights (every tensor present, nothing left random), and the
+    trained mask-token embedding SGLang would merge from a `mask_embedding.pt` beside them."""
+    from dflash.model import DFlashDraftModel
+
+    model, loading = DFlashDraftModel.from_pretrained(drafter.folder, dtype=dtype, output_loading_info=True)
+    if loading.get("missing_keys") or loading.get("mismatched_keys"):
+        raise FieldError("drafter", f"{drafter.folder}: weights missing or mis-shaped when loaded "
+                         f"({sorted(loading.get('missing_keys') or [])[:3]})")
+    return model.eval(), _mask_embedding(drafter, dtype)
+
+
+def _mask_embedding(drafter: EvalDrafter, dtype: torch.dtype) -> Tensor | None:
+    path = drafter.folder / MASK_EMBEDDING
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        embedding, token = saved["embedding"], int(saved["mask_token_id"])
+    except Exception as exc:
+        raise FieldError("drafter", f"{path} is not a mask embedding SGLang can merge ({exc.__class__.__name__}: "
+                         f"{str(exc)[:200]})") from None
+    if token != drafter.info.mask_token_id:
+        raise FieldError("drafter", f"{path} was trained for mask token {token}, the config's is "
+                         f"{drafter.info.mask_token_id}")
+    if saved.get("per_position"):
+        raise FieldError("drafter", f"{path}: per-position mask embeddings are not supported (SGLang refuses them too)")
+    return embedding.reshape(-1).to(dtype)

@@ -1,0 +1,66 @@
+"""report.html of an evaluation: settings, the health figure, τ per drafter and method with intervals, the paired
+judgements, the per-position accuracy curves and the τ histograms; self-contained (inline SVG)."""
+
+from __future__ import annotations
+
+import html
+
+from dfserve.eval.records import EvalConfig, EvalSummary, Judgement
+from dfserve.loadtest.report import svg_histogram, svg_lines
+
+
+def _row(label: str, values: list[str]) -> str:
+    return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
+
+
+def _judgement(j: Judgement) -> str:
+    rows = "".join(
+        _row(m.label, [f"{m.baseline:.3f}" if m.baseline is not None else "-",
+                       f"{m.candidate:.3f}" if m.candidate is not None else "-",
+                       f"{m.change * 100:+.2f}% [{(m.change_low or 0) * 100:+.2f}, {(m.change_high or 0) * 100:+.2f}]"
+                       if m.change is not None else "no data"])
+        for m in j.metrics)
+    rules = "".join(f"<li>{html.escape(r.status)} {html.escape(r.metric)}: {html.escape(r.detail)}</li>" for r in j.rules)
+    return (f"<h3>{html.escape(j.candidate)} vs {html.escape(j.baseline)}: {html.escape(j.verdict)} "
+            f"({j.tasks} paired tasks)</h3><table>{_row('', ['baseline', 'candidate', 'change [95% CI]'])}{rows}"
+            f"</table><ul>{rules}</ul>")
+
+
+def render_html(config: EvalConfig, summary: EvalSummary) -> str:
+    names = [d.drafter for d in summary.drafters]
+    methods = config.methods()
+    table = ["<table>" + _row("", names)]
+    for method in methods:
+        figures = [d.method(method) for d in summary.drafters]
+        table.append(_row(f"τ {method} [95% CI]", [
+            f"{m.tau.estimate:.3f} [{m.tau.low:.3f}, {m.tau.high:.3f}], {m.rounds} rounds" for m in figures]))
+        table.append(_row(f"accepted drafts {method}", [f"{m.accepted_drafts:.3f}" for m in figures]))
+    table.append(_row("τ vanilla as SGLang counts", [f"{d.method('vanilla').tau_as_sglang:.3f}" for d in summary.drafters]))
+    table.append(_row("anchors scored", [str(d.anchors) for d in summary.drafters]))
+    table.append("</table>")
+    health = config.features.health
+    warning = f"<p><strong>Warning: {html.escape(health.warning)}</strong></p>" if health.warning else ""
+    curves = svg_lines("accuracy per block position", {
+        **{d.drafter: [None, *d.positions.accuracy] for d in summary.drafters},
+        **{f"{d.drafter} | earlier matched": [None, *d.positions.accuracy_after_hits] for d in summary.drafters},
+    }, "block position")
+    histograms = [svg_histogram(f"τ per round, {m}", {d.drafter: d.method(m).histogram for d in summary.drafters})
+                  for m in methods]
+    settings = (
+        f"target {config.target.model} (sha256 {config.target.sha256[:12]}), {len(config.tasks.tasks)} tasks of "
+        f"{config.tasks.name}, max_new_tokens {config.max_new_tokens}, prompts {config.prompt.format}"
+        f"{' (thinking)' if config.prompt.thinking else ''}, references from {config.references.source}, features "
+        f"{config.features.key}{' (reused)' if config.features.reused else ''}, dtype {config.dtype}. Intervals are 95%, "
+        "resampling tasks."
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(config.run_id)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
+        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+        f"<h1>Offline evaluation {html.escape(config.run_id)}</h1>"
+        + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
+        + f"<p>{html.escape(settings)}</p>{warning}<p>Health: the target's own greedy choice matches the reference at "
+        f"{health.agree}/{health.positions} positions ({health.fraction:.4f}).</p>"
+        + "".join(table) + "".join(_judgement(j) for j in summary.judgements)
+        + "<div>" + curves + "".join(histograms) + "</div></body></html>"
+    )

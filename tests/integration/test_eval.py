@@ -1,0 +1,293 @@
+"""`dfserve eval` end to end on tiny random-weight targets and tiny drafters in z-lab's layout: real forwards,
+z-lab's own online loop as the reference, a distilled drafter against a barely trained one.
+
+The models are built once per test session (tests/fixtures/eval/models.py); the first evaluation run is shared by
+the tests that read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dfserve.baselines import BaselineRegistry
+from dfserve.cli import main
+from tests.fixtures.eval import models
+
+pytestmark = pytest.mark.heavy
+
+TASKS = 6
+MAX_NEW = 40
+LONG_STEPS = 300
+SHORT_STEPS = 10
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+    target: Path
+    tasks: Path
+    short: Path
+    """A Hugging Face DFlash folder, barely trained."""
+    long_checkpoint: Path
+    """The distilled drafter as a trainer's checkpoint (nested state dict, DDP prefix)."""
+    short_checkpoint: Path
+    drafter_config: Path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """`dfserve ARGS` in this process (torch is loaded once for the whole session): exit status, stdout, stderr."""
+    try:
+        main([str(a) for a in args])
+        status = 0
+    except SystemExit as exc:
+        status = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _checkpoint(model: Any, path: Path) -> Path:
+    torch.save({"step": 1, "model": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("eval")
+    with models.one_thread():
+        target = models.qwen3_target(root / "qwen3")
+        data = models.distillation_data(target)
+        long = models.distil(models.new_drafter(target, seed=3), data, steps=LONG_STEPS)
+        short = models.distil(models.new_drafter(target, seed=3), data, steps=SHORT_STEPS)
+    config = root / "drafter-config.json"
+    config.write_text(json.dumps(models.drafter_config(target)))
+    return World(root, target, models.write_tasks(root / "tasks.jsonl", TASKS), models.save_drafter(short, root / "short"),
+                 _checkpoint(long, root / "long.pt"), _checkpoint(short, root / "short.pt"), config)
+
+
+def eval_args(world: World, name: str, *drafters: str, out: str = "runs", cache: str = "cache",
+              **flags: Any) -> list[str | Path]:
+    settings = {"target": world.target, "tasks": world.tasks, "num-tasks": TASKS, "max-new-tokens": MAX_NEW,
+                "ddtree-budgets": "2,4", "drafter-config": world.drafter_config, "cache": world.root / cache,
+                "drafter-store": world.root / "store", "registry": world.root / out, "out": world.root / out,
+                "name": name, **flags}
+    args: list[str | Path] = ["eval", "run"]
+    for drafter in drafters:
+        args += ["--drafter", drafter]
+    for flag, value in settings.items():
+        args += [f"--{flag}", str(value)]
+    return args
+
+
+@dataclass(frozen=True)
+class FirstRun:
+    run_dir: Path
+    status: int
+    out: str
+    err: str
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def first_run(world: World) -> FirstRun:
+    """The run the tests read: the barely trained drafter (baseline) and the distilled checkpoint. A session
+    fixture cannot take capsys, so its output is captured here."""
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    with models.one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in eval_args(world, "first", f"short={world.short}", f"long={world.long_checkpoint}")])
+            status = 0
+        except SystemExit as exc:
+            status = int(exc.code or 0)
+    return FirstRun(world.root / "runs" / "first", status, out.getvalue(), err.getvalue(), time.monotonic() - started)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_run_writes_config_records_summary_report_and_progress(first_run: FirstRun, world: World) -> None:
+    assert first_run.status == 0, first_run.err
+    run_dir = first_run.run_dir
+    config = json.loads((run_dir / "config.json").read_text())
+    assert len(config["target"]["sha256"]) == 64 and config["max_new_tokens"] == MAX_NEW
+    assert config["ddtree_budgets"] == [2, 4] and config["prompt"]["format"] == "chat"
+    assert config["prompt"]["thinking"] is False and config["prompt"]["template_sha256"]
+    short, long = config["drafters"]
+    assert (short["label"], short["kind"], long["label"], long["kind"]) == ("short", "folder", "long", "checkpoint")
+    assert len(short["sha256"]) == 64 and len(long["sha256"]) == 64 and long["converted"] is True
+    assert Path(long["staged"]).samefile(world.long_checkpoint)  # hard-linked into the run, never copied
+    assert long["layers"] == ["causal, window 16", "bidirectional"] and long["target_layer_ids"] == [1, 2]
+    features = config["features"]
+    assert features["reused"] is False and features["built_by"] == "first" and features["taps"] == [1, 2]
+    assert features["health"]["fraction"] == 1.0 and features["health"]["warning"] is None
+    assert sorted(p.name for p in Path(features["path"]).iterdir()) == ["build.json", *(
+        f"task-{i:05d}.safetensors" for i in range(TASKS))]
+
+    records = read_jsonl(run_dir / "anchors.jsonl")
+    assert {r["drafter"] for r in records} == {"short", "long"} and {r["task"] for r in records} == {
+        f"he-{i}" for i in range(TASKS)}
+    assert all(set(r["accepted"]) == {"vanilla", "ddtree2", "ddtree4"} for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for drafter in summary["drafters"]:
+        for method in drafter["methods"]:
+            assert 1 <= method["tau"]["estimate"] <= models.BLOCK
+            assert method["tau"]["low"] <= method["tau"]["estimate"] <= method["tau"]["high"]
+            assert sum(method["histogram"]) == method["rounds"]
+            assert method["accepted_drafts"] == pytest.approx(method["tau"]["estimate"] - 1)
+        # DDTree-N accepts at most N drafts a round
+        assert max(i for i, n in enumerate(drafter["methods"][1]["histogram"]) if n) <= 3
+        assert len(drafter["positions"]["accuracy"]) == models.BLOCK - 1
+    report = (run_dir / "report.html").read_text()
+    assert "accuracy per block position" in report and report.count("<polyline") == 4
+    assert "τ per round, vanilla" in report and "τ per round, ddtree4" in report
+    assert "left" in first_run.err and "scoring long (anchors)" in first_run.err  # progress with the time left
+    assert "long vs short: PASS" in first_run.out
+
+
+def test_the_distilled_drafter_beats_the_barely_trained_one(first_run: FirstRun, world: World,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    summary = json.loads((first_run.run_dir / "summary.json").read_text())
+    judgement = summary["judgements"][0]
+    assert (judgement["baseline"], judgement["candidate"], judgement["verdict"]) == ("short", "long", "PASS")
+    vanilla = judgement["metrics"][0]
+    assert vanilla["metric"] == "tau_vanilla" and vanilla["change_low"] > 0.2  # τ at least 20% higher, with 95%
+    status, out, _ = run_cli(capsys, "eval", "compare", first_run.run_dir, "--baseline", "long", "--candidate", "short",
+                             "--out", world.root / "verdicts")
+    assert status == 1 and "short vs long: FAIL" in out
+    verdict = json.loads(next((world.root / "verdicts").glob("eval-verdict-*/eval-verdict.json")).read_text())
+    assert verdict["judgement"]["verdict"] == "FAIL" and verdict["candidate"]["drafter"] == "short"
+    offline = BaselineRegistry(world.root / "runs").read().offline
+    assert [s.label for s in offline] == ["short", "long"] and offline[1].tau > offline[0].tau
+    assert offline[1].drafter.startswith("inhouse-") and offline[1].features == json.loads(
+        (first_run.run_dir / "config.json").read_text())["features"]["key"]
+
+
+def online_taus(world: World, drafter: Any, target: Any, prompt: list[int], stop: list[int],
+                monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """z-lab's own speculative loop at temperature 0: the τ of each round (tokens it committed)."""
+    import dflash.model
+
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)  # its timer synchronises CUDA
+    stats = dflash.model.dflash_generate(drafter, target, torch.tensor([prompt]), MAX_NEW + models.BLOCK, stop,
+                                         temperature=0.0, return_stats=True)
+    return list(stats.acceptance_lengths)
+
+
+def test_offline_tau_per_round_equals_zlab_online_loop(first_run: FirstRun, world: World,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online, each round commits τ tokens; offline, the trajectory over cached features must make the same rounds.
+    z-lab's loop shrinks its last block to fit `max_new_tokens` (SGLang does not), so it runs with a block of room
+    and its rounds are cut where the reference ends."""
+    from dflash.model import DFlashDraftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((first_run.run_dir / "config.json").read_text())
+    references = json.loads(Path(config["references"]["path"]).read_text())["references"]
+    records = read_jsonl(first_run.run_dir / "anchors.jsonl")
+    target = AutoModelForCausalLM.from_pretrained(world.target, dtype=torch.float32).eval()
+    stop = [json.loads((world.target / "generation_config.json").read_text())["eos_token_id"]]
+    compared = 0
+    with models.one_thread():
+        for info in config["drafters"]:
+            drafter = DFlashDraftModel.from_pretrained(info["folder"], dtype=torch.float32).eval()
+            for reference in references:
+                offline = [(r["anchor"], r["rounds"]["vanilla"]) for r in records
+                           if r["drafter"] == info["label"] and r["task"] == reference["task"] and "vanilla" in r["rounds"]]
+                prompt_len = len(reference["prompt_ids"])
+                last = prompt_len + len(reference["output_ids"]) - 1
+                online, anchor = [], prompt_len
+                for tau in online_taus(world, drafter, target, reference["prompt_ids"], stop, monkeypatch):
+                    if anchor >= last:
+                        break
+                    online.append((anchor, min(tau, last - anchor)))
+                    anchor += tau
+                assert offline == sorted(offline) and online == offline, (info["label"], reference["task"])
+                compared += len(online)
+    assert compared > 2 * TASKS
+
+
+def test_a_second_checkpoint_reuses_the_features_and_compares_across_runs(
+        first_run: FirstRun, world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run_cli(capsys, *eval_args(world, "second", f"again={world.short_checkpoint}"))
+    assert status == 0, err
+    first = json.loads((first_run.run_dir / "config.json").read_text())
+    second = json.loads((world.root / "runs" / "second" / "config.json").read_text())
+    assert second["features"]["reused"] is True and second["references"]["reused"] is True
+    assert second["features"]["key"] == first["features"]["key"] and second["features"]["built_by"] == "first"
+    assert "target features" not in err and "references" not in err  # no target forward ran
+    status, out, _ = run_cli(capsys, "eval", "compare", first_run.run_dir, world.root / "runs" / "second",
+                             "--baseline", "long", "--candidate", "again", "--out", world.root / "verdicts2")
+    assert status == 1 and "again vs long: FAIL" in out
+
+    status, _, err = run_cli(capsys, *eval_args(world, "other", f"again={world.short_checkpoint}",
+                                                **{"max-new-tokens": MAX_NEW // 2}))
+    assert status == 0, err
+    status, _, err = run_cli(capsys, "eval", "compare", first_run.run_dir, world.root / "runs" / "other",
+                             "--baseline", "long", "--candidate", "again")
+    assert status == 2 and err.count("\n") == 1 and "runs are not comparable (feature cache" in err
+
+
+def _tree(folder: Path) -> list[str]:
+    """Every path under `folder` but the machine's memo of file content hashes (`.hashes`, shared with deploy)."""
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".hashes" not in p.parts)
+
+
+def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: FirstRun,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    broken = world.root / "broken.pt"
+    broken.write_bytes(world.long_checkpoint.read_bytes()[:2000])
+    nan = world.root / "nan.pt"
+    state = torch.load(world.short_checkpoint, weights_only=True)
+    state["model"]["module.fc.weight"][0, 0] = float("nan")
+    torch.save(state, nan)
+    last_tap = world.root / "last-tap"
+    models.save_drafter(models.new_drafter(world.target, taps=(1, models.TARGET_LAYERS - 1)), last_tap)
+    outside = world.root / "outside"
+    models.save_drafter(models.new_drafter(world.target, taps=(1, models.TARGET_LAYERS + 2)), outside)
+    other_target = models.qwen3_target(world.root / "qwen3-other", seed=1)  # same shapes, other weights
+    features = json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"]
+    cases = [
+        ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
+        ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
+        ([str(last_tap)], {}, "drafter config: ", "include the target's last layer (3)"),
+        ([str(outside)], {}, "drafter config: ", "target_layer_ids [6] outside the target's 4 layers"),
+        ([str(world.short)], {"target": other_target, "features": features}, "--features: ",
+         "was built for target"),
+    ]
+    before = {name: _tree(world.root / name) for name in ("bad", "cache", "store")}
+    for drafters, flags, flag, message in cases:
+        status, out, err = run_cli(capsys, *eval_args(world, "refused", *drafters, out="bad", **flags))
+        assert status == 2 and out == "", err
+        assert err.startswith(f"dfserve: error: {flag}") and message in err and err.count("\n") == 1, err
+    assert {name: _tree(world.root / name) for name in before} == before
+
+
+def test_a_hybrid_gated_deltanet_target_in_the_vision_language_layout(world: World,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3.5/3.6: Gated DeltaNet and gated attention layers, loaded as `Qwen3_5ForCausalLM` from the checkpoint
+    layout of the 27B; its own greedy references agree with its teacher-forced argmax."""
+    hybrid = world.root / "qwen35-run"
+    target = models.qwen35_target(hybrid / "target")
+    drafter = models.save_drafter(models.new_drafter(target, taps=(1, 5)), hybrid / "drafter")
+    with models.one_thread():
+        status, out, err = run_cli(capsys, *eval_args(world, "hybrid", str(drafter), out="hybrid-runs",
+                                                      cache="hybrid-cache", target=target, **{"num-tasks": 2}))
+    assert status == 0, err
+    config = json.loads((world.root / "hybrid-runs" / "hybrid" / "config.json").read_text())
+    layers = json.loads((target / "config.json").read_text())["text_config"]["layer_types"]
+    assert layers.count("linear_attention") == 6 and layers.count("full_attention") == 2
+    assert config["target"]["family"] == "qwen3_5_text" and config["features"]["taps"] == [1, 5]
+    assert config["features"]["health"]["fraction"] >= 0.99
+    assert "drafter" in out
