@@ -316,6 +316,8 @@ def run(args: argparse.Namespace) -> str:
     replayed = time.perf_counter()
     powered_n, spread = pilot_fixed_n(pop, args.effect, rule.max_worse)
     fixed_n = args.fixed_n or powered_n
+    if fixed_n > args.population:
+        raise SystemExit(f"--population: {args.population} tasks, and the fixed-n design needs {fixed_n} distinct ones")
     max_n = min(args.population, args.max_factor * fixed_n // 16 * 16)
     population_results = compare(pop, truths, fixed_n, max_n, args.comparisons, gate)
     default_n = option_default("num_requests")

@@ -106,4 +106,6 @@ def _projection(rule: RuleState, look: Look, task_count: int) -> str:
         return "out of reach"
     if rule.per_task and needed > task_count:
         return f"~{needed} distinct tasks; the set has {task_count}"
-    return f"~{max(0, needed - (look.tasks if rule.per_task else look.pairs))} more requests"
+    if rule.per_task:
+        return f"~{max(0, needed - look.tasks)} more distinct tasks (of {task_count})"
+    return f"~{max(0, needed - look.pairs)} more requests"

@@ -288,6 +288,20 @@ def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair
         judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, run_config("fixed"))
 
 
+def test_the_verdict_says_when_more_distinct_tasks_than_the_set_holds_would_decide_a_rule() -> None:
+    config = run_config("seq").model_copy(update={"sequential": SequentialDesign(gate=ACCEPT)})
+    records = pair_up(synthetic("zlab", 48, 9.0, seed=1, tasks=48, noise=0.3),
+                      synthetic("inhouse", 48, 9.0, seed=2, tasks=48, noise=0.3))
+    judgement, report = judge_sequential(records, "zlab", "inhouse", ACCEPT, config)
+    rule = judgement.rules[0]
+    assert report.stopped == "end" and rule.status == "INCONCLUSIVE"
+    assert rule.tasks_needed is not None and rule.tasks_needed > config.tasks.size and rule.requests_needed is None
+    assert rule.task_set_limited and "the task set, not the request count, keeps it undecided" in rule.detail
+    roomy = config.model_copy(update={"tasks": config.tasks.model_copy(update={"size": 100_000})})
+    rule = judge_sequential(records, "zlab", "inhouse", ACCEPT, roomy)[0].rules[0]
+    assert not rule.task_set_limited and "task set" not in rule.detail
+
+
 def test_the_live_view_shows_each_rule_interval_and_the_requests_to_a_decision() -> None:
     out = io.StringIO()
     m = monitor(Gate(rules=(*ACCEPT.rules, Rule(metric="error_rate", max_worse=0.01))))
