@@ -25,7 +25,7 @@ Two task sets:
 At temperature 0 a repeated task repeats its output and rounds, on the simulator as on a real engine, so evidence on
 acceptance grows with distinct tasks, not with requests.
 
-    flock /tmp/dfserve-bench.lock .venv/bin/python bench/calibration.py --comparisons 200
+    flock /tmp/dfserve-bench.lock .venv/bin/python bench/calibration.py --comparisons 100
 
 It prints its figures and replaces its own section of bench/RESULTS.md. Rates carry a 95% Wilson interval for the
 Monte-Carlo error of `--comparisons` runs, request counts a distribution-free interval of the median and p90.
