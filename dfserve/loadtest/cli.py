@@ -22,14 +22,15 @@ from rich.table import Table
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.errors import UserError
 from dfserve.http1 import is_base_url
-from dfserve.loadtest.config import RunConfig, Sampling, read_config
+from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_config
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary, over_error_rate, render_html, summarize
-from dfserve.loadtest.runner import Observer, RunOutcome, RunPlan, execute
+from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
 from dfserve.loadtest.tasks import load_tasks
 from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
 from dfserve.runs import Provenance, create_run_dir, write_atomic, write_model
@@ -77,11 +78,17 @@ def loadtest() -> None:
 @click.option("--pin-arms", is_flag=True,
               help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")
 @click.option("--quiet", is_flag=True, help="No live table.")
+@click.option("--until-decided", is_flag=True,
+              help="Stop sending once the gate is decided on always-valid intervals, looked at after every batch of "
+                   "pairs; --num-requests is then the maximum. Two arms: baseline, candidate.")
+@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --until-decided: the YAML rules to decide (default: the default gate).")
+@click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
                 name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
-                pin_arms: bool, quiet: bool) -> None:
+                pin_arms: bool, quiet: bool, until_decided: bool, gate: Path | None, look_every: int | None) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     if concurrency is None and rate is None:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
@@ -93,22 +100,27 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
                    load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
-                   pin_arms=pin_arms)
+                   pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every))
+    monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
+                                 len(plan.task_set.tasks), warmup) if plan.sequential else None)
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
-    progress = Progress([n for n, _ in plan.arms], num_requests + warmup, Console(stderr=True, quiet=quiet))
+    progress = Progress([n for n, _ in plan.arms], num_requests + warmup, Console(stderr=True, quiet=quiet), monitor)
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
         with progress:
-            outcome = uvloop.run(_until_signal(plan, [exporter.observe, progress.observe]))
+            observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
+            outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
         exporter.close()
     summary = summarize(outcome.config, outcome.records, outcome.interrupted)
     write_model(outcome.run_dir / "summary.json", summary)
     write_atomic(outcome.run_dir / "report.html", render_html(outcome.config, summary, outcome.records))
     _print_summary(outcome.config, summary)
+    if monitor:
+        _print_sequential(monitor)
     click.echo(f"run: {outcome.run_dir}")
     if pushgateway:
         exporter.push(pushgateway, outcome.config.run_id)
@@ -124,7 +136,30 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         sys.exit(EXIT_TOO_MANY_ERRORS)
 
 
-async def _until_signal(plan: RunPlan, observers: list[Observer]) -> RunOutcome:
+def _design(until_decided: bool, gate: Path | None, look_every: int | None) -> SequentialDesign | None:
+    if not until_decided:
+        if gate is not None or look_every is not None:
+            raise UserError("--gate, --look-every: only with --until-decided (dfserve compare --gate judges a run)")
+        return None
+    try:
+        return SequentialDesign(gate=load_gate(gate), **({"look_every": look_every} if look_every is not None else {}))
+    except ValidationError as exc:
+        raise UserError(f"--look-every: {exc.errors()[0]['msg']}") from None
+
+
+def _print_sequential(monitor: SequentialMonitor) -> None:
+    look = monitor.decision or monitor.latest
+    if look is None:
+        click.echo(f"until decided: no look yet ({monitor.pairs} pairs, a look every {monitor.design.look_every})")
+        return
+    why = {"decided": "decided", "task_set": "undecided, limited by the task set", None: "undecided at the end"}
+    click.echo(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
+               f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the verdict.")
+    for rule in look.rules:
+        click.echo(f"  {rule.status:<14} {rule.metric}: {rule.detail}")
+
+
+async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | None = None) -> RunOutcome:
     """Run the plan; the first SIGINT/SIGTERM stops it cleanly, a second one is not caught."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -138,7 +173,7 @@ async def _until_signal(plan: RunPlan, observers: list[Observer]) -> RunOutcome:
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     try:
-        return await execute(plan, observers, stop)
+        return await execute(plan, observers, stop, halt)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
@@ -203,11 +238,17 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     mismatches = comparability(base_cfg, base_name, cand_cfg, cand_name)
     if mismatches and not force:
         raise UserError("runs are not comparable (" + "; ".join(mismatches) + "); --force compares anyway")
-    judgement = judge([r for r in base_records if r.arm == base_name], [r for r in cand_records if r.arm == cand_name],
-                      rules, temperature=base_cfg.sampling.temperature)
+    sequential = base_cfg.sequential if run2 is None else None
+    report = None
+    if sequential is not None:  # a run that stopped on its own intervals is judged on always-valid ones
+        rules = sequential.gate if gate is None else rules
+        judgement, report = judge_sequential(base_records, base_name, cand_name, rules, base_cfg)
+    else:
+        judgement = judge([r for r in base_records if r.arm == base_name],
+                          [r for r in cand_records if r.arm == cand_name], rules, temperature=base_cfg.sampling.temperature)
     verdict = Verdict(verdict=judgement.verdict, baseline=arm_ref(base_cfg, paths[0], base_name),
                       candidate=arm_ref(cand_cfg, paths[-1], cand_name), forced=bool(mismatches), mismatches=mismatches,
-                      judgement=judgement, gate=rules, provenance=Provenance.here())
+                      judgement=judgement, gate=rules, provenance=Provenance.here(), sequential=report)
     verdict_dir = create_run_dir(out or run.parent, prefix="verdict")
     write_model(verdict_dir / FILENAME, verdict)
     _print_verdict(verdict)
@@ -223,7 +264,7 @@ def _print_verdict(verdict: Verdict) -> None:
         console.print(f"[bold red]FORCED comparison of runs that differ:[/] {'; '.join(verdict.mismatches)}")
     table = Table(title=f"{verdict.candidate.arm} vs {verdict.baseline.arm}: {j.paired_requests} paired requests over "
                   f"{j.tasks} tasks" + (" (SIMULATED)" if verdict.baseline.simulated else ""))
-    for column in ("metric", "baseline", "candidate", "change [95% CI]", "n"):
+    for column in ("metric", "baseline", "candidate", "change [95% CI" + (", fixed-n]" if verdict.sequential else "]"), "n"):
         table.add_column(column)
     for m in j.metrics:
         if m.change is None:
@@ -244,8 +285,15 @@ def _print_verdict(verdict: Verdict) -> None:
                   + ("" if loss.applicable else " (temperature > 0: not judged)")
                   + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
     for rule in j.rules:
-        needed = f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else ""
+        needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
+                  f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
         console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
+    if verdict.sequential:
+        seq = verdict.sequential
+        console.print(f"sequential: {seq.method}; alpha {seq.design.alpha}, a look every {seq.design.look_every} "
+                      f"pairs, decisions from {seq.design.min_tasks} tasks. The run stopped at look {seq.looks} after "
+                      f"{seq.stopped_after_pairs} pairs ({seq.stopped}, {seq.verdict_when_stopped}); judged over "
+                      f"{seq.pairs} pairs. The table's intervals are fixed-n, for reading only.")
     console.print(f"[bold]verdict: {verdict.verdict}[/]" +
                   (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
 

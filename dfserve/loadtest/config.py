@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dfserve.errors import UserError, describe_invalid
+from dfserve.loadtest.judge import Gate
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.runs import Provenance
 from dfserve.sglang import SamplingParams
@@ -45,6 +46,18 @@ class ArmInfo(_Model):
     simulated: bool = False
 
 
+class SequentialDesign(_Model):
+    """How an `--until-decided` run looks at its data and when it stops (see `sequential.py`)."""
+
+    method: Literal["confidence-sequences"] = "confidence-sequences"
+    alpha: float = Field(0.05, gt=0, lt=1, description="each rule's interval holds at every look at once with "
+                         "probability 1 - alpha (two-sided; the fixed-n judge's intervals are 95% too)")
+    look_every: int = Field(16, ge=1, description="paired requests of the schedule between looks")
+    min_tasks: int = Field(16, ge=2, description="distinct tasks before any rule is decided: the normal "
+                           "approximation of a ratio's change needs a few")
+    gate: Gate = Field(description="the rules the run stops on")
+
+
 class RunConfig(_Model):
     schema_version: Literal[1] = 1
     kind: Literal["loadtest-run"] = "loadtest-run"
@@ -59,6 +72,8 @@ class RunConfig(_Model):
     duration_s: float | None
     request_timeout_s: float
     pin_arms: bool = Field(default=False, description="requests carried x-dfserve-arm: NAME (arms behind one gateway)")
+    sequential: SequentialDesign | None = Field(None, description="set when the run stopped as soon as its gate "
+                                                "was decided; num_requests is then the maximum")
     t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
     provenance: Provenance
 
@@ -71,6 +86,7 @@ class RunConfig(_Model):
             "sampling": self.sampling.model_dump(),
             "load": self.load.model_dump(),
             "duration_s": self.duration_s,
+            "sequential": self.sequential.model_dump() if self.sequential else None,
         }
 
     def arm(self, name: str) -> ArmInfo:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -24,9 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dfserve.errors import UserError, describe_invalid, describe_yaml
 from dfserve.loadtest import records as rec
 from dfserve.loadtest import stats
-from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
 from dfserve.sglang import parse_server_info
+
+if TYPE_CHECKING:  # config.py records a sequential run's gate, so it imports this module
+    from dfserve.loadtest.config import RunConfig
 
 Status = Literal["PASS", "FAIL", "INCONCLUSIVE"]
 G = TypeVar("G", bound=BaseModel)
@@ -145,6 +147,15 @@ class RuleResult(_Model):
     status: RuleStatus
     detail: str
     tasks_needed: int | None = None
+    low: float | None = Field(None, description="the interval the rule was decided on: how much worse the candidate "
+                              "is (relative or absolute), or the identical fraction for lossless_fraction; "
+                              "set by sequential judgements")
+    high: float | None = None
+    requests_needed: int | None = Field(None, description="paired requests that would decide the rule if the data "
+                                        "went on as so far (sequential judgements)")
+    task_set_limited: bool = Field(False, description="undecided, and more requests cannot decide it: every task was "
+                                   "seen, or more distinct tasks than the set holds are needed, and repeating one "
+                                   "adds nothing (temperature 0: same output, same verify rounds)")
 
 
 class Lossless(_Model):

@@ -1,4 +1,5 @@
-"""Live view of a run: per arm, requests done, errors, output tokens/s and acceptance so far (rich)."""
+"""Live view of a run: per arm, requests done, errors, output tokens/s and acceptance so far (rich); for a sequential
+run also each gate rule's always-valid interval at the latest look and the requests projected to decide it."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.sequential import Look, RuleState, SequentialMonitor, units_to_decide
 
 
 @dataclass
@@ -26,12 +28,15 @@ class ArmTally:
 class Progress:
     """An observer of records; rich redraws the table twice a second from its own thread, only on a terminal."""
 
-    def __init__(self, arms: list[str], total: int, console: Console | None = None) -> None:
+    def __init__(self, arms: list[str], total: int, console: Console | None = None,
+                 monitor: SequentialMonitor | None = None) -> None:
         self.tallies = {arm: ArmTally() for arm in arms}
         self.total = total
+        self.monitor = monitor
         self.started = time.perf_counter()
         self.console = console or Console(stderr=True)
-        self._live = Live(console=self.console, refresh_per_second=2, get_renderable=self._table)
+        self._live = Live(console=self.console, refresh_per_second=2, get_renderable=self._render)
+        self._rules: tuple[Look | None, Table | None] = (None, None)
 
     def observe(self, r: RequestRecord) -> None:
         tally = self.tallies[r.arm]
@@ -45,6 +50,9 @@ class Progress:
             tally.rounds += rounds
             tally.accepted_tokens += r.completion_tokens or 0
 
+    def _render(self) -> Group:
+        return Group(self._table(), *([rules] if (rules := self._rules_table()) is not None else []))
+
     def _table(self) -> Table:
         elapsed = max(1e-9, time.perf_counter() - self.started)
         table = Table(title=f"load test, {elapsed:.0f} s")
@@ -56,6 +64,22 @@ class Progress:
             table.add_row(arm, f"{t.done}/{self.total}", errors, f"{t.tokens / elapsed:.0f}", tau)
         return table
 
+    def _rules_table(self) -> Table | None:
+        """Built once per look (projections search over future sample sizes), in rich's thread, off the loop."""
+        if self.monitor is None or self.monitor.latest is None:
+            return None
+        look = self.monitor.latest
+        if self._rules[0] is not look:
+            table = Table(title=f"gate at look {look.number}: {look.pairs} pairs over {look.tasks} tasks, "
+                                f"verdict so far {look.verdict}" + (f" ({look.stop})" if look.stop else ""))
+            for column in ("rule", "status", "estimate [always-valid interval]", "limit", "to a decision"):
+                table.add_column(column, justify="left" if column in ("rule", "status") else "right")
+            for rule in look.rules:
+                table.add_row(rule.metric, rule.status, _interval(rule), f"{rule.limit:.4g}",
+                              _projection(rule, look, self.monitor.task_count))
+            self._rules = (look, table)
+        return self._rules[1]
+
     def __enter__(self) -> Progress:
         if self.console.is_terminal:
             self._live.start()
@@ -64,3 +88,24 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self._live.is_started:
             self._live.stop()
+
+
+def _interval(rule: RuleState) -> str:
+    if rule.estimate is None or rule.low is None or rule.high is None:
+        return "-"
+    return f"{rule.estimate:+.4f} [{rule.low:+.4f}, {rule.high:+.4f}]"
+
+
+def _projection(rule: RuleState, look: Look, task_count: int) -> str:
+    """More requests per arm at which the interval would decide if the data went on as so far; for a rule that
+    repeats cannot help, distinct tasks, and whether the task set holds that many."""
+    if rule.status != "INCONCLUSIVE":
+        return "decided"
+    needed = units_to_decide(rule)
+    if needed is None:
+        return "out of reach"
+    if rule.per_task and needed > task_count:
+        return f"~{needed} distinct tasks; the set has {task_count}"
+    if rule.per_task:
+        return f"~{max(0, needed - look.tasks)} more distinct tasks (of {task_count})"
+    return f"~{max(0, needed - look.pairs)} more requests"

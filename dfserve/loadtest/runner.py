@@ -4,6 +4,8 @@ Same task at the same index for every arm; in open loop the same offset too, dis
 loop iteration, so drift on the machine hits both arms alike. Records are derived and appended to requests.jsonl
 as requests finish, by a process of their own (`dfserve.loadtest.writer`: a crash loses what was in flight); a stop request
 (Ctrl-C) cancels in-flight requests, which are recorded as `cancelled`, and the run still gets its summary.
+A sequential run passes `halt`, polled before each request is sent: once it is true nothing more is sent and the
+requests in flight finish (they complete pairs the verdict uses).
 
     outcome = asyncio.run(execute(plan, observers=[], stop=asyncio.Event()))
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,14 @@ from dfserve import sglang
 from dfserve.errors import UserError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient
-from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
+from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
+
+Halt = Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class RunPlan:
     request_timeout_s: float = 600.0
     model: str | None = None
     pin_arms: bool = False
+    sequential: SequentialDesign | None = None
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
@@ -59,6 +64,8 @@ class RunPlan:
             raise UserError("--warmup: must be >= 0")
         if self.duration_s is not None and self.duration_s <= 0:
             raise UserError("--duration: must be > 0")
+        if self.sequential is not None and len(names) != 2:
+            raise UserError("--until-decided: give exactly two arms, the baseline then the candidate")
 
 
 @dataclass
@@ -107,12 +114,14 @@ async def probe_arm(
     )
 
 
-async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float) -> None:
+async def _closed_loop(
+    client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float, halt: Halt
+) -> None:
     next_index = iter(range(len(order)))
 
     async def worker() -> None:
         for index in next_index:
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline or halt():
                 return
             await client.send(order[index], index, warmup=index < warmup, scheduled_s=None)
 
@@ -121,7 +130,7 @@ async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, co
 
 async def _open_loop(
     clients: Sequence[ArmClient], order: Sequence[Task], warmup: int, offsets: Sequence[float], cap: int | None,
-    t0: float, deadline: float,
+    t0: float, deadline: float, halt: Halt,
 ) -> None:
     slots = {client.arm: asyncio.Semaphore(cap) for client in clients} if cap else {}
     in_flight: set[asyncio.Task[None]] = set()
@@ -138,7 +147,7 @@ async def _open_loop(
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline or halt():
                 break
             for client in clients:
                 task = asyncio.create_task(one(client, index, offset))
@@ -153,8 +162,9 @@ async def _open_loop(
             await asyncio.gather(*in_flight, return_exceptions=True)
 
 
-async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event) -> RunOutcome:
-    """Probe the arms, create the run directory, drive the load until done, `stop` or the duration bound."""
+async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None) -> RunOutcome:
+    """Probe the arms, create the run directory, drive the load until done, `stop`, `halt` or the duration bound."""
+    halted = halt or (lambda: False)
     load = plan.load
     total = plan.warmup + plan.num_requests
     async with aiohttp.ClientSession() as session:
@@ -175,6 +185,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         duration_s=plan.duration_s,
         request_timeout_s=plan.request_timeout_s,
         pin_arms=plan.pin_arms,
+        sequential=plan.sequential,
         t0_unix_s=time.time() - (time.perf_counter() - t0),
         provenance=Provenance.here(),
     )
@@ -191,9 +202,11 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         drive: asyncio.Future[Any]
         if offsets is None:
             assert load.concurrency is not None
-            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline) for c in clients))
+            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline, halted)
+                                     for c in clients))
         else:
-            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0, deadline))
+            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0,
+                                                     deadline, halted))
         try:
             interrupted = await _until_done_or_stopped(drive, stop)
         finally:

@@ -37,6 +37,12 @@ def quantile(values: Sequence[float] | NDArray[np.float64], q: float) -> float |
     return float(np.quantile(np.asarray(values, dtype=float), q, method="inverted_cdf"))
 
 
+def quantile_rank(n: int, q: float) -> int:
+    """Index of the q-quantile among n sorted values, the one `quantile` returns (numpy's inverted CDF), so a
+    sorted list kept as data arrives gives the same figure without a pass over it."""
+    return min(n - 1, max(0, math.ceil(n * q) - 1))
+
+
 def quantile_interval(values: Sequence[float] | NDArray[np.float64], q: float) -> Interval | None:
     """95% interval of a quantile from order statistics (binomial ranks): no resampling, no assumed shape."""
     n = len(values)

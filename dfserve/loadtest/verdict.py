@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.loadtest.config import RunConfig, read_model
 from dfserve.loadtest.judge import Gate, Judgement
+from dfserve.loadtest.sequential import SequentialReport
 from dfserve.runs import Provenance
 from dfserve.sglang import parse_server_info
 
@@ -57,6 +58,8 @@ class Verdict(BaseModel):
     judgement: Judgement
     gate: Gate
     provenance: Provenance
+    sequential: SequentialReport | None = Field(None, description="set when the run stopped as soon as its gate was "
+                                                "decided: the method, its parameters and where the run stopped")
 
 
 def read_verdict(path: Path) -> Verdict:

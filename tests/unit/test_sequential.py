@@ -1,0 +1,316 @@
+"""Sequential verdicts: the confidence sequences on their own (exact boundaries, coverage at every look at once) and
+the monitor on synthetic paired records (pairing, looks, stopping, the task-set limit, the verdict of a run)."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from dfserve.errors import UserError
+from dfserve.loadtest import confseq, stats
+from dfserve.loadtest.config import SequentialDesign
+from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule
+from dfserve.loadtest.progress import Progress
+from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.runner import RunPlan
+from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential, units_to_decide
+from dfserve.loadtest.tasks import TaskSet
+from tests.synthetic import run_config, synthetic
+
+ACCEPT = Gate(rules=(Rule(metric="accept_length", max_worse=0.02),))
+
+
+def test_the_mixture_radius_is_where_the_mixed_likelihood_ratio_reaches_one_over_alpha() -> None:
+    se, scale, alpha = 0.004, 0.02, 0.05
+    radius = confseq.mixture_radius(se, scale, alpha)
+    effects = np.linspace(-12 * scale, 12 * scale, 400_001)
+    prior = np.exp(-effects**2 / (2 * scale**2)) / math.sqrt(2 * math.pi * scale**2)
+    ratio = np.exp((effects * radius - effects**2 / 2) / se**2)
+    assert float(np.sum(prior * ratio) * (effects[1] - effects[0])) == pytest.approx(1 / alpha, rel=1e-4)
+    assert 1.96 * se < radius < 4 * se and confseq.mixture_radius(0.0, scale, alpha) == 0.0
+
+
+def test_proportion_bounds_sit_where_the_evidence_reaches_one_over_alpha() -> None:
+    low, high = confseq.proportion_sequence(30, 400, 0.05)
+    assert low < 30 / 400 < high
+    for p in (low, high):
+        log_mixture = (math.lgamma(30.5) + math.lgamma(370.5) - math.lgamma(401)) - (2 * math.lgamma(0.5) - math.lgamma(1))
+        evidence = log_mixture - (30 * math.log(p) + 370 * math.log1p(-p))
+        assert evidence == pytest.approx(math.log(20), abs=1e-6)
+    none_low, none_high = confseq.proportion_sequence(0, 1000, 0.025)
+    assert none_low == 0.0 and 0.005 < none_high < 0.01  # no error in 1000 bounds the rate, it does not zero it
+    assert confseq.proportion_sequence(0, 0, 0.05) == (0.0, 1.0)
+
+
+def test_proportion_sequence_covers_the_truth_at_every_look_at_once() -> None:
+    rng = random.Random(3)
+    missed = 0
+    for _ in range(300):
+        successes = 0
+        for n in range(1, 401):
+            successes += rng.random() < 0.05
+            if n % 20 == 0:
+                low, high = confseq.proportion_sequence(successes, n, 0.1)
+                if not low <= 0.05 <= high:
+                    missed += 1
+                    break
+    assert missed / 300 < 0.1  # a fixed-n 90% interval looked at 20 times misses far more often
+
+
+def test_quantile_sequence_covers_the_true_p95_at_every_look_at_once() -> None:
+    rng = np.random.default_rng(5)
+    true_p95 = -math.log(0.05)  # exponential(1)
+    missed = 0
+    for _ in range(300):
+        draws = rng.exponential(size=800)
+        for n in range(50, 801, 50):
+            low, high = confseq.quantile_sequence(np.sort(draws[:n]), 0.95, 0.1)
+            if not low <= true_p95 <= high:
+                missed += 1
+                break
+    assert missed / 300 < 0.1
+    low, high = confseq.quantile_sequence(np.sort(rng.exponential(size=20)), 0.99, 0.05)
+    assert high == math.inf  # twenty draws cannot bound a p99 from above
+
+
+def test_rank_band_is_wider_than_the_fixed_n_band_and_centred_on_nq() -> None:
+    low, high = confseq.rank_band(1000, 0.95, 0.05)
+    fixed = 1.96 * math.sqrt(1000 * 0.95 * 0.05)
+    assert low < 950 < high and (high - low) / 2 > fixed
+
+
+def test_quantile_rank_picks_the_quantile_figure() -> None:
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 100, 999):
+        values = np.sort(rng.random(n))
+        for q in (0.5, 0.95, 0.99):
+            assert values[stats.quantile_rank(n, q)] == stats.quantile(values, q)
+
+
+def test_the_delta_method_error_of_a_paired_ratio_matches_the_task_bootstrap() -> None:
+    rng = np.random.default_rng(2)
+    tasks = 300
+    tokens = rng.integers(50, 500, size=tasks).astype(float)
+    difficulty = rng.uniform(0.7, 1.3, size=tasks)
+    rounds_b = tokens / (8.5 * difficulty * np.exp(rng.normal(0, 0.15, tasks)))
+    rounds_c = tokens / (8.0 * difficulty * np.exp(rng.normal(0, 0.15, tasks)))
+    sums = np.stack([tokens, rounds_b, tokens, rounds_c])
+    result = confseq.paired_log_ratio(sums)
+    assert result is not None
+    log_change, se = result
+    assert math.exp(log_change) == pytest.approx(rounds_b.sum() / rounds_c.sum())
+    weights = stats.cluster_weights(tasks, 4000, np.random.default_rng(0))
+    draws = np.log((weights @ sums[2]) / (weights @ sums[3])) - np.log((weights @ sums[0]) / (weights @ sums[1]))
+    assert se == pytest.approx(float(np.std(draws)), rel=0.1)
+
+
+def _false_fail_rate(radius: object, sequences: int = 300, tasks: int = 1200, look_every: int = 16) -> float:
+    """Candidate exactly at the 2% limit, per-task noise of 15%: how often a look ever says FAIL."""
+    rng = np.random.default_rng(11)
+    limit = 0.02
+    fails = 0
+    for _ in range(sequences):
+        tokens = rng.integers(50, 500, size=tasks).astype(float)
+        difficulty = rng.uniform(0.7, 1.3, size=tasks)
+        rounds_b = tokens / (8.5 * difficulty * np.exp(rng.normal(0, 0.15, tasks)))
+        rounds_c = tokens / (8.5 * (1 - limit) * difficulty * np.exp(rng.normal(0, 0.15, tasks)))
+        sums = np.stack([tokens, rounds_b, tokens, rounds_c])
+        for n in range(16, tasks + 1, look_every):
+            result = confseq.paired_log_ratio(sums[:, :n])
+            assert result is not None
+            log_change, se = result
+            worse_low = -math.expm1(log_change + radius(se))  # type: ignore[operator]
+            if worse_low > limit:
+                fails += 1
+                break
+    return fails / sequences
+
+
+def test_continuous_monitoring_keeps_the_false_fail_rate_with_the_mixture_and_not_with_fixed_n_intervals() -> None:
+    sequential = _false_fail_rate(lambda se: confseq.mixture_radius(se, 0.02, 0.05))
+    peeking = _false_fail_rate(lambda se: 1.96 * se)
+    assert sequential <= 0.05  # nominal 2.5% on this side; the Monte-Carlo error over 300 sequences is about 0.9%
+    assert peeking > 2 * max(sequential, 0.025)
+
+
+def pair_up(base: list[RequestRecord], cand: list[RequestRecord]) -> list[RequestRecord]:
+    return [r for pair in zip(base, cand, strict=True) for r in pair]
+
+
+def monitor(gate: Gate = DEFAULT_GATE, tasks: int = 164, temperature: float = 0.0, **design: int) -> SequentialMonitor:
+    return SequentialMonitor(SequentialDesign(gate=gate, **design), "a", "b", temperature, tasks)
+
+
+def feed(m: SequentialMonitor, records: list[RequestRecord]) -> SequentialMonitor:
+    for r in records:
+        m.observe(r)
+        if m.stopped:
+            break
+    return m
+
+
+def test_an_undertrained_drafter_fails_early_and_the_decision_is_the_first_look_that_decides() -> None:
+    m = feed(monitor(), pair_up(synthetic("a", 400, 9.0, seed=1, tasks=164), synthetic("b", 400, 6.0, seed=2, tasks=164)))
+    assert m.decision is not None and m.decision.verdict == "FAIL" and m.decision.stop == "decided"
+    assert m.decision.pairs <= 48 and m.pairs == m.decision.pairs
+    accept = next(r for r in m.decision.rules if r.metric == "accept_length")
+    assert accept.status == "FAIL" and accept.low is not None and accept.low > 0.1
+
+
+def test_no_rule_is_decided_before_the_minimum_number_of_tasks() -> None:
+    m = feed(monitor(min_tasks=40, look_every=8), pair_up(synthetic("a", 400, 9.0, seed=1, tasks=164),
+                                                            synthetic("b", 400, 6.0, seed=2, tasks=164)))
+    assert m.decision is not None and m.decision.pairs == 40
+    early = monitor(min_tasks=40, look_every=8)
+    feed(early, pair_up(synthetic("a", 32, 9.0, seed=1, tasks=164), synthetic("b", 32, 6.0, seed=2, tasks=164)))
+    assert early.latest is not None and early.latest.verdict == "INCONCLUSIVE" and not early.stopped
+    assert "32 of the 40 tasks" in early.latest.rules[0].detail
+
+
+def test_looks_see_the_schedule_prefix_whatever_order_records_arrive_in() -> None:
+    records = pair_up(synthetic("a", 200, 9.0, seed=1, tasks=164), synthetic("b", 200, 8.6, seed=2, tasks=164))
+    mixed = records[:]
+    random.Random(4).shuffle(mixed)
+    in_order, shuffled = monitor(ACCEPT), monitor(ACCEPT)
+    for r, s in zip(records, mixed, strict=True):
+        in_order.observe(r)
+        shuffled.observe(s)
+    assert in_order.decision is not None and shuffled.decision is not None
+    assert in_order.decision.pairs == shuffled.decision.pairs == 176  # the first look after all 164 tasks
+    assert in_order.decision.rules == shuffled.decision.rules
+    assert in_order.latest is not None and shuffled.latest is not None
+    assert in_order.latest.pairs == shuffled.latest.pairs == 192 and in_order.latest.rules == shuffled.latest.rules
+    first_half = monitor(ACCEPT)
+    for r in mixed[:200]:
+        first_half.observe(r)
+    arrived = {(r.arm, r.index) for r in mixed[:200]}
+    complete = [i for i in range(200) if ("a", i) in arrived and ("b", i) in arrived]
+    prefix = next(i for i in range(200) if i not in complete)
+    assert first_half.pairs == prefix < len(complete)  # a gap in the schedule holds back the pairs after it
+
+
+def test_pairs_of_different_tasks_are_refused() -> None:
+    base = synthetic("a", 4, 9.0, seed=1)
+    cand = [r.model_copy(update={"arm": "b", "task_id": "other"}) for r in base]
+    with pytest.raises(UserError, match="same schedule"):
+        feed(monitor(), pair_up(base, cand))
+
+
+def test_warmup_records_and_other_arms_are_ignored() -> None:
+    m = monitor(ACCEPT, look_every=4)
+    warm = [r.model_copy(update={"warmup": True}) for r in synthetic("a", 4, 9.0, seed=1)]
+    other = [r.model_copy(update={"arm": "c"}) for r in synthetic("a", 4, 9.0, seed=1)]
+    feed(m, warm + other)
+    assert m.pairs == 0 and m.latest is None
+
+
+def test_at_temperature_zero_an_exhausted_task_set_stops_a_run_repeats_cannot_decide() -> None:
+    base = synthetic("a", 200, 9.0, seed=1, tasks=20, noise=0.3)
+    cand = synthetic("b", 200, 9.0, seed=2, tasks=20, noise=0.3)
+    m = feed(monitor(ACCEPT, tasks=20, look_every=4), pair_up(base, cand))
+    assert m.decision is not None and m.decision.stop == "task_set" and m.decision.verdict == "INCONCLUSIVE"
+    assert m.decision.pairs == 20
+    rule = m.decision.rules[0]
+    assert rule.task_set_limited and "more distinct tasks, not more requests" in rule.detail
+    needed = units_to_decide(rule)
+    assert needed is not None and needed > 20
+    hot = feed(monitor(ACCEPT, tasks=20, temperature=0.7, look_every=4), pair_up(base, cand))
+    assert not hot.stopped and hot.pairs == 200  # above temperature 0 every request is new evidence
+    with_latency = feed(monitor(Gate(rules=(*ACCEPT.rules, Rule(metric="tpot_p95", max_worse=0.001))), tasks=20,
+                                look_every=4), pair_up(base, cand))
+    assert not with_latency.stopped  # TPOT still gains from repeats
+
+
+def test_losslessness_passes_on_the_whole_task_set_and_a_lossy_candidate_fails() -> None:
+    gate = Gate(rules=(Rule(metric="lossless_fraction", at_least=0.99),))
+    base = synthetic("a", 60, 9.0, seed=1, tasks=40)
+    same = feed(monitor(gate, tasks=40, look_every=4), pair_up(base, synthetic("b", 60, 9.0, seed=1, tasks=40)))
+    assert same.decision is not None and same.decision.verdict == "PASS" and same.decision.pairs == 40
+    lossy = feed(monitor(gate, tasks=164, look_every=4), pair_up(base, synthetic("b", 60, 9.0, seed=1, tasks=40,
+                                                                               lossy=0.5)))
+    assert lossy.decision is not None and lossy.decision.verdict == "FAIL"
+    hot = monitor(gate, temperature=0.7)
+    feed(hot, pair_up(base, synthetic("b", 60, 9.0, seed=1, tasks=40, lossy=0.5)))
+    assert hot.latest is not None and hot.latest.rules[0].status == "NOT_APPLICABLE"
+
+
+def test_error_rates_fail_on_errors_and_need_many_requests_to_pass() -> None:
+    gate = Gate(rules=(Rule(metric="error_rate", max_worse=0.01),))
+    base = synthetic("a", 400, 9.0, seed=1)
+    failing = feed(monitor(gate), pair_up(base, synthetic("b", 400, 9.0, seed=1, errors=0.3)))
+    assert failing.decision is not None and failing.decision.verdict == "FAIL"
+    clean = feed(monitor(gate), pair_up(base, synthetic("b", 400, 9.0, seed=1)))
+    assert clean.latest is not None and clean.latest.verdict == "INCONCLUSIVE"  # 400 clean pairs bound it by 1.8%
+    needed = units_to_decide(clean.latest.rules[0])
+    assert needed is not None and 600 < needed < 1200
+
+
+def test_tpot_regression_fails_on_quantile_sequences() -> None:
+    gate = Gate(rules=(Rule(metric="tpot_p95", max_worse=0.05),))
+    m = feed(monitor(gate), pair_up(synthetic("a", 400, 9.0, seed=1), synthetic("b", 400, 9.0, seed=1, tpot=0.014)))
+    assert m.decision is not None and m.decision.verdict == "FAIL"
+
+
+def test_a_gate_on_per_token_samples_is_refused_before_anything_is_sent() -> None:
+    with pytest.raises(UserError, match="--gate: rule itl_per_token_p95"):
+        monitor(Gate(rules=(Rule(metric="itl_per_token_p95", max_worse=0.05),)))
+
+
+def test_a_sequential_plan_needs_exactly_two_arms() -> None:
+    design = SequentialDesign(gate=DEFAULT_GATE)
+    with pytest.raises(UserError, match="exactly two arms"):
+        RunPlan(arms=(("a", "http://x"), ("b", "http://y"), ("c", "http://z")), api="native",
+                task_set=TaskSet("t", ()), num_requests=10, warmup=0, sampling=run_config("r").sampling,
+                load=run_config("r").load, out=Path("."), sequential=design)
+
+
+def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair() -> None:
+    config = run_config("seq").model_copy(update={"sequential": SequentialDesign(gate=DEFAULT_GATE)})
+    base = synthetic("zlab", 70, 9.0, seed=1, tasks=164)
+    cand = synthetic("inhouse", 70, 6.0, seed=2, tasks=164)
+    records = pair_up(base, cand)
+    judgement, report = judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, config)
+    assert judgement.verdict == "FAIL" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
+    assert report.stopped_after_pairs <= 48 and report.pairs == 70 and report.design.look_every == 16
+    accept = next(r for r in judgement.rules if r.metric == "accept_length")
+    assert accept.low is not None and accept.low > 0.2 and "always-valid" in accept.detail
+    assert {m.metric for m in judgement.metrics} >= {"accept_length", "ttft_p50"}  # the fixed-n table, for reading
+    lenient = Gate(rules=(Rule(metric="accept_length", max_worse=0.5),))
+    judgement, report = judge_sequential(records, "zlab", "inhouse", lenient, config)
+    assert judgement.verdict == "PASS" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
+    with pytest.raises(UserError, match="--until-decided"):
+        judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, run_config("fixed"))
+
+
+def test_the_verdict_says_when_more_distinct_tasks_than_the_set_holds_would_decide_a_rule() -> None:
+    config = run_config("seq").model_copy(update={"sequential": SequentialDesign(gate=ACCEPT)})
+    records = pair_up(synthetic("zlab", 48, 9.0, seed=1, tasks=48, noise=0.3),
+                      synthetic("inhouse", 48, 9.0, seed=2, tasks=48, noise=0.3))
+    judgement, report = judge_sequential(records, "zlab", "inhouse", ACCEPT, config)
+    rule = judgement.rules[0]
+    assert report.stopped == "end" and rule.status == "INCONCLUSIVE"
+    assert rule.tasks_needed is not None and rule.tasks_needed > config.tasks.size and rule.requests_needed is None
+    assert rule.task_set_limited and "the task set, not the request count, keeps it undecided" in rule.detail
+    roomy = config.model_copy(update={"tasks": config.tasks.model_copy(update={"size": 100_000})})
+    rule = judge_sequential(records, "zlab", "inhouse", ACCEPT, roomy)[0].rules[0]
+    assert not rule.task_set_limited and "task set" not in rule.detail
+
+
+def test_the_live_view_shows_each_rule_interval_and_the_requests_to_a_decision() -> None:
+    out = io.StringIO()
+    m = monitor(Gate(rules=(*ACCEPT.rules, Rule(metric="error_rate", max_worse=0.01))))
+    with Progress(["a", "b"], 400, Console(file=out, force_terminal=True, width=160), m) as progress:
+        for r in pair_up(synthetic("a", 64, 9.0, seed=1, tasks=164), synthetic("b", 64, 8.8, seed=2, tasks=164)):
+            progress.observe(r)
+            m.observe(r)
+        text = "".join(segment.text for segment in Console(width=160).render(progress._render()))
+    assert "gate at look 4: 64 pairs over 64 tasks" in text
+    assert "accept_length" in text and "error_rate" in text and "more requests" in text
+    error_rule = next(r for r in m.latest.rules if r.metric == "error_rate")  # type: ignore[union-attr]
+    assert f"{error_rule.estimate:+.4f} [{error_rule.low:+.4f}, {error_rule.high:+.4f}]" in text
