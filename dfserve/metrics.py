@@ -72,6 +72,10 @@ REPLICA_HEALTHY = "dfserve_replica_healthy"
 SHADOW_REQUESTS = "dfserve_shadow_requests"
 ARM_WEIGHT = "dfserve_arm_weight"
 ARM_WINDOWED_ACCEPT_LENGTH = "dfserve_arm_windowed_accept_length"
+ROUTING_VERSION = "dfserve_gateway_routing_version"
+"""1 on the one series whose `version` label is the hash of the routing a gateway runs (`gateway.watch`), so
+`count by (version) (dfserve_gateway_routing_version)` counts the replicas on each version during a rollout."""
+ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _total; outcome: applied | refused
 
 ARM_LABELS = ("arm", "route")
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
@@ -238,4 +242,21 @@ class DfserveMetrics:
                 ARM_WINDOWED_ACCEPT_LENGTH,
                 "Acceptance length of an arm over the last scrape window, from its replicas' SGLang counters "
                 "(Δ generation_tokens / Δ spec_verify_calls).", ("arm",), registry=registry),
+        )
+
+
+@dataclass(frozen=True)
+class RoutingMetrics:
+    """The gateway's view of its routing source: which version it runs and how its reloads went."""
+
+    version: Gauge
+    reloads: Counter
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> RoutingMetrics:
+        return cls(
+            version=Gauge(ROUTING_VERSION, "1 for the hash of the routing (mode, arms, weights) this gateway runs.",
+                          ("version",), registry=registry),
+            reloads=Counter(ROUTING_RELOADS, "Changed routing files read: applied, or refused (the last good "
+                            "routing stays).", ("outcome",), registry=registry),
         )
