@@ -26,6 +26,7 @@ from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.shard import Shard, shard_concurrency, shard_indices
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 
@@ -49,6 +50,7 @@ class RunPlan:
     request_timeout_s: float = 600.0
     model: str | None = None
     pin_arms: bool = False
+    shard: Shard | None = None
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
@@ -60,6 +62,8 @@ class RunPlan:
             raise UserError("--warmup: must be >= 0")
         if self.duration_s is not None and self.duration_s <= 0:
             raise UserError("--duration: must be > 0")
+        if self.load.concurrency is not None:
+            shard_concurrency(self.load.concurrency, self.shard)  # refuses a concurrency the shards cannot share
 
 
 @dataclass
@@ -123,8 +127,9 @@ class _Recorder:
             observe(record)
 
 
-async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float) -> None:
-    next_index = iter(range(len(order)))
+async def _closed_loop(client: ArmClient, order: Sequence[Task], indices: Sequence[int], warmup: int, concurrency: int,
+                       deadline: float) -> None:
+    next_index = iter(indices)
 
     async def worker() -> None:
         for index in next_index:
@@ -136,8 +141,8 @@ async def _closed_loop(client: ArmClient, order: Sequence[Task], warmup: int, co
 
 
 async def _open_loop(
-    clients: Sequence[ArmClient], order: Sequence[Task], warmup: int, offsets: Sequence[float], cap: int | None,
-    t0: float, deadline: float,
+    clients: Sequence[ArmClient], order: Sequence[Task], indices: Sequence[int], warmup: int, offsets: Sequence[float],
+    cap: int | None, t0: float, deadline: float,
 ) -> None:
     slots = {client.arm: asyncio.Semaphore(cap) for client in clients} if cap else {}
     in_flight: set[asyncio.Task[None]] = set()
@@ -150,7 +155,8 @@ async def _open_loop(
             await client.send(order[index], index, warmup=index < warmup, scheduled_s=offset)
 
     try:
-        for index, offset in enumerate(offsets):
+        for index in indices:
+            offset = offsets[index]
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -189,6 +195,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         duration_s=plan.duration_s,
         request_timeout_s=plan.request_timeout_s,
         pin_arms=plan.pin_arms,
+        shard=plan.shard,
         t0_unix_s=time.time() - (time.perf_counter() - t0),
         provenance=Provenance.here(),
     )
@@ -203,12 +210,15 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             for arm in arms
         ]
         offsets = load.offsets(total)
+        indices = shard_indices(total, plan.shard)
+        concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)
         drive: asyncio.Future[Any]
         if offsets is None:
-            assert load.concurrency is not None
-            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline) for c in clients))
+            assert concurrency is not None
+            drive = asyncio.gather(*(_closed_loop(c, order, indices, plan.warmup, concurrency, deadline) for c in clients))
         else:
-            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0, deadline))
+            drive = asyncio.ensure_future(_open_loop(clients, order, indices, plan.warmup, offsets, concurrency, t0,
+                                                     deadline))
         try:
             interrupted = await _until_done_or_stopped(drive, stop)
         finally:
