@@ -75,7 +75,9 @@ ARM_WINDOWED_ACCEPT_LENGTH = "dfserve_arm_windowed_accept_length"
 ROUTING_VERSION = "dfserve_gateway_routing_version"
 """1 on the one series whose `version` label is the hash of the routing a gateway runs (`gateway.watch`), so
 `count by (version) (dfserve_gateway_routing_version)` counts the replicas on each version during a rollout."""
-ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _total; outcome: applied | refused
+ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _total
+RELOAD_OUTCOMES = ("applied", "refused")
+"""Values of the `outcome` label of `dfserve_gateway_routing_reloads_total`."""
 
 ARM_LABELS = ("arm", "route")
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
@@ -254,9 +256,13 @@ class RoutingMetrics:
 
     @classmethod
     def build(cls, registry: CollectorRegistry) -> RoutingMetrics:
+        """The families, every outcome's series at 0 from the start, so `increase()` sees the first reload."""
+        reloads = Counter(ROUTING_RELOADS, "Changed routing files read: applied, or refused (the last good routing "
+                          "stays).", ("outcome",), registry=registry)
+        for outcome in RELOAD_OUTCOMES:
+            reloads.labels(outcome)
         return cls(
             version=Gauge(ROUTING_VERSION, "1 for the hash of the routing (mode, arms, weights) this gateway runs.",
                           ("version",), registry=registry),
-            reloads=Counter(ROUTING_RELOADS, "Changed routing files read: applied, or refused (the last good "
-                            "routing stays).", ("outcome",), registry=registry),
+            reloads=reloads,
         )
