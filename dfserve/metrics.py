@@ -82,6 +82,12 @@ CLIENT_CONNECTIONS_REFUSED = "dfserve_client_connections_refused"
 REFUSAL_REASONS = ("over_capacity", "head_timeout", "body_timeout")
 """Why the gateway closed a client's connection on its own: it came with `max_connections` already open (answered
 503), or it did not send a whole request head or body in time (answered 408)."""
+ROUTING_VERSION = "dfserve_gateway_routing_version"
+"""1 on the one series whose `version` label is the hash of the routing a gateway runs (`gateway.watch`), so
+`count by (version) (dfserve_gateway_routing_version)` counts the replicas on each version during a rollout."""
+ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _total
+RELOAD_OUTCOMES = ("applied", "refused")
+"""Values of the `outcome` label of `dfserve_gateway_routing_reloads_total`."""
 
 ARM_LABELS = ("arm", "route")
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
@@ -341,4 +347,25 @@ class DfserveMetrics:
                 CLIENT_CONNECTIONS_REFUSED, "Client connections the gateway closed on its own; reason: over_capacity "
                 "(answered 503), head_timeout or body_timeout (a request not sent in time, answered 408).",
                 ("reason",), registry=registry),
+        )
+
+
+@dataclass(frozen=True)
+class RoutingMetrics:
+    """The gateway's view of its routing source: which version it runs and how its reloads went."""
+
+    version: Gauge
+    reloads: Counter
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> RoutingMetrics:
+        """The families, every outcome's series at 0 from the start, so `increase()` sees the first reload."""
+        reloads = Counter(ROUTING_RELOADS, "Changed routing files read: applied, or refused (the last good routing "
+                          "stays).", ("outcome",), registry=registry)
+        for outcome in RELOAD_OUTCOMES:
+            reloads.labels(outcome)
+        return cls(
+            version=Gauge(ROUTING_VERSION, "1 for the hash of the routing (mode, arms, weights) this gateway runs.",
+                          ("version",), registry=registry),
+            reloads=reloads,
         )

@@ -137,7 +137,8 @@ def _comparison() -> Row:
 
 
 def _replicas() -> Row:
-    replica = ('job=~"$job"', 'arm=~"$arm"')
+    job = ('job=~"$job"',)
+    replica = (*job, 'arm=~"$arm"')
     return Row("Replicas", (
         Panel("Replica admitted", "1 while the gateway sends traffic to a replica, 0 while it is ejected.",
               (Target(f"max by (arm, replica) ({selector(m.REPLICA_HEALTHY, replica)})", "{{arm}} {{replica}}"),)),
@@ -148,6 +149,11 @@ def _replicas() -> Row:
               (Target(rate_sum(counter(m.UPSTREAM_ERRORS), W, ["arm", "kind"], replica), "{{arm}} {{kind}}"),
                Target(rate_sum(counter(m.RETRIES), W, ["arm"], replica), "{{arm}} retries")),
               unit="reqps", no_value="0"),
+        Panel("Gateway routing versions", "Gateway replicas running each version of the routing (a hash of mode, "
+              "arms and weights): one line once every replica has applied the config file; refused files below.",
+              (Target(f"count by (version) ({selector(m.ROUTING_VERSION, job)})", "{{version}}"),
+               Target(increase_sum(counter(m.ROUTING_RELOADS), W, ["outcome"], job), "reloads {{outcome}}")),
+              no_value="0"),
     ))
 
 

@@ -17,6 +17,7 @@ from .promql import (
     ERROR_STATUS,
     arm_acceptance,
     counter,
+    increase_sum,
     quantile,
     rate_sum,
     ratio,
@@ -91,6 +92,8 @@ def alerts(settings: RuleSettings) -> tuple[Alert, ...]:
     baseline = selector(ACCEPT_LENGTH_5M, [f'arm="{settings.baseline_arm}"'])
     healthy = f"max by (job, arm, replica) ({m.REPLICA_HEALTHY})"
     engines_up = selector("up", [f'{m.DEPLOYMENT_LABEL}!=""'])
+    routing_versions = f"count by (job) (count by (job, version) ({m.ROUTING_VERSION}))"
+    refused = increase_sum(counter(m.ROUTING_RELOADS), "10m", ["job"], ('outcome="refused"',))
     return (
         Alert("DfserveCandidateAcceptanceBelowBaseline",
               f"{candidate}\n< ignoring (arm) group_left\n{settings.accept_tolerance} * {baseline}",
@@ -114,6 +117,14 @@ def alerts(settings: RuleSettings) -> tuple[Alert, ...]:
               "Time to first token p99 is over its threshold",
               f"{{{{ $labels.job }}}} arm {{{{ $labels.arm }}}}: TTFT p99 is {{{{ $value | humanizeDuration }}}}, "
               f"over {settings.ttft_p99_s:g} s."),
+        Alert("DfserveGatewayRoutingSplit", f"{routing_versions} > 1", (routing_versions,), "10m", "warning",
+              "Gateway replicas run different routing",
+              "{{ $labels.job }}: {{ $value }} routing versions have been served side by side for 10 minutes; a "
+              "replica did not pick up the config file (see its dfserve_gateway_routing_reloads_total)."),
+        Alert("DfserveGatewayRoutingRefused", f"{refused} > 0", (refused,), "1m", "warning",
+              "A gateway refused a new routing file",
+              "{{ $labels.job }}: the config file's new version was refused (the gateway log says which field); "
+              "the replicas keep the last good routing."),
     )
 
 

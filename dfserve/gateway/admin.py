@@ -2,7 +2,9 @@
 
 Every request needs `Authorization: Bearer <token>`, the token read from the environment variable named by
 `admin.token_env`. A PUT body is a whole routing document (mode, arms, weights, replicas); it is validated in full
-before anything changes, so a bad one is answered 400/422 and the running config stays::
+before anything changes, so a bad one is answered 400/422 and the running config stays. A PUT changes this process
+only; where several replicas watch one config file (`watch_interval_s`, `gateway.watch`) the file is the one
+routing truth, and PUT is refused with 409 (GET still shows this replica's routing and its version)::
 
     curl -X PUT -H "Authorization: Bearer $DFSERVE_ADMIN_TOKEN" 127.0.0.1:9001/admin/arms \\
          -d '{"mode": "split", "arms": {"baseline": {"weight": 50, "replicas": ["http://10.0.0.1:30000"]},
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from pathlib import Path
 
 from dfserve.errors import UserError
 from dfserve.gateway.app import TOO_DEEP, Gateway
@@ -26,8 +29,9 @@ MAX_ADMIN_CONNECTIONS = 32
 class AdminApp:
     """The admin listener's handler (`gateway.server`)."""
 
-    def __init__(self, gateway: Gateway, token: str) -> None:
+    def __init__(self, gateway: Gateway, token: str, watched: Path | None = None) -> None:
         self.gateway = gateway
+        self.watched = watched
         self._expected = f"Bearer {token}".encode()
 
     def _authorized(self, request: Request) -> bool:
@@ -59,10 +63,15 @@ class AdminApp:
                    for r in arm.replicas]
             for name, arm in gateway.upstream.arms.items()
         }
-        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "replicas": replicas},
-                          allow_nan=False).encode()  # standard JSON: validation keeps weights finite
+        return json.dumps({"routing": gateway.routing.model_dump(mode="json"), "version": gateway.version,
+                           "watched": None if self.watched is None else str(self.watched),
+                           "replicas": replicas}, allow_nan=False).encode()  # standard JSON: weights are finite
 
     def put(self, body: bytes, reply: Reply) -> None:
+        if self.watched is not None:
+            send_error(reply, 409, f"routing comes from {self.watched}, which every replica watches: change it there",
+                       "invalid_request_error")
+            return
         try:
             raw = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -2,8 +2,9 @@
 
 A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
 path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
-`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /metrics` (both
-also answer HEAD). Every response names the arm
+`POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /ready` (as
+/health, but 503 until the first round of health checks has finished), `GET /metrics` (health and metrics also
+answer HEAD). Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
 
@@ -36,8 +37,9 @@ from dfserve.gateway.routing import Router, UnknownArm
 from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
+from dfserve.gateway.watch import routing_version
 from dfserve.headers import ARM
-from dfserve.metrics import STREAM_ERROR, DfserveMetrics
+from dfserve.metrics import STREAM_ERROR, DfserveMetrics, RoutingMetrics
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
@@ -64,12 +66,15 @@ class Gateway:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = DfserveMetrics.build(self.registry)
+        self.routing_metrics = RoutingMetrics.build(self.registry)
+        self.version = ""
         self.rng = random.Random(config.seed)
         self.routing = config.routing
         self.router = build_router(config.routing)
         self._upstream: Upstream | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._set_weights(config.routing)
+        self._set_version(config.routing)
 
     @property
     def upstream(self) -> Upstream:
@@ -83,12 +88,20 @@ class Gateway:
         for name in self.routing.arms.keys() - routing.arms.keys():
             self.metrics.arm_weight.remove(name)
 
+    def _set_version(self, routing: RoutingConfig) -> None:
+        version = routing_version(routing)
+        if self.version and self.version != version:
+            self.routing_metrics.version.remove(self.version)
+        self.routing_metrics.version.labels(version).set(1)
+        self.version = version
+
     def apply(self, routing: RoutingConfig) -> None:
         """Replace the routing config: everything is built first, then swapped, so a failure changes nothing."""
         router = build_router(routing)
         if self._upstream is not None:
             self._upstream.set_arms(routing.arms)
         self._set_weights(routing)
+        self._set_version(routing)
         self.routing, self.router = routing, router
 
     async def start(self) -> None:
@@ -153,9 +166,14 @@ class GatewayApp:
             await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
         elif path == "/health" and method in ("GET", "HEAD"):
             self.health(reply)
+        elif path == "/ready" and method == "GET":
+            if self.gateway.upstream.checked:
+                self.health(reply)
+            else:
+                reply.whole(503, JSON_HEADERS, b'{"status": "starting"}')
         elif path == "/metrics" and method in ("GET", "HEAD"):
             reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
-        elif api is not None or path in FORWARDED_GETS or path in ("/health", "/metrics"):
+        elif api is not None or path in FORWARDED_GETS or path in ("/health", "/ready", "/metrics"):
             send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
         else:
             send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")

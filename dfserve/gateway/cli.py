@@ -25,18 +25,22 @@ from dfserve.listen import announce, bind, raise_open_files_limit
 log = logging.getLogger("dfserve.gateway")
 
 
-async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None) -> None:
+async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None,
+                watched: Path | None = None) -> None:
     """Run the gateway listener and, when configured, the admin listener, until SIGINT/SIGTERM.
 
     SIGHUP calls `reload` and applies the routing it returns, atomically; a bad file is logged and changes nothing.
+    With `config.watch_interval_s`, the file `watched` is also polled for new routing (`gateway.watch`).
     """
     from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, MAX_ADMIN_CONNECTIONS, AdminApp
     from dfserve.gateway.app import Gateway, GatewayApp
     from dfserve.gateway.server import Server, ServerLimits
+    from dfserve.gateway.watch import ConfigWatcher
     from dfserve.metrics import REFUSAL_REASONS
 
     token = config.admin_token()
     gateway = Gateway(config)
+    watch = config.watch_interval_s is not None and watched is not None and reload is not None
     limits = config.limits
     client_limits = ServerLimits(max_body_bytes=limits.max_body_bytes, max_connections=limits.max_connections,
                                  head_timeout_s=limits.head_timeout_s, body_timeout_s=limits.body_timeout_s,
@@ -49,7 +53,7 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     if config.admin.port is not None and token is not None:
         admin_limits = replace(client_limits, max_body_bytes=MAX_ADMIN_BODY_BYTES,
                                max_connections=MAX_ADMIN_CONNECTIONS)
-        listeners.append((Server(AdminApp(gateway, token), admin_limits),
+        listeners.append((Server(AdminApp(gateway, token, watched if watch else None), admin_limits),
                           bind(config.admin.host, config.admin.port, "--admin-port")))
     for (_, sock), name in zip(listeners, ("dfserve gateway", "dfserve gateway admin"), strict=False):
         announce(name, sock)
@@ -69,6 +73,9 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, hangup, reload)
     await gateway.start()
+    if watch:
+        assert watched is not None and reload is not None and config.watch_interval_s is not None
+        gateway.spawn(ConfigWatcher(watched, reload, gateway, config.watch_interval_s).run())
     gc.collect()
     gc.freeze()  # start-up objects (imports, config, metrics) never need scanning again: short full collections
     try:
@@ -112,11 +119,14 @@ def _raise_descriptor_limit(max_connections: int) -> None:
 @click.option("--seed", type=int, help="Seed of the weighted split.")
 @click.option("--health-interval", type=float, help="Seconds between active health checks [2].")
 @click.option("--scrape-interval", type=float, help="Seconds between replica /metrics scrapes [15].")
+@click.option("--watch-interval", type=float,
+              help="Check --config this often and apply its routing when it changes; the admin API turns read-only.")
 def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
     """Split, stick or mirror OpenAI/SGLang traffic between drafter arms and measure each arm."""
     keys = {"host": "host", "port": "port", "mode": "routing.mode", "primary": "routing.primary",
             "shed": "routing.shed", "admin_host": "admin.host", "admin_port": "admin.port", "seed": "seed",
-            "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s"}
+            "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s",
+            "watch_interval": "watch_interval_s"}
     overrides = {keys[name]: value for name, value in flags.items() if value is not None}
     if arms:
         parsed = [parse_arm_flag(text) for text in arms]
@@ -126,7 +136,9 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
         overrides["routing.arms"] = dict(parsed)
     config = load_config(config_path, overrides)
     config.admin_token()
+    if config.watch_interval_s is not None and config_path is None:
+        raise UserError("--watch-interval: there is no file to watch; give --config")
     import uvloop
 
     logging.basicConfig(format="dfserve gateway: %(levelname)s %(message)s")
-    uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None))
+    uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None, config_path))

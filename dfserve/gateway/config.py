@@ -140,6 +140,9 @@ class GatewayConfig(_Model):
     scrape: ScrapeConfig = ScrapeConfig()
     admin: AdminConfig = AdminConfig()
     seed: int | None = Field(None, description="Seed of the split's random choice; None draws one.")
+    watch_interval_s: float | None = Field(None, gt=0, description="Check the config file this often and apply "
+                                           "its routing when it changes (`gateway.watch`); the admin API is then "
+                                           "read-only. None: the file is read at start and on SIGHUP.")
 
     def admin_token(self, environ: dict[str, str] | None = None) -> str | None:
         """The admin bearer token, read from the environment so it never sits in a config file."""

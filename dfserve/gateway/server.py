@@ -34,8 +34,8 @@ from urllib.parse import unquote
 import httptools
 
 from dfserve import sglang
-from dfserve.relay_core import LAST_CHUNK, frame
 from dfserve.listen import BACKLOG
+from dfserve.relay_core import LAST_CHUNK, frame
 
 log = logging.getLogger("dfserve.gateway")
 

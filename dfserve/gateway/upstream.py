@@ -110,6 +110,8 @@ class Upstream:
         self.limits = limits
         self.health = health
         self.metrics = metrics
+        self.checked = False
+        """True once every replica has had one active health check (`GET /ready`)."""
         self.arms: dict[str, Arm] = {}
         self.set_arms(arms)
 
@@ -246,4 +248,5 @@ class Upstream:
         while True:
             checks = [self.check(arm, r) for arm in self.arms.values() for r in arm.replicas]
             await asyncio.gather(*checks)
+            self.checked = True
             await asyncio.sleep(self.health.interval_s)

@@ -1,4 +1,5 @@
-"""Commands `dfserve loadtest run`, `dfserve compare`, `dfserve promote` and `dfserve baseline show|history`.
+"""Commands `dfserve loadtest run`, `dfserve loadtest merge`, `dfserve compare`, `dfserve promote` and
+`dfserve baseline show|history`.
 
 Each command parses its flags into typed objects and calls one entry point; user mistakes raise `UserError`.
 `compare` exits 0 on PASS, 1 on FAIL and 3 on INCONCLUSIVE (2 is left to usage errors); `loadtest run` exits 4 when
@@ -25,15 +26,17 @@ from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_config
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
+from dfserve.loadtest.merge import merge, read_shard
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary, over_error_rate, render_html, summarize
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
+from dfserve.loadtest.shard import parse_shard, shard_indices
 from dfserve.loadtest.tasks import load_tasks
 from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
-from dfserve.runs import Provenance, create_run_dir, write_atomic, write_model
+from dfserve.runs import Provenance, create_run_dir, new_run_id, write_atomic, write_model
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_TOO_MANY_ERRORS = 4
@@ -77,6 +80,9 @@ def loadtest() -> None:
               help="Exit 4 when any arm's share of failed measured requests is above this (the run is kept).")
 @click.option("--pin-arms", is_flag=True,
               help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Send only shard I (0-based) of N of the schedule, with 1/N of the concurrency; "
+              "`dfserve loadtest merge` makes one run of the N shard directories.")
 @click.option("--quiet", is_flag=True, help="No live table.")
 @click.option("--until-decided", is_flag=True,
               help="Stop sending once the gate is decided on always-valid intervals, looked at after every batch of "
@@ -88,7 +94,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
                 name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
-                pin_arms: bool, quiet: bool, until_decided: bool, gate: Path | None, look_every: int | None) -> None:
+                pin_arms: bool, shard: str | None, quiet: bool, until_decided: bool, gate: Path | None,
+                look_every: int | None) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     if concurrency is None and rate is None:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
@@ -100,13 +107,15 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
                    load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
-                   pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every))
+                   pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
+                   shard=None if shard is None else parse_shard(shard))
     monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
                                  len(plan.task_set.tasks), warmup) if plan.sequential else None)
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
-    progress = Progress([n for n, _ in plan.arms], num_requests + warmup, Console(stderr=True, quiet=quiet), monitor)
+    progress = Progress([n for n, _ in plan.arms], len(shard_indices(num_requests + warmup, plan.shard)),
+                        Console(stderr=True, quiet=quiet), monitor)
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
@@ -115,13 +124,9 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
         exporter.close()
-    summary = summarize(outcome.config, outcome.records, outcome.interrupted)
-    write_model(outcome.run_dir / "summary.json", summary)
-    write_atomic(outcome.run_dir / "report.html", render_html(outcome.config, summary, outcome.records))
-    _print_summary(outcome.config, summary)
+    summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted)
     if monitor:
         _print_sequential(monitor)
-    click.echo(f"run: {outcome.run_dir}")
     if pushgateway:
         exporter.push(pushgateway, outcome.config.run_id)
     if outcome.interrupted:
@@ -157,6 +162,34 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
                f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the verdict.")
     for rule in look.rules:
         click.echo(f"  {rule.status:<14} {rule.metric}: {rule.detail}")
+
+
+
+
+@loadtest.command("merge")
+@click.argument("shards", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where the merged run directory goes (default: beside the first shard).")
+@click.option("--name", default=None, help="Merged run directory name (must not exist).")
+def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None) -> None:
+    """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole."""
+    merged = merge([read_shard(path) for path in shards], name or new_run_id())
+    run_dir = create_run_dir(out or shards[0].parent, merged.config.run_id)
+    write_model(run_dir / "config.json", merged.config)
+    write_atomic(run_dir / "requests.jsonl", "".join(r.model_dump_json() + "\n" for r in merged.records))
+    _finish_run(run_dir, merged.config, merged.records, merged.interrupted)
+    if merged.interrupted:
+        click.echo("interrupted: a shard stopped early", err=True)
+
+
+def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], interrupted: bool) -> Summary:
+    """Write the summary and report of a run whose records are complete, and print the summary."""
+    summary = summarize(config, records, interrupted)
+    write_model(run_dir / "summary.json", summary)
+    write_atomic(run_dir / "report.html", render_html(config, summary, records))
+    _print_summary(config, summary)
+    click.echo(f"run: {run_dir}")
+    return summary
 
 
 async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | None = None) -> RunOutcome:

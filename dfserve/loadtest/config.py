@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dfserve.errors import UserError, describe_invalid
 from dfserve.loadtest.judge import Gate
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.shard import Shard
 from dfserve.runs import Provenance
 from dfserve.sglang import SamplingParams
 
@@ -74,6 +75,10 @@ class RunConfig(_Model):
     pin_arms: bool = Field(default=False, description="requests carried x-dfserve-arm: NAME (arms behind one gateway)")
     sequential: SequentialDesign | None = Field(None, description="set when the run stopped as soon as its gate "
                                                 "was decided; num_requests is then the maximum")
+    shard: Shard | None = Field(default=None, description="the part of the schedule this run sent "
+                                "(`dfserve loadtest run --shard`); None for a whole run")
+    merged_from: tuple[str, ...] = Field(default=(), description="run ids of the shards `dfserve loadtest merge` "
+                                         "built this run from")
     t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
     provenance: Provenance
 

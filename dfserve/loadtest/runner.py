@@ -28,6 +28,7 @@ from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.shard import Shard, shard_concurrency, shard_indices
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
@@ -53,6 +54,7 @@ class RunPlan:
     model: str | None = None
     pin_arms: bool = False
     sequential: SequentialDesign | None = None
+    shard: Shard | None = None
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
@@ -66,6 +68,11 @@ class RunPlan:
             raise UserError("--duration: must be > 0")
         if self.sequential is not None and len(names) != 2:
             raise UserError("--until-decided: give exactly two arms, the baseline then the candidate")
+        if self.sequential is not None and self.shard is not None:
+            raise UserError("--until-decided, --shard: a shard sees part of the pairs and cannot decide the gate; "
+                            "judge the merged run with dfserve compare")
+        if self.load.concurrency is not None:
+            shard_concurrency(self.load.concurrency, self.shard)  # refuses a concurrency the shards cannot share
 
 
 @dataclass
@@ -115,9 +122,10 @@ async def probe_arm(
 
 
 async def _closed_loop(
-    client: ArmClient, order: Sequence[Task], warmup: int, concurrency: int, deadline: float, halt: Halt
+    client: ArmClient, order: Sequence[Task], indices: Sequence[int], warmup: int, concurrency: int, deadline: float,
+    halt: Halt,
 ) -> None:
-    next_index = iter(range(len(order)))
+    next_index = iter(indices)
 
     async def worker() -> None:
         for index in next_index:
@@ -129,8 +137,8 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    clients: Sequence[ArmClient], order: Sequence[Task], warmup: int, offsets: Sequence[float], cap: int | None,
-    t0: float, deadline: float, halt: Halt,
+    clients: Sequence[ArmClient], order: Sequence[Task], indices: Sequence[int], warmup: int, offsets: Sequence[float],
+    cap: int | None, t0: float, deadline: float, halt: Halt,
 ) -> None:
     slots = {client.arm: asyncio.Semaphore(cap) for client in clients} if cap else {}
     in_flight: set[asyncio.Task[None]] = set()
@@ -143,7 +151,8 @@ async def _open_loop(
             await client.send(order[index], index, warmup=index < warmup, scheduled_s=offset)
 
     try:
-        for index, offset in enumerate(offsets):
+        for index in indices:
+            offset = offsets[index]
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -186,6 +195,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         request_timeout_s=plan.request_timeout_s,
         pin_arms=plan.pin_arms,
         sequential=plan.sequential,
+        shard=plan.shard,
         t0_unix_s=time.time() - (time.perf_counter() - t0),
         provenance=Provenance.here(),
     )
@@ -199,13 +209,15 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             for arm in arms
         ]
         offsets = load.offsets(total)
+        indices = shard_indices(total, plan.shard)
+        concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)
         drive: asyncio.Future[Any]
         if offsets is None:
-            assert load.concurrency is not None
-            drive = asyncio.gather(*(_closed_loop(c, order, plan.warmup, load.concurrency, deadline, halted)
+            assert concurrency is not None
+            drive = asyncio.gather(*(_closed_loop(c, order, indices, plan.warmup, concurrency, deadline, halted)
                                      for c in clients))
         else:
-            drive = asyncio.ensure_future(_open_loop(clients, order, plan.warmup, offsets, load.concurrency, t0,
+            drive = asyncio.ensure_future(_open_loop(clients, order, indices, plan.warmup, offsets, concurrency, t0,
                                                      deadline, halted))
         try:
             interrupted = await _until_done_or_stopped(drive, stop)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from dfserve.relay_core import EventRelay
 from dfserve.gateway.server import Reply, Request, Server, ServerLimits
 from dfserve.listen import bind
+from dfserve.relay_core import EventRelay
 
 LOOPBACK = "127.0.0.1"
 JSON = [(b"content-type", b"application/json")]

@@ -102,7 +102,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 
 
 def test_every_overlay_is_found() -> None:
-    assert {Path(o).name for o in OVERLAYS} == {"zlab", "inhouse", "gateway", "loadtest", "monitoring", "fleet"}
+    assert {Path(o).name for o in OVERLAYS} == {"zlab", "inhouse", "gateway", "loadtest", "monitoring", "fleet",
+                                                  "gateway-replicated", "loadtest-sharded"}
 
 
 @pytest.mark.parametrize("where", KUSTOMIZATIONS)

@@ -111,6 +111,25 @@ CASES: list[dict[str, Any]] = [
         {"expr": f"round({rules.ENGINE_ACCEPT_LENGTH_5M}, 0.001)", "eval_time": "20m",
          "exp_samples": [{"labels": '{deployment="zlab"}', "value": 11}]},
     ]},
+    {"interval": "1m", "input_series": [
+        # Three gateway replicas; at 5m the file changes, a and b apply it, c never does (and refuses nothing).
+        _series(m.ROUTING_VERSION, {"instance": "a", "version": "v1"}, "1x5 _x25"),
+        _series(m.ROUTING_VERSION, {"instance": "a", "version": "v2"}, "_x5 1x25"),
+        _series(m.ROUTING_VERSION, {"instance": "b", "version": "v1"}, "1x6 _x24"),
+        _series(m.ROUTING_VERSION, {"instance": "b", "version": "v2"}, "_x6 1x24"),
+        _series(m.ROUTING_VERSION, {"instance": "c", "version": "v1"}, "1x30"),
+        _series(f"{m.ROUTING_RELOADS}_total", {"instance": "a", "outcome": "applied"}, "0x5 1x25"),
+        _series(f"{m.ROUTING_RELOADS}_total", {"instance": "b", "outcome": "refused"}, "0x20 1x10"),
+    ], "alert_rule_test": [
+        _alert("DfserveGatewayRoutingSplit", "4m", None),
+        _alert("DfserveGatewayRoutingSplit", "12m", None),
+        _alert("DfserveGatewayRoutingSplit", "20m", {**JOB, "severity": "warning"}),
+        _alert("DfserveGatewayRoutingRefused", "15m", None),
+        _alert("DfserveGatewayRoutingRefused", "24m", {**JOB, "severity": "warning"}),
+    ], "promql_expr_test": [
+        {"expr": f"count by (version) ({m.ROUTING_VERSION})", "eval_time": "20m",
+         "exp_samples": [{"labels": '{version="v1"}', "value": 1}, {"labels": '{version="v2"}', "value": 2}]},
+    ]},
 ]
 
 

@@ -133,3 +133,36 @@ def test_cli_writes_every_file_and_rejects_bad_arms(tmp_path: Path, capsys: pyte
         main(["dashboards", "--out", str(tmp_path), "--candidate-arm", 'x"y'])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().startswith("dfserve: error: --candidate-arm:")
+
+
+AGGREGATION = re.compile(r"\b(?:sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?\($")
+PER_POD = {"instance", "pod", "namespace"}
+
+
+def _across_pods(expr: str, position: int) -> bool:
+    """Whether the series at `position` is aggregated by an operator that keeps no per-pod label."""
+    depth = 0
+    for i in range(position - 1, -1, -1):
+        if expr[i] == ")":
+            depth += 1
+        elif expr[i] == "(" and depth:
+            depth -= 1
+        elif expr[i] == "(":
+            found = AGGREGATION.search(expr[: i + 1])
+            if found:
+                return not PER_POD & {label.strip() for label in (found.group(1) or "").split(",")}
+    return False
+
+
+def test_gateway_families_are_summed_across_gateway_pods() -> None:
+    """Several gateway replicas (k8s/overlays/gateway-replicated) read as one gateway: every dfserve_ series a panel
+    reads is aggregated without a per-pod label."""
+    checked = 0
+    for query in ab.build().queries():
+        for found in re.finditer(r"\bdfserve_\w+", query.expr):
+            assert _across_pods(query.expr, found.start()), query.expr
+            checked += 1
+    assert checked > 30
+    for expr, summed in (("dfserve_arm_weight", False), ("sum by (arm, pod) (dfserve_arm_weight)", False),
+                         ("max by (arm) (rate(dfserve_arm_weight[5m]))", True), ("count(dfserve_x)", True)):
+        assert _across_pods(expr, expr.index("dfserve_")) is summed, expr
