@@ -17,7 +17,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +66,7 @@ from dfserve.runs import (
     create_run_dir,
     link_input,
     new_run_id,
+    package_versions,
     utc_now_iso,
     write_atomic,
     write_model,
@@ -235,7 +235,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     taps = tuple(sorted({tap for d in drafters for tap in d.info.target_layer_ids}))
     feature_key = feat.FeatureKey(
         target_sha256=target_sha, target=plan.target, references_key=key.digest(),
-        references_sha256=references.digest(), taps=taps, dtype=plan.dtype, versions=_versions("torch", "transformers"),
+        references_sha256=references.digest(), taps=taps, dtype=plan.dtype, versions=package_versions("torch", "transformers"),
     )
     path = plan.features or feat.features_path(plan.cache, feature_key)
     reused = plan.features is not None or path.is_dir()
@@ -320,16 +320,6 @@ def _staged(drafter: EvalDrafter, run_dir: Path) -> EvalDrafter:
     return EvalDrafter(drafter.info.model_copy(update={"staged": str(staged)}), drafter.folder, drafter.checkpoint)
 
 
-def _versions(*names: str) -> dict[str, str]:
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
 def _config(plan: EvalPlan, run_id: str, prepared: _Prepared, drafters: list[EvalDrafter]) -> EvalConfig:
     target = prepared.target
     return EvalConfig(
@@ -344,7 +334,7 @@ def _config(plan: EvalPlan, run_id: str, prepared: _Prepared, drafters: list[Eva
         max_new_tokens=plan.max_new_tokens, block_size=plan.block_size, ddtree_budgets=plan.ddtree_budgets,
         dtype=plan.dtype, anchors_per_forward=plan.anchors_per_forward, drafters=tuple(d.info for d in drafters),
         references=prepared.reference_info, features=prepared.feature_info,
-        versions=_versions("dfserve", "torch", "transformers", "dflash", "safetensors"), provenance=Provenance.here(),
+        versions=package_versions("dfserve", "torch", "transformers", "dflash", "safetensors"), provenance=Provenance.here(),
     )
 
 
