@@ -130,7 +130,7 @@ class OpenAIStream:
         if end.usage is None:
             return Acceptance(), end.error
         tokens = end.usage.completion_tokens
-        length = sglang.ChatAcceptanceEstimate(tokens, count or 0).accept_length
+        length = sglang.estimated_accept_length(tokens, count or 0)
         return Acceptance(tokens, None, length, "estimated" if length is not None else None), end.error
 
 

@@ -151,8 +151,9 @@ def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: S
         acceptance = "exact" if stream.verify_ct is not None else "unknown"
         chunk_tokens: list[int] | None = stream.chunk_tokens
     else:
+        estimate = sglang.estimated_accept_length(stream.completion_tokens, len(stream.chunk_times))
         acceptance = ("exact" if stream.verify_ct is not None
-                      else "estimated" if stream.usage_seen and stream.chunk_times else "unknown")
+                      else "estimated" if stream.usage_seen and estimate is not None else "unknown")
         chunk_tokens = None
     finished = error is None
     return RequestRecord(

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.runs import read_jsonl
-from dfserve.sglang import accept_length
+from dfserve.sglang import accept_length, estimated_accept_length
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
 """`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or a native abort with
@@ -113,7 +113,7 @@ def request_accept_length(r: RequestRecord) -> float | None:
         return None
     if r.acceptance == "exact":
         return None if r.spec_verify_ct is None else accept_length(r.completion_tokens, r.spec_verify_ct)
-    return accept_length(r.completion_tokens, len(r.chunk_times_s))
+    return estimated_accept_length(r.completion_tokens, len(r.chunk_times_s))
 
 
 def verify_rounds(r: RequestRecord) -> int | None:

@@ -73,8 +73,8 @@ def test_sglang_benchmark_runs_against_the_simulator_and_through_the_gateway(
 
 
 def test_sglang_benchmarks_acceptance_is_the_testers_less_the_prefill_token(tokenizer: Path, tmp_path: Path) -> None:
-    """(Also the native backend against the simulator.) SGLang's benchmark prints `/server_info`'s `avg_spec_accept_length`: decode rounds only, as the scheduler
-    logs them every 40 rounds. dfserve's tester divides each request's `completion_tokens`, which include the token
+    """SGLang's benchmark (native backend, against the simulator) prints `/server_info`'s `avg_spec_accept_length`:
+    decode rounds only, as the scheduler logs them every 40 rounds. dfserve's tester divides each request's `completion_tokens`, which include the token
     sampled at prefill, by its verify rounds. With a drafter that accepts exactly 8 tokens per round and requests of
     1 + 4 x 8 tokens, the benchmark must print 8 and the tester 33 / 4: the difference is one prefill token per
     request over its rounds, and nothing else."""

@@ -49,6 +49,7 @@ STREAMS: list[tuple[sglang.Api, list[bytes]]] = [
     ("chat", [chat("", first=True) + chat("def"), chat(" f"), chat("():", finish=True) + chat_end(13, spec=True)]),
     ("chat", [chat("", first=True) + chat("a"), chat("b"), chat(None, finish=True) + chat_end(6, spec=False)]),
     ("chat", [chat("", first=True) + chat("a"), ERROR + chat_end(3, spec=True)]),  # aborted in band
+    ("chat", [chat("", first=True) + chat("x"), chat(None, finish=True) + chat_end(1, spec=False)]),  # no round
 ]
 
 
@@ -90,4 +91,7 @@ def test_the_same_streams_give_the_same_series_from_the_gateway_and_the_load_tes
     assert {dict(labels)["status"] for labels in failed} == {"4xx", "5xx"}
     ttft = {dict(labels)["route"]: value for (name, labels), value in want.items()
             if name == "dfserve_time_to_first_token_seconds_count"}
-    assert ttft == {"native": 2, "chat": 2}  # the failed streams' first tokens count nowhere
+    assert ttft == {"native": 2, "chat": 3}  # the failed streams' first tokens count nowhere
+    accepted = {(dict(labels)["route"], dict(labels)["measure"]): value for (name, labels), value in want.items()
+                if name == "dfserve_accept_length_count"}
+    assert accepted == {("native", "exact"): 2, ("chat", "exact"): 1, ("chat", "estimated"): 1}  # not one token

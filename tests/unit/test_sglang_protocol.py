@@ -135,8 +135,7 @@ def test_streamed_chat_with_crlf_keepalives_and_usage(read_size: int | None) -> 
     assert "".join(c.text for c in typed) == "def add(a, b):"
     assert [c.finish_reason for c in typed if c.finish_reason] == [proto.FinishReason(kind="stop")]
     assert typed[-1].usage == proto.Usage(prompt_tokens=12, completion_tokens=17) and not typed[-1].has_choice
-    estimate = proto.ChatAcceptanceEstimate(completion_tokens=17, content_chunks=sum(1 for c in typed if c.text))
-    assert estimate.estimated and estimate.accept_length == 8.5
+    assert proto.estimated_accept_length(17, sum(1 for c in typed if c.text)) == 8.5
 
 
 def test_completion_errors_and_server_info() -> None:
