@@ -288,11 +288,13 @@ def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_ve
                                                "candidate": {"weight": 0, "replicas": [candidate]}},
                                       "scrape": {"enabled": False}}))
         with gateway_server(config) as gw:
-            loadtest(tmp_path, "--arm", f"baseline={gw}", "--arm", f"candidate={gw}", "--pin-arms", "--api", api,
-                     "--num-requests", "60", "--warmup", "0", "--concurrency", "8", "--max-new-tokens", "64",
-                     "--name", "r", "--quiet")
+            result = loadtest(tmp_path, "--arm", f"baseline={gw}", "--arm", f"candidate={gw}", "--pin-arms",
+                              "--api", api, "--num-requests", "60", "--warmup", "0", "--concurrency", "8",
+                              "--max-new-tokens", "64", "--name", "r", "--quiet", check=False)
             metrics = httpx.get(gw + "/metrics").text
     failed = [r for r in records(tmp_path / "r") if not r.ok]
+    assert result.returncode == 4, result.stderr  # the error rate is over --max-error-rate's default
+    assert f"candidate failed {len(failed)} of 60" in result.stderr and "stream_error=" in result.stderr
     assert failed and {r.arm for r in failed} == {"candidate"}
     assert all((r.error_kind, r.http_status, r.error_code) == ("stream_error", 200, 503) for r in failed)
     route = "native" if api == "native" else "chat"
