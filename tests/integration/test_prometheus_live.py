@@ -148,16 +148,22 @@ def _wait_for(prometheus: str, expr: str, timeout_s: float = 30) -> None:
         time.sleep(0.5)
 
 
-def _streamed_chat_without_spec_details(gateway: str) -> None:
+def _streamed_chat_without_spec_details(gateway: str, prometheus: str) -> None:
     """Streamed chat from a client that asks for usage but not for spec details: the gateway leaves a stream it
     relays unchanged, so these requests are measured by the estimate (`measure="estimated"`); the load tester always
-    asks for spec details, so its requests are exact."""
+    asks for spec details, so its requests are exact. Sent in two rounds with a scrape between them: a series whose
+    first scrape already holds every request has no increase, and the panels read increases."""
     body = {"model": "m", "messages": [{"role": "user", "content": "def f():"}], "max_tokens": 32, "stream": True,
             "stream_options": {"include_usage": True}}
-    for arm in ARMS:
-        for _ in range(3):
-            with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers={ARM: arm}, timeout=30) as r:
-                assert r.status_code in (200, 500) and r.read()
+    estimated = f'{m.ACCEPT_LENGTH}_count{{job="gateway", measure="estimated"}}'
+    for waited in (f"count(count by (arm) ({estimated})) == 2",
+                   f"count(sum by (arm) (increase({estimated}[1m])) > 0) == 2"):
+        for arm in ARMS:
+            for _ in range(3):
+                with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers={ARM: arm},
+                                  timeout=30) as r:
+                    assert r.status_code in (200, 500) and r.read()
+        _wait_for(prometheus, waited)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +193,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                   live=lambda url: _scraped_from(prometheus, live_targets, url))
         live_end = time.time()
         _loadtest(tmp, "chat", shadow, "--pushgateway", pushgateway)
-        _streamed_chat_without_spec_details(split)
+        _streamed_chat_without_spec_details(split, prometheus)
         _wait_for(prometheus, f'sum({m.REQUESTS}_total{{job="{PUSHED_JOB}"}})')
         _wait_for(prometheus, f'min({m.ARM_WINDOWED_ACCEPT_LENGTH}{{job="gateway"}})')
         _wait_for(prometheus, f"min({rules.ACCEPT_LENGTH_5M})")
