@@ -18,16 +18,17 @@ refused however it arrives. Failures raise the exceptions below so the caller ca
 
     pool = Pool("http://127.0.0.1:30000", time.perf_counter)
     response = Response()
-    await pool.post("/generate", body, response, on_sent=print)   # response.pieces: [(arrival time, bytes), ...]
     call = await pool.open(b"POST", "/generate", body, b"Content-Type: application/json\r\n", response)
-    await call.finish()                                           # after the head: status, headers, body so far
+    await call.finish()     # after the head: status, headers; then response.pieces: [(arrival time, bytes), ...]
+
+`dfserve.transport` puts this client under httpx's API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 from urllib.parse import urlsplit
@@ -74,6 +75,8 @@ class Response:
     """Header names lower-cased, values as sent but for the whitespace around them."""
     pieces: list[tuple[float, bytes]] = field(default_factory=list)
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
+    sent: float | None = None
+    """The clock reading just before the request was written."""
 
     def received(self, now: float, data: bytes) -> None:
         """One de-chunked piece of body, as it arrives."""
@@ -174,7 +177,7 @@ class _Connection(asyncio.Protocol):
         self._no_body = no_body
         self.done = self.loop.create_future()
         self.head = self.loop.create_future()
-        sent = self._last = self.clock()
+        sent = response.sent = self._last = self.clock()
         if self.read_timeout_s is not None and self._timer is None:
             self._timer = self.loop.call_later(self.read_timeout_s, self._check_idle)
         self.transport.write(request)
@@ -425,17 +428,17 @@ def is_base_url(url: str) -> bool:
 class Pool:
     """Keep-alive connections to one server; a connection carries one request at a time."""
 
-    def __init__(self, base_url: str, clock: Callable[[], float], headers: Mapping[str, str] | None = None,
-                 connect_timeout_s: float | None = None, read_timeout_s: float | None = None) -> None:
+    def __init__(self, base_url: str, clock: Callable[[], float], *,
+                 connect_timeout_s: float | None = None, read_timeout_s: float | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         if not is_base_url(base_url):
             raise UserError(f"base_url {base_url!r}: not an http(s) URL with a host")
         parts = urlsplit(base_url)
         self.host = cast(str, parts.hostname)  # is_base_url: never None
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.ssl = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
         self.host_header = parts.netloc.encode()
-        self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
         self.clock = clock
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -458,26 +461,21 @@ class Pool:
         return protocol
 
     def request_bytes(self, path: str, body: bytes, method: bytes = b"POST", headers: bytes = _POST_HEADERS) -> bytes:
-        """One request; `headers` are header lines each ending in CRLF, to which Host, the pool's own headers and
-        Content-Length are added."""
+        """One request; `headers` are header lines each ending in CRLF, to which Host and Content-Length are
+        added."""
         return (method + b" " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self.host_header + b"\r\n"
-                + self.extra_headers + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-    async def post(self, path: str, body: bytes, response: Response, on_sent: Callable[[float], None]) -> None:
-        """Send one POST and fill `response` until it is complete; `on_sent` gets the clock reading of the write.
-
-        Whatever arrived stays in `response` when this raises (disconnect, cancellation, timeout).
-        """
-        connection = await self._connection()
-        sent, done = connection.start(self.request_bytes(path, body), response)
-        on_sent(sent)
-        await self._settle(connection, done)
+                + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
         """Send one request and return once its final response head has arrived (`response.status`, `.headers`);
         a response without a body (204, 304, to HEAD) is complete by then."""
+        return await self.send(self.request_bytes(path, body, method, headers), response, method == b"HEAD")
+
+    async def send(self, request: bytes, response: Response, no_body: bool = False) -> Call:
+        """`open` for a request already in bytes; `no_body`: the response has none (the request's method is HEAD).
+        Whatever arrived stays in `response` when this raises (disconnect, cancellation, timeout)."""
         connection = await self._connection()
-        _, done = connection.start(self.request_bytes(path, body, method, headers), response, method == b"HEAD")
+        _, done = connection.start(request, response, no_body)
         assert connection.head is not None
         try:
             await connection.head
@@ -487,15 +485,6 @@ class Pool:
         if done.done():
             done.result()  # the response ended before its head: raise why
         return Call(self, connection, done)
-
-    async def _settle(self, connection: _Connection, done: asyncio.Future[Response]) -> None:
-        """Wait for a response's end, then keep its connection for reuse or close it."""
-        try:
-            await done
-        except BaseException:
-            connection.abort()
-            raise
-        self.recycle(connection)
 
     def recycle(self, connection: _Connection) -> None:
         if connection.reusable:

@@ -161,6 +161,28 @@ def package_versions(*names: str) -> dict[str, str]:
     return versions
 
 
+SECRET_FLAGS = ("--api-key",)
+"""Flags whose values never reach a file; `--header` keeps its name only."""
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """A command line fit to be written down: secret flags' values and header values replaced by `***`."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        previous = out[-1] if out else ""
+        if eq and flag in SECRET_FLAGS:
+            arg = f"{flag}=***"
+        elif eq and flag == "--header":
+            arg = f"--header={value.partition(':')[0]}: ***"
+        elif previous in SECRET_FLAGS:
+            arg = "***"
+        elif previous == "--header":
+            arg = f"{arg.partition(':')[0]}: ***"
+        out.append(arg)
+    return out
+
+
 class Provenance(BaseModel):
     """Where and with what a file was produced."""
 
@@ -178,6 +200,6 @@ class Provenance(BaseModel):
             host=socket.gethostname(),
             python=sys.version.split()[0],
             platform=platform.platform(),
-            argv=list(sys.argv),
-            versions=package_versions("dfserve", "aiohttp", "numpy"),
+            argv=redacted(sys.argv),
+            versions=package_versions("dfserve", "httpx", "numpy"),
         )

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Awaitable
 
-import aiohttp
+import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dfserve import sglang
@@ -106,18 +106,13 @@ class Gateway:
 
     async def start(self) -> None:
         limits = self.config.limits
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s,
-                                          sock_read=limits.read_timeout_s),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-        self._upstream = Upstream(session, self.routing.arms, limits, self.config.health, self.metrics)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(limits.read_timeout_s, connect=limits.connect_timeout_s),
+                                 trust_env=False)
+        self._upstream = Upstream(http, self.routing.arms, limits, self.config.health, self.metrics)
         self.spawn(self._upstream.health_loop())
         scrape = self.config.scrape
         if scrape.enabled:
-            scraper = Scraper(session, lambda: {n: a.replicas for n, a in self.routing.arms.items()}, self.metrics,
+            scraper = Scraper(http, lambda: {n: a.replicas for n, a in self.routing.arms.items()}, self.metrics,
                               scrape.interval_s, scrape.window_s, scrape.timeout_s)
             self.spawn(scraper.run())
 
@@ -133,7 +128,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._upstream is not None:
             self._upstream.close()
-            await self._upstream.session.close()
+            await self._upstream.http.aclose()
 
 
 class GatewayApp:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import aiohttp
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from dfserve.metrics import SGLANG_GENERATION_TOKENS, SGLANG_SPEC_VERIFY_CALLS, DfserveMetrics
@@ -66,26 +66,26 @@ class Scraper:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        http: httpx.AsyncClient,
         replicas: Callable[[], Mapping[str, Sequence[str]]],
         metrics: DfserveMetrics,
         interval_s: float,
         window_s: float,
         timeout_s: float,
     ) -> None:
-        self.session = session
+        self.http = http
         self.replicas = replicas
         self.metrics = metrics
         self.interval_s = interval_s
         self.window_s = window_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
         self.samples: dict[str, deque[CounterSample]] = {}
 
     async def _scrape(self, url: str) -> None:
         try:
-            async with self.session.get(url + "/metrics", timeout=self.timeout) as response:
-                text = await response.text() if response.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            response = await self.http.get(url + "/metrics", timeout=self.timeout_s)
+            text = response.content.decode() if response.status_code == 200 else ""
+        except (httpx.HTTPError, UnicodeDecodeError):
             return
         try:
             sample = read_counters(text, time.monotonic())

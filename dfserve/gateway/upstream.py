@@ -2,7 +2,7 @@
 
 Requests go out through `dfserve.http1`, one keep-alive pool per replica (TCP_NODELAY, no task or timer per
 chunk: the relay's cost per streamed chunk is most of the gateway's, see bench/RESULTS.md); health checks, off the
-hot path, use an aiohttp session. A replica is ejected after `eject_after_failures`
+hot path, use an `httpx.AsyncClient`. A replica is ejected after `eject_after_failures`
 consecutive failures, passive (connect errors, disconnects and 5xx seen by requests) or active (`GET /health`), and
 re-admitted by the next health check that passes. A request whose replica fails before any response byte is retried
 on another replica of the same arm, never of another arm.
@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import aiohttp
+import httpx
 
 from dfserve.gateway.config import ArmConfig, HealthConfig, Limits
 from dfserve.gateway.routing import pick_replica
@@ -96,17 +96,17 @@ class Opened:
 
 
 class Upstream:
-    """The arms' replicas, each with its own connection pool; `session` serves health checks."""
+    """The arms' replicas, each with its own connection pool; `http` serves health checks."""
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        http: httpx.AsyncClient,
         arms: Mapping[str, ArmConfig],
         limits: Limits,
         health: HealthConfig,
         metrics: DfserveMetrics,
     ) -> None:
-        self.session = session
+        self.http = http
         self.limits = limits
         self.health = health
         self.metrics = metrics
@@ -231,12 +231,10 @@ class Upstream:
 
     async def check(self, arm: Arm, replica: Replica) -> None:
         """One active health check."""
-        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
         try:
-            async with self.session.get(replica.url + self.health.path, timeout=timeout) as response:
-                await response.read()
-                healthy = response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            response = await self.http.get(replica.url + self.health.path, timeout=self.health.timeout_s)
+            healthy = response.status_code == 200
+        except httpx.HTTPError:
             healthy = False
         if healthy:
             self._succeeded(arm, replica)

@@ -49,6 +49,29 @@ def _arm(value: str) -> tuple[str, str]:
     return name, url
 
 
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def request_headers(headers: tuple[str, ...], api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """`--header NAME: VALUE` (repeatable) and `--api-key` (SGLang's `--api-key`: `Authorization: Bearer KEY`)."""
+    parsed: list[tuple[str, str]] = []
+    for header in headers:
+        name, sep, value = header.partition(":")
+        value = value.strip()
+        if not sep or not name or not set(name) <= _TOKEN:
+            raise UserError(f"--header: {header!r} is not NAME: VALUE")
+        if any(c in value for c in "\r\n\0"):
+            raise UserError(f"--header {name}: CR, LF or NUL in the value")
+        parsed.append((name, value))
+    if api_key is not None:
+        if any(name.lower() == "authorization" for name, _ in parsed):
+            raise UserError("--api-key, --header Authorization: give one")
+        if not api_key or any(c in api_key for c in "\r\n\0 "):
+            raise UserError("--api-key: empty, or a space, CR, LF or NUL in it")
+        parsed.append(("Authorization", f"Bearer {api_key}"))
+    return tuple(parsed)
+
+
 @click.group()
 def loadtest() -> None:
     """Replay coding tasks against every arm at once and record each request."""
@@ -58,7 +81,8 @@ def loadtest() -> None:
 @click.option("--arm", "arms", multiple=True, required=True, metavar="NAME=URL",
               help="An SGLang server, router or dfserve gateway; repeat for an A/B test (first = baseline).")
 @click.option("--api", type=click.Choice(["native", "chat"]), default="native", show_default=True,
-              help="native /generate gives exact acceptance; chat streams OpenAI chat (acceptance estimated).")
+              help="native /generate or streamed OpenAI chat; both give exact acceptance from SGLang 0.5.23 on "
+                   "(chat through return_spec_tokens_details; estimated from older servers).")
 @click.option("--tasks", default="humaneval", show_default=True, help="'humaneval' or a JSONL file of {id, prompt|messages}.")
 @click.option("--num-requests", type=int, default=400, show_default=True, help="Measured requests per arm.")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Requests before them, left out of every figure.")
@@ -83,6 +107,10 @@ def loadtest() -> None:
 @click.option("--shard", default=None, metavar="I/N",
               help="Send only shard I (0-based) of N of the schedule, with 1/N of the concurrency; "
               "`dfserve loadtest merge` makes one run of the N shard directories.")
+@click.option("--header", "headers", multiple=True, metavar="'NAME: VALUE'",
+              help="Send this header with every request to every arm; repeatable (names are recorded, values not).")
+@click.option("--api-key", envvar="DFSERVE_API_KEY", default=None, show_envvar=True,
+              help="The arms' API key (SGLang's --api-key): sent as Authorization: Bearer KEY.")
 @click.option("--quiet", is_flag=True, help="No live table.")
 @click.option("--until-decided", is_flag=True,
               help="Stop sending once the gate is decided on always-valid intervals, looked at after every batch of "
@@ -94,8 +122,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
                 name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
-                pin_arms: bool, shard: str | None, quiet: bool, until_decided: bool, gate: Path | None,
-                look_every: int | None) -> None:
+                pin_arms: bool, shard: str | None, headers: tuple[str, ...], api_key: str | None, quiet: bool,
+                until_decided: bool, gate: Path | None, look_every: int | None) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     if concurrency is None and rate is None:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
@@ -108,7 +136,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
                    load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
                    pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
-                   shard=None if shard is None else parse_shard(shard))
+                   shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
     monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
                                  len(plan.task_set.tasks), warmup) if plan.sequential else None)
     exporter = Exporter(route=api)

@@ -1,9 +1,11 @@
 """The streaming client of one arm: sends one request, keeps the raw arrival time of every read, and returns a
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
-Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
-nothing else on that path; when the response has ended, or failed, or was cancelled, the client hands what it
-kept (`Finished`: stamps, status, the stamped pieces) to its sink and does nothing more on the loop. SSE framing
+Requests go through an `httpx.AsyncClient` (the user's headers and API key ride on it) whose transport,
+`dfserve.transport.StampingTransport`, stamps `perf_counter()` the moment bytes arrive and does nothing else on that
+path; the client waits once for a response's end, not once per read. When the response has ended, or failed, or
+was cancelled, the client hands what it kept (`Finished`: stamps, status, the stamped pieces) to its sink and does
+nothing more on the loop. SSE framing
 and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time of the read that
 completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
 a status) is a failure of kind `stream_error`, whatever its HTTP status said.
@@ -15,16 +17,18 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
-from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from dfserve.loadtest.records import Acceptance, ErrorKind, RequestRecord
 from dfserve.loadtest.tasks import Task
+from dfserve.transport import STAMPS, StampingTransport, Stamps, wait_complete
 
 Failure = tuple[ErrorKind, str]
 
@@ -222,7 +226,8 @@ def derive(api: sglang.Api, t0: float, done: Finished) -> RequestRecord:
 
 
 class ArmClient:
-    """Sends requests of one arm; `sink` receives what every request left, also requests cancelled mid-flight."""
+    """Sends requests of one arm; `sink` receives what every request left, also requests cancelled mid-flight.
+    `headers` go on every request (an API key's `Authorization` among them)."""
 
     def __init__(
         self,
@@ -236,11 +241,15 @@ class ArmClient:
         t0: float,
         request_timeout_s: float,
         pin_arm: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         if api not in ("native", "chat"):
             raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
-        self.pool = Pool(base_url, time.perf_counter, {PIN_HEADER: arm} if pin_arm else None)
+        self.http = httpx.AsyncClient(
+            transport=StampingTransport(), base_url=base_url, timeout=None, trust_env=False,
+            headers={**(headers or {}), "Accept": "text/event-stream", "Accept-Encoding": "identity",
+                     **({PIN_HEADER: arm} if pin_arm else {})})
         self.route = sglang.ROUTES[api]
         self.api = api
         self.sampling = sampling
@@ -249,8 +258,8 @@ class ArmClient:
         self.timeout_s = request_timeout_s
         self._sink = sink
 
-    def close(self) -> None:
-        self.pool.close()
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
     def _body(self, task: Task) -> dict[str, Any]:
         if self.api == "native":
@@ -260,28 +269,32 @@ class ArmClient:
 
     async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> None:
         dispatched = time.perf_counter() - self.t0
-        body = json.dumps(self._body(task)).encode()
-        response = Response()
-        sent: list[float] = []
+        stamps = Stamps()
+        request = self.http.build_request("POST", self.route, content=json.dumps(self._body(task)).encode(),
+                                          headers={"Content-Type": "application/json"}, extensions={STAMPS: stamps})
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:
-            stamps = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
-                          sent[0] - self.t0 if sent else None, time.perf_counter() - self.t0)
-            self._sink(Finished(stamps, response.status, list(response.pieces), error))
+            sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
+                        stamps.sent - self.t0 if stamps.sent is not None else None, time.perf_counter() - self.t0)
+            self._sink(Finished(sent, stamps.status, list(stamps.pieces), error))
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self.pool.post(self.route, body, response, sent.append)
+                response = await self.http.send(request, stream=True)
+                try:
+                    await wait_complete(response)
+                finally:
+                    await response.aclose()
         except asyncio.CancelledError:
             finish(("cancelled", "stopped"))
             raise
-        except ConnectFailed as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             error = ("connect", str(exc))
-        except TimeoutError:
+        except (TimeoutError, httpx.TimeoutException):
             error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
-        except (Disconnected, OSError) as exc:
+        except (httpx.ReadError, httpx.WriteError, OSError) as exc:
             error = ("disconnect", str(exc) or type(exc).__name__)
-        except BadResponse as exc:
+        except httpx.RemoteProtocolError as exc:
             error = ("protocol", str(exc))
         finish(error)

@@ -79,6 +79,8 @@ class RunConfig(_Model):
                                 "(`dfserve loadtest run --shard`); None for a whole run")
     merged_from: tuple[str, ...] = Field(default=(), description="run ids of the shards `dfserve loadtest merge` "
                                          "built this run from")
+    header_names: tuple[str, ...] = Field(default=(), description="headers sent with every request "
+                                          "(`--header`, `--api-key`); their values are not kept")
     t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
     provenance: Provenance
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx
 
 from dfserve import sglang
 from dfserve.errors import UserError
@@ -55,6 +55,8 @@ class RunPlan:
     pin_arms: bool = False
     sequential: SequentialDesign | None = None
     shard: Shard | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    """Sent with every request to every arm (`--header`, `--api-key`)."""
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
@@ -83,19 +85,19 @@ class RunOutcome:
     interrupted: bool = False
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Any | None:
+async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Any | None:
     """The JSON document at `url`, or None where the arm has none (a router or gateway may not serve it)."""
-    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as response:
-        if response.status != 200:
-            return None
-        try:
-            return await response.json(content_type=None)
-        except ValueError:
-            return None
+    response = await http.get(url, headers=headers)
+    if response.status_code != 200:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
 
 async def probe_arm(
-    session: aiohttp.ClientSession, name: str, url: str, api: sglang.Api, model: str | None, pin: bool
+    http: httpx.AsyncClient, name: str, url: str, api: sglang.Api, model: str | None, pin: bool
 ) -> ArmInfo:
     """Fetch `/server_info` and `/model_info` (recorded verbatim) and, for chat, the served model's name.
 
@@ -104,11 +106,11 @@ async def probe_arm(
     base = url.rstrip("/")
     headers = {PIN_HEADER: name} if pin else {}
     try:
-        server_info = await _get_json(session, base + "/server_info", headers)
-        model_info = await _get_json(session, base + "/model_info", headers)
+        server_info = await _get_json(http, base + "/server_info", headers)
+        model_info = await _get_json(http, base + "/model_info", headers)
         if model is None and api == "chat":
-            model = sglang.first_model_id(await _get_json(session, base + "/v1/models", headers))
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            model = sglang.first_model_id(await _get_json(http, base + "/v1/models", headers))
+    except httpx.HTTPError as exc:
         raise UserError(f"--arm {name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
     server = sglang.parse_server_info(server_info) if isinstance(server_info, dict) else None
     return ArmInfo(
@@ -176,8 +178,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     halted = halt or (lambda: False)
     load = plan.load
     total = plan.warmup + plan.num_requests
-    async with aiohttp.ClientSession() as session:
-        arms = [await probe_arm(session, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
+    async with httpx.AsyncClient(headers=dict(plan.headers), timeout=10, trust_env=False) as http:
+        arms = [await probe_arm(http, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
     run_dir = create_run_dir(plan.out, plan.name)
     writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
     t0 = time.perf_counter()
@@ -196,6 +198,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         pin_arms=plan.pin_arms,
         sequential=plan.sequential,
         shard=plan.shard,
+        header_names=tuple(name for name, _ in plan.headers),
         t0_unix_s=time.time() - (time.perf_counter() - t0),
         provenance=Provenance.here(),
     )
@@ -205,7 +208,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     try:
         clients = [
             ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
-                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms)
+                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms, headers=dict(plan.headers))
             for arm in arms
         ]
         offsets = load.offsets(total)
@@ -223,7 +226,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             interrupted = await _until_done_or_stopped(drive, stop)
         finally:
             for client in clients:
-                client.close()
+                await client.aclose()
     finally:
         records = await writer.close()
     return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted)

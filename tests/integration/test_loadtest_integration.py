@@ -259,6 +259,27 @@ def test_duration_bounds_the_run_and_arms_get_the_same_schedule(tmp_path: Path) 
     assert all(abs((x.sent_s or 0) - (y.sent_s or 0)) < 0.05 for x, y in zip(by_arm["a"], by_arm["b"], strict=True))
 
 
+def test_an_api_key_and_headers_reach_an_engine_that_checks_the_key(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.02, 0, "--api-key", "s3cret") as engine:
+        assert httpx.get(f"{engine}/health").status_code == 200  # open, as SGLang keeps probes and scrapes
+        refused = httpx.get(f"{engine}/server_info")
+        assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+        loadtest(tmp_path, "--arm", f"a={engine}", "--api", "chat", "--api-key", "s3cret", "--header",
+                 "X-Team: drafters", "--num-requests", "12", "--warmup", "0", "--concurrency", "4",
+                 "--max-new-tokens", "32", "--name", "key", "--quiet")
+        without = loadtest(tmp_path, "--arm", f"a={engine}", "--num-requests", "6", "--warmup", "0",
+                           "--concurrency", "2", "--max-new-tokens", "32", "--name", "nokey", "--quiet", check=False)
+        bad = loadtest(tmp_path, "--arm", f"a={engine}", "--header", "X-Bad", "--concurrency", "1", "--quiet",
+                       check=False)
+    keyed = records(tmp_path / "key")
+    assert len(keyed) == 12 and all(r.ok and r.acceptance == "exact" for r in keyed)
+    config = json.loads((tmp_path / "key" / "config.json").read_text())
+    assert config["header_names"] == ["X-Team", "Authorization"] and "s3cret" not in json.dumps(config)
+    assert config["arms"][0]["server_info"] is not None  # the probe carried the key too
+    assert without.returncode == 4 and {r.http_status for r in records(tmp_path / "nokey")} == {401}
+    assert bad.returncode == 2 and "--header: 'X-Bad' is not NAME: VALUE" in bad.stderr
+
+
 def test_failures_are_classified(tmp_path: Path) -> None:
     with sim_server("zlab", 0.05, 0, "--error-rate", "0.3", "--disconnect-fraction", "0.3") as faulty, \
             sim_server("zlab", 1.0, 0, "--stall-fraction", "1.0", "--stall-s", "30") as stalled:

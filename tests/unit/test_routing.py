@@ -7,7 +7,7 @@ import math
 import random
 from typing import cast
 
-import aiohttp
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -114,7 +114,7 @@ def test_the_arms_down_follow_every_change_of_replica_health() -> None:
     """Ejection, re-admission and a new set of arms each show in `Upstream.down()`."""
     arms = {"a": ArmConfig(replicas=("http://127.0.0.1:1", "http://127.0.0.1:2"), weight=1),
             "b": ArmConfig(replicas=("http://127.0.0.1:3",), weight=1)}
-    upstream = Upstream(cast(aiohttp.ClientSession, None), arms, Limits(), HealthConfig(eject_after_failures=1),
+    upstream = Upstream(cast(httpx.AsyncClient, None), arms, Limits(), HealthConfig(eject_after_failures=1),
                         DfserveMetrics.build(CollectorRegistry()))
     a, b = upstream.arms["a"], upstream.arms["b"]
     assert upstream.down() == frozenset()

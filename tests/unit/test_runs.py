@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from dfserve.errors import UserError
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_atomic, write_model
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, redacted, write_atomic, write_model
 
 
 class Row(BaseModel):
@@ -53,3 +53,12 @@ def test_provenance_records_versions(tmp_path: Path) -> None:
     assert prov.versions["dfserve"] != "not installed"
     write_model(tmp_path / "p.json", prov)
     assert Provenance.model_validate_json((tmp_path / "p.json").read_text()) == prov
+
+
+def test_secrets_on_the_command_line_never_reach_a_file() -> None:
+    argv = ["dfserve", "loadtest", "run", "--api-key", "k1", "--api-key=k2", "--header", "Authorization: Bearer k3",
+            "--header=X-Token: k4", "--name", "--api-key"]
+    written = " ".join(redacted(argv))
+    assert not any(secret in written for secret in ("k1", "k2", "k3", "k4"))
+    assert redacted(argv) == ["dfserve", "loadtest", "run", "--api-key", "***", "--api-key=***", "--header",
+                              "Authorization: ***", "--header=X-Token: ***", "--name", "--api-key"]

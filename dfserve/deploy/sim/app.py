@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -391,7 +392,7 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/metrics", metrics),
     ]
-    return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start)
+    return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start, config.api_key)
 
 
 GENERATION_ROUTES: dict[str, tuple[sglang.Api, Callable[[bytes], proto.EngineRequest]]] = {
@@ -405,14 +406,19 @@ class GenerationRoutes:
     """The three generation routes as plain ASGI in front of Starlette, which serves everything else.
 
     A streamed chunk then passes through no middleware: each layer costs a coroutine per chunk, and at 48 streams
-    per verify round those microseconds are the lateness budget.
+    per verify round those microseconds are the lateness budget. The API key is checked here, for every route.
     """
 
-    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Response]) -> None:
+    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Response], api_key: str | None) -> None:
         self.app = app
         self.start = start
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is not None and scope["type"] == "http" and not proto.authorized(
+                scope["method"], scope["path"], Headers(scope=scope).get("authorization"), self.api_key):
+            await _answer(proto.UNAUTHORIZED)(scope, receive, send)
+            return
         route = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
         if route is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

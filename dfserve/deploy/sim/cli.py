@@ -37,6 +37,8 @@ def _config(**values: object) -> SimConfig:
 @click.option("--record-chunk-times", is_flag=True,
               help="Put each chunk's send and modelled due time into a stream's final native meta_info "
                    "(OpenAI streams: an SSE comment before [DONE]).")
+@click.option("--api-key", default=None,
+              help="Like SGLang's --api-key: every route but health, readiness and metrics needs Authorization: Bearer KEY.")
 @click.option("--lossy-fraction", type=float, default=0.0, help="Fraction of prompts whose output text differs.")
 @click.option("--error-rate", type=float, default=0.0, help="Fraction of requests answered with HTTP 500.")
 @click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")

@@ -45,6 +45,7 @@ class SimConfig(BaseModel):
     incremental_streaming_output: bool = False
     record_chunk_times: bool = False
     lossy_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    api_key: str | None = Field(None, description="Like SGLang's --api-key: requests need Authorization: Bearer KEY.")
     faults: FaultConfig = FaultConfig()
     latency: LatencyConfig = LatencyConfig()
 

@@ -7,6 +7,7 @@ follow SGLang 0.5.23: ``python/sglang/srt/managers/io_struct.py`` (GenerateReqIn
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -594,6 +595,19 @@ class Answer:
     status: int
     body: bytes
     stream: bool = False
+
+
+def authorized(method: str, path: str, authorization: str | None, api_key: str | None) -> bool:
+    """SGLang's check of `--api-key` (`decide_request_auth` in `srt/utils/auth.py`): health, readiness and metrics
+    paths and OPTIONS are open; anything else needs `Authorization: Bearer KEY` (scheme case-insensitive)."""
+    if api_key is None or method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    scheme, sep, token = (authorization or "").partition(" ")
+    return bool(sep) and scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+UNAUTHORIZED = Answer(401, json_bytes({"error": "Unauthorized"}))
+"""SGLang's refusal of a request without the API key (an `ORJSONResponse`, not an OpenAI error)."""
 
 
 def error_answer(api: Api, error: RequestError, stream: bool) -> Answer:
