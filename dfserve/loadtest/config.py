@@ -26,6 +26,9 @@ class Sampling(_Model):
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
 
+    def describe(self) -> str:
+        return f"at most {self.max_new_tokens} new tokens, temperature {self.temperature:g}, top-p {self.top_p:g}"
+
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 

@@ -223,7 +223,7 @@ def svg_histogram(title: str, series: dict[str, list[int]]) -> str:
     width = max(len(c) for c in present.values())
     shares = {name: [c / sum(counts) for c in counts] + [0.0] * (width - len(counts)) for name, counts in present.items()}
     top = max(max(s) for s in shares.values()) or 1.0
-    parts = [_frame(title, "tokens per round", float(width - 1), integer=True)]
+    parts = [_frame(title, "tokens per round", float(width - 1), integer=True, y_top=f"{top:.2f}")]
     slot = (_W - 2 * _PAD) / width
     bar = slot / (len(shares) + 1)
     for a, ((name, share), colour) in enumerate(zip(shares.items(), _COLOURS, strict=False)):
@@ -236,8 +236,10 @@ def svg_histogram(title: str, series: dict[str, list[int]]) -> str:
     return "".join(parts) + "</svg>"
 
 
-def _frame(title: str, xlabel: str, top: float, integer: bool = False) -> str:
-    ticks = []
+def _frame(title: str, xlabel: str, top: float, integer: bool = False, y_top: str = "1") -> str:
+    """Axes, title and x ticks; the y axis runs from 0 to `y_top` (a share)."""
+    ticks = [f'<text x="{_PAD - 4}" y="{_H - _PAD + 4}" font-size="10" text-anchor="end">0</text>',
+             f'<text x="{_PAD - 4}" y="{_PAD + 4}" font-size="10" text-anchor="end">{y_top}</text>']
     for i in range(5):
         value = top * i / 4
         x = _PAD + i / 4 * (_W - 2 * _PAD)
@@ -254,10 +256,13 @@ def _frame(title: str, xlabel: str, top: float, integer: bool = False) -> str:
 
 
 def _legend(names: list[str]) -> str:
-    return "".join(
-        f'<text x="{_W - _PAD}" y="{30 + 14 * i}" font-size="11" text-anchor="end" fill="{colour}">{html.escape(n)}</text>'
-        for i, (n, colour) in enumerate(zip(names, _COLOURS, strict=False))
-    )
+    """One row of coloured names between the title and the plot, where no line or bar can run under it."""
+    parts, x = [], float(_PAD)
+    for name, colour in zip(names, _COLOURS, strict=False):
+        parts.append(f'<rect x="{x:.1f}" y="26" width="10" height="3" fill="{colour}"/>'
+                     f'<text x="{x + 14:.1f}" y="31" font-size="11" fill="{colour}">{html.escape(name)}</text>')
+        x += 14 + 6.5 * len(name) + 16
+    return "".join(parts)
 
 
 def _row(label: str, values: list[str]) -> str:
@@ -303,7 +308,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
            if simulated else "")
         + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
         + f"<p>tasks {html.escape(config.tasks.name)} ({config.tasks.sha256[:12]}), {config.num_requests} requests "
-        f"+ {config.warmup} warm-up, load {html.escape(config.load.model_dump_json())}, sampling "
-        f"{html.escape(config.sampling.model_dump_json())}. Intervals are 95%.</p>"
+        f"+ {config.warmup} warm-up; {html.escape(config.load.describe())}; "
+        f"{html.escape(config.sampling.describe())}. Intervals are 95%.</p>"
         + "".join(table) + "<div>" + "".join(plots) + "</div></body></html>"
     )

@@ -42,6 +42,14 @@ class LoadShape(BaseModel):
                 raise ValueError("--concurrency cap must be >= 1")
         return self
 
+    def describe(self) -> str:
+        """The load in words, as a report's reader wants it."""
+        if self.kind == "closed":
+            return f"closed loop, {self.concurrency} in flight per arm"
+        arrivals = "Poisson" if self.kind == "poisson" else "evenly spaced"
+        cap = f", at most {self.concurrency} in flight" if self.concurrency is not None else ""
+        return f"{arrivals} arrivals at {self.rate:g} req/s per arm{cap}, seed {self.seed}"
+
     def offsets(self, count: int) -> list[float] | None:
         """Seconds from the start of the run at which request i is due; None for closed loop."""
         if self.kind == "closed":

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
+from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import (
@@ -17,6 +19,7 @@ from dfserve.loadtest.report import (
     summarize_arm,
     svg_cdf,
 )
+from dfserve.loadtest.schedule import LoadShape
 from tests.synthetic import run_config, synthetic
 
 
@@ -70,6 +73,22 @@ def test_report_html_is_self_contained_with_cdfs_and_histogram() -> None:
     assert "Interrupted" in page and "zlab" in page and "inhouse" in page
     assert "src=" not in page and "<script" not in page
     assert "no samples" in svg_cdf("TTFT", {"a": []})
+    assert "{" not in page.split("<table>")[0].split("<body>")[1]  # the load and sampling in words, not JSON
+
+
+def test_load_and_sampling_read_as_words() -> None:
+    assert LoadShape(kind="closed", concurrency=16).describe() == "closed loop, 16 in flight per arm"
+    assert (LoadShape(kind="poisson", rate=4, concurrency=8, seed=3).describe()
+            == "Poisson arrivals at 4 req/s per arm, at most 8 in flight, seed 3")
+    assert (Sampling(max_new_tokens=512, temperature=0, top_p=1).describe()
+            == "at most 512 new tokens, temperature 0, top-p 1")
+
+
+def test_legends_sit_above_the_plot_area() -> None:
+    """A CDF reaches the top right corner; a legend there hid it."""
+    plot = svg_cdf("TTFT", {"baseline": [0.01, 0.02], "candidate": [0.015, 0.03]})
+    legend_ys = [float(y) for y in re.findall(r'<text x="[\d.]+" y="([\d.]+)" font-size="11" fill=', plot)]
+    assert len(legend_ys) == 2 and all(y < 44 for y in legend_ys)  # 44: the top of the plot area
 
 
 def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:

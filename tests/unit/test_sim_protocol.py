@@ -157,3 +157,14 @@ def test_native_stream_encoder_matches_the_builder_byte_for_byte(incremental: bo
         meta = engine.meta_info_body(rid="r", finish=None, prompt_tokens=1, completion_tokens=len(ids))
         shown = (delta, new_ids) if incremental else (text, ids)
         assert encoder.event(delta, new_ids, meta) == engine.sse_event(engine.generate_response_body(*shown, meta))
+
+
+def test_the_api_key_is_checked_as_sglang_checks_it() -> None:
+    assert engine.authorized("POST", "/generate", None, None)
+    assert engine.authorized("POST", "/generate", "Bearer k", "k") and engine.authorized("GET", "/x", "bearer k", "k")
+    for header in (None, "", "Bearer", "Bearer  k", "Bearer K", "Basic k", "Bearerk", "k"):
+        assert not engine.authorized("POST", "/v1/chat/completions", header, "k"), header
+    for open_path in ("/health", "/health_generate", "/ready", "/metrics"):
+        assert engine.authorized("GET", open_path, None, "k")
+    assert engine.authorized("OPTIONS", "/generate", None, "k")
+    assert engine.UNAUTHORIZED.status == 401 and json.loads(engine.UNAUTHORIZED.body) == {"error": "Unauthorized"}

@@ -143,9 +143,9 @@ def test_failures_are_httpx_exceptions_and_the_stamps_keep_what_happened() -> No
         await read_request(reader)
         await asyncio.sleep(5)
 
-    async def attempt(handler: Handler, timeout: httpx.Timeout) -> tuple[type[BaseException], Stamps]:
+    async def attempt(handler: Handler, limits: httpx.Timeout) -> tuple[type[BaseException], Stamps]:
         stamps = Stamps()
-        async with serving(handler) as url, httpx.AsyncClient(transport=StampingTransport(), timeout=timeout) as c:
+        async with serving(handler) as url, httpx.AsyncClient(transport=StampingTransport(), timeout=limits) as c:
             with pytest.raises(httpx.HTTPError) as caught:
                 request = c.build_request("POST", url + "/g", content=b"{}", extensions={STAMPS: stamps})
                 response = await c.send(request, stream=True)
