@@ -128,17 +128,16 @@ class StampedBody(httpx.AsyncByteStream):
 
 def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
     """The request as HTTP/1.1 bytes: its own headers (httpx gave it Host) with the body's length."""
-    lines = [request.method.encode() + b" " + request.url.raw_path + b" HTTP/1.1\r\n"]
-    for name, value in request.headers.raw:
-        if any(c in name or c in value for c in (b"\r", b"\n", b"\0")):
-            raise httpx.LocalProtocolError(f"header {name!r}: CR, LF or NUL in a header", request=request)
-        if name.lower() not in (b"content-length", b"transfer-encoding"):
-            lines.append(name + b": " + value + b"\r\n")
+    fields = [(name, value) for name, value in request.headers.raw
+              if name.lower() not in (b"content-length", b"transfer-encoding")]
+    raw = b"".join(name + value for name, value in fields)
+    if b"\r" in raw or b"\n" in raw or b"\0" in raw:
+        bad = next(name for name, value in fields if any(c in name + value for c in (b"\r", b"\n", b"\0")))
+        raise httpx.LocalProtocolError(f"header {bad!r}: CR, LF or NUL in a header", request=request)
     if body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-        lines.append(b"Content-Length: " + str(len(body)).encode() + b"\r\n")
-    lines.append(b"\r\n")
-    lines.append(body)
-    return b"".join(lines)
+        fields.append((b"Content-Length", str(len(body)).encode()))
+    head = b"".join(name + b": " + value + b"\r\n" for name, value in fields)
+    return request.method.encode() + b" " + request.url.raw_path + b" HTTP/1.1\r\n" + head + b"\r\n" + body
 
 
 class StampingTransport(httpx.AsyncBaseTransport):
