@@ -212,6 +212,31 @@ def test_shadow_returns_baseline_answers_while_candidate_is_measured(sims: tuple
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="candidate", route="chat") == n
 
 
+def test_streams_read_as_without_the_gateway_while_it_measures_them_exactly(sims: tuple[str, str],
+                                                                           tmp_path: Path) -> None:
+    """The gateway asks the engine for spec details on streams whose client did not, and cuts them out again: the
+    client reads the very bytes the engine sends it directly (the same `rid`, so the same ids; the engine's
+    `created` is its start), and the gateway's acceptance is exact. A client that asked gets them untouched."""
+    baseline, _ = sims
+    config = write_config(tmp_path, {"baseline": [baseline]}, {"baseline": 1})
+    usage = {"stream_options": {"include_usage": True}}
+    cases = [("/v1/chat/completions", chat(0, 40, stream=True, **usage)), ("/v1/chat/completions", chat(1, 40, stream=True)),
+             ("/v1/completions", {"model": "qwen", "prompt": "def task_2():", "max_tokens": 40, "temperature": 0,
+                                  "stream": True, **usage})]
+    with gateway_server(config) as gw:
+        for n, (path, body) in enumerate(cases):
+            for asked in (False, True):
+                sent = {**body, "rid": f"stream-{n}-{asked}", **({"return_spec_tokens_details": True} if asked else {})}
+                direct = httpx.post(baseline + path, json=sent, timeout=30).content
+                via = httpx.post(gw + path, json=sent, timeout=30).content
+                assert via == direct and via.endswith(b"data: [DONE]\n\n"), (path, asked)
+                assert (b'"sglext":{"spec_tokens_details":{' in via) is asked, (path, asked)
+        text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="exact") == 2 * len(cases)
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="estimated") == 0
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="baseline", route="completions") > 0
+
+
 def test_failing_candidate_never_fails_a_client_request(sims: tuple[str, str], tmp_path: Path) -> None:
     baseline, _ = sims
     with refusing_port() as dead_sock, sim_server("inhouse", 0.01, 3, "--error-rate", "1.0") as erroring:
