@@ -237,6 +237,24 @@ def test_streams_read_as_without_the_gateway_while_it_measures_them_exactly(sims
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="baseline", route="completions") > 0
 
 
+def test_an_engine_without_spec_details_leaves_streams_to_an_estimate(tmp_path: Path) -> None:
+    """An engine before SGLang 0.5.23 ignores `return_spec_tokens_details`: the gateway's request for them changes
+    nothing the client reads, and streamed chat is measured by usage tokens over content chunks."""
+    with sim_server("zlab", 0.01, 1, "--no-spec-details") as old:
+        config = write_config(tmp_path, {"baseline": [old]}, {"baseline": 1})
+        body = chat(0, 40, stream=True, stream_options={"include_usage": True}, rid="old-0")
+        with gateway_server(config) as gw:
+            direct = httpx.post(old + "/v1/chat/completions", json={**body, "return_spec_tokens_details": True},
+                                timeout=30).content
+            via = httpx.post(gw + "/v1/chat/completions", json=body, timeout=30).content
+            whole = httpx.post(old + "/v1/chat/completions", json={**chat(1, 40), "return_spec_tokens_details": True},
+                               timeout=30).json()
+            text = httpx.get(gw + "/metrics").text
+    assert via == direct and b"sglext" not in via and "sglext" not in whole
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", route="chat", measure="estimated") == 1
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="exact") == 0
+
+
 def test_failing_candidate_never_fails_a_client_request(sims: tuple[str, str], tmp_path: Path) -> None:
     baseline, _ = sims
     with refusing_port() as dead_sock, sim_server("inhouse", 0.01, 3, "--error-rate", "1.0") as erroring:
