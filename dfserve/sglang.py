@@ -160,8 +160,9 @@ def inspect_request(body: bytes) -> RequestInfo:
 
 
 def with_spec_details(request: dict[str, Any]) -> bytes:
-    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`)."""
-    return json_bytes({**request, RETURN_SPEC_DETAILS: True})
+    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`); in ASCII,
+    so that text with a lone surrogate (valid JSON escapes, no valid UTF-8) goes on as the client escaped it."""
+    return json.dumps({**request, RETURN_SPEC_DETAILS: True}, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -236,6 +236,17 @@ def test_whole_chat_gets_exact_acceptance_and_spec_details_stay_hidden(one_arm: 
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 8
 
 
+def test_text_with_a_lone_surrogate_is_passed_on_as_the_client_escaped_it(one_arm: tuple[Stub, str]) -> None:
+    """JSON may escape a lone surrogate, which UTF-8 cannot hold: the body the gateway re-encodes keeps the escape."""
+    stub, gw = one_arm
+    for body in (CHAT_STREAM, CHAT_WHOLE):
+        raw = json.dumps({**body, "messages": [{"role": "user", "content": "\ud800 hi"}]}).encode()
+        assert b"\\ud800" in raw
+        via = httpx.post(gw + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert via.status_code == 200 and stub.seen[-1]["messages"][0]["content"] == "\ud800 hi"
+        assert stub.seen[-1]["return_spec_tokens_details"] is True
+
+
 def test_spec_details_a_client_asked_for_stay_and_a_server_without_them_leaves_an_estimate(
         one_arm: tuple[Stub, str]) -> None:
     """A client that asked for spec details (the load tester does) gets the stream untouched, and the gateway reads
