@@ -4,7 +4,8 @@ for installs where the extension could not be built (no compiler); `dfserve.rela
 It costs more CPU per chunk (the reason the extension exists: dfserve/relay_c/relay.h), nothing else: the
 gateway and the load tester work the same on either, and tests/unit/test_relay_differential.py runs both on the
 same inputs, broken framing included. The C sources follow the same sections: framing (`frame`), token marks
-(`read_marks`), histogram bins (`_Bins`), `EventRelay` and `Dechunker`.
+(`read_marks`), members cut out of events (`_strip_members`), histogram bins (`_Bins`), `EventRelay` and
+`Dechunker`.
 """
 
 from __future__ import annotations
@@ -104,6 +105,101 @@ def read_marks(events: bytes, keys: tuple[bytes, ...], cumulative: bool) -> int 
     return None if found < 0 else found
 
 
+# members cut out of events -----------------------------------------------------------------------------------
+
+_INLINE_SPACE = b" \t"
+_SCALAR_ENDS = frozenset(b"}],\r\n \t")
+
+
+def _value_end(buf: bytes, i: int) -> int:
+    """One past the end of the JSON value at buf[i], or -1 where it does not end on its own line."""
+    start, depth, length = i, 0, len(buf)
+    while i < length:
+        c = buf[i]
+        if c == 34:  # '"'
+            i += 1
+            while i < length and buf[i] != 34 and buf[i] != 10:
+                if buf[i] == 92:  # '\\'
+                    i += 1
+                i += 1
+            if i >= length or buf[i] != 34:
+                return -1
+            if depth == 0:
+                return i + 1
+        elif c in b"{[":
+            depth += 1
+        elif depth == 0 and c in _SCALAR_ENDS:
+            return i if i > start else -1  # a number or a literal ends here
+        elif c in b"\r\n":
+            return -1
+        elif c in b"}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
+def _event_end(buf: bytes, start: int) -> int:
+    """One past the first blank line that ends at or after `start`; 0 if none."""
+    low = max(start, 1)
+    lf = buf.find(b"\n\n", low - 1)
+    crlf = buf.find(b"\n\r\n", max(low - 2, 0))
+    return min((end for end, at in ((lf + 2, lf), (crlf + 3, crlf)) if at >= 0), default=0)
+
+
+def _member_span(buf: bytes, at: int, key_length: int, floor: int) -> tuple[int, int] | None:
+    """The bytes that cutting the member whose key starts at `at` removes: the member and one comma beside it, or
+    the whole event where its object is left empty (nothing else was asked for). None: not a member to cut (its
+    value does not end, or it is not inside an object), or one that reaches back before `floor`."""
+    length = len(buf)
+    value = at + key_length
+    while value < length and buf[value] in _INLINE_SPACE:
+        value += 1
+    end = _value_end(buf, value)
+    if end < 0:
+        return None
+    before, after = at, end
+    while before > floor and buf[before - 1] in _INLINE_SPACE:
+        before -= 1
+    while after < length and buf[after] in _INLINE_SPACE:
+        after += 1
+    if before > floor and buf[before - 1] == 44:  # ','
+        return before - 1, end
+    if before <= floor or buf[before - 1] != 123 or after >= length:  # '{'
+        return None
+    if buf[after] == 44:
+        after += 1
+        while after < length and buf[after] in _INLINE_SPACE:
+            after += 1
+        return at, after
+    if buf[after] != 125:  # '}'
+        return None
+    start, stop = _event_boundary(buf, 0, at), _event_end(buf, after + 1)
+    return (start, stop) if start >= floor and stop > 0 else None
+
+
+def _strip_members(events: bytes, key: bytes) -> bytes:
+    """`events` less each member whose key is `key` (`events` itself if nothing was cut)."""
+    hit = events.find(key)
+    if hit < 0:
+        return events
+    out: list[bytes] = []
+    kept = 0  # events[kept:] is not yet copied or cut
+    while hit >= 0:
+        after = hit + len(key)
+        span = _member_span(events, hit, len(key), kept)
+        if span is not None:
+            out.append(events[kept:span[0]])
+            kept = span[1]
+            after = max(after, kept)
+        hit = events.find(key, after)
+    if kept == 0:
+        return events
+    out.append(events[kept:])
+    return b"".join(out)
+
+
 # histogram bins -----------------------------------------------------------------------------------------------
 
 
@@ -138,12 +234,12 @@ _NO_BINS = _Bins(())
 # EventRelay ---------------------------------------------------------------------------------------------------
 
 
-def _event_boundary(buf: bytearray, start: int) -> int:
-    """Length of the longest prefix of buf that ends with a blank line ("\\n\\n" or "\\n\\r\\n"), looking only at
-    lines that end at or after `start`; 0 if none."""
+def _event_boundary(buf: bytes | bytearray, start: int, length: int | None = None) -> int:
+    """Length of the longest prefix of buf[:length] that ends with a blank line ("\\n\\n" or "\\n\\r\\n"), looking
+    only at lines that end at or after `start`; 0 if none."""
     low = max(start, 1)
-    lf = buf.rfind(b"\n\n", low - 1)
-    crlf = buf.rfind(b"\n\r\n", max(low - 2, 0))
+    lf = buf.rfind(b"\n\n", low - 1, length)
+    crlf = buf.rfind(b"\n\r\n", max(low - 2, 0), length)
     return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
 
 
@@ -151,7 +247,9 @@ class EventRelay:
     """Relays a server-sent-event body to a client whole events at a time, counts the tokens each piece carried
     (`read_marks` with `keys` and `cumulative`), and counts the gaps between the pieces that carried tokens into
     histogram buckets (`gap_bounds`, then +Inf). An event still incomplete past `max_event_bytes` raises
-    `EventTooLarge` and ends the relay, letting go of what it held.
+    `EventTooLarge` and ends the relay, letting go of what it held. With `strip`, the members whose key it is are
+    cut out of every event before it goes out (an event left with an empty object goes whole), and the last piece
+    they were cut from is kept as it came (`stripped`).
 
     Made without `__init__` (or after a failed one), it relays nothing: the class's values below are an inert
     relay's."""
@@ -160,6 +258,8 @@ class EventRelay:
     _chunked = False
     _keys: tuple[bytes, ...] = ()
     _cumulative = False
+    _strip: bytes | None = None
+    _stripped = b""
     _held = bytearray()  # never written: an initialised relay holds its bytes in a bytearray of its own
     _max_event_bytes = 2**63 - 1
     _tail = (b"", b"")
@@ -172,9 +272,12 @@ class EventRelay:
     _last_chunk_written = False
 
     def __init__(self, write: Callable[[bytes], object] | None, chunked: bool, keys: tuple[bytes, ...],
-                 cumulative: bool, gap_bounds: Sequence[float], max_event_bytes: int | None = None) -> None:
+                 cumulative: bool, gap_bounds: Sequence[float], max_event_bytes: int | None = None,
+                 strip: bytes | None = None) -> None:
         self._closed = True
         chunked, cumulative = bool(chunked), bool(cumulative)
+        if strip is not None and not (isinstance(strip, bytes) and strip):
+            raise TypeError("strip must be a non-empty bytes key or None")
         limit = 2**63 - 1
         if max_event_bytes is not None:
             limit = operator.index(max_event_bytes)
@@ -185,6 +288,8 @@ class EventRelay:
         self._token_gaps = _Bins(gap_bounds)
         self._write = write
         self._keys = keys
+        self._strip = bytes(strip) if strip is not None else None
+        self._stripped = b""
         self._held = bytearray()
         self._max_event_bytes = limit
         self._tail = (b"", b"")
@@ -219,11 +324,16 @@ class EventRelay:
                 return
             events = bytes(held[:cut])
             del held[:cut]
+        if self._strip is not None:
+            kept = _strip_members(events, self._strip)
+            if kept is not events:
+                self._stripped = events
+            events = kept
         write = self._write
-        if write is not None:
-            end = last and self._chunked and not self._held
-            write((b"%x\r\n%b\r\n" % (len(events), events) + (LAST_CHUNK if end else b"")) if self._chunked
-                  else events)
+        end = last and self._chunked and not self._held
+        if write is not None and (events or end):  # cut to nothing: nothing to frame
+            write(((b"%x\r\n%b\r\n" % (len(events), events) if events else b"") + (LAST_CHUNK if end else b""))
+                  if self._chunked else events)
             if end:
                 self._last_chunk_written = self._closed = True  # the client's body is over: nothing more goes out
         try:
@@ -275,6 +385,11 @@ class EventRelay:
     def tail(self) -> bytes:
         """The last two pieces of whole events relayed."""
         return self._tail[0] + self._tail[1]
+
+    @property
+    def stripped(self) -> bytes:
+        """The last piece of whole events that had members cut (`strip`), as it came; empty if none."""
+        return self._stripped
 
     @property
     def last_chunk_written(self) -> bool:

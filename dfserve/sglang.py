@@ -123,6 +123,13 @@ RETURN_SPEC_DETAILS = "return_spec_tokens_details"
 (``CompletionRequest``/``ChatCompletionRequest.return_spec_tokens_details`` in ``entrypoints/openai/protocol.py``;
 in a stream, an extra chunk with `choices: []` before the usage chunk, ``OpenAIServingChat._generate_chat_stream``)."""
 
+SPEC_DETAILS_KEY = b'"spec_tokens_details":'
+"""The key a relay cuts from a stream whose client did not ask for spec details (`EventRelay`'s `strip`). SGLang
+0.5.23 puts them only in `sglext`, and `sglext` only in one chunk with `choices: []` and `"usage":null` before the
+usage chunk, beside the other `sglext` fields the request asked for (routed experts, cached-token details, token
+ids); with none of those the chunk is sent for the spec details alone, and goes whole
+(``_generate_chat_stream``, ``OpenAIServingCompletion._generate_completion_stream``)."""
+
 
 
 @dataclass(frozen=True)
@@ -153,8 +160,9 @@ def inspect_request(body: bytes) -> RequestInfo:
 
 
 def with_spec_details(request: dict[str, Any]) -> bytes:
-    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`)."""
-    return json_bytes({**request, RETURN_SPEC_DETAILS: True})
+    """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`); in ASCII,
+    so that text with a lone surrogate (valid JSON escapes, no valid UTF-8) goes on as the client escaped it."""
+    return json.dumps({**request, RETURN_SPEC_DETAILS: True}, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -221,8 +221,8 @@ class GatewayApp:
             return
         headers = self._headers(request)
         path = request.path
-        # Spec fields for exact acceptance: asked for upstream where the client did not, but added to a stream only
-        # where no client reads it (a mirror); a whole answer has them stripped again before the client gets it.
+        # Spec fields for exact acceptance: asked for upstream where the client did not, and cut out of the answer
+        # again before the client gets it (a whole body, or a stream's events); a mirror's answer goes to nobody.
         with_spec = request.body
         if api != "native" and not inspected.return_spec_tokens_details:
             with_spec = sglang.with_spec_details(inspected.body)
@@ -231,10 +231,8 @@ class GatewayApp:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, with_spec, headers))
-        upstream_body = request.body if inspected.stream else with_spec
         exchange = Exchange(arm=decision.arm, route=api, start=start)
-        await self.forward(exchange, b"POST", path, upstream_body, headers, reply,
-                           strip_spec=upstream_body is not request.body)
+        await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
         """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
@@ -291,7 +289,8 @@ class GatewayApp:
         if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
             reply.start(response.status, headers)
             await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
-                               exchange, self.gateway.config.limits.max_event_bytes)
+                               exchange, self.gateway.config.limits.max_event_bytes,
+                               sglang.SPEC_DETAILS_KEY if strip_spec else None)
             return
         try:
             await opened.call.finish()

@@ -5,16 +5,18 @@ fails after its first byte can still end with a well-formed error event. That pe
 (`dfserve.relay_core.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
 client, then counts the tokens it carried, found by the JSON keys `dfserve.sglang` names (`TokenMarks`), and
 counts the gap since the last piece with tokens into histogram buckets; the buckets go into the metrics once per
-request (`record`). Whole responses are read, measured and sent; for non-streamed chat the gateway asked SGLang
-for `meta_info` itself and strips it again here.
+request (`record`). Whole responses are read, measured and sent.
 
 Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
-- non-streamed chat and completions: the same, from the `sglext.spec_tokens_details` the gateway asked for and
-  strips again (exact), or from `meta_info` where the client asked for it;
-- streamed chat and completions: from `sglext.spec_tokens_details` where the client asked for it (exact; a stream
-  the client reads is passed on untouched, so the gateway adds nothing to it), else usage tokens over content chunks
-  (estimated; needs `include_usage`).
+- chat and completions: the same, from `sglext.spec_tokens_details`, which the gateway asks SGLang for where the
+  client did not, and cuts out again before the client gets the answer: from a whole body (`strip_spec_details`),
+  and from a stream event by event (the relay's `strip`, `sglang.SPEC_DETAILS_KEY`: SGLang's chunk sent for them
+  alone goes whole, and the client reads the bytes it would have read without the gateway's addition); the
+  relay keeps the piece it cut them from (`EventRelay.stripped`), which is read with the last events (exact);
+  or from `meta_info` where a client asked for it on a whole request;
+- streamed chat and completions from a server that sends no spec details (before SGLang 0.5.23): usage tokens over
+  content chunks (estimated; needs `include_usage`).
 
 A stream that SGLang ends with an in-band error (HTTP 200, then an error event, or a native abort with a status) is
 a failure: its last events are read once it is complete (`EventRelay.tail`), with no work per chunk.
@@ -144,14 +146,15 @@ def meter(relay: EventRelay, exchange: Exchange) -> None:
 
 
 async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, exchange: Exchange,
-                       max_event_bytes: int) -> None:
+                       max_event_bytes: int, strip: bytes | None = None) -> None:
     """Pass an SSE body through as it arrives, whole events at a time (`EventRelay`, fed by the upstream
-    connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it;
-    a failure after the first byte, or an event longer than `max_event_bytes` (held until it is whole), ends it
-    with an error event, never half an event. The relay holds nothing of this coroutine's, so a finished request
-    leaves no cycle for the garbage collector."""
+    connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it,
+    less the members whose key is `strip`; a failure after the first byte, or an event longer than
+    `max_event_bytes` (held until it is whole), ends it with an error event, never half an event. The relay holds
+    nothing of this coroutine's, so a finished request leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
-    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes)
+    relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes,
+                       strip)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
     failure: Exception | None = None
@@ -174,7 +177,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     try:
-        exchange.acceptance, in_band = kind.read_end(relay.tokens, relay.tail)
+        exchange.acceptance, in_band = kind.read_end(relay.tokens, relay.stripped + relay.tail)
     except ProtocolError as exc:
         exchange.unparsed = str(exc)
     else:

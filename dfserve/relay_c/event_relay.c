@@ -9,6 +9,8 @@ typedef struct {
     int chunked;        /* frame what is written as HTTP chunks */
     PyObject *keys;     /* token marks (see read_marks) */
     int cumulative;
+    PyObject *strip;    /* the key of members cut from every event before it goes out (strip_members), or None */
+    PyObject *stripped; /* the last piece of whole events that had members cut, as it came */
     char *held;         /* bytes after the last whole event, kept until their event is complete */
     Py_ssize_t held_length, held_capacity;
     Py_ssize_t max_event_bytes; /* the most it holds: an event still incomplete past it ends the relay */
@@ -24,7 +26,7 @@ typedef struct {
 
 /* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"), looking only at
  * lines that end at or after `from`; 0 if none. */
-static Py_ssize_t
+Py_ssize_t
 event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
 {
     for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--) {
@@ -130,11 +132,22 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
         memmove(self->held, self->held + cut, self->held_length - cut);
         self->held_length -= cut;
     }
-    if (self->write != Py_None) {
+    if (self->strip != Py_None) {
+        PyObject *kept = strip_members(events, self->strip);
+        if (kept == NULL) {
+            Py_DECREF(events);
+            return -1;
+        }
+        if (kept != events)
+            Py_SETREF(self->stripped, Py_NewRef(events));
+        Py_SETREF(events, kept);
+    }
+    int end = last && self->chunked && self->held_length == 0;
+    if (self->write != Py_None && (PyBytes_GET_SIZE(events) > 0 || end)) { /* cut to nothing: nothing to frame */
         PyObject *write = Py_NewRef(self->write); /* the call may detach it */
-        int end = last && self->chunked && self->held_length == 0;
-        PyObject *out = self->chunked ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), end)
-                                      : Py_NewRef(events);
+        PyObject *out = !self->chunked ? Py_NewRef(events)
+                        : PyBytes_GET_SIZE(events) ? frame_chunk(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), end)
+                                                   : PyBytes_FromStringAndSize(LAST_CHUNK, LAST_CHUNK_LENGTH);
         PyObject *result = out ? PyObject_CallOneArg(write, out) : NULL;
         Py_XDECREF(out);
         Py_DECREF(write);
@@ -166,6 +179,8 @@ EventRelay_reset_fields(EventRelay *self)
     }
     Py_XSETREF(self->write, Py_NewRef(Py_None));
     Py_XSETREF(self->keys, no_keys);
+    Py_XSETREF(self->strip, Py_NewRef(Py_None));
+    Py_XSETREF(self->stripped, Py_NewRef(empty));
     Py_XSETREF(self->tail[0], Py_NewRef(empty));
     Py_XSETREF(self->tail[1], empty);
     return 0;
@@ -188,13 +203,17 @@ EventRelay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"write", "chunked", "keys", "cumulative", "gap_bounds", "max_event_bytes", NULL};
-    PyObject *write, *keys, *gap_bounds, *limit = Py_None;
+    static char *names[] = {"write", "chunked", "keys", "cumulative", "gap_bounds", "max_event_bytes", "strip", NULL};
+    PyObject *write, *keys, *gap_bounds, *limit = Py_None, *strip = Py_None;
     int chunked, cumulative;
     self->closed = 1; /* until this succeeds */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|O", names, &write, &chunked, &keys, &cumulative,
-                                     &gap_bounds, &limit))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|OO", names, &write, &chunked, &keys, &cumulative,
+                                     &gap_bounds, &limit, &strip))
         return -1;
+    if (strip != Py_None && (!PyBytes_Check(strip) || PyBytes_GET_SIZE(strip) == 0)) {
+        PyErr_SetString(PyExc_TypeError, "strip must be a non-empty bytes key or None");
+        return -1;
+    }
     Py_ssize_t max_event_bytes = PY_SSIZE_T_MAX;
     if (limit != Py_None) {
         max_event_bytes = PyLong_AsSsize_t(limit);
@@ -210,6 +229,12 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
         return -1;
     Py_SETREF(self->write, Py_NewRef(write));
     Py_SETREF(self->keys, Py_NewRef(keys));
+    if (strip != Py_None) {
+        PyObject *key = PyBytes_FromStringAndSize(PyBytes_AS_STRING(strip), PyBytes_GET_SIZE(strip));
+        if (key == NULL)
+            return -1;
+        Py_SETREF(self->strip, key);
+    }
     self->held_length = 0;
     self->max_event_bytes = max_event_bytes;
     self->chunked = chunked;
@@ -268,6 +293,12 @@ EventRelay_get_tail(EventRelay *self, void *closure)
 }
 
 static PyObject *
+EventRelay_get_stripped(EventRelay *self, void *closure)
+{
+    return Py_NewRef(self->stripped);
+}
+
+static PyObject *
 EventRelay_get_tokens(EventRelay *self, void *closure)
 {
     if (self->tokens < 0)
@@ -302,6 +333,8 @@ EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->write);
     Py_VISIT(self->keys);
+    Py_VISIT(self->strip);
+    Py_VISIT(self->stripped);
     Py_VISIT(self->tail[0]);
     Py_VISIT(self->tail[1]);
     return 0;
@@ -320,6 +353,8 @@ EventRelay_dealloc(EventRelay *self)
     PyObject_GC_UnTrack(self);
     Py_CLEAR(self->write);
     Py_CLEAR(self->keys);
+    Py_CLEAR(self->strip);
+    Py_CLEAR(self->stripped);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
     PyMem_Free(self->held);
@@ -342,6 +377,8 @@ static PyMethodDef EventRelay_methods[] = {
 static PyGetSetDef EventRelay_getset[] = {
     {"pending", (getter)EventRelay_get_pending, NULL, "Bytes after the last whole event.", NULL},
     {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
+    {"stripped", (getter)EventRelay_get_stripped, NULL,
+     "The last piece of whole events that had members cut (strip), as it came; empty if none.", NULL},
     {"last_chunk_written", (getter)EventRelay_get_last_chunk_written, NULL,
      "The client's chunked body was ended (its last chunk written) with the upstream body's last events.", NULL},
     {"tokens", (getter)EventRelay_get_tokens, NULL,
@@ -358,9 +395,10 @@ static PyGetSetDef EventRelay_getset[] = {
 PyTypeObject EventRelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.EventRelay",
-    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None): relays a "
-              "server-sent-event body to a client whole events at a time, and meters the gaps between the pieces "
-              "that carried tokens.",
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None, strip=None): relays "
+              "a server-sent-event body to a client whole events at a time, less the members whose key is strip "
+              "(an event left with an empty object goes whole), and meters the gaps between the pieces that "
+              "carried tokens.",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = EventRelay_new,

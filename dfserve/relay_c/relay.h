@@ -7,9 +7,9 @@
  * Python that work (de-chunk, cut at event boundaries, re-frame, time-stamp, count tokens) cost the gateway more
  * CPU per chunk than the whole of sglang-router's, with the syscalls being the same (bench/RESULTS.md). Here the
  * de-chunker is the upstream transport's protocol for the length of a body, so the event loop hands each read
- * straight to C; the relay writes the whole events to the client's transport, then notes the piece's arrival time
- * and the tokens it carried, found by JSON keys that `dfserve.sglang` names (`TokenMarks`), so the SGLang format
- * is still known in one place. Python sees the stream again when it ends (`gateway.relay.meter`).
+ * straight to C; the relay writes the whole events to the client's transport (less any member it was told to cut,
+ * members.c), then notes the piece's arrival time and the tokens it carried, found by JSON keys that
+ * `dfserve.sglang` names (`TokenMarks`), so the SGLang format is still known in one place. Python sees the stream again when it ends (`gateway.relay.meter`).
  *
  * The extension is optional: `dfserve/_relay_py.py` is its pure-Python twin, with the same API and behaviour
  * (tests/unit/test_relay_differential.py runs both on the same inputs), and `dfserve.relay_core` picks one.
@@ -37,6 +37,9 @@ int check_keys(PyObject *keys);
 int64_t read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative);
 PyObject *relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
+/* members.c: `events` less each member whose key is `key` (a new reference; `events` itself if nothing was cut) */
+PyObject *strip_members(PyObject *events, PyObject *key);
+
 /* bins.c: histogram observations counted as a Prometheus histogram counts them */
 typedef struct {
     double *bounds;
@@ -51,6 +54,7 @@ void bins_free(Bins *bins);
 
 /* event_relay.c */
 extern PyTypeObject EventRelayType;
+Py_ssize_t event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from);
 int relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last);
 
 /* dechunker.c */

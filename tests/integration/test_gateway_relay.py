@@ -129,7 +129,7 @@ class Stub:
                     await response.write(sse(CHAT_EVENTS[1]))
                     await asyncio.sleep(0.01)
             events = CHAT_EVENTS
-            if body.get("return_spec_tokens_details"):
+            if body.get("return_spec_tokens_details") and mode != "no-spec-details":  # else: before SGLang 0.5.23
                 events = [*CHAT_EVENTS[:-1], SPEC_CHUNK, CHAT_EVENTS[-1]]
             if mode == "in-band":  # aborted after two chunks: the error event, then usage (SGLang sends it still)
                 events = [*CHAT_EVENTS[:2], IN_BAND, CHAT_EVENTS[-1]]
@@ -203,16 +203,20 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_stream_bytes_equal_direct_and_headers_name_arm(one_arm: tuple[Stub, str]) -> None:
+    """The gateway asks for spec details the client did not ask for, and cuts the chunk SGLang sends for them out
+    of the stream (which the stub writes in awkward pieces): the client reads the bytes it reads without the
+    gateway, and the gateway's acceptance is exact."""
     stub, gw = one_arm
     direct = httpx.post(stub.url + "/v1/chat/completions", json=CHAT_STREAM)
     via = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+    assert stub.seen[-1]["return_spec_tokens_details"] is True and "return_spec_tokens_details" not in stub.seen[-2]
     assert via.status_code == 200
-    assert via.content == direct.content
+    assert via.content == direct.content and b"sglext" not in via.content
     assert via.headers["x-dfserve-arm"] == "a" and via.headers["x-dfserve-replica"] == stub.url
     assert via.headers["x-engine"] == "stub"
     text = httpx.get(gw + "/metrics").text
-    # 3 content chunks carried 12 tokens (usage): an estimate, labelled so.
-    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="estimated") == 4.0
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="exact") == 3.0  # 12 over 4
+    assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="estimated") == 0
     assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="chat") == 1
 
@@ -232,21 +236,35 @@ def test_whole_chat_gets_exact_acceptance_and_spec_details_stay_hidden(one_arm: 
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 8
 
 
-def test_streamed_chat_is_exact_where_the_client_asks_for_spec_details_and_untouched_where_not(
+def test_text_with_a_lone_surrogate_is_passed_on_as_the_client_escaped_it(one_arm: tuple[Stub, str]) -> None:
+    """JSON may escape a lone surrogate, which UTF-8 cannot hold: the body the gateway re-encodes keeps the escape."""
+    stub, gw = one_arm
+    for body in (CHAT_STREAM, CHAT_WHOLE):
+        raw = json.dumps({**body, "messages": [{"role": "user", "content": "\ud800 hi"}]}).encode()
+        assert b"\\ud800" in raw
+        via = httpx.post(gw + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert via.status_code == 200 and stub.seen[-1]["messages"][0]["content"] == "\ud800 hi"
+        assert stub.seen[-1]["return_spec_tokens_details"] is True
+
+
+def test_spec_details_a_client_asked_for_stay_and_a_server_without_them_leaves_an_estimate(
         one_arm: tuple[Stub, str]) -> None:
-    """A stream the client reads is relayed as the engine sent it: the gateway asks for spec details only where the
-    client did (the load tester does), and then reads them from the stream's last events."""
+    """A client that asked for spec details (the load tester does) gets the stream untouched, and the gateway reads
+    them from its last events; a server that sends none (before SGLang 0.5.23) leaves the stream to an estimate."""
     stub, gw = one_arm
     asked = {**CHAT_STREAM, "return_spec_tokens_details": True}
     direct = httpx.post(stub.url + "/v1/chat/completions", json=asked)
     via = httpx.post(gw + "/v1/chat/completions", json=asked)
     assert via.content == direct.content and b'"sglext"' in via.content
-    plain = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
-    assert "return_spec_tokens_details" not in stub.seen[-1] and b"sglext" not in plain.content
+    old = {"x-stub": "no-spec-details"}
+    direct = httpx.post(stub.url + "/v1/chat/completions", json=CHAT_STREAM, headers=old)
+    via = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers=old)
+    assert stub.seen[-1]["return_spec_tokens_details"] is True and via.content == direct.content
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="exact") == 3.0  # 12 over 4
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 4
-    assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="estimated") == 1
+    # 3 content chunks carried 12 tokens (usage): an estimate, labelled so.
+    assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="estimated") == 4.0
 
 
 @pytest.mark.parametrize(("route", "body", "status"), [
@@ -285,11 +303,14 @@ def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[
 
 
 def test_mixed_exact_and_estimated_traffic_pools_only_exact_tokens(one_arm: tuple[Stub, str]) -> None:
-    """Streamed chat shows no verify rounds: its 12 tokens count as output but stay out of pooled acceptance,
-    which over the exact requests (12 tokens, 4 rounds each) is 3, not (12 + 12 + 12) / 8."""
+    """Streamed chat from a server without spec details shows no verify rounds: its 12 tokens count as output but
+    stay out of pooled acceptance, which over the exact requests (12 tokens, 4 rounds each) is 3, not
+    (12 + 12 + 12) / 8."""
     _, gw = one_arm
     native = {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}
-    for response in (httpx.post(gw + "/generate", json=native), httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM),
+    old = {"x-stub": "no-spec-details"}
+    for response in (httpx.post(gw + "/generate", json=native),
+                     httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers=old),
                      httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE)):
         assert response.status_code == 200
     text = httpx.get(gw + "/metrics").text

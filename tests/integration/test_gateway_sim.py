@@ -212,6 +212,49 @@ def test_shadow_returns_baseline_answers_while_candidate_is_measured(sims: tuple
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="candidate", route="chat") == n
 
 
+def test_streams_read_as_without_the_gateway_while_it_measures_them_exactly(sims: tuple[str, str],
+                                                                           tmp_path: Path) -> None:
+    """The gateway asks the engine for spec details on streams whose client did not, and cuts them out again: the
+    client reads the very bytes the engine sends it directly (the same `rid`, so the same ids; the engine's
+    `created` is its start), and the gateway's acceptance is exact. A client that asked gets them untouched."""
+    baseline, _ = sims
+    config = write_config(tmp_path, {"baseline": [baseline]}, {"baseline": 1})
+    usage = {"stream_options": {"include_usage": True}}
+    cases = [("/v1/chat/completions", chat(0, 40, stream=True, **usage)), ("/v1/chat/completions", chat(1, 40, stream=True)),
+             ("/v1/completions", {"model": "qwen", "prompt": "def task_2():", "max_tokens": 40, "temperature": 0,
+                                  "stream": True, **usage})]
+    with gateway_server(config) as gw:
+        for n, (path, body) in enumerate(cases):
+            for asked in (False, True):
+                sent = {**body, "rid": f"stream-{n}-{asked}", **({"return_spec_tokens_details": True} if asked else {})}
+                direct = httpx.post(baseline + path, json=sent, timeout=30).content
+                via = httpx.post(gw + path, json=sent, timeout=30).content
+                assert via == direct and via.endswith(b"data: [DONE]\n\n"), (path, asked)
+                assert (b'"sglext":{"spec_tokens_details":{' in via) is asked, (path, asked)
+        text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="exact") == 2 * len(cases)
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="estimated") == 0
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="baseline", route="completions") > 0
+
+
+def test_an_engine_without_spec_details_leaves_streams_to_an_estimate(tmp_path: Path) -> None:
+    """An engine before SGLang 0.5.23 ignores `return_spec_tokens_details`: the gateway's request for them changes
+    nothing the client reads, and streamed chat is measured by usage tokens over content chunks."""
+    with sim_server("zlab", 0.01, 1, "--no-spec-details") as old:
+        config = write_config(tmp_path, {"baseline": [old]}, {"baseline": 1})
+        body = chat(0, 40, stream=True, stream_options={"include_usage": True}, rid="old-0")
+        with gateway_server(config) as gw:
+            direct = httpx.post(old + "/v1/chat/completions", json={**body, "return_spec_tokens_details": True},
+                                timeout=30).content
+            via = httpx.post(gw + "/v1/chat/completions", json=body, timeout=30).content
+            whole = httpx.post(old + "/v1/chat/completions", json={**chat(1, 40), "return_spec_tokens_details": True},
+                               timeout=30).json()
+            text = httpx.get(gw + "/metrics").text
+    assert via == direct and b"sglext" not in via and "sglext" not in whole
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", route="chat", measure="estimated") == 1
+    assert metric(text, "dfserve_accept_length_count", arm="baseline", measure="exact") == 0
+
+
 def test_failing_candidate_never_fails_a_client_request(sims: tuple[str, str], tmp_path: Path) -> None:
     baseline, _ = sims
     with refusing_port() as dead_sock, sim_server("inhouse", 0.01, 3, "--error-rate", "1.0") as erroring:

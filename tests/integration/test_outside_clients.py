@@ -95,7 +95,8 @@ def test_sglang_benchmarks_acceptance_is_the_testers_less_the_prefill_token(toke
 
 
 def test_the_openai_sdk_reads_the_simulator_and_the_gateway_alike(sim_and_gateway: tuple[str, str]) -> None:
-    """Streamed chat with usage and spec details, a whole chat and a completion, through the SDK's own parsing."""
+    """Streamed chat with usage, with and without spec details, a whole chat and a completion, through the SDK's own
+    parsing."""
     for url in sim_and_gateway:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         stream = client.chat.completions.create(
@@ -108,6 +109,12 @@ def test_the_openai_sdk_reads_the_simulator_and_the_gateway_alike(sim_and_gatewa
         [details] = [c.model_extra["sglext"]["spec_tokens_details"] for c in chunks
                      if c.model_extra and "sglext" in c.model_extra]
         assert details["spec_verify_ct"] > 0 and chunks[-1].usage.completion_tokens > details["spec_verify_ct"]
+        plain = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=40, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert [c.choices[0].delta.content for c in plain if c.choices] == [c.choices[0].delta.content for c in chunks
+                                                                           if c.choices]
+        assert not any(c.model_extra and "sglext" in c.model_extra for c in plain)  # the gateway's own, cut out
         whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=16, temperature=0)
         assert whole.choices[0].message.content and whole.usage is not None and whole.usage.completion_tokens <= 16

@@ -1,8 +1,9 @@
 """Every dashboard query and every rule, evaluated by a real Prometheus against real dfserve processes.
 
-Two simulated engines (zlab as baseline, inhouse with 10% HTTP 500s as candidate) sit behind a splitting gateway
-(plus a dead replica, so retries and an ejection happen) and a shadowing gateway. One load test runs through the
-first with live metrics; another runs OpenAI chat through the second and pushes its totals to a Pushgateway.
+Two simulated engines (zlab as baseline, inhouse with 10% HTTP 500s as candidate) that send no spec details on the
+OpenAI routes, as SGLang before 0.5.23, sit behind a splitting gateway (plus a dead replica, so retries and an
+ejection happen), and two more that do, behind a shadowing gateway. One load test runs through the first with live
+metrics; another runs OpenAI chat through the second and pushes its totals to a Pushgateway.
 Prometheus scrapes everything on loopback with the committed rule file loaded; then each panel's PromQL, with
 its template variables substituted as Grafana would, must return data, and each rule must evaluate cleanly.
 """
@@ -149,10 +150,10 @@ def _wait_for(prometheus: str, expr: str, timeout_s: float = 30) -> None:
 
 
 def _streamed_chat_without_spec_details(gateway: str, prometheus: str) -> None:
-    """Streamed chat from a client that asks for usage but not for spec details: the gateway leaves a stream it
-    relays unchanged, so these requests are measured by the estimate (`measure="estimated"`); the load tester always
-    asks for spec details, so its requests are exact. Sent in two rounds with a scrape between them: a series whose
-    first scrape already holds every request has no increase, and the panels read increases."""
+    """Streamed chat from a client that asks for usage but not for spec details, to engines that send none however
+    asked (before SGLang 0.5.23): these requests are measured by the estimate (`measure="estimated"`); the load
+    tester's chat goes to engines that send them, so its requests are exact. Sent in two rounds with a scrape between
+    them: a series whose first scrape already holds every request has no increase, and the panels read increases."""
     body = {"model": "m", "messages": [{"role": "user", "content": "def f():"}], "max_tokens": 32, "stream": True,
             "stream_options": {"include_usage": True}}
     estimated = f'{m.ACCEPT_LENGTH}_count{{job="gateway", measure="estimated"}}'
@@ -170,14 +171,17 @@ def _streamed_chat_without_spec_details(gateway: str, prometheus: str) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observe")
     with contextlib.ExitStack() as stack:
-        zlab = stack.enter_context(sim_server("zlab", 0.05, 1))
-        inhouse = stack.enter_context(sim_server("inhouse", 0.05, 2, "--error-rate", "0.1"))
+        zlab = stack.enter_context(sim_server("zlab", 0.05, 1, "--no-spec-details"))
+        inhouse = stack.enter_context(sim_server("inhouse", 0.05, 2, "--error-rate", "0.1", "--no-spec-details"))
+        zlab_chat = stack.enter_context(sim_server("zlab", 0.05, 3))
+        inhouse_chat = stack.enter_context(sim_server("inhouse", 0.05, 4))
         dead = url_of(stack.enter_context(refusing_port()))
         split = stack.enter_context(gateway_server(_gateway_config(tmp / "split.yaml", {"mode": "split", "arms": {
             "baseline": {"weight": 50, "replicas": [zlab]}, "candidate": {"weight": 50, "replicas": [inhouse, dead]}}})))
         shadow = stack.enter_context(gateway_server(_gateway_config(tmp / "shadow.yaml", {
             "mode": "shadow", "primary": "baseline",
-            "arms": {"baseline": {"weight": 1, "replicas": [zlab]}, "candidate": {"weight": 1, "replicas": [inhouse]}}})))
+            "arms": {"baseline": {"weight": 1, "replicas": [zlab_chat]},
+                     "candidate": {"weight": 1, "replicas": [inhouse_chat]}}})))
         pushgateway = stack.enter_context(pushgateway_server())
         config = tmp / "prometheus.yml"
         live_targets = tmp / "loadtest-targets.json"
@@ -278,8 +282,8 @@ def test_ab_whole_run_panels_have_data_from_the_pushgateway(stack: Stack) -> Non
 
 
 def test_pooled_acceptance_leaves_out_estimated_chat(stack: Stack) -> None:
-    """The splitting gateway relays native requests with exact spec fields and a few streamed chat requests that
-    did not ask for spec details (estimated, no verify rounds): their tokens are counted
+    """The splitting gateway relays native requests with exact spec fields and a few streamed chat requests from
+    engines that send no spec details (estimated, no verify rounds): their tokens are counted
     (`dfserve_output_tokens_total`), and every pooled acceptance query divides the tokens of the requests that
     reported verify rounds (`dfserve_spec_output_tokens_total`), never all of them."""
     at, window = time.time(), _window(stack.live_start, time.time())

@@ -400,3 +400,73 @@ def test_cycles_through_subclassed_keys_or_payloads_are_collected(impl: Relay) -
     gone: list[weakref.ref[object]] = [through_keys(), through_payload()]
     gc.collect()
     assert [ref() for ref in gone] == [None, None]
+
+
+def chat_event(obj: dict[str, object]) -> bytes:
+    """An OpenAI chunk as SGLang writes it: compact JSON, text as it is."""
+    return b"data: " + sglang.json_bytes(obj) + b"\n\n"
+
+
+SPEC_DETAILS = {"spec_accept_rate": 0.5, "spec_accept_length": 3.0, "spec_verify_ct": 4,
+                "spec_correct_drafts_histogram": [1, 0, 3]}
+CONTENT = chat_event({"id": "c", "choices": [{"index": 0, "delta": {"content": "def"}}]})
+USAGE = chat_event({"id": "c", "choices": [], "usage": {"completion_tokens": 12}})
+DONE = b"data: [DONE]\n\n"
+
+
+def stripping_relay(impl: Relay, written: list[bytes], chunked: bool = False) -> EventRelay:
+    marks = sglang.CONTENT_CHUNKS
+    return impl.EventRelay(written.append, chunked, marks.keys, marks.cumulative, (), None, sglang.SPEC_DETAILS_KEY)
+
+
+def test_the_chunk_sent_for_spec_details_alone_goes_whole_and_is_kept_as_it_came(impl: Relay) -> None:
+    spec = chat_event({"id": "c", "choices": [], "usage": None, "sglext": {"spec_tokens_details": SPEC_DETAILS}})
+    for pieces in ([CONTENT + spec + USAGE + DONE], [CONTENT, spec, USAGE, DONE], [CONTENT + spec[:30], spec[30:]]):
+        written: list[bytes] = []
+        relay = stripping_relay(impl, written)
+        for piece in pieces:
+            relay.received(1.0, piece)
+        assert b"".join(written) == b"".join(pieces).replace(spec, b"") and relay.tokens == 1
+        assert spec in relay.stripped and sglang.openai_stream_end(relay.stripped).spec is not None
+    written = []
+    relay = stripping_relay(impl, written, chunked=True)
+    relay.received(1.0, CONTENT)
+    relay.received(2.0, spec, True)  # cut to nothing, and the body's end: only the last chunk goes out
+    assert written == [impl.frame(CONTENT), impl.LAST_CHUNK] and relay.last_chunk_written
+
+
+def test_spec_details_beside_other_sglext_fields_leave_them_as_sglang_sends_them_without(impl: Relay) -> None:
+    """SGLang puts every `sglext` field the request asked for in the one chunk, in this order."""
+    values = {"routed_experts": "AAE=", "cached_tokens_details": {"device": 3}, "spec_tokens_details": SPEC_DETAILS,
+              "input_ids": [1, 2]}
+    for asked in (["routed_experts"], ["input_ids"], ["cached_tokens_details", "input_ids"]):
+        without = {name: value for name, value in values.items() if name in asked}
+        with_spec = {name: value for name, value in values.items() if name in asked or name == "spec_tokens_details"}
+        sent = chat_event({"id": "c", "choices": [], "usage": None, "sglext": with_spec})
+        written: list[bytes] = []
+        relay = stripping_relay(impl, written)
+        relay.received(1.0, sent + USAGE)
+        assert written == [chat_event({"id": "c", "choices": [], "usage": None, "sglext": without}) + USAGE], asked
+        assert relay.stripped == sent + USAGE
+
+
+def test_text_that_quotes_the_words_is_never_cut(impl: Relay) -> None:
+    """JSON escapes the quotes of generated text, so the key's quoted name never occurs in it."""
+    texts = ['"sglext":{"spec_tokens_details":{"spec_verify_ct":4}}', '{"spec_tokens_details": 1}',
+             'sglext spec_tokens_details', '\\"spec_tokens_details\\":{}}']
+    for text in texts:
+        quoted = chat_event({"id": "c", "choices": [{"index": 0, "delta": {"content": text}}]})
+        assert b"spec_tokens_details" in quoted
+        written: list[bytes] = []
+        relay = stripping_relay(impl, written)
+        relay.received(1.0, quoted + USAGE + DONE)
+        assert written == [quoted + USAGE + DONE] and relay.stripped == b"" and relay.tokens == 1, text
+
+
+def test_strip_is_a_key_or_nothing(impl: Relay) -> None:
+    for strip in (b"", "key", 3):
+        with pytest.raises(TypeError, match="strip"):
+            impl.EventRelay(None, False, (b'"x":',), True, (), None, strip)
+    relay = impl.EventRelay(None, False, (b'"x":',), True, (), None, None)
+    relay.received(1.0, b'data: {"spec_tokens_details":1}\n\n')
+    assert relay.tail == b'data: {"spec_tokens_details":1}\n\n' and relay.stripped == b""

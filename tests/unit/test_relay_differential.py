@@ -1,7 +1,7 @@
 """The C relay and its pure-Python twin, run on the same generated inputs, must do the same: the same payload
 pieces, the same bytes written to the client, the same counts, gaps and errors (type and message), read after read,
-also on chunked framing that was broken on purpose (bytes flipped, inserted, deleted) and on events longer than the
-relay's cap.
+also on chunked framing that was broken on purpose (bytes flipped, inserted, deleted), on events longer than the
+relay's cap, and with spec details cut out of events (whole, beside other fields, malformed, or quoted in text).
 
 `make test` runs this file twice: as part of the suite (a few hundred inputs per test, the same ones every run) and
 under AddressSanitizer and UBSan, with more inputs (`DFSERVE_FUZZ_EXAMPLES`), as a bounded fuzz of the C code.
@@ -25,6 +25,22 @@ FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline
 
 KEYS = [sglang.NATIVE_TOKENS, sglang.CONTENT_CHUNKS]
 NOISE = b'\r\n\n"0123456789:; {}\tdata,abcfF-'
+SPEC = sglang.SPEC_DETAILS_KEY
+STRIPS = [None, SPEC]
+SPEC_VALUES = [b'{"spec_verify_ct":4,"spec_correct_drafts_histogram":[1,0,3]}', b'[{"a":1},{"b":"}]\\""}]', b"7",
+               b"null", b" {} ", b"", b'{"a":', b'"x', b'{"a":\n1}', b'"\\\\"']
+"""Spec details as SGLang sends them (one object, or a list for n > 1), and values that do not end or cross a line."""
+
+
+def sglext_event(draw: st.DrawFn) -> bytes:
+    """A chunk with `sglext`: the spec details alone, among the other fields SGLang puts there, or not in `sglext`."""
+    value = draw(st.sampled_from(SPEC_VALUES))
+    members = [b'"routed_experts":"AAE="', b'"cached_tokens_details":{"device":3}', SPEC + value,
+               b'"input_ids":[1,2]', b'"output_ids":[[3]]']
+    chosen = [m for m in members if m.startswith(SPEC) or draw(st.booleans())]
+    spaced = draw(st.sampled_from([b",", b", ", b" ,\t"])).join(chosen)
+    where = draw(st.sampled_from([b'"sglext":{%b}', b'"sglext": { %b }', b"%b", b'"choices":[%b]']))
+    return b'data: {"id":"c","choices":[],"usage":null,' + where % spaced + b"}"
 
 
 @st.composite
@@ -34,15 +50,18 @@ def events(draw: st.DrawFn) -> bytes:
     parts = []
     total = 0
     for _ in range(draw(st.integers(0, 12))):
-        kind = draw(st.sampled_from(["native", "chat", "comment", "done", "noise"]))
+        kind = draw(st.sampled_from(["native", "chat", "sglext", "comment", "done", "noise"]))
         total += draw(st.integers(0, 4))
         if kind == "native":
             number = draw(st.sampled_from([str(total), "null", " 12", "0" * 25 + "7", "1" + "0" * 18,
                                            str(2**63 - 1), "9223372036854775790", "9" * 19, "9" * 20]))  # int64's end
             body = b'data: {"text":"t","meta_info":{"completion_tokens":%b}}' % number.encode()
         elif kind == "chat":
-            text = draw(st.sampled_from([b"a", b"", b'\\"q', b"def f():"]))
+            text = draw(st.sampled_from([b"a", b"", b'\\"q', b"def f():", b'\\"sglext\\":{\\"spec_tokens_details\\":1}',
+                                         b'\\"spec_tokens_details\\":{}}']))
             body = b'data: {"choices":[{"delta":{"content":"%b"}}]}' % text
+        elif kind == "sglext":
+            body = sglext_event(draw)
         elif kind == "comment":
             body = b": ping"
         elif kind == "done":
@@ -117,15 +136,17 @@ class Owner:
 
 
 def relay_state(relay: Any) -> tuple[object, ...]:
-    return (relay.pending, relay.tail, relay.tokens, relay.first, relay.chunk_gaps, relay.token_gaps,
+    return (relay.pending, relay.tail, relay.stripped, relay.tokens, relay.first, relay.chunk_gaps, relay.token_gaps,
             relay.last_chunk_written)
 
 
 def through_relay(impl: ModuleType, reads: list[bytes], marks: sglang.TokenMarks, chunked_out: bool,
-                  bounds: tuple[float, ...], max_event_bytes: int | None, as_protocol: bool) -> list[object]:
+                  bounds: tuple[float, ...], max_event_bytes: int | None, as_protocol: bool,
+                  strip: bytes | None) -> list[object]:
     """Every read through a de-chunker into a relay; what each read did, and the state after it."""
     written: list[bytes] = []
-    relay = impl.EventRelay(written.append, chunked_out, marks.keys, marks.cumulative, bounds, max_event_bytes)
+    relay = impl.EventRelay(written.append, chunked_out, marks.keys, marks.cumulative, bounds, max_event_bytes,
+                            strip)
     ticks = itertools.count()
     dechunker = impl.Dechunker(relay, lambda: next(ticks) / 7)
     owner = Owner()
@@ -151,7 +172,7 @@ def test_chunked_bodies_through_dechunker_and_relay(data: st.DataObject) -> None
     bounds = data.draw(st.sampled_from([(), (0.5,), (0.1, 0.2, 1.0, 5.0)]))
     max_event_bytes = data.draw(st.sampled_from([None, 1, 16, 64, 1 << 20]))
     chunked_out, as_protocol = data.draw(st.booleans()), data.draw(st.booleans())
-    args = (reads, marks, chunked_out, bounds, max_event_bytes, as_protocol)
+    args = (reads, marks, chunked_out, bounds, max_event_bytes, as_protocol, data.draw(st.sampled_from(STRIPS)))
     assert through_relay(_relay, *args) == through_relay(_relay_py, *args)
 
 
@@ -178,9 +199,9 @@ def test_chunked_bodies_into_any_sink(data: st.DataObject) -> None:
 
 
 def fed_directly(impl: ModuleType, pieces: list[tuple[bytes, bool]], marks: sglang.TokenMarks,
-                 max_event_bytes: int | None) -> list[object]:
+                 max_event_bytes: int | None, strip: bytes | None) -> list[object]:
     written: list[bytes] = []
-    relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.25, 1.0), max_event_bytes)
+    relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.25, 1.0), max_event_bytes, strip)
     return [(outcome(lambda n=n, piece=piece, last=last: relay.received(n * 0.3, piece, last)), list(written),
              relay_state(relay)) for n, (piece, last) in enumerate(pieces)]
 
@@ -192,8 +213,9 @@ def test_events_fed_to_a_relay_piece_by_piece(data: st.DataObject) -> None:
     pieces = [(piece, data.draw(st.booleans())) for piece in cuts(data.draw, stream)]
     marks = data.draw(st.sampled_from(KEYS))
     max_event_bytes = data.draw(st.sampled_from([None, 2, 40, 200]))
-    assert fed_directly(_relay, pieces, marks, max_event_bytes) == fed_directly(_relay_py, pieces, marks,
-                                                                                 max_event_bytes)
+    strip = data.draw(st.sampled_from(STRIPS))
+    assert fed_directly(_relay, pieces, marks, max_event_bytes, strip) == fed_directly(_relay_py, pieces, marks,
+                                                                                        max_event_bytes, strip)
 
 
 @FUZZ

@@ -80,6 +80,7 @@ class SimResponse(Response):
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk, faults.abort_after_chunk,
                               faults.backlog_after_chunk} - {None}
         self._stamp_final = request.stream and ctx.config.record_chunk_times
+        self._spec_details = request.return_spec_tokens_details and ctx.config.spec_details
         if request.stream and faults.backlog_after_chunk is None:
             sim.encode = self._encode
 
@@ -226,7 +227,7 @@ class SimResponse(Response):
     def _end_chunks(self, completion_tokens: int) -> list[dict[str, Any]]:
         request, sim = self.request, self.sim
         obj = "chat.completion.chunk" if request.api == "chat" else "text_completion"
-        spec = sim.spec_stats() if request.return_spec_tokens_details else None
+        spec = sim.spec_stats() if self._spec_details else None
         return proto.stream_end_chunks(self._head(), obj=obj, prompt_tokens=sim.prompt_tokens,
                                        completion_tokens=completion_tokens, spec=spec,
                                        include_usage=request.include_usage)
@@ -281,7 +282,7 @@ class SimResponse(Response):
         if api == "native":
             return proto.generate_response_body(text, sim.output.ids, self._meta(update))
         head, tokens = self._head(), update.completion_tokens
-        spec = sim.spec_stats() if self.request.return_spec_tokens_details else None
+        spec = sim.spec_stats() if self._spec_details else None
         if api == "chat":
             meta = self._meta(update) if self.request.return_meta_info else None
             return proto.chat_completion_body(head, text=text, finish=sim.finish, prompt_tokens=sim.prompt_tokens,

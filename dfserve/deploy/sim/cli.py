@@ -39,6 +39,8 @@ def _config(**values: object) -> SimConfig:
                    "(OpenAI streams: an SSE comment before [DONE]).")
 @click.option("--api-key", default=None,
               help="Like SGLang's --api-key: every route but health, readiness and metrics needs Authorization: Bearer KEY.")
+@click.option("--spec-details/--no-spec-details", default=True,
+              help="Answer return_spec_tokens_details (SGLang 0.5.23); off: ignore it, as earlier SGLang does.")
 @click.option("--lossy-fraction", type=float, default=0.0, help="Fraction of prompts whose output text differs.")
 @click.option("--error-rate", type=float, default=0.0, help="Fraction of requests answered with HTTP 500.")
 @click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")

@@ -44,6 +44,8 @@ class SimConfig(BaseModel):
     block_size: int | None = Field(None, ge=2)
     incremental_streaming_output: bool = False
     record_chunk_times: bool = False
+    spec_details: bool = Field(True, description="Answer return_spec_tokens_details as SGLang 0.5.23 does; off: "
+                                                 "ignore it, as earlier SGLang does.")
     lossy_fraction: float = Field(0.0, ge=0.0, le=1.0)
     api_key: str | None = Field(None, description="Like SGLang's --api-key: requests need Authorization: Bearer KEY.")
     faults: FaultConfig = FaultConfig()
