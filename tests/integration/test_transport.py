@@ -4,8 +4,11 @@ stamps a caller gets (also from a failed exchange), streaming reads, keep-alive,
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -191,3 +194,32 @@ def test_a_response_of_another_transport_is_refused_by_wait_complete() -> None:
 
     with pytest.raises(TypeError, match="StampingTransport"):
         asyncio.run(go())
+
+
+def test_https_is_verified_as_httpx_verifies_it(tmp_path: Path) -> None:
+    """A server whose certificate the client trusts is reached; the same server with httpx's default trust store is
+    refused as a connect error, before any request byte is sent."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecure")
+        await writer.drain()
+
+    async def go(verify: ssl.SSLContext | bool) -> bytes:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=served)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        try:
+            async with httpx.AsyncClient(transport=StampingTransport(verify=verify)) as client:
+                return (await client.get(url)).content
+        finally:
+            server.close()
+
+    assert asyncio.run(go(ssl.create_default_context(cafile=str(cert)))) == b"secure"
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+        asyncio.run(go(True))
