@@ -221,5 +221,5 @@ def test_https_is_verified_as_httpx_verifies_it(tmp_path: Path) -> None:
             server.close()
 
     assert asyncio.run(go(ssl.create_default_context(cafile=str(cert)))) == b"secure"
-    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+    with pytest.raises(httpx.ConnectError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
         asyncio.run(go(True))
