@@ -605,6 +605,10 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
     parser.add_argument("--cpu-split", action="store_true",
                         help="Also split each proxy's CPU into a cost per request and a cost per chunk.")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="Also measure `dfserve gateway` imported from this folder (an export of an earlier "
+                             "commit's dfserve/, its extension built in place) as the path gateway-before.")
+    parser.add_argument("--before-label", default="an earlier commit", help="What --before holds, for RESULTS.md.")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
     args = parser.parse_args()
@@ -612,7 +616,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # start-up objects are never scanned again
     proxy_cpus = pin_processes() if args.pin else None
-    paths = args.paths.split(",")
+    paths = args.paths.split(",") + (["gateway-before"] if args.before else [])
     levels = [int(c) for c in args.concurrency.split(",")]
     peer_python = ensure_peers() if {"sglang-router", "litellm"} & set(paths) else None
     logs = Path(tempfile.mkdtemp(prefix="dfserve-bench-"))
@@ -630,6 +634,14 @@ def main() -> None:
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log",
                                                cpus=proxy_cpus))
             endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
+        if args.before:
+            port = free_port()
+            imported_from = f"import sys; sys.path.insert(0, {str(args.before)!r}); from dfserve.cli import main; main()"
+            argv = [sys.executable, "-c", imported_from, "gateway", "--host", LOOPBACK, "--port", str(port),
+                    "--arm", f"a=1@{sim_url}", "--scrape-interval", "15"]
+            pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway-before.log",
+                                               cpus=proxy_cpus))
+            endpoints["gateway-before"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
         if "tcp-floor" in paths:
             port = free_port()
             argv = [sys.executable, str(ROOT / "bench" / "tcp_floor_proxy.py"), str(port), str(sim_port)]
@@ -687,6 +699,8 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         versions = (f"dfserve at commit {commit.stdout.strip() or 'unknown'}; peers " + ", ".join(PEER_PINS)
                     + f"; Python {platform.python_version()}.")
+        if args.before:
+            versions += f" gateway-before: `dfserve gateway` from {args.before_label}, measured in the same runs."
         write_results(rows, "flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py "
                       + " ".join(sys.argv[1:]), versions, proxy_cpus is not None, args.repeats, costs)
 
