@@ -8,8 +8,8 @@
    Target: batched at least 10x the per-anchor loop. Beside it, the ceiling: the per-anchor time over the batched
    time of anchors with next to no context, the block work (drafter layers over 16 rows, the target's head) both
    paths must pay whatever the context.
-2. The same batched scoring with one core kept busy by a spinning process, at one thread and at one per core: why
-   the thread count is fixed (`--threads`, the `dfserve eval run` flag of the same name).
+2. The batched scoring at one thread and at one per core, as the machine is and with a spinning process keeping one
+   core busy: why the thread count is fixed (`--threads`, as `dfserve eval run --threads`).
 3. Peak memory of the teacher-forced target forward: capturing only the drafter's tap layers (forward hooks, what
    the feature cache stores) against asking transformers for every layer's hidden states. Each runs in a fresh
    process; the peak resident set is reset after the model is built and read after the forward.
@@ -125,21 +125,24 @@ def speed(scorer: Scorer, args: argparse.Namespace, prompt: int) -> Speed:
     return Speed(statistics.median(batched), statistics.median(per_anchor), ratios, block_only)
 
 
-def contended(scorer: Scorer, args: argparse.Namespace) -> dict[int, float]:
-    """Batched anchors per second at the first context with a spinning process on one core, per thread count."""
+def by_threads(scorer: Scorer, args: argparse.Namespace) -> dict[int, tuple[float, float]]:
+    """Batched anchors per second at the first context per thread count: (as the machine is, with a spinning process
+    keeping one core busy); medians, the thread counts alternating."""
     prompt, counts = args.prompt[0], sorted({1, os.cpu_count() or 1})
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        rates: dict[int, list[float]] = {n: [] for n in counts}
-        for _ in range(args.repeats):
-            for threads in counts:
-                with torch_threads(threads):
-                    scorer.warm(prompt, args.per_forward)
-                    rates[threads].append(scorer.rate(prompt, args.per_forward)[0])
-    finally:
-        spinner.kill()
-        spinner.wait()
-    return {n: statistics.median(r) for n, r in rates.items()}
+    rates: dict[tuple[int, bool], list[float]] = {(n, busy): [] for n in counts for busy in (False, True)}
+    for busy in (False, True):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            for _ in range(args.repeats):
+                for threads in counts:
+                    with torch_threads(threads):
+                        scorer.warm(prompt, args.per_forward)
+                        rates[threads, busy].append(scorer.rate(prompt, args.per_forward)[0])
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+    return {n: (statistics.median(rates[n, False]), statistics.median(rates[n, True])) for n in counts}
 
 
 def target_config(hidden: int) -> dict[str, int]:
@@ -210,20 +213,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     scorer = Scorer(args)
     speeds = {prompt: speed(scorer, args, prompt) for prompt in args.prompt}
-    busy = contended(scorer, args)
+    threads = by_threads(scorer, args)
     memory = peak_memory(args)
     for prompt, sp in speeds.items():
         print(f"context {prompt}: batched {sp.batched:.1f}, per anchor {sp.per_anchor:.1f} anchors/s, {sp.ratio:.1f}x "
               f"(pairs {', '.join(f'{r:.1f}' for r in sp.ratios)}; ceiling {sp.ceiling:.1f}x; target >= 10x)")
-    for threads, rate in busy.items():
-        print(f"one core busy, {threads} thread(s): batched {rate:.1f} anchors/s at context {args.prompt[0]}")
+    for count, (quiet, busy) in threads.items():
+        print(f"{count} thread(s): batched {quiet:.1f} anchors/s, {busy:.1f} with one core busy (context {args.prompt[0]})")
     for mode, figures in memory.items():
         print(f"{mode:12s} peak +{figures['peak_mib']:.0f} MiB, kept {figures['kept_mib']:.0f} MiB")
     command = "flock /tmp/dfserve-bench.lock .venv/bin/python " + shlex.join(["bench/eval_speed.py", *sys.argv[1:]])
     per_token = 65 * 5120 * 4 / 2**20
     met = [prompt for prompt, sp in speeds.items() if sp.ratio >= 10]
     block_only = statistics.median(sp.block_only for sp in speeds.values())
-    quiet = speeds[args.prompt[0]].batched
     body = "\n".join([
         "## Offline evaluation: anchors scored per second, and memory of capturing the taps",
         "",
@@ -247,17 +249,24 @@ def main() -> None:
         "work both paths pay alike: 5 layers over 16 rows and the target's head over 15 (here "
         f"{block_only:.0f} anchors/s with next to no context), plus attention over the context. The ceiling column "
         "is the per-anchor time over that block work: no batching can beat it, so 10x needs a context long enough "
-        "for the per-anchor loop to spend nine tenths of its time on context. The real drafter keeps the proportions "
-        "(hidden 5120: `fc` 5 x 5120 per context token per anchor against 5 layers of 16 rows and a 248k head), so "
-        "the same holds at full size: a few times at short prompts, 10x and more at the thousands of tokens of "
-        "thinking traces.",
+        "for the per-anchor loop to spend nine tenths of its time on context. By multiply-adds the full-size drafter "
+        "(5 layers of the 27B's width, hidden 5120 and MLP 17408, its 248k-token head) breaks even at about the same "
+        "place: per anchor about 93 GFLOP of block work against 0.37 GFLOP per context token (`fc` over 5 x 5120 "
+        "features, keys and values of 5 layers), so 10x needs about 2,400 context tokens: not at short prompts, "
+        "yes at the thousands of tokens of thinking traces.",
         "",
-        f"With one core kept busy by a spinning process (context {args.prompt[0]}, batched, median of "
-        f"{args.repeats}): " + ", ".join(f"{n} thread(s) {r:.1f} anchors/s" for n, r in busy.items())
-        + f" (quiet, {args.threads} thread(s): {quiet:.1f}). torch's default, one thread per core, waits at every "
-        "parallel step for a thread that lost its core; earlier runs of this benchmark at two threads, one timed "
-        "pass per path, read 0.7x to 8.7x for the same code, and a batched path slower at 512 context than at 1536, "
-        "from exactly this. `dfserve eval run --threads N` sets the count for a run (recorded in its config.json).",
+        f"Batched anchors per second at context {args.prompt[0]} by torch thread count, as the machine was and with a "
+        f"spinning process keeping one core busy (medians of {args.repeats}):",
+        "",
+        "| threads | as the machine was | one core busy |",
+        "|---|---|---|",
+        *(f"| {count} | {quiet:.1f} | {busy:.1f} |" for count, (quiet, busy) in threads.items()),
+        "",
+        "One thread per core (torch's default) waits at every parallel step for any thread that lost its core, so "
+        "its pace follows whatever else runs; one thread keeps its own. Earlier runs of this benchmark, two threads "
+        "and one timed pass per path, read 0.7x to 8.7x for the same code, and a batched path slower at 512 context "
+        "than at 1536: other work landing on one side of a single pass. Both paths now run at one fixed count, "
+        "alternating; `dfserve eval run --threads N` sets the count for a run and records it in its config.json.",
         "",
         f"Teacher-forced forward of a 24-layer Qwen3 target (hidden {args.target_hidden}) over {args.tokens} tokens, each "
         "in a fresh process; the peak resident set is reset after the model is built, so the rise is the forward's "
