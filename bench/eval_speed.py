@@ -264,7 +264,7 @@ def main() -> None:
         "",
         "One thread per core (torch's default) waits at every parallel step for any thread that lost its core, so "
         "its pace follows whatever else runs; one thread keeps its own. Earlier runs of this benchmark, two threads "
-        "and one timed pass per path, read 0.7x to 8.7x for the same code, and a batched path slower at 512 context "
+        "and one timed pass per path, read from 0.7x to 8.7x from one run to the next, and a batched path slower at 512 context "
         "than at 1536: other work landing on one side of a single pass. Both paths now run at one fixed count, "
         "alternating; `dfserve eval run --threads N` sets the count for a run and records it in its config.json.",
         "",

@@ -339,7 +339,8 @@ def _config(plan: EvalPlan, run_id: str, prepared: _Prepared, drafters: list[Eva
             TaskInfo(id=r.task, prompt_tokens=len(r.prompt_ids), output_tokens=len(r.output_ids), finish=r.finish)
             for r in prepared.references.references)),
         max_new_tokens=plan.max_new_tokens, block_size=plan.block_size, ddtree_budgets=plan.ddtree_budgets,
-        dtype=plan.dtype, anchors_per_forward=plan.anchors_per_forward, threads=torch.get_num_threads(), drafters=tuple(d.info for d in drafters),
+        dtype=plan.dtype, anchors_per_forward=plan.anchors_per_forward, threads=torch.get_num_threads(),
+        drafters=tuple(d.info for d in drafters),
         references=prepared.reference_info, features=prepared.feature_info,
         versions=package_versions("dfserve", "torch", "transformers", "dflash", "safetensors"), provenance=Provenance.here(),
     )
