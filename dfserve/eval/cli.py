@@ -83,6 +83,9 @@ def eval_group() -> None:
               help="Target and drafter dtype (a 27B target needs about 108 GB in float32, 54 GB in bfloat16).")
 @click.option("--anchors-per-forward", type=click.IntRange(min=1), default=32,
               help="Anchors scored by one drafter forward; 1 runs z-lab's own forward per anchor.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads torch computes with (default: one per core). Set fewer when other work shares the "
+                   "machine: torch's threads wait for any that lose their core, several times slower than fewer.")
 @click.option("--cache", type=click.Path(path_type=Path, file_okay=False), default=Path("eval-cache"),
               help="Folder of cached references and target features (content-addressed).")
 @click.option("--features", type=click.Path(path_type=Path, file_okay=False),
@@ -114,7 +117,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
             prompt_format=opts["prompt_format"], thinking=opts["thinking"], reference=opts["reference"],
             dtype=opts["dtype"], anchors_per_forward=opts["anchors_per_forward"], cache=opts["cache"],
             features=opts["features"], store=opts["store"], registry=opts["registry"], out=opts["out"],
-            name=opts["name"], gate=read_gate(opts["gate"], DEFAULT_EVAL_GATE),
+            name=opts["name"], gate=read_gate(opts["gate"], DEFAULT_EVAL_GATE), threads=opts["threads"],
         )
         if plan.reference != "local" and not plan.reference.startswith(("http://", "https://")):
             raise UserError(f"--reference: {plan.reference!r} is neither 'local' nor an http(s) URL")

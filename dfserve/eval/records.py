@@ -120,6 +120,7 @@ class EvalConfig(_Model):
     ddtree_budgets: tuple[int, ...]
     dtype: str
     anchors_per_forward: int
+    threads: int | None = Field(None, description="CPU threads torch computed with (None: recorded before this field)")
     drafters: tuple[DrafterInfo, ...]
     references: ReferenceInfo
     features: FeatureInfo

@@ -49,7 +49,7 @@ from dfserve.eval.records import (
     ddtree_method,
 )
 from dfserve.eval.report import render_html
-from dfserve.eval.scoring import TargetHead, score_anchors
+from dfserve.eval.scoring import TargetHead, score_anchors, torch_threads
 from dfserve.eval.target import (
     describe_target,
     greedy_step,
@@ -102,6 +102,8 @@ class EvalPlan:
     out: Path
     name: str | None
     gate: EvalGate
+    threads: int | None = None
+    """CPU threads torch computes with; None: torch's default."""
 
     def methods(self) -> list[str]:
         return [VANILLA, *(ddtree_method(b) for b in self.ddtree_budgets)]
@@ -131,6 +133,11 @@ class _Prepared:
 
 
 def run_eval(plan: EvalPlan, console: Console) -> EvalOutcome:
+    with torch_threads(plan.threads):
+        return _run(plan, console)
+
+
+def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     _quiet_transformers()
     run_id = plan.name or new_run_id("eval")
     if (plan.out / run_id).exists():
@@ -332,7 +339,8 @@ def _config(plan: EvalPlan, run_id: str, prepared: _Prepared, drafters: list[Eva
             TaskInfo(id=r.task, prompt_tokens=len(r.prompt_ids), output_tokens=len(r.output_ids), finish=r.finish)
             for r in prepared.references.references)),
         max_new_tokens=plan.max_new_tokens, block_size=plan.block_size, ddtree_budgets=plan.ddtree_budgets,
-        dtype=plan.dtype, anchors_per_forward=plan.anchors_per_forward, drafters=tuple(d.info for d in drafters),
+        dtype=plan.dtype, anchors_per_forward=plan.anchors_per_forward, threads=torch.get_num_threads(),
+        drafters=tuple(d.info for d in drafters),
         references=prepared.reference_info, features=prepared.feature_info,
         versions=package_versions("dfserve", "torch", "transformers", "dflash", "safetensors"), provenance=Provenance.here(),
     )

@@ -20,6 +20,7 @@ import torch
 
 from dfserve.baselines import BaselineRegistry
 from dfserve.cli import main
+from dfserve.eval.scoring import torch_threads
 from tests.fixtures.eval import models
 
 pytestmark = pytest.mark.heavy
@@ -218,10 +219,13 @@ def test_offline_tau_per_round_equals_zlab_online_loop(first_run: FirstRun, worl
 
 def test_a_second_checkpoint_reuses_the_features_and_compares_across_runs(
         first_run: FirstRun, world: World, capsys: pytest.CaptureFixture[str]) -> None:
-    status, _, err = run_cli(capsys, *eval_args(world, "second", f"again={world.short_checkpoint}"))
+    with torch_threads(2):
+        status, _, err = run_cli(capsys, *eval_args(world, "second", f"again={world.short_checkpoint}", threads=1))
+        assert torch.get_num_threads() == 2  # --threads holds for the run only
     assert status == 0, err
     first = json.loads((first_run.run_dir / "config.json").read_text())
     second = json.loads((world.root / "runs" / "second" / "config.json").read_text())
+    assert second["threads"] == 1 and first["threads"] == 1  # the first ran under the fixture's one thread
     assert second["features"]["reused"] is True and second["references"]["reused"] is True
     assert second["features"]["key"] == first["features"]["key"] and second["features"]["built_by"] == "first"
     assert "target features" not in err and "references" not in err  # no target forward ran
