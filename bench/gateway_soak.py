@@ -52,7 +52,7 @@ from bench.gateway_overhead import SIM_CONFIG, SIM_SNIPPET  # noqa: E402
 from bench.heap_probe import SNIPPET, ask, rss_mib  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from dfserve import sglang  # noqa: E402
-from dfserve.gateway.config import Limits  # noqa: E402
+from dfserve.gateway.config import Limits, ScrapeConfig  # noqa: E402
 from dfserve.listen import raise_open_files_limit  # noqa: E402
 from tests.integration.servers import LOOPBACK, serve  # noqa: E402
 
@@ -300,11 +300,17 @@ def memory_reading(before: Idle, rounds: list[Round]) -> str:
         later = len(rounds) - 1
         change = {key: last.memory[key] - first.memory[key]
                   for key in ("rss_mib", "trimmed_rss_mib", "gc_objects", "allocated_blocks")}
-        cut = sum(done.attack.opened for done in rounds[1:]) / later
-        text += (f" The {later} rounds after it, each opening {cut:.0f} slow connections, added in all: resident "
-                 f"memory {change['rss_mib']:+.1f} MiB ({change['trimmed_rss_mib']:+.1f} MiB after malloc_trim), live "
-                 f"objects {change['gc_objects']:+d} ({grown_types(first, last)}), allocated blocks "
-                 f"{change['allocated_blocks']:+d}.")
+        opened = sum(done.attack.opened for done in rounds[1:])
+        grown = grown_types(first, last)
+        text += (f" The {later} rounds after it, opening {opened} slow connections in all, added: resident memory "
+                 f"{change['rss_mib']:+.1f} MiB ({change['trimmed_rss_mib']:+.1f} MiB after malloc_trim), live objects "
+                 f"{change['gc_objects']:+d} ({grown}), allocated blocks {change['allocated_blocks']:+d}; per 1,000 "
+                 f"connections, {change['gc_objects'] * 1000 / opened:+.1f} objects and "
+                 f"{change['allocated_blocks'] * 1000 / opened:+.1f} blocks.")
+        if "CounterSample" in grown:
+            scrape = ScrapeConfig()
+            text += (f" `CounterSample` is the gateway's scrape window, bounded: a reading per replica every "
+                     f"{scrape.interval_s:g} s, kept {scrape.window_s:g} s.")
     return text
 
 
