@@ -302,9 +302,9 @@ def memory_reading(before: Idle, rounds: list[Round]) -> str:
                   for key in ("rss_mib", "trimmed_rss_mib", "gc_objects", "allocated_blocks")}
         opened = sum(done.attack.opened for done in rounds[1:])
         grown = grown_types(first, last)
-        text += (f" The {later} rounds after it, opening {opened} slow connections in all, added: resident memory "
-                 f"{change['rss_mib']:+.1f} MiB ({change['trimmed_rss_mib']:+.1f} MiB after malloc_trim), live objects "
-                 f"{change['gc_objects']:+d} ({grown}), allocated blocks {change['allocated_blocks']:+d}; per 1,000 "
+        text += (f" The {later} round{'s' if later > 1 else ''} after it, opening {opened} slow connections in all, "
+                 f"added: resident memory {change['rss_mib']:+.1f} MiB ({change['trimmed_rss_mib']:+.1f} MiB after "
+                 f"malloc_trim), live objects {change['gc_objects']:+d} ({grown}), allocated blocks {change['allocated_blocks']:+d}; per 1,000 "
                  f"connections, {change['gc_objects'] * 1000 / opened:+.1f} objects and "
                  f"{change['allocated_blocks'] * 1000 / opened:+.1f} blocks.")
         if "CounterSample" in grown:
