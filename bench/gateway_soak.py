@@ -6,8 +6,11 @@ deadline (`limits.head_timeout_s`, 408), connect again at once, so that 1,000 st
 a process of its own, its connections' starts spread over one head deadline so that they are not all cut at once.
 Normal clients must keep their latency (TTFT and chunk gap, the streams alone against the streams beside the flood),
 and the gateway's descriptors must come back to where they were once the flood stops. The flood and the streams
-after it run `--rounds` times: Python's allocator keeps memory it once used, so what shows a leak is resident memory
-that keeps growing from one round to the next, not the first round's rise.
+after it run `--rounds` times. Resident memory alone cannot show a leak (Python's allocator and the C heap keep pages
+they once used), so at each idle point the gateway, started through `bench/heap_probe.py`, also reports what it holds
+live: its gc-tracked objects created since start-up and the blocks of Python's allocator, after a full collection,
+then its resident memory once `malloc_trim(0)` has given back the C heap's free pages. A leak is live objects or
+blocks growing round after round; `--tracemalloc` names the source lines whose allocations grew.
 
     flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_soak.py
 
@@ -29,11 +32,13 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -44,11 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import SIM_CONFIG, SIM_SNIPPET  # noqa: E402
+from bench.heap_probe import SNIPPET, ask, rss_mib  # noqa: E402
 from bench.results import write_section  # noqa: E402
 from dfserve import sglang  # noqa: E402
-from dfserve.gateway.config import Limits  # noqa: E402
+from dfserve.gateway.config import Limits, ScrapeConfig  # noqa: E402
 from dfserve.listen import raise_open_files_limit  # noqa: E402
-from tests.integration.servers import LOOPBACK, dfserve_argv, serve  # noqa: E402
+from tests.integration.servers import LOOPBACK, serve  # noqa: E402
 
 SECTION = "gateway_soak"
 HEAD_TIMEOUT_S = Limits().head_timeout_s
@@ -78,13 +84,6 @@ class Gauge:
 
 def descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise LookupError("VmRSS")
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, streams: Streams) -> None:
@@ -207,6 +206,18 @@ def attacker(url: str, connections: int, gap_s: float, seconds: float, open_now:
 
 
 @dataclass
+class Idle:
+    """The gateway at rest: its descriptors, and its memory as `heap_probe.ask` reports it."""
+
+    descriptors: int
+    memory: dict[str, Any]
+
+
+def idle(pid: int, probe: Path) -> Idle:
+    return Idle(descriptors(pid), ask(pid, probe))
+
+
+@dataclass
 class Round:
     """One flood: the streams beside it and after it, the gateway gauged meanwhile, and its idle figures after."""
 
@@ -215,10 +226,10 @@ class Round:
     attack: Attack
     settled_s: float
     after: Streams
-    idle: tuple[int, float]
+    idle: Idle
 
 
-def flood_round(gateway_url: str, pid: int, idle_descriptors: int, args: argparse.Namespace) -> Round:
+def flood_round(gateway_url: str, pid: int, probe: Path, idle_descriptors: int, args: argparse.Namespace) -> Round:
     """`--slow` slow connections kept open, the streams measured beside them once all are, then the streams alone."""
     url = gateway_url + "/generate"
     open_now: Synchronized[int] = multiprocessing.Value("i", 0)
@@ -241,7 +252,7 @@ def flood_round(gateway_url: str, pid: int, idle_descriptors: int, args: argpars
     settled_s = settle(pid, idle_descriptors)
     after = uvloop.run(run_streams(url, args.streams, args.after_seconds, args.max_tokens))
     time.sleep(1.0)
-    return Round(beside, gauge, attack, settled_s, after, (descriptors(pid), rss_mib(pid)))
+    return Round(beside, gauge, attack, settled_s, after, idle(pid, probe))
 
 
 def settle(pid: int, baseline: int, timeout_s: float = 30.0) -> float:
@@ -253,12 +264,54 @@ def settle(pid: int, baseline: int, timeout_s: float = 30.0) -> float:
 
 
 def ms(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) * 1e3
+    """NaN for a phase in which no stream got an event (its errors column says why): the other figures still print."""
+    return float(np.percentile(np.asarray(values), q)) * 1e3 if values else float("nan")
 
 
 def row(name: str, s: Streams) -> str:
     return (f"| {name} | {s.requests} | {s.errors} | {ms(s.ttft_s, 50):.2f} / {ms(s.ttft_s, 99):.2f} | "
             f"{ms(s.gaps_s, 50):.2f} / {ms(s.gaps_s, 99):.2f} |")
+
+
+def idle_row(name: str, at: Idle) -> str:
+    memory = at.memory
+    return (f"| {name} | {at.descriptors} | {memory['rss_mib']:.1f} | {memory['gc_objects']} | "
+            f"{memory['allocated_blocks']} | {memory['trimmed_rss_mib']:.1f} |")
+
+
+def grown_types(before: Idle, after: Idle, count: int = 6) -> str:
+    """The types whose live objects changed most in number between two idle points."""
+    old, new = before.memory["types"], after.memory["types"]
+    change = {name: new.get(name, 0) - old.get(name, 0) for name in old.keys() | new.keys()}
+    moved = sorted((item for item in change.items() if item[1]), key=lambda item: -abs(item[1]))[:count]
+    return ", ".join(f"{name} {delta:+d}" for name, delta in moved) or "none"
+
+
+def memory_reading(before: Idle, rounds: list[Round]) -> str:
+    """The idle points read for a leak: the first round's rise (pools, tables and arenas sized to the flood), then
+    what each later round added."""
+    if not rounds:
+        return ""
+    first, last = rounds[0].idle, rounds[-1].idle
+    text = (f"Memory: the first round raised the idle gateway's resident memory "
+            f"{first.memory['rss_mib'] - before.memory['rss_mib']:+.1f} MiB and its live objects "
+            f"{first.memory['gc_objects'] - before.memory['gc_objects']:+d} ({grown_types(before, first)}).")
+    if len(rounds) > 1:
+        later = len(rounds) - 1
+        change = {key: last.memory[key] - first.memory[key]
+                  for key in ("rss_mib", "trimmed_rss_mib", "gc_objects", "allocated_blocks")}
+        opened = sum(done.attack.opened for done in rounds[1:])
+        grown = grown_types(first, last)
+        text += (f" The {later} round{'s' if later > 1 else ''} after it, opening {opened} slow connections in all, "
+                 f"added: resident memory {change['rss_mib']:+.1f} MiB ({change['trimmed_rss_mib']:+.1f} MiB after "
+                 f"malloc_trim), live objects {change['gc_objects']:+d} ({grown}), allocated blocks {change['allocated_blocks']:+d}; per 1,000 "
+                 f"connections, {change['gc_objects'] * 1000 / opened:+.1f} objects and "
+                 f"{change['allocated_blocks'] * 1000 / opened:+.1f} blocks.")
+        if "CounterSample" in grown:
+            scrape = ScrapeConfig()
+            text += (f" `CounterSample` is the gateway's scrape window, bounded: a reading per replica every "
+                     f"{scrape.interval_s:g} s, kept {scrape.window_s:g} s.")
+    return text
 
 
 def main() -> None:
@@ -272,7 +325,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="Trace the gateway's allocations and print the lines that grew; slows the gateway, so its "
+                             "latency figures mean little. Implies --no-write.")
     args = parser.parse_args()
+    args.no_write = args.no_write or args.tracemalloc
     wanted = args.slow + args.streams + 256
     if raise_open_files_limit(wanted) < wanted:
         raise SystemExit(f"--slow {args.slow}: needs {wanted} open descriptors, more than `ulimit -Hn` allows")
@@ -284,24 +341,28 @@ def main() -> None:
         os.sched_setaffinity(0, {cpus[0]})
     with contextlib.ExitStack() as stack:
         sim = stack.enter_context(serve([sys.executable, "-c", SIM_SNIPPET, json.dumps({**SIM_CONFIG, "port": 0})]))
-        argv = dfserve_argv("gateway", "--host", LOOPBACK, "--port", "0", "--arm", f"a=1@{sim.url}")
-        gateway = stack.enter_context(serve(["taskset", "-c", gateway_cpus, *argv] if gateway_cpus else argv))
+        probe = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dfserve-soak-"))) / "memory.json"
+        argv = [sys.executable, "-c", SNIPPET, str(probe), "gateway", "--host", LOOPBACK, "--port", "0",
+                "--arm", f"a=1@{sim.url}"]
+        gateway = stack.enter_context(serve(["taskset", "-c", gateway_cpus, *argv] if gateway_cpus else argv,
+                                            env={"PYTHONTRACEMALLOC": "1"} if args.tracemalloc else None))
         pid, url = gateway.process.pid, gateway.url + "/generate"
 
         uvloop.run(run_streams(url, args.streams, 5.0, args.max_tokens))  # warm-up: imports, pools, caches
         alone = uvloop.run(run_streams(url, args.streams, args.seconds, args.max_tokens))
         time.sleep(1.0)  # the streams' connections closed; the gateway's upstream pool stays, as it will after
-        idle_before = (descriptors(pid), rss_mib(pid))
+        idle_before = idle(pid, probe)
 
-        rounds = [flood_round(gateway.url, pid, idle_before[0], args) for _ in range(args.rounds)]
+        rounds = [flood_round(gateway.url, pid, probe, idle_before.descriptors, args) for _ in range(args.rounds)]
         metrics = httpx.get(gateway.url + "/metrics", trust_env=False).text
     counted = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("dfserve_client_connections_refused_total{")}
 
     header = "| normal streams | requests | errors | TTFT p50 / p99 ms | chunk gap p50 / p99 ms |\n|---|---|---|---|---|"
     rows = [row(f"{args.streams} alone", alone)]
-    resources = ["| gateway | open descriptors | resident memory MiB |", "|---|---|---|",
-                 f"| idle, before the attack | {idle_before[0]} | {idle_before[1]:.1f} |"]
+    resources = ["| gateway | open descriptors | resident memory MiB | live objects | allocated blocks | "
+                 "resident after malloc_trim MiB |", "|---|---|---|---|---|---|",
+                 idle_row("idle, before the attack", idle_before)]
     attack_lines = []
     for number, done in enumerate(rounds, 1):
         beside, gauge, attack = done.beside, done.gauge, done.attack
@@ -311,8 +372,8 @@ def main() -> None:
                  f"{ms(beside.gaps_s, 50) - ms(alone.gaps_s, 50):+.2f} / {ms(beside.gaps_s, 99) - ms(alone.gaps_s, 99):+.2f} |",
                  row(f"{args.streams} alone again, after round {number}", done.after)]
         resources += [f"| during round {number}, median / max | {int(np.median(gauge.descriptors))} / "
-                      f"{max(gauge.descriptors)} | {np.median(gauge.rss_mib):.1f} / {max(gauge.rss_mib):.1f} |",
-                      f"| idle, after round {number} and the streams alone again | {done.idle[0]} | {done.idle[1]:.1f} |"]
+                      f"{max(gauge.descriptors)} | {np.median(gauge.rss_mib):.1f} / {max(gauge.rss_mib):.1f} | | | |",
+                      idle_row(f"idle, after round {number} and the streams alone again", done.idle)]
         lifetimes = np.asarray(attack.lifetimes_s or [float("nan")])
         attack_lines.append(
             f"Round {number}: slow connections open at once during the measured window: median "
@@ -326,8 +387,13 @@ def main() -> None:
         f"Over all rounds the gateway counted head_timeout {counted.get('head_timeout', 0):.0f}, body_timeout "
         f"{counted.get('body_timeout', 0):.0f}, over_capacity {counted.get('over_capacity', 0):.0f}.")
     attack_line = " ".join(attack_lines)
+    memory_line = memory_reading(idle_before, rounds)
+    for number, at in enumerate([idle_before, *(done.idle for done in rounds)]):
+        if "traced_mib" in at.memory:
+            print(f"idle point {number}: traced {at.memory['traced_mib']:.2f} MiB; grown since idle point 0:",
+                  *at.memory["grown"], sep="\n  ")
     resources_table = "\n".join(resources)
-    for block in (header, *rows, "", resources_table, "", attack_line):
+    for block in (header, *rows, "", resources_table, "", attack_line, "", memory_line):
         print(block, flush=True)
     if args.no_write:
         return
@@ -344,10 +410,15 @@ def main() -> None:
         "all along (their starts spread over one head deadline, and the streams measured once all were open), then "
         f"{args.after_seconds:g} s alone again; the flood and the streams after it ran {args.rounds} times. The idle "
         "figures are taken a second after the streams stopped, with the gateway's upstream connections still pooled "
-        "each time. "
+        "each time: its resident memory as found, then, after a full collection, its live gc-tracked objects created "
+        "since start-up and the blocks Python's allocator holds (`bench/heap_probe.py`, asked by signal), then its "
+        "resident memory once `malloc_trim(0)` has handed the C heap's free pages back (so the next round starts from "
+        "there). A leak is live objects or blocks that grow with the connections cut off, round after round; resident "
+        "memory that rises in the first round and then stays is the high-water of the allocator's arenas and of sets "
+        "and free lists sized to the flood. "
         + ("Client, engine and attack on CPU 0, the gateway on the other cores. " if gateway_cpus else "Nothing "
            "pinned. ") + "Client-side times: TTFT to the first event, chunk gap between events.", "",
-        header, *rows, "", resources_table, "", attack_line,
+        header, *rows, "", resources_table, "", attack_line, "", memory_line,
     ]))
 
 

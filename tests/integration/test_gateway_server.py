@@ -4,9 +4,12 @@ disconnects and back-pressure."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import gc
 import json
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -637,3 +640,57 @@ def _connect_without_accepting(port: int, count: int, wanted: int) -> int:
     for client in clients:
         client.close()
     return queued
+
+
+async def _cut_off_at_once(port: int, count: int) -> set[bytes]:
+    """`count` connections that each send part of a request head and nothing more: the status lines answered."""
+    async def one() -> bytes:
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+        answer = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+        await writer.wait_closed()
+        return answer.partition(b"\r\n")[0]
+
+    return set(await asyncio.gather(*(one() for _ in range(count))))
+
+
+def _live() -> tuple[collections.Counter[str], int]:
+    """Live gc-tracked objects by type, and blocks held by Python's allocator (tracked or not), after a collection."""
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects()), sys.getallocatedblocks()
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_connections_cut_at_the_head_deadline_leave_nothing_behind(
+        loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """What a slow flood costs is given back: a second flood of connections answered 408 at the head deadline leaves
+    no more live objects or allocator blocks than the first did, so nothing is kept per connection (its protocol,
+    parser, timer, lingering state, transport or the exceptions of its refusal)."""
+    count = 300
+
+    async def scenario() -> tuple[set[bytes], collections.Counter[str], int]:
+        refused: list[str] = []
+        limits = replace(LIMITS, head_timeout_s=0.3, max_connections=4 * count)  # no cap hides what is kept
+        listener, port = await listen(echo, limits, refused.append)
+
+        async def flood() -> tuple[set[bytes], collections.Counter[str], int]:
+            answers = await _cut_off_at_once(port, count)
+            for _ in range(100):  # all gone within 5 s, or what is left is counted below
+                if not (listener.connections or listener.lingering):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # transports closed a loop turn after their protocols are done
+            return answers, *_live()
+
+        answered, types, blocks = await flood()  # the first flood sizes what is kept for reuse (sets, free lists)
+        answered_later, later_types, later_blocks = await flood()
+        await listener.stop(drain_s=1.0)
+        assert refused == ["head_timeout"] * 2 * count
+        return answered | answered_later, later_types - types, later_blocks - blocks
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        answered, grown, blocks = runner.run(scenario())
+    assert answered == {b"HTTP/1.1 408 Request Timeout"}
+    assert {name: more for name, more in grown.items() if more >= count // 3} == {}
+    assert blocks < count // 3
