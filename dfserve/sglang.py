@@ -580,7 +580,8 @@ def plain_events(pieces: Sequence[bytes]) -> tuple[list[str], list[int]] | None:
     lines = body[: body.rfind(b"\n\n") + 2].split(b"\n")  # the bytes after the last blank line are no event yet
     lines.pop()
     events = lines[::2]
-    if any(lines[1::2]) or not all(map(bytes.startswith, events, repeat((b"data: ", b":")))):
+    comments = not all(map(bytes.startswith, events, repeat(b"data: ")))
+    if any(lines[1::2]) or (comments and not all(map(bytes.startswith, events, repeat((b"data: ", b":"))))):
         return None
     ends = list(map(operator.add, accumulate(map(len, events)), range(2, 2 * len(events) + 2, 2)))
     piece_ends = list(accumulate(map(len, pieces)))
@@ -588,7 +589,7 @@ def plain_events(pieces: Sequence[bytes]) -> tuple[list[str], list[int]] | None:
         owners = list(range(len(ends)))
     else:  # the piece that holds an event's last byte
         owners = list(map(bisect_left, repeat(piece_ends), ends))
-    if any(map(bytes.startswith, events, repeat(b":"))):
+    if comments:
         kept = [(event, owner) for event, owner in zip(events, owners, strict=True) if not event.startswith(b":")]
         events, owners = [event for event, _ in kept], [owner for _, owner in kept]
     return [event[6:].decode("utf-8", "replace") for event in events], owners
