@@ -85,11 +85,11 @@ def main() -> None:
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    cases: list[tuple[str, sglang.Api, list[bytes]]] = []
-    for label, api, pieces in (("chat, bench/sync_server.py", "chat", sync_chat()),
-                               ("chat, as SGLang sends it", "chat", sglang_chat()),
-                               ("native, bench/sync_server.py", "native", native())):
-        cases += [(f"{label}, one event a read", api, pieces), (f"{label}, 4 events a read", api, merged(pieces, 4))]
+    streams: list[tuple[str, sglang.Api, list[bytes]]] = [("chat, bench/sync_server.py", "chat", sync_chat()),
+                                                           ("chat, as SGLang sends it", "chat", sglang_chat()),
+                                                           ("native, bench/sync_server.py", "native", native())]
+    cases = [case for label, api, pieces in streams for case in (
+        (f"{label}, one event a read", api, pieces), (f"{label}, 4 events a read", api, merged(pieces, 4)))]
     rows = []
     for label, api, pieces in cases:
         done = Finished(Sent("a", "t", 0, False, None, 0.0, 0.0, 1.0), 200,
