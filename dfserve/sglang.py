@@ -1,7 +1,8 @@
 """SGLang's wire protocol from the client's side: the one module that knows how to read its JSON.
 
 Request bodies for native `POST /generate` and the OpenAI routes, parsing of their responses (whole or streamed as
-server-sent events), the byte-level token marks a relay reads as a stream passes, and acceptance math. No I/O:
+server-sent events), the byte-level token marks a relay reads as a stream passes, the content chunks a load
+tester reads without decoding them (`plain_events`, `ChunkTemplate`), and acceptance math. No I/O:
 callers hand in bytes or decoded JSON and get typed results. The engine's side (requests as SGLang reads them, the
 bodies it answers) is the simulator's, in `dfserve.deploy.sim.protocol`, built on the types here.
 
