@@ -23,7 +23,9 @@
    records kept) as the floor, in pairs interleaved (dfserve, floor, dfserve, floor, ...) so that a slow spell of
    the shared machine shows as one odd pair. CPU per chunk: the client's CPU time (every process of its group,
    dfserve's record writer included, all threads) over the chunks the server sent, from the end of the warm-up
-   to the last stream's end.
+   until all but the last requests have ended (a closed loop's last wave; Poisson: the last half second), while
+   the client surely still runs. dfserve's writer derives records a little behind its loop: the warm-up's inside
+   the window, the last requests' after it, about the same work.
 
 The server and the tester are pinned to different cores with taskset when it exists.
 
@@ -148,6 +150,12 @@ class Load:
     requests: int
 
     @property
+    def tail(self) -> int:
+        """Requests still running when the CPU window closes (a closed loop's last wave; half a second of Poisson
+        arrivals), so that it closes while the client surely runs: one that has ended has no CPU time left to read."""
+        return self.streams or int((self.rate or 0) / 2)
+
+    @property
     def label(self) -> str:
         return f"closed, {self.streams} streams" if self.streams else f"Poisson, {self.rate:g} req/s"
 
@@ -216,7 +224,7 @@ def sync_run(work: Path, load: Load, pair: int, client: str, api: str, ttft_ms: 
         window: list[tuple[float, int, float]] = []
         while process.poll() is None and len(window) < 2:
             counts = progress.get("/progress")
-            if (not window and counts["ended"] >= load.warmup) or (window and counts["ended"] >= total):
+            if (not window and counts["ended"] >= load.warmup) or (window and counts["ended"] >= total - load.tail):
                 window.append((group_cpu_s(process.pid), counts["chunks"], time.perf_counter()))
             time.sleep(0.02)
         _, stderr = process.communicate()

@@ -1,7 +1,8 @@
 """SGLang's wire protocol from the client's side: the one module that knows how to read its JSON.
 
 Request bodies for native `POST /generate` and the OpenAI routes, parsing of their responses (whole or streamed as
-server-sent events), the byte-level token marks a relay reads as a stream passes, and acceptance math. No I/O:
+server-sent events), the byte-level token marks a relay reads as a stream passes, the content chunks a load
+tester reads without decoding them (`plain_events`, `ChunkTemplate`), and acceptance math. No I/O:
 callers hand in bytes or decoded JSON and get typed results. The engine's side (requests as SGLang reads them, the
 bodies it answers) is the simulator's, in `dfserve.deploy.sim.protocol`, built on the types here.
 
@@ -15,8 +16,11 @@ requests it is ``sum(completion_tokens) / sum(spec_verify_ct)``, never the mean 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import operator
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, islice, repeat
 from typing import Any, Literal
 
 from dfserve.errors import ProtocolError
@@ -573,6 +577,33 @@ class SSEDecoder:
         return bool(self._buffer.strip()) or bool(self._data)
 
 
+def plain_events(pieces: Sequence[bytes]) -> tuple[list[str], list[int]] | None:
+    """The `data` of every whole event of a body read in `pieces`, and the index of the piece that completed each,
+    as `SSEDecoder` fed the same pieces gives them, when the body is framed as SGLang frames it: every event one
+    `data: ` line or one comment line, each ended by a blank line, LF only. None for any other framing (CRLF,
+    multi-line data, other fields), which `SSEDecoder` reads. One split of the whole body instead of a pass per
+    line: raw newlines occur only in the framing, since JSON escapes them inside strings."""
+    body = b"".join(pieces)
+    if b"\r" in body:
+        return None
+    lines = body[: body.rfind(b"\n\n") + 2].split(b"\n")  # the bytes after the last blank line are no event yet
+    lines.pop()
+    events = lines[::2]
+    comments = not all(map(bytes.startswith, events, repeat(b"data: ")))
+    if any(lines[1::2]) or (comments and not all(map(bytes.startswith, events, repeat((b"data: ", b":"))))):
+        return None
+    ends = list(map(operator.add, accumulate(map(len, events)), range(2, 2 * len(events) + 2, 2)))
+    piece_ends = list(accumulate(map(len, pieces)))
+    if ends == piece_ends[: len(ends)]:  # one event a piece, as a server's writes usually arrive
+        owners = list(range(len(ends)))
+    else:  # the piece that holds an event's last byte
+        owners = list(map(bisect_left, repeat(piece_ends), ends))
+    if comments:
+        kept = [(event, owner) for event, owner in zip(events, owners, strict=True) if not event.startswith(b":")]
+        events, owners = [event for event, _ in kept], [owner for _, owner in kept]
+    return [event[6:].decode("utf-8", "replace") for event in events], owners
+
+
 # Byte-level reading of whole events for a relay's hot path: no JSON decoding per chunk. Safe because JSON escapes
 # quotes and newlines inside strings, so a key's quoted name followed by a colon only occurs as a key. The reading
 # itself is in C (`dfserve._relay.read_marks`), where the relay applies it to every piece it passes on.
@@ -746,6 +777,62 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
         finish = parse_finish_reason(choice.get("finish_reason"))
     return OpenAIChunk(text=text, finish_reason=finish, usage=_parse_usage(obj.get("usage")), has_choice=bool(choices),
                        spec=_parse_sglext_spec(obj.get("sglext")))
+
+
+def _once(data: str, key: str) -> int:
+    """Where the value of `key` starts when it occurs once in `data`; -1 when it does not occur or more often."""
+    at = data.find(key)
+    return at + len(key) if at >= 0 and data.find(key, at + 1) < 0 else -1
+
+
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+"""How json.loads reads a string from its opening quote on (in C): its value and where it ends; typeshed omits it."""
+
+
+@dataclass(slots=True)
+class ChunkTemplate:
+    """Reads the delta text of OpenAI chunk events without decoding them: an event that is an earlier chunk
+    (decoded whole, carrying nothing but its delta text) with another content string decodes to that chunk with
+    this content, so only the string is decoded. A stream's content chunks differ only in their content, so one
+    chunk decoded whole serves the rest; any other event (the role chunk, the finish reason, usage, spec fields,
+    an error) does not fit and is decoded whole by `parse_openai_event`."""
+
+    prefix: str = ""
+    """The template up to its content string's opening quote; empty until `learn` found one."""
+    suffix: str = ""
+    """The template from its content string's closing quote on, the quote left out."""
+
+    def read(self, events: Sequence[str], start: int) -> list[str]:
+        """The delta texts of the events from `start` on that fit the template, up to the first that does not (to be
+        decoded whole)."""
+        prefix, suffix, at, scan = self.prefix, self.suffix, len(self.prefix), _scanstring
+        texts: list[str] = []
+        if not prefix:
+            return texts
+        for data in islice(events, start, None):
+            if not data.startswith(prefix):
+                break
+            try:
+                text, end = scan(data, at)
+            except json.JSONDecodeError:
+                break
+            if end + len(suffix) != len(data) or not data.endswith(suffix):
+                break
+            texts.append(text)
+        return texts
+
+    def learn(self, data: str, event: OpenAIChunk) -> None:
+        """Take `data`, decoded whole as `event`, as the template when it carries nothing but a delta text: then
+        that text is the string value of its only `"content"` key (a delta's; a completion's `text` is not read)."""
+        if (not event.text or event.finish_reason is not None or event.usage is not None or event.spec is not None
+                or '"text":' in data):
+            return
+        at = _once(data, '"content":')
+        if at < 0 or not data.startswith('"', at):
+            return
+        text, end = _scanstring(data, at + 1)
+        if text == event.text:
+            self.prefix, self.suffix = data[: at + 1], data[end:]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ on that path; the client waits once for a response's end, not once per read. `ht
 of this path: with `build_request` it costs about 115 µs more per request (cookies, auth flow, URL merging), which
 at 128 streams ending together is 15 ms of the loop's time per wave, the size of the TTFT being measured. When the
 response has ended, or failed, or was cancelled, the client hands what it kept (`Finished`: stamps, status, the
-stamped pieces) to its sink and does nothing more on the loop. SSE framing
-and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time of the read that
-completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
+stamped pieces) to its sink and does nothing more on the loop. SSE framing and SGLang's JSON (through
+`dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time
+of the read that completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
 a status) is a failure of kind `stream_error`, whatever its HTTP status said.
 """
 
@@ -19,8 +19,9 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import httpx
@@ -44,7 +45,8 @@ class StreamRead:
     completion_tokens: int = 0
     prompt_tokens: int | None = None
     verify_ct: int | None = None
-    text: str = ""
+    texts: list[str] = field(default_factory=list)
+    """The output in the pieces it came in (chat), or the last event's whole text (native)."""
     finish_reason: str | None = None
     simulated: bool = False
     sim_sent: list[float] | None = None
@@ -55,6 +57,10 @@ class StreamRead:
     error_code: int | None = None
     """The status an in-band error carried."""
     failure: Failure | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
     def native_event(self, data: str, now: float) -> None:
         event = sglang.parse_native_event(data)
@@ -69,7 +75,7 @@ class StreamRead:
             self.chunk_times.append(now)
             self.chunk_tokens.append(delta)
             self.completion_tokens = meta.completion_tokens
-        self.text = event.text
+        self.texts = [event.text]
         self.prompt_tokens = meta.prompt_tokens
         self.simulated = meta.simulated
         finish = meta.finish_reason
@@ -86,24 +92,41 @@ class StreamRead:
         if meta.sim_chunk_due_unix_s is not None:
             self.sim_due = list(meta.sim_chunk_due_unix_s)
 
-    def chat_event(self, data: str, now: float) -> None:
-        event = sglang.parse_openai_event(data)
-        if isinstance(event, sglang.StreamError):
-            self._in_band(event)
-            return
-        if event.text:
-            self.chunk_times.append(now)
-            self.text += event.text
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason.kind
-        if event.usage is not None:
-            self.usage_seen = True
-            self.prompt_tokens = event.usage.prompt_tokens
-            self.completion_tokens = event.usage.completion_tokens
-        if event.spec is not None:
-            self.verify_ct = event.spec.verify_ct
-            if not self.usage_seen:
-                self.completion_tokens = sglang.spec_completion_tokens(event.spec, None) or 0
+    def chat_events(self, events: list[str], times: list[float], template: sglang.ChunkTemplate | None) -> None:
+        """Runs of content chunks that fit `template` are read without decoding them; every other event is decoded
+        whole and may become the template."""
+        i = 0
+        while i < len(events):
+            fitted = template.read(events, i) if template is not None else []
+            if fitted:
+                self.texts += fitted
+                self.chunk_times += compress(times[i : i + len(fitted)], fitted)
+                i += len(fitted)
+                continue
+            data, now = events[i], times[i]
+            i += 1
+            if data == sglang.DONE:
+                self.done = True
+                continue
+            event = sglang.parse_openai_event(data)
+            if isinstance(event, sglang.StreamError):
+                self._in_band(event)
+                continue
+            if template is not None:
+                template.learn(data, event)
+            if event.text:
+                self.chunk_times.append(now)
+                self.texts.append(event.text)
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason.kind
+            if event.usage is not None:
+                self.usage_seen = True
+                self.prompt_tokens = event.usage.prompt_tokens
+                self.completion_tokens = event.usage.completion_tokens
+            if event.spec is not None:
+                self.verify_ct = event.spec.verify_ct
+                if not self.usage_seen:
+                    self.completion_tokens = sglang.spec_completion_tokens(event.spec, None) or 0
 
     def _in_band(self, error: sglang.StreamError) -> None:
         """The first error in band is the stream's failure (SGLang still sends usage and `[DONE]` after it)."""
@@ -112,19 +135,34 @@ class StreamRead:
             self.error_code = error.code
 
 
-def read_stream(api: sglang.Api, pieces: Iterable[tuple[float, bytes]], t0: float) -> StreamRead:
+def _events(pieces: Sequence[tuple[float, bytes]], t0: float, decode_all: bool) -> tuple[list[str], list[float]]:
+    """Every whole event's data and the arrival of the read that completed it (seconds since `t0`)."""
+    framed = None if decode_all else sglang.plain_events([data for _, data in pieces])
+    if framed is None:
+        decoder = sglang.SSEDecoder()
+        read = [(arrived, decoder.feed(data)) for arrived, data in pieces]
+        return [event for _, events in read for event in events], [arrived - t0 for arrived, events in read
+                                                                    for _ in events]
+    events, owners = framed
+    return events, [pieces[owner][0] - t0 for owner in owners]
+
+
+def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: float, *,
+                decode_all: bool = False) -> StreamRead:
     """Decode the SSE events of a response's pieces (each with the clock reading of its arrival); `failure` says how
-    the stream failed, if it did."""
-    decoder = sglang.SSEDecoder()
+    the stream failed, if it did. Chat content chunks are read by `sglang.ChunkTemplate` unless `decode_all`; the
+    record is the same either way."""
     stream = StreamRead()
-    handle = stream.native_event if api == "native" else stream.chat_event
     try:
-        for arrived, data in pieces:
-            for event in decoder.feed(data):
-                if event == sglang.DONE:
+        events, times = _events(pieces, t0, decode_all)
+        if api == "native":
+            for data, now in zip(events, times, strict=True):
+                if data == sglang.DONE:
                     stream.done = True
                 else:
-                    handle(event, arrived - t0)
+                    stream.native_event(data, now)
+        else:
+            stream.chat_events(events, times, None if decode_all else sglang.ChunkTemplate())
     except ProtocolError as exc:
         stream.failure = ("protocol", str(exc))
         return stream
@@ -215,15 +253,17 @@ class Finished:
         return cls(Sent(*sent), status, pieces, error)
 
 
-def derive(api: sglang.Api, t0: float, done: Finished) -> RequestRecord:
-    """The record of a finished request (`t0`: the run's start on the clock the pieces were stamped with)."""
+def derive(api: sglang.Api, t0: float, done: Finished, *, decode_all: bool = False) -> RequestRecord:
+    """The record of a finished request (`t0`: the run's start on the clock the pieces were stamped with;
+    `decode_all`: as `read_stream`'s)."""
     error = done.error
     if error is not None and error[0] == "cancelled":
-        return build_record(api, done.sent, done.http_status, read_stream(api, done.pieces, t0), error)
+        stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
+        return build_record(api, done.sent, done.http_status, stream, error)
     if done.http_status not in (0, 200) and (error is None or error[0] != "connect"):
         message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
         return build_record(api, done.sent, done.http_status, StreamRead(), ("http_status", message))
-    stream = read_stream(api, done.pieces, t0)
+    stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
     return build_record(api, done.sent, done.http_status, stream, error or stream.failure)
 
 

@@ -1,8 +1,8 @@
 """The record writer: a process of its own turns what each request left behind into its `RequestRecord` and appends
 it to requests.jsonl, so none of that runs on the event loop that stamps arrivals, nor holds its GIL.
 
-Deriving a record (SSE and SGLang's JSON of every chunk) costs about a millisecond for a 64-chunk chat stream. In
-a closed loop with fixed output lengths every stream ends within the same few milliseconds, and the loop used to
+Deriving a record costs about 0.1 ms for a 64-chunk chat stream (bench/derive_cost.py; about 0.4 ms when every
+event's JSON was decoded), still CPU the tester's core spends while streams run. In a closed loop with fixed output lengths every stream ends within the same few milliseconds, and the loop used to
 do that work for each of them while the next burst's first chunks arrived; a thread would still take the GIL from
 the loop for that work (the two take turns holding it). On the loop a finished request now costs one `marshal` of its
 stamps and pieces (`Finished.wire`) and a pipe write that never blocks (the loop's pipe transport buffers).

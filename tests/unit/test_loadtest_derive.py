@@ -1,0 +1,152 @@
+"""Records derived cheaply (SGLang's framing split in one pass, content chunks read through `ChunkTemplate`) are the
+records that decoding every event whole gives, field by field, on SGLang-shaped streams read in any pieces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from dfserve import sglang
+from dfserve.deploy.sim import protocol as engine
+from dfserve.loadtest.client import Finished, Sent, derive
+from tests import FIXTURES
+
+HEAD = engine.ResponseHead("5f1d2c0a9b8e4f7aa1b2c3d4e5f60718", 1764460000, "Qwen/Qwen3.6-27B")
+SPEC = sglang.SpecStats(verify_ct=3, num_correct_drafts=12, num_proposed_drafts=45, accept_rate=12 / 45,
+                        correct_drafts_histogram=(0, 0, 1, 1, 1))
+TRICKY = ['say "hi"', '"content":"x"', '"finish_reason":"stop"}', '\\"error\\":', 'é—✓ 🙂', "a\nb\tc\\", '"}]}\n\n']
+
+
+def chat(text: str | None, finish: bool | str = False, first: bool = False, head: engine.ResponseHead = HEAD) -> bytes:
+    reason = sglang.FinishReason(kind=finish if isinstance(finish, str) else "stop") if finish else None
+    return engine.sse_event(engine.chat_chunk_body(head, content=text, finish=reason, first=first))
+
+
+def chat_end(tokens: int, spec: bool = True) -> bytes:
+    chunks = engine.stream_end_chunks(HEAD, obj="chat.completion.chunk", prompt_tokens=4, completion_tokens=tokens,
+                                      spec=SPEC if spec else None, include_usage=True)
+    return b"".join(engine.sse_event(chunk) for chunk in chunks) + sglang.SSE_DONE
+
+
+def native(text: str, tokens: int, final: bool = False) -> bytes:
+    finish = sglang.FinishReason(kind="length", length=tokens) if final else None
+    meta = engine.meta_info_body(rid="r", finish=finish, prompt_tokens=4, completion_tokens=tokens,
+                                 e2e_latency_s=0.5 if final else None, spec=SPEC if final else None)
+    return engine.sse_event(engine.generate_response_body(text, list(range(tokens)), meta))
+
+
+ERROR = engine.openai_error_event("retracted", "SERVICE_UNAVAILABLE", 503)
+SIM_TIMES = engine.sim_times_comment(sglang.SimStreamTimes((1.0, 2.0), (0.5, 1.5), 0.01))
+STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
+    "chat": ("chat", chat("", first=True) + b"".join(chat(f" tok{i}") for i in range(40))
+             + chat(None, finish=True) + chat_end(41)),
+    "chat escapes and key names in content": ("chat", chat("", first=True) + b"".join(map(chat, TRICKY))
+                                              + chat("!", finish=True) + chat_end(8, spec=False)),
+    "chat error in band, then usage": ("chat", chat("", first=True) + chat("a") + chat("b") + ERROR + chat_end(3)),
+    "chat cut before [DONE]": ("chat", chat("", first=True) + chat("a") + chat("b")[:-1]),
+    "chat with empty and null content": ("chat", chat("", first=True) + chat("a") + chat("") + chat(None)
+                                         + chat("b") + chat("c", finish=True) + chat_end(3)),
+    "chat whose finish reason changes": ("chat", chat("a", finish=True) + chat(None, finish="length")
+                                         + chat("b", finish=True) + chat_end(2)),
+    "chat whose id changes": ("chat", chat("a") + chat("b", head=engine.ResponseHead("other", 1, "m")) + chat("c")
+                              + chat(None, finish=True) + chat_end(3)),
+    "chat with a comment, as the simulator ends it": ("chat", b": ping\n\n" + chat("a") + chat("b")
+                                                      + chat(None, finish=True) + chat_end(2)[:-14] + SIM_TIMES
+                                                      + sglang.SSE_DONE),
+    "chat in CRLF framing": ("chat", (chat("a") + chat("b") + chat(None, finish=True) + chat_end(2))
+                             .replace(b"\n", b"\r\n")),
+    "chat with multi-line data": ("chat", chat("a") + b'data: {"choices":[{"index":0,\ndata: "delta":{"content":"b"}}]}'
+                                  b"\n\n" + chat(None, finish=True) + chat_end(2)),
+    "chat without a finish reason": ("chat", chat("a") + chat("b") + chat_end(2)),
+    "chat with invalid JSON": ("chat", chat("a") + b'data: {"choices":[{"delta":{"content":"b"}}]\n\n' + chat_end(2)),
+    "chat with a bad escape in a fitting chunk": ("chat", chat("a") + chat("b").replace(b'"b"', b'"\\q"')
+                                                  + chat(None, finish=True) + chat_end(2)),
+    "native": ("native", native("a", 1) + native("ab\u00e9", 3) + native('ab\u00e9"q"', 7, final=True)
+               + sglang.SSE_DONE),
+}
+FIXTURE_STREAMS: dict[str, tuple[sglang.Api, bytes]] = {path.name: ("chat" if path.name.startswith("chat") else "native", path.read_bytes())
+                   for path in sorted((FIXTURES / "sglang").glob("*.sse"))}
+
+
+def cuts(body: bytes, how: str) -> list[bytes]:
+    """The body as a reader might get it: one event a read, several merged, or split anywhere (UTF-8 included)."""
+    if how == "events":
+        events = body.split(b"\n\n")
+        return [event + b"\n\n" for event in events[:-1]] + ([events[-1]] if events[-1] else [])
+    if how == "whole":
+        return [body]
+    size = int(how)
+    return [body[at : at + size] for at in range(0, len(body), size)]
+
+
+def finished(pieces: list[bytes]) -> Finished:
+    stamped = [(10.0 + 0.013 * n, piece) for n, piece in enumerate(pieces)]
+    return Finished(Sent("a", "t", 0, False, None, 0.1, 0.1, 11.0), 200, stamped, None)
+
+
+def both_ways(api: sglang.Api, pieces: list[bytes]) -> tuple[dict[str, Any], dict[str, Any]]:
+    done = finished(pieces)
+    return (derive(api, 10.0, done).model_dump(), derive(api, 10.0, done, decode_all=True).model_dump())
+
+
+@pytest.mark.parametrize("how", ["events", "whole", "1", "3", "7", "100", "1000"])
+@pytest.mark.parametrize("name", [*STREAMS, *FIXTURE_STREAMS])
+def test_records_are_those_of_decoding_every_event(name: str, how: str) -> None:
+    api, body = {**STREAMS, **FIXTURE_STREAMS}[name]
+    cheap, whole = both_ways(api, cuts(body, how))
+    assert {k: v for k, v in cheap.items() if v != whole[k]} == {}
+
+
+def test_the_cases_cover_what_the_records_must_show() -> None:
+    records = {name: both_ways(api, cuts(body, "7"))[1] for name, (api, body) in STREAMS.items()}
+    assert records["chat"]["acceptance"] == "exact" and len(records["chat"]["chunk_times_s"]) == 40
+    assert records["chat escapes and key names in content"]["error_kind"] is None
+    assert len(records["chat escapes and key names in content"]["chunk_times_s"]) == len(TRICKY) + 1
+    assert records["chat error in band, then usage"]["error_kind"] == "stream_error"
+    assert records["chat cut before [DONE]"]["error_kind"] == "disconnect"
+    assert records["chat with invalid JSON"]["error_kind"] == "protocol"
+    assert records["chat with a bad escape in a fitting chunk"]["error_kind"] == "protocol"
+    assert records["chat without a finish reason"]["error_kind"] == "protocol"
+    assert records["chat whose finish reason changes"]["finish_reason"] == "stop"
+    escaped = both_ways("chat", cuts(STREAMS["chat escapes and key names in content"][1], "events"))[1]
+    assert escaped["output_sha256"] == hashlib.sha256(("".join(TRICKY) + "!").encode()).hexdigest()
+
+
+def test_only_the_chunks_that_do_not_fit_the_template_are_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: list[str] = []
+    parse = sglang.parse_openai_event
+
+    def counted(data: str) -> sglang.OpenAIChunk | sglang.StreamError:
+        decoded.append(data)
+        return parse(data)
+
+    monkeypatch.setattr(sglang, "parse_openai_event", counted)
+    record = derive("chat", 10.0, finished(cuts(STREAMS["chat"][1], "events")))
+    assert record.ok and len(record.chunk_times_s) == 40
+    assert [json.loads(data)["choices"] for data in decoded[:2]] == [
+        [{"index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""}, "logprobs": None,
+          "finish_reason": None, "matched_stop": None}],
+        [{"index": 0, "delta": {"reasoning_content": None, "content": " tok0"}, "logprobs": None,
+          "finish_reason": None, "matched_stop": None}]]
+    assert len(decoded) == 5  # then only the finish reason, sglext and usage
+
+
+@pytest.mark.parametrize("how", ["events", "whole", "1", "5", "64"])
+def test_plain_framing_gives_the_decoders_events_and_the_reads_that_completed_them(how: str) -> None:
+    body = STREAMS["chat with a comment, as the simulator ends it"][1] + b"data: {\"incomplete"
+    pieces = cuts(body, how)
+    framed = sglang.plain_events(pieces)
+    assert framed is not None
+    decoder = sglang.SSEDecoder()
+    expected = [(n, event) for n, piece in enumerate(pieces) for event in decoder.feed(piece)]
+    assert list(zip(framed[1], framed[0], strict=True)) == expected
+    assert json.loads(framed[0][0])["choices"][0]["delta"]["content"] == "a"
+
+
+@pytest.mark.parametrize("body", [b"data: a\r\n\r\n", b"data: a\ndata: b\n\n", b"data: a\n\n\ndata: b\n\n",
+                                  b"event: x\ndata: a\n\n", b"data:a\n\n", b"id: 1\n\n"])
+def test_other_framing_is_left_to_the_decoder(body: bytes) -> None:
+    assert sglang.plain_events([body]) is None
