@@ -466,6 +466,19 @@ class Pool:
         return (method + b" " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self.host_header + b"\r\n"
                 + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
+    async def fetch(self, path: str, body: bytes, headers: bytes, response: Response) -> None:
+        """POST one request and fill `response` until it is complete, with no wake-up at its head (the load tester's
+        hot path). Whatever arrived, and `response.sent`, stay in `response` when this raises (disconnect,
+        cancellation, timeout)."""
+        connection = await self._connection()
+        _, done = connection.start(self.request_bytes(path, body, b"POST", headers), response)
+        try:
+            await done
+        except BaseException:
+            connection.abort()
+            raise
+        self.recycle(connection)
+
     async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
         """Send one request and return once its final response head has arrived (`response.status`, `.headers`);
         a response without a body (204, 304, to HEAD) is complete by then."""

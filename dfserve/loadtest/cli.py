@@ -60,14 +60,14 @@ def request_headers(headers: tuple[str, ...], api_key: str | None) -> tuple[tupl
         value = value.strip()
         if not sep or not name or not set(name) <= _TOKEN:
             raise UserError(f"--header: {header!r} is not NAME: VALUE")
-        if any(c in value for c in "\r\n\0"):
-            raise UserError(f"--header {name}: CR, LF or NUL in the value")
+        if not value.isascii() or any(c in value for c in "\r\n\0"):
+            raise UserError(f"--header {name}: CR, LF, NUL or a non-ASCII character in the value")
         parsed.append((name, value))
     if api_key is not None:
         if any(name.lower() == "authorization" for name, _ in parsed):
             raise UserError("--api-key, --header Authorization: give one")
-        if not api_key or any(c in api_key for c in "\r\n\0 "):
-            raise UserError("--api-key: empty, or a space, CR, LF or NUL in it")
+        if not api_key or not api_key.isascii() or any(c in api_key for c in "\r\n\0 "):
+            raise UserError("--api-key: empty, or a space, CR, LF, NUL or a non-ASCII character in it")
         parsed.append(("Authorization", f"Bearer {api_key}"))
     return tuple(parsed)
 

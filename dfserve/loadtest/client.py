@@ -1,16 +1,18 @@
 """The streaming client of one arm: sends one request, keeps the raw arrival time of every read, and returns a
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
-Each request is an `httpx.Request` (the user's headers and API key ride on it) handed straight to
-`dfserve.transport.StampingTransport`, which stamps `perf_counter()` the moment bytes arrive and does nothing else
-on that path; the client waits once for a response's end, not once per read. `httpx.AsyncClient.send` is left out
-of this path: with `build_request` it costs about 115 µs more per request (cookies, auth flow, URL merging), which
-at 128 streams ending together is 15 ms of the loop's time per wave, the size of the TTFT being measured. When the
-response has ended, or failed, or was cancelled, the client hands what it kept (`Finished`: stamps, status, the
-stamped pieces) to its sink and does nothing more on the loop. SSE framing and SGLang's JSON (through
-`dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each event takes the arrival time
-of the read that completed it. A stream that SGLang ends with an error in band (HTTP 200, then an error event, or a native abort with
-a status) is a failure of kind `stream_error`, whatever its HTTP status said.
+Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
+nothing else on that path, and the client waits once for a response's end, not once per read. Requests are bytes
+built from headers prepared once per arm (the user's `--header` and `--api-key` among them). Building an
+`httpx.Request` and `httpx.Response` per request over the same client (`dfserve.transport`, which the run's probes
+use) costs about 26 µs more (bench/request_overhead.py), 3 ms of the loop's time when 128 streams end together: in
+bench/tester_timing.py's synchronized runs at 128 streams it put the tester's TTFT error p99 at 5.3 and 3.7 ms
+against 1.9 and 2.2 without it. When the response has ended, or failed, or was cancelled, the client hands what it
+kept (`Finished`: stamps, status, the stamped pieces) to its sink and does nothing more on the loop. SSE framing
+and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each
+event takes the arrival time of the read that completed it. A stream that SGLang ends with an error in band (HTTP
+200, then an error event, or a native abort with a status) is a failure of kind `stream_error`, whatever its HTTP
+status said.
 """
 
 from __future__ import annotations
@@ -24,14 +26,12 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
-import httpx
-
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
+from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from dfserve.loadtest.records import Acceptance, ErrorKind, RequestRecord
 from dfserve.loadtest.tasks import Task
-from dfserve.transport import STAMPS, StampingTransport, Stamps, wait_complete
 
 Failure = tuple[ErrorKind, str]
 
@@ -288,12 +288,11 @@ class ArmClient:
         if api not in ("native", "chat"):
             raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
-        self.transport = StampingTransport()
-        self.url = httpx.URL(base_url.rstrip("/") + sglang.ROUTES[api])
-        self.headers = httpx.Headers({
-            "Host": self.url.netloc.decode("ascii"), **(headers or {}), "Accept": "text/event-stream",
-            "Accept-Encoding": "identity", "Content-Type": "application/json",
-            **({PIN_HEADER: arm} if pin_arm else {})})
+        self.pool = Pool(base_url, time.perf_counter)
+        self.route = sglang.ROUTES[api]
+        fields = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {}),
+                  **({PIN_HEADER: arm} if pin_arm else {})}
+        self.headers = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in fields.items())
         self.api = api
         self.sampling = sampling
         self.model = model
@@ -301,8 +300,8 @@ class ArmClient:
         self.timeout_s = request_timeout_s
         self._sink = sink
 
-    async def aclose(self) -> None:
-        await self.transport.aclose()
+    def close(self) -> None:
+        self.pool.close()
 
     def _body(self, task: Task) -> dict[str, Any]:
         if self.api == "native":
@@ -312,32 +311,27 @@ class ArmClient:
 
     async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> None:
         dispatched = time.perf_counter() - self.t0
-        stamps = Stamps()
-        request = httpx.Request("POST", self.url, headers=self.headers, content=json.dumps(self._body(task)).encode(),
-                                extensions={STAMPS: stamps})
+        body = json.dumps(self._body(task)).encode()
+        response = Response()
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:
             sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
-                        stamps.sent - self.t0 if stamps.sent is not None else None, time.perf_counter() - self.t0)
-            self._sink(Finished(sent, stamps.status, list(stamps.pieces), error))
+                        response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0)
+            self._sink(Finished(sent, response.status, list(response.pieces), error))
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                response = await self.transport.handle_async_request(request)
-                try:
-                    await wait_complete(response)
-                finally:
-                    await response.aclose()
+                await self.pool.fetch(self.route, body, self.headers, response)
         except asyncio.CancelledError:
             finish(("cancelled", "stopped"))
             raise
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except ConnectFailed as exc:
             error = ("connect", str(exc))
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
-        except (httpx.ReadError, httpx.WriteError, OSError) as exc:
+        except (Disconnected, OSError) as exc:
             error = ("disconnect", str(exc) or type(exc).__name__)
-        except httpx.RemoteProtocolError as exc:
+        except BadResponse as exc:
             error = ("protocol", str(exc))
         finish(error)

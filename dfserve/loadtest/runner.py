@@ -32,6 +32,7 @@ from dfserve.loadtest.shard import Shard, shard_concurrency, shard_indices
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
+from dfserve.transport import StampingTransport
 
 Halt = Callable[[], bool]
 
@@ -178,7 +179,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     halted = halt or (lambda: False)
     load = plan.load
     total = plan.warmup + plan.num_requests
-    async with httpx.AsyncClient(headers=dict(plan.headers), timeout=10, trust_env=False) as http:
+    async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=10,
+                                 trust_env=False) as http:
         arms = [await probe_arm(http, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
     run_dir = create_run_dir(plan.out, plan.name)
     writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
@@ -226,7 +228,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             interrupted = await _until_done_or_stopped(drive, stop)
         finally:
             for client in clients:
-                await client.aclose()
+                client.close()
     finally:
         records = await writer.close()
     return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted)

@@ -167,3 +167,18 @@ def test_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path) -> N
 def test_records_refuse_unknown_fields() -> None:
     with pytest.raises(ValueError, match="extra"):
         _record(surprise=1)
+
+
+def test_request_headers_from_the_command_line() -> None:
+    from dfserve.loadtest.cli import request_headers
+
+    assert request_headers(("X-Team: drafters", "X-Empty:"), "k") == (
+        ("X-Team", "drafters"), ("X-Empty", ""), ("Authorization", "Bearer k"))
+    for bad, message in (("X-Bad", "is not NAME: VALUE"), ("X Bad: 1", "is not NAME: VALUE"),
+                         ("X-A: caf\u00e9", "non-ASCII"), ("X-A: 1\r\nX-B: 2", "CR, LF")):
+        with pytest.raises(UserError, match=message):
+            request_headers((bad,), None)
+    with pytest.raises(UserError, match="give one"):
+        request_headers(("authorization: Bearer x",), "k")
+    with pytest.raises(UserError, match="--api-key"):
+        request_headers((), "a key")
