@@ -29,12 +29,9 @@ typedef struct {
 Py_ssize_t
 event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
 {
-    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--) {
-        if (buf[i] != '\n')
-            continue;
-        if (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'))
+    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--)
+        if (ends_event(buf, i))
             return i + 1;
-    }
     return 0;
 }
 

@@ -44,12 +44,9 @@ value_end(const char *buf, Py_ssize_t i, Py_ssize_t length)
 static Py_ssize_t
 event_end(const char *buf, Py_ssize_t length, Py_ssize_t from)
 {
-    for (Py_ssize_t i = Py_MAX(from, 1); i < length; i++) {
-        if (buf[i] != '\n')
-            continue;
-        if (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'))
+    for (Py_ssize_t i = Py_MAX(from, 1); i < length; i++)
+        if (ends_event(buf, i))
             return i + 1;
-    }
     return 0;
 }
 

@@ -52,6 +52,13 @@ void bins_add(Bins *bins, double value, int64_t weight);
 PyObject *bins_result(const Bins *bins);
 void bins_free(Bins *bins);
 
+/* Whether buf[i] is the line feed that ends a blank line, so an event: "\n\n" or "\n\r\n". */
+static inline int
+ends_event(const char *buf, Py_ssize_t i)
+{
+    return buf[i] == '\n' && i >= 1 && (buf[i - 1] == '\n' || (i >= 2 && buf[i - 1] == '\r' && buf[i - 2] == '\n'));
+}
+
 /* event_relay.c */
 extern PyTypeObject EventRelayType;
 Py_ssize_t event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from);
