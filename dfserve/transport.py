@@ -19,7 +19,10 @@ still says when it was written and what arrived. Failures are httpx's exceptions
 `ConnectTimeout`, `ReadTimeout`, `ReadError` (the server closed mid-response) and `RemoteProtocolError` (bytes that
 are not an HTTP/1.1 response).
 
-Request bodies are read whole and sent with `Content-Length`. A proxy is not spoken: httpx routes proxied
+The load tester's probes use it; its measured requests use `dfserve.http1` directly, since building httpx's request
+and response objects costs about 26 µs a request (bench/request_overhead.py), loop time that shows in the tail of
+its own timing error when many streams end together. Request bodies are read whole and sent with
+`Content-Length`. A proxy is not spoken: httpx routes proxied
 requests to a transport of its own, without stamps (`wait_complete` refuses such a response).
 """
 
