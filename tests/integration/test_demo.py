@@ -57,8 +57,11 @@ def out(tmp_path: Path) -> Iterator[Path]:
 
 
 def demo(out: Path, *args: str) -> subprocess.Popen[str]:
+    """The demo as a terminal starts it: with Ctrl-C's default action, even where the suite itself runs in a
+    background job, which starts with SIGINT ignored (and a Python started so never raises KeyboardInterrupt)."""
     argv = [sys.executable, "-m", "dfserve", "demo", "--out", str(out), *args, *DEMO_ARGS]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def interrupt(process: subprocess.Popen[str]) -> None:
