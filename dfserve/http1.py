@@ -43,6 +43,10 @@ class ConnectFailed(Exception):
     """No connection could be opened."""
 
 
+class ConnectTimedOut(ConnectFailed):
+    """No connection within the pool's `connect_timeout_s`."""
+
+
 class Disconnected(Exception):
     """The server closed the connection before the response was complete."""
 
@@ -457,7 +461,7 @@ class Pool:
         except OSError as exc:
             raise ConnectFailed(f"{self.host}:{self.port}: {exc.strerror or exc}") from None
         except TimeoutError:
-            raise ConnectFailed(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
+            raise ConnectTimedOut(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
         return protocol
 
     def request_bytes(self, path: str, body: bytes, method: bytes = b"POST", headers: bytes = _POST_HEADERS) -> bytes:

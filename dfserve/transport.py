@@ -41,6 +41,7 @@ from dfserve.http1 import (
     BadResponse,
     Call,
     ConnectFailed,
+    ConnectTimedOut,
     Disconnected,
     Pool,
     ReaderStalled,
@@ -89,9 +90,10 @@ def _as_httpx(request: httpx.Request) -> Iterator[None]:
     """dfserve.http1's failures as httpx's exceptions, which is what an httpx client's caller catches."""
     try:
         yield
+    except ConnectTimedOut as exc:
+        raise httpx.ConnectTimeout(str(exc), request=request) from None
     except ConnectFailed as exc:
-        kind = httpx.ConnectTimeout if "no connection in" in str(exc) else httpx.ConnectError
-        raise kind(str(exc), request=request) from None
+        raise httpx.ConnectError(str(exc), request=request) from None
     except (ReadTimeout, ReaderStalled) as exc:
         raise httpx.ReadTimeout(str(exc), request=request) from None
     except Disconnected as exc:

@@ -4,6 +4,7 @@ stamps a caller gets (also from a failed exchange), streaming reads, keep-alive,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,12 +37,9 @@ async def serving(handler: Handler) -> AsyncIterator[str]:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
-        try:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # the client left
             await handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     try:
