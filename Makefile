@@ -52,7 +52,8 @@ sanitize: $(STAMP)
 		'import os, dfserve._relay as r; assert r.__file__.startswith(os.getcwd()), r.__file__'
 	cd $(SANITIZE_DIR) && $(SANITIZED) DFSERVE_FUZZ_EXAMPLES=400 \
 		$(abspath $(BIN))/python -m pytest -q --capture=sys -p no:cacheprovider \
-		tests/unit/test_relay.py tests/unit/test_relay_differential.py tests/unit/test_http1.py
+		tests/unit/test_relay.py tests/unit/test_relay_differential.py tests/unit/test_http1.py \
+		tests/integration/test_stamped_socket.py
 
 # Debian packages the tests need, each installed only where missing: gcc (with its AddressSanitizer and UBSan
 # runtimes) and the Python headers, which build the relay's extension; Prometheus (with promtool) and its

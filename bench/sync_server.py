@@ -1,10 +1,11 @@
 """A streaming server whose timing is known, for bench/tester_timing.py: every request gets its first chunk a fixed
-TTFT after the server has read it, then the rest a fixed gap apart, every stream the same length, so in a closed
-loop all streams end within the same few milliseconds (as in any benchmark with fixed output lengths).
+TTFT after it arrived, then the rest a fixed gap apart, every stream the same length, so in a closed loop all
+streams end within the same few milliseconds (as in any benchmark with fixed output lengths).
 
 It speaks SGLang's two streaming routes as far as a load tester reads them (POST /generate with meta_info, POST
-/v1/chat/completions with usage at the end), stamps each request's arrival (the read that completed its body) and
-each first chunk's send, and serves them at GET /log: per request, the number in its prompt's `req-N` marker,
+/v1/chat/completions with usage at the end), stamps each request's arrival (when the last byte of its body reached
+the kernel: `dfserve.stamped_socket`, so the time this loop takes to get to a request is its own lateness, not the
+client's) and each first chunk's send, and serves them at GET /log: per request, the number in its prompt's `req-N` marker,
 arrival and first-chunk send on the wall clock, and the server's own lateness (first chunk sent - due, and the
 worst chunk's). GET /progress counts ended streams and chunks sent, for a CPU window over a run.
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import cast
 
 import uvloop
+
+from dfserve.stamped_socket import StampedSocket, stamp_arrivals
 
 MARKER = re.compile(rb"req-(\d+)")
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
@@ -100,18 +103,19 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.buffer = b""
         self.streaming = False
-        self.transport: asyncio.Transport | None = None
+        self.transport: StampedSocket | None = None
         self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self.transport = cast(StampedSocket, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
-        now_pc, now_unix = time.perf_counter(), time.time()
+        assert self.transport is not None
+        now_pc = self.transport.arrival()
+        now_unix = time.time() - (time.perf_counter() - now_pc)
         self.buffer += data
         while not self.streaming:
             end = self.buffer.find(b"\r\n\r\n")
@@ -183,10 +187,21 @@ class Connection(asyncio.Protocol):
 
 
 async def serve(port: int, server: Server) -> None:
+    """Accept connections and read each through a `StampedSocket`, so that a request's arrival is when its last
+    byte reached the kernel, not when this loop got to it (a burst of 128 requests is read one after another)."""
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(lambda: Connection(server), "127.0.0.1", port, backlog=1024)
-    print(f"sync-server: listening on http://127.0.0.1:{listener.sockets[0].getsockname()[1]}", flush=True)
-    await listener.serve_forever()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", port))
+    listener.listen(1024)
+    listener.setblocking(False)
+    stamp_arrivals(listener)
+    print(f"sync-server: listening on http://127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    while True:
+        sock, _ = await loop.sock_accept(listener)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stamp_arrivals(sock)
+        StampedSocket(loop, sock, Connection(server))
 
 
 def main() -> None:

@@ -6,5 +6,6 @@ from dfserve._relay_py import BadChunk as BadChunk
 from dfserve._relay_py import Dechunker as Dechunker
 from dfserve._relay_py import EventRelay as EventRelay
 from dfserve._relay_py import EventTooLarge as EventTooLarge
+from dfserve._relay_py import StampedReader as StampedReader
 from dfserve._relay_py import frame as frame
 from dfserve._relay_py import read_marks as read_marks

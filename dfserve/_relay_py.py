@@ -4,14 +4,17 @@ for installs where the extension could not be built (no compiler); `dfserve.rela
 It costs more CPU per chunk (the reason the extension exists: dfserve/relay_c/relay.h), nothing else: the
 gateway and the load tester work the same on either, and tests/unit/test_relay_differential.py runs both on the
 same inputs, broken framing included. The C sources follow the same sections: framing (`frame`), token marks
-(`read_marks`), members cut out of events (`_strip_members`), histogram bins (`_Bins`), `EventRelay` and
-`Dechunker`.
+(`read_marks`), members cut out of events (`_strip_members`), histogram bins (`_Bins`), `EventRelay`,
+`Dechunker` and `StampedReader` (reader.c).
 """
 
 from __future__ import annotations
 
 import operator
 import re
+import socket
+import struct
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -578,3 +581,68 @@ class Dechunker:
         """Forwarded to the owner."""
         if self.owner is not None:
             self.owner.resume_writing()
+
+
+# reads dated by the kernel ------------------------------------------------------------------------------------
+
+_STAMP_TYPE = 35
+"""`SO_TIMESTAMPNS_OLD` (asm-generic/socket.h): a `struct timespec`, as dfserve/stamped_socket.py asks."""
+_TIMESPEC = struct.Struct("@ll")
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_TIMESPEC.size)
+_READ_BYTES = 65536
+
+
+class _Readable(Protocol):
+    def data_received(self, data: bytes) -> None: ...
+
+
+class StampedReader:
+    """Called when `sock` is readable: reads once, dates the read by the kernel's receive time (`arrival()`, on
+    `perf_counter`'s clock) and hands the bytes to `protocol.data_received`; the end of the stream calls
+    `ended(None)`, a failed read `ended(exc)`.
+
+    Made without `__init__`, it has no socket: calling it raises ValueError."""
+
+    protocol: object = None
+    _sock: socket.socket | None = None
+    _ended: object = None
+    _arrival = 0.0
+
+    def __init__(self, sock: socket.socket, protocol: _Readable, ended: Callable[[OSError | None], object]) -> None:
+        if not isinstance(sock, socket.socket):
+            raise TypeError("StampedReader(sock, ...): sock must be a socket")
+        if sock.fileno() < 0:
+            raise ValueError("file descriptor cannot be a negative integer (-1)")
+        self._sock = sock
+        self.protocol = protocol
+        self._ended = ended
+        self._arrival = 0.0
+
+    def arrival(self) -> float:
+        """When the bytes of the last read arrived, on `perf_counter`'s clock."""
+        return self._arrival
+
+    def __call__(self) -> object:
+        if self._sock is None:
+            raise ValueError("StampedReader: no socket")
+        try:
+            data, ancillary, _, _ = self._sock.recvmsg(_READ_BYTES, _ANCILLARY_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            return self._ended(exc)  # type: ignore[operator]
+        now = time.perf_counter()
+        self._arrival = self._arrival_of(ancillary, now)
+        if not data:
+            return self._ended(None)  # type: ignore[operator]
+        return self.protocol.data_received(data)  # type: ignore[attr-defined]
+
+    def _arrival_of(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
+        """The kernel's stamp as a date on `perf_counter`'s clock, `now` being its reading after the read; kept
+        between the previous read's date and now, so it never runs backwards."""
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == _STAMP_TYPE and len(raw) >= _TIMESPEC.size:
+                seconds, nanoseconds = _TIMESPEC.unpack_from(raw)
+                arrival = now - (time.time_ns() - seconds * 1_000_000_000 - nanoseconds) * 1e-9
+                return now if arrival > now else max(arrival, self._arrival)
+        return now  # the end of the stream, or a segment queued before stamping was asked for

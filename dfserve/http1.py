@@ -2,10 +2,11 @@
 
 Why not aiohttp: with 128 streams a verify round makes every stream's chunk arrive at once, and a client that wakes
 a task and parses JSON per chunk time-stamps the last of them several milliseconds late (measured in
-bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol stamps `perf_counter()` as
-`data_received` is called, before any other work, and only de-chunks the body there. A chunked body is read by
+bench/RESULTS.md); a proxy pays the same per-chunk cost as added latency. This protocol dates each read before any
+other work (by `perf_counter()` as `data_received` is called, or, in a pool made with `kernel_stamps`, by when the
+kernel received the bytes: `dfserve.stamped_socket`) and only de-chunks the body there. A chunked body is read by
 `dfserve.relay_core.Dechunker` (C where the extension was built), which becomes the transport's protocol from the
-end of the head to the end of the body, so a read costs no Python frame; it hands each read's piece to the
+end of the head to the end of the body, so the protocol adds no Python frame per read; it hands each read's piece to the
 response's sink: the `Response`, which keeps it, until a relay is attached (`Call.attach`); from then on pieces go
 straight from the de-chunker to the relay.
 
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -37,6 +40,8 @@ import httptools
 
 from dfserve.errors import UserError
 from dfserve.relay_core import BadChunk, Dechunker, EventTooLarge
+from dfserve.stamped_socket import AVAILABLE as KERNEL_STAMPS_AVAILABLE
+from dfserve.stamped_socket import StampedSocket, connect
 
 
 class ConnectFailed(Exception):
@@ -117,6 +122,8 @@ class _Head:
 class _Connection(asyncio.Protocol):
     def __init__(self, clock: Callable[[], float], read_timeout_s: float | None = None) -> None:
         self.clock = clock
+        self.arrival = clock
+        """When the read being delivered arrived: the kernel's date over a `StampedSocket`, else `clock()` now."""
         self.read_timeout_s = read_timeout_s
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -148,9 +155,11 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
         self.loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup is a getpid() system call
+        if isinstance(transport, StampedSocket):
+            self.arrival = transport.arrival
 
     def data_received(self, data: bytes) -> None:
-        now = self._last = self.clock()
+        now = self._last = self.arrival()
         if self.done is None or self.done.done():
             if data:
                 self._keep_alive = False  # bytes no request asked for: the server's framing is out of step
@@ -361,7 +370,7 @@ class _Connection(asyncio.Protocol):
             self._finish()
             return
         if chunked:
-            self._dechunker = Dechunker(self.sink, self.clock)
+            self._dechunker = Dechunker(self.sink, self.arrival)
         elif length is not None:
             self._remaining = length
         else:
@@ -423,6 +432,11 @@ class Call:
             self.connection.abort()
 
 
+def kernel_stamps_for(url: str) -> bool:
+    """Whether a connection to `url` can be dated by the kernel: plain http on Linux (TLS decrypts in user space)."""
+    return KERNEL_STAMPS_AVAILABLE and urlsplit(url).scheme == "http"
+
+
 def is_base_url(url: str) -> bool:
     """An http(s) URL with a host, as `Pool` needs its base URL."""
     parts = urlsplit(url)
@@ -434,9 +448,14 @@ class Pool:
 
     def __init__(self, base_url: str, clock: Callable[[], float], *,
                  connect_timeout_s: float | None = None, read_timeout_s: float | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, kernel_stamps: bool = False) -> None:
+        """`kernel_stamps`: date each read by its arrival in the kernel (`dfserve.stamped_socket`) where the
+        connection allows it (`kernel_stamps_for`), on `clock`, which must then be `time.perf_counter`."""
         if not is_base_url(base_url):
             raise UserError(f"base_url {base_url!r}: not an http(s) URL with a host")
+        if kernel_stamps and clock is not time.perf_counter:
+            raise ValueError("kernel stamps are dated on time.perf_counter's clock")
+        self.kernel_stamps = kernel_stamps and kernel_stamps_for(base_url)
         parts = urlsplit(base_url)
         self.host = cast(str, parts.hostname)  # is_base_url: never None
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -454,15 +473,16 @@ class Pool:
             if connection.reusable:
                 return connection
         loop = asyncio.get_running_loop()
+        new = partial(_Connection, self.clock, self.read_timeout_s)
+        opening = (connect(loop, self.host, self.port, new) if self.kernel_stamps else loop.create_connection(
+            new, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None))
         try:
-            _, protocol = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(self.clock, self.read_timeout_s), self.host, self.port, ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None), self.connect_timeout_s)
+            _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
         except OSError as exc:
             raise ConnectFailed(f"{self.host}:{self.port}: {exc.strerror or exc}") from None
         except TimeoutError:
             raise ConnectTimedOut(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
-        return protocol
+        return cast(_Connection, protocol)
 
     def request_bytes(self, path: str, body: bytes, method: bytes = b"POST", headers: bytes = _POST_HEADERS) -> bytes:
         """One request; `headers` are header lines each ending in CRLF, to which Host and Content-Length are

@@ -1,5 +1,6 @@
-"""The relay's per-read work (de-chunking, relaying whole events, token marks): the C extension `dfserve._relay`
-where it was built, else its pure-Python twin `dfserve._relay_py`, which behaves the same at more CPU per chunk.
+"""The per-read work (reads dated by the kernel, de-chunking, relaying whole events, token marks): the C extension
+`dfserve._relay` where it was built, else its pure-Python twin `dfserve._relay_py`, which behaves the same at more
+CPU per chunk.
 
 Import these names from here, never from either module, so that an install without a compiler works. Which one
 is in use is `ACCELERATED`; falling back says so once, on the `dfserve` logger, with the reason the extension did
@@ -11,7 +12,16 @@ from __future__ import annotations
 import logging
 
 try:
-    from dfserve._relay import LAST_CHUNK, BadChunk, Dechunker, EventRelay, EventTooLarge, frame, read_marks
+    from dfserve._relay import (
+        LAST_CHUNK,
+        BadChunk,
+        Dechunker,
+        EventRelay,
+        EventTooLarge,
+        StampedReader,
+        frame,
+        read_marks,
+    )
 
     ACCELERATED = True
 except ImportError as exc:
@@ -21,6 +31,7 @@ except ImportError as exc:
         Dechunker,
         EventRelay,
         EventTooLarge,
+        StampedReader,
         frame,
         read_marks,
     )
@@ -30,4 +41,5 @@ except ImportError as exc:
         "the C relay (dfserve._relay) did not import (%s); using its pure-Python twin, which costs more CPU per "
         "chunk: reinstall dfserve where gcc and the Python headers are", exc)
 
-__all__ = ["ACCELERATED", "LAST_CHUNK", "BadChunk", "Dechunker", "EventRelay", "EventTooLarge", "frame", "read_marks"]
+__all__ = ["ACCELERATED", "LAST_CHUNK", "BadChunk", "Dechunker", "EventRelay", "EventTooLarge", "StampedReader", "frame",
+           "read_marks"]

@@ -1,8 +1,9 @@
 """The streaming client of one arm: sends one request, keeps the raw arrival time of every read, and returns a
 `RequestRecord` with the failure classified. Per-request failures are data here, never exceptions.
 
-Timing comes first: the transport (`dfserve.http1`) stamps `perf_counter()` the moment bytes arrive and does
-nothing else on that path, and the client waits once for a response's end, not once per read. Requests are bytes
+Timing comes first: each read is dated by when the kernel received its bytes (`dfserve.stamped_socket`; over
+https, by `perf_counter()` as the loop reads them), so a busy loop does not add its own delay to a TTFT; the
+client (`dfserve.http1`) does nothing else on that path and waits once for a response's end, not once per read. Requests are bytes
 built from headers prepared once per arm (the user's `--header` and `--api-key` among them). Building an
 `httpx.Request` and `httpx.Response` per request over the same client (`dfserve.transport`, which the run's probes
 use) costs about 26 µs more (bench/request_overhead.py), 3 ms of the loop's time when 128 streams end together: in
@@ -288,7 +289,7 @@ class ArmClient:
         if api not in ("native", "chat"):
             raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
-        self.pool = Pool(base_url, time.perf_counter)
+        self.pool = Pool(base_url, time.perf_counter, kernel_stamps=True)
         self.route = sglang.ROUTES[api]
         fields = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {}),
                   **({PIN_HEADER: arm} if pin_arm else {})}

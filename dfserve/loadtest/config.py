@@ -48,6 +48,9 @@ class ArmInfo(_Model):
     model_info: dict[str, Any] | None = None
     model: str = Field(description="model name sent in OpenAI bodies")
     simulated: bool = False
+    arrival_stamps: Literal["kernel", "loop"] = Field("loop", description="what dated each read of a response: "
+                                                      "the kernel's receive time (plain http on Linux), or the "
+                                                      "tester's loop when it read it (https; runs before this field)")
 
 
 class SequentialDesign(_Model):

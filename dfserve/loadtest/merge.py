@@ -51,7 +51,7 @@ def read_shard(path: Path) -> ShardRun:
 
 def _identity(config: RunConfig) -> dict[str, Any]:
     """What every shard of one run shares."""
-    arms = [(a.name, a.url, a.model, a.simulated) for a in config.arms]
+    arms = [(a.name, a.url, a.model, a.simulated, a.arrival_stamps) for a in config.arms]
     assert config.shard is not None
     return {**config.model_dump(exclude=_PER_SHARD), "arms": arms, "shard count": config.shard.count}
 

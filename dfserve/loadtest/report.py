@@ -265,6 +265,9 @@ def _legend(names: list[str]) -> str:
     return "".join(parts)
 
 
+_DATED_BY = {"kernel": "the kernel, as bytes arrived", "loop": "the tester, as it read them"}
+
+
 def _row(label: str, values: list[str]) -> str:
     return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
 
@@ -284,6 +287,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         "<table><tr><th></th>" + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>",
         _row("requests (ok / all)", [f"{a.succeeded} / {a.requests}" for a in summary.arms]),
         _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
+        _row("arrivals dated by", [_DATED_BY[config.arm(a.arm).arrival_stamps] for a in summary.arms]),
         _row("acceptance length", [
             f"{a.accept_length.estimate:.3f} [{a.accept_length.low:.3f}, {a.accept_length.high:.3f}] ({a.acceptance}, "
             f"n={a.accept_length.n})" if a.accept_length else "unknown" for a in summary.arms]),

@@ -24,6 +24,7 @@ import httpx
 from dfserve import sglang
 from dfserve.errors import UserError
 from dfserve.headers import ARM as PIN_HEADER
+from dfserve.http1 import kernel_stamps_for
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
@@ -121,6 +122,7 @@ async def probe_arm(
         model_info=model_info if isinstance(model_info, dict) else None,
         model=model or "default",
         simulated=bool(server and server.simulated),
+        arrival_stamps="kernel" if kernel_stamps_for(url) else "loop",
     )
 
 

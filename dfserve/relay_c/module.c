@@ -1,9 +1,9 @@
-/* The extension `dfserve._relay`: its exceptions, its functions and its two types (see relay.h for the whole). */
+/* The extension `dfserve._relay`: its exceptions, its functions and its three types (see relay.h for the whole). */
 #include "relay.h"
 
 PyObject *BadChunk, *EventTooLarge;
-PyObject *str_received, *name_body_done, *name_body_failed, *name_eof_received, *name_connection_lost,
-    *name_pause_writing, *name_resume_writing;
+PyObject *str_received, *str_data_received, *name_body_done, *name_body_failed, *name_eof_received,
+    *name_connection_lost, *name_pause_writing, *name_resume_writing;
 
 static PyMethodDef module_methods[] = {
     {"frame", (PyCFunction)relay_frame, METH_O, "frame(body) -> bytes: body as one HTTP/1.1 chunk."},
@@ -16,7 +16,8 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef relay_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dfserve._relay",
-    .m_doc = "HTTP/1.1 de-chunking and server-sent-event relaying, per read, without Python in between.",
+    .m_doc = "Socket reads dated by the kernel, HTTP/1.1 de-chunking and server-sent-event relaying, per read, "
+              "without Python in between.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -24,10 +25,10 @@ static struct PyModuleDef relay_module = {
 PyMODINIT_FUNC
 PyInit__relay(void)
 {
-    if (PyType_Ready(&EventRelayType) < 0 || PyType_Ready(&DechunkerType) < 0)
+    if (PyType_Ready(&EventRelayType) < 0 || PyType_Ready(&DechunkerType) < 0 || PyType_Ready(&StampedReaderType) < 0)
         return NULL;
     struct { PyObject **name; const char *text; } names[] = {
-        {&str_received, "received"}, {&name_body_done, "body_done"}, {&name_body_failed, "body_failed"},
+        {&str_received, "received"}, {&str_data_received, "data_received"}, {&name_body_done, "body_done"}, {&name_body_failed, "body_failed"},
         {&name_eof_received, "eof_received"}, {&name_connection_lost, "connection_lost"},
         {&name_pause_writing, "pause_writing"}, {&name_resume_writing, "resume_writing"},
     };
@@ -48,7 +49,8 @@ PyInit__relay(void)
                  || PyModule_AddObjectRef(module, "EventTooLarge", EventTooLarge) < 0
                  || PyModule_AddObjectRef(module, "LAST_CHUNK", last_chunk) < 0
                  || PyModule_AddObjectRef(module, "EventRelay", (PyObject *)&EventRelayType) < 0
-                 || PyModule_AddObjectRef(module, "Dechunker", (PyObject *)&DechunkerType) < 0;
+                 || PyModule_AddObjectRef(module, "Dechunker", (PyObject *)&DechunkerType) < 0
+                 || PyModule_AddObjectRef(module, "StampedReader", (PyObject *)&StampedReaderType) < 0;
     Py_XDECREF(last_chunk);
     if (failed) {
         Py_DECREF(module);

@@ -1,6 +1,7 @@
 /* The per-read work of a streamed response, in C: HTTP/1.1 de-chunking (`Dechunker`, dechunker.c) and relaying
  * whole server-sent events to the client (`EventRelay`, event_relay.c), with what they share: HTTP chunk framing
- * (frame.c), token marks read from JSON keys (marks.c) and histogram bins (bins.c); module.c puts them together
+ * (frame.c), token marks read from JSON keys (marks.c) and histogram bins (bins.c); and, before them, the socket
+ * read itself dated by the kernel (`StampedReader`, reader.c: the load tester's reads). module.c puts them together
  * as the extension `dfserve._relay`.
  *
  * Why C: a relayed chunk costs a proxy one socket read and one write, and whatever it runs between them. In
@@ -23,8 +24,8 @@
 
 /* module.c: the module's exceptions and interned method names */
 extern PyObject *BadChunk, *EventTooLarge;
-extern PyObject *str_received, *name_body_done, *name_body_failed, *name_eof_received, *name_connection_lost,
-    *name_pause_writing, *name_resume_writing;
+extern PyObject *str_received, *str_data_received, *name_body_done, *name_body_failed, *name_eof_received,
+    *name_connection_lost, *name_pause_writing, *name_resume_writing;
 
 /* frame.c */
 extern const char LAST_CHUNK[];
@@ -66,5 +67,8 @@ int relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last);
 
 /* dechunker.c */
 extern PyTypeObject DechunkerType;
+
+/* reader.c */
+extern PyTypeObject StampedReaderType;
 
 #endif

@@ -86,6 +86,11 @@ def test_measured_acceptance_of_each_arm_agrees_with_the_profile(ab_run: Path) -
     assert (ab_run / "report.html").read_text().count("<svg") == 5
 
 
+def test_each_arm_says_its_reads_were_dated_by_the_kernel(ab_run: Path) -> None:
+    config = json.loads((ab_run / "config.json").read_text())
+    assert [arm["arrival_stamps"] for arm in config["arms"]] == ["kernel", "kernel"]
+
+
 def test_inhouse_against_zlab_fails_on_acceptance(ab_run: Path) -> None:
     result = compare(str(ab_run))
     assert result.returncode == 1, result.stdout + result.stderr

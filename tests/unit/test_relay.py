@@ -1,6 +1,7 @@
 """The relay, in C (`dfserve._relay`) and in its pure-Python twin (`dfserve._relay_py`), each test run on both: byte
 streams cut every way, de-chunking, event cutting, framing, metering, the cap on a held event, and objects whose
-`__init__` never ran or failed."""
+`__init__` never ran or failed. The stamped reader's reads are tested on sockets in
+tests/integration/test_stamped_socket.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import itertools
 import json
 import random
+import socket
 import time
 import weakref
 from types import ModuleType
@@ -307,6 +309,35 @@ def test_objects_made_without_init_are_inert(impl: Relay) -> None:
     relay.ended()
     assert relay.tail == b"" and relay.pending == b"" and relay.first is None
     assert relay.chunk_gaps == ((0,), 0.0) and relay.token_gaps is None  # C: its bins were never allocated
+
+
+def test_a_stamped_reader_made_without_init_has_no_socket_and_refuses_what_is_not_one(impl: Relay) -> None:
+    reader = impl.StampedReader.__new__(impl.StampedReader)
+    assert reader.protocol is None and reader.arrival() == 0.0
+    with pytest.raises(ValueError, match="no socket"):
+        reader()
+    with pytest.raises(TypeError):
+        impl.StampedReader("not a socket", None, print)
+    closed = socket.socket()
+    closed.close()
+    with pytest.raises(ValueError, match="negative"):
+        impl.StampedReader(closed, None, print)
+
+
+def test_a_stamped_reader_in_a_reference_cycle_is_collected(impl: Relay) -> None:
+    class Transport:
+        def ended(self, exc: OSError | None) -> None:
+            """The reader's `ended`: a bound method, so the reader holds its transport."""
+
+    def cycle() -> weakref.ref[Transport]:
+        transport = Transport()
+        with socket.socket() as sock:
+            transport.reader = impl.StampedReader(sock, None, transport.ended)  # type: ignore[attr-defined]
+        return weakref.ref(transport)
+
+    gone = cycle()
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_relay_whose_init_failed_is_inert_and_readable(impl: Relay) -> None:

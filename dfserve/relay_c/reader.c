@@ -1,0 +1,218 @@
+/* StampedReader: one socket's reads, each dated by when the kernel received its bytes, handed to a protocol.
+ *
+ * The event loop calls it when the socket is readable (loop.add_reader), so a read costs no Python frame: one
+ * recvmsg, the stamp of the last segment it took (SO_TIMESTAMPNS, on the wall clock) moved onto perf_counter's
+ * clock (CLOCK_MONOTONIC), then protocol.data_received(data). dfserve/stamped_socket.py says why and is the
+ * transport around it. */
+#include "relay.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define READ_BYTES 65536
+#define STAMP_TYPE 35 /* SO_TIMESTAMPNS_OLD (asm-generic/socket.h): a struct timespec, as dfserve/stamped_socket.py asks */
+
+static char read_buffer[READ_BYTES]; /* one for every reader: a read runs whole under the GIL */
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    PyObject *protocol; /* data_received(data) for each read */
+    PyObject *ended;    /* ended(exc): the peer's end of the stream (None), or the read's OSError */
+    double arrival;     /* the date of the last read, on perf_counter's clock */
+} StampedReader;
+
+static double
+monotonic_now(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + now.tv_nsec * 1e-9;
+}
+
+/* The kernel's stamp as a date on the monotonic clock, `now` being that clock's reading after the read; kept
+ * between the previous read's date and now, so it never runs backwards. */
+static double
+arrival_of(StampedReader *self, struct msghdr *msg, double now)
+{
+#ifdef __linux__
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != STAMP_TYPE || c->cmsg_len < CMSG_LEN(sizeof(struct timespec)))
+            continue;
+        struct timespec stamp, wall;
+        memcpy(&stamp, CMSG_DATA(c), sizeof stamp);
+        clock_gettime(CLOCK_REALTIME, &wall);
+        int64_t delay_ns = ((int64_t)wall.tv_sec - stamp.tv_sec) * 1000000000 + (wall.tv_nsec - stamp.tv_nsec);
+        double arrival = now - delay_ns * 1e-9;
+        return arrival > now ? now : arrival < self->arrival ? self->arrival : arrival;
+    }
+#endif
+    return now; /* the end of the stream, or a segment queued before stamping was asked for */
+}
+
+static PyObject *
+StampedReader_call(StampedReader *self, PyObject *args, PyObject *kwargs)
+{
+    if (self->fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "StampedReader: no socket");
+        return NULL;
+    }
+    union {
+        char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {read_buffer, READ_BYTES};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.bytes;
+    msg.msg_controllen = sizeof control.bytes;
+    ssize_t length;
+    do
+        length = recvmsg(self->fd, &msg, 0);
+    while (length < 0 && errno == EINTR);
+    if (length < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            Py_RETURN_NONE;
+        PyObject *type, *exc, *traceback;
+        PyErr_SetFromErrno(PyExc_OSError);
+        PyErr_Fetch(&type, &exc, &traceback);
+        PyErr_NormalizeException(&type, &exc, &traceback);
+        PyObject *result = PyObject_CallOneArg(self->ended, exc);
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(traceback);
+        return result;
+    }
+    self->arrival = arrival_of(self, &msg, monotonic_now());
+    if (length == 0)
+        return PyObject_CallOneArg(self->ended, Py_None);
+    PyObject *data = PyBytes_FromStringAndSize(read_buffer, length);
+    if (data == NULL)
+        return NULL;
+    PyObject *protocol = Py_NewRef(self->protocol); /* the call may replace it */
+    PyObject *result = PyObject_CallMethodOneArg(protocol, str_data_received, data);
+    Py_DECREF(protocol);
+    Py_DECREF(data);
+    return result;
+}
+
+static int
+StampedReader_init(StampedReader *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"sock", "protocol", "ended", NULL};
+    PyObject *sock, *protocol, *ended;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO", names, &sock, &protocol, &ended))
+        return -1;
+    PyObject *module = PyImport_ImportModule("_socket");
+    PyObject *socket_type = module == NULL ? NULL : PyObject_GetAttrString(module, "socket");
+    Py_XDECREF(module);
+    int is_socket = socket_type == NULL ? -1 : PyObject_IsInstance(sock, socket_type);
+    Py_XDECREF(socket_type);
+    if (is_socket <= 0) {
+        if (is_socket == 0)
+            PyErr_SetString(PyExc_TypeError, "StampedReader(sock, ...): sock must be a socket");
+        return -1;
+    }
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0)
+        return -1;
+    self->fd = fd;
+    Py_SETREF(self->protocol, Py_NewRef(protocol));
+    Py_SETREF(self->ended, Py_NewRef(ended));
+    self->arrival = 0.0;
+    return 0;
+}
+
+static PyObject *
+StampedReader_arrival(StampedReader *self, PyObject *unused)
+{
+    return PyFloat_FromDouble(self->arrival);
+}
+
+static PyObject *
+StampedReader_get_protocol(StampedReader *self, void *closure)
+{
+    return Py_NewRef(self->protocol);
+}
+
+static int
+StampedReader_set_protocol(StampedReader *self, PyObject *protocol, void *closure)
+{
+    if (protocol == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "protocol cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(self->protocol, Py_NewRef(protocol));
+    return 0;
+}
+
+static int
+StampedReader_traverse(StampedReader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->protocol);
+    Py_VISIT(self->ended);
+    return 0;
+}
+
+/* Every object field None and no socket, so that no call meets a NULL: after __new__ without __init__, and after
+ * the garbage collector has cleared the object. */
+static int
+StampedReader_clear(StampedReader *self)
+{
+    self->fd = -1;
+    Py_XSETREF(self->protocol, Py_NewRef(Py_None));
+    Py_XSETREF(self->ended, Py_NewRef(Py_None));
+    return 0;
+}
+
+static PyObject *
+StampedReader_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    StampedReader *self = (StampedReader *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        StampedReader_clear(self);
+    return (PyObject *)self;
+}
+
+static void
+StampedReader_dealloc(StampedReader *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->protocol);
+    Py_CLEAR(self->ended);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef StampedReader_methods[] = {
+    {"arrival", (PyCFunction)StampedReader_arrival, METH_NOARGS,
+     "arrival() -> float: when the bytes of the last read arrived, on perf_counter's clock."},
+    {NULL},
+};
+
+static PyGetSetDef StampedReader_getset[] = {
+    {"protocol", (getter)StampedReader_get_protocol, (setter)StampedReader_set_protocol,
+     "What each read's bytes go to (data_received).", NULL},
+    {NULL},
+};
+
+PyTypeObject StampedReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dfserve._relay.StampedReader",
+    .tp_doc = "StampedReader(sock, protocol, ended): called when sock is readable, reads once, dates the read by "
+              "the kernel's receive time (arrival()) and hands the bytes to protocol.data_received; the end of "
+              "the stream calls ended(None), a failed read ended(exc).",
+    .tp_basicsize = sizeof(StampedReader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = StampedReader_new,
+    .tp_init = (initproc)StampedReader_init,
+    .tp_dealloc = (destructor)StampedReader_dealloc,
+    .tp_traverse = (traverseproc)StampedReader_traverse,
+    .tp_clear = (inquiry)StampedReader_clear,
+    .tp_call = (ternaryfunc)StampedReader_call,
+    .tp_methods = StampedReader_methods,
+    .tp_getset = StampedReader_getset,
+};
