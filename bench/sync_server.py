@@ -25,7 +25,7 @@ from typing import cast
 
 import uvloop
 
-from dfserve.stamped_socket import StampedSocket, stamp_arrivals
+from dfserve.stamped_socket import StampedSocket, available, stamp_arrivals
 
 MARKER = re.compile(rb"req-(\d+)")
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
@@ -189,6 +189,8 @@ class Connection(asyncio.Protocol):
 async def serve(port: int, server: Server) -> None:
     """Accept connections and read each through a `StampedSocket`, so that a request's arrival is when its last
     byte reached the kernel, not when this loop got to it (a burst of 128 requests is read one after another)."""
+    if not available():
+        raise SystemExit("sync-server: the kernel does not stamp TCP reads here")
     loop = asyncio.get_running_loop()
     listener = socket.socket()
     listener.bind(("127.0.0.1", port))

@@ -1,7 +1,8 @@
 """Benchmark: the load tester's own timing error and rate accuracy, measured against the simulated engine.
 
 1. TTFT error at 128 concurrent streams (target: p99 < 1 ms with the tester on one core). The tester stamps
-   `sent` immediately before writing the request to the socket and stamps each read as it arrives; the simulator,
+   `sent` immediately before writing the request to the socket and dates each read by its arrival in the kernel
+   (`dfserve.stamped_socket`); the simulator,
    run with `--record-chunk-times`, reports when it really sent each chunk. Everything between the write and the
    simulator's first chunk is true TTFT, so measured - true = first chunk received - simulator sent it (loopback
    plus the tester's own delay). The same lateness is reported for every chunk, and, for information, the
@@ -14,12 +15,13 @@
    (sent - scheduled) p50/p99.
 
 3. Synchronized completions (`--parts sync`), against bench/sync_server.py: every stream gets its first chunk a
-   fixed TTFT after the server read the request, then 63 more a fixed gap apart, so in a closed loop every stream
+   fixed TTFT after the request arrived (dated by the kernel there too, so the server's intake lag is its own
+   lateness), then 63 more a fixed gap apart, so in a closed loop every stream
    ends at once and the next burst is dispatched while the tester finishes the last one. End-to-end TTFT error =
    the tester's TTFT (send stamp to first-chunk stamp) - the server's TTFT - the server's own lateness in sending
    that first chunk, per request (requests matched by the `req-N` marker in their prompt); beside it the
-   receive-side lateness (first chunk stamped - server sent it) and the send side (server read it - tester
-   stamped it). The same load is run by bench/floor_client.py (aiohttp + uvloop, a coroutine per request, no
+   receive-side lateness (first chunk stamped - server sent it) and the send side (request arrived at the server -
+   tester stamped it). The same load is run by bench/floor_client.py (aiohttp + uvloop, a coroutine per request, no
    records kept) as the floor, in pairs interleaved (dfserve, floor, dfserve, floor, ...) so that a slow spell of
    the shared machine shows as one odd pair. CPU per chunk: the client's CPU time (every process of its group,
    dfserve's record writer included, all threads) over the chunks the server sent, from the end of the warm-up
@@ -292,8 +294,8 @@ def run_sync(work: Path, args: argparse.Namespace) -> str:
         f"`{command.strip()}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
         f"{os.cpu_count()} cores shared with other work; bench/sync_server.py "
         + ("on core 0, the client on core 1 (taskset)" if PIN else "unpinned")
-        + f". `--api {args.sync_api}`; every stream: first chunk {args.ttft_ms:g} ms after the server read the "
-        "request, then 63 chunks 10 ms apart. Closed loop: a warm-up wave, then "
+        + f". `--api {args.sync_api}`; every stream: first chunk {args.ttft_ms:g} ms after the request arrived at "
+        "the server, then 63 chunks 10 ms apart. Closed loop: a warm-up wave, then "
         f"{args.sync_waves} waves of requests; Poisson: {args.rate:g} req/s, 1 s of warm-up, then {args.seconds:g} s. "
         "Runs interleaved in pairs (dfserve, floor"
         + (f", then `before`: dfserve from {args.before_label}" if args.before else "") + "); milliseconds.",
@@ -304,9 +306,11 @@ def run_sync(work: Path, args: argparse.Namespace) -> str:
         *(r.row() for r in runs),
         "",
         "TTFT error = (first chunk stamped - request stamped) - the server's TTFT - the server's lateness in sending "
-        "that first chunk, per request. Receive side = first chunk stamped - server sent it; send side = server "
-        "read the request - client stamped it. dfserve stamps just before its socket write; the floor stamps before "
-        "handing the request to aiohttp, so its send side includes aiohttp's own work on the request.",
+        "that first chunk, per request. Receive side = first chunk stamped - server sent it; send side = request "
+        "arrived at the server - client stamped it (arrivals at the server are dated by its kernel). dfserve stamps "
+        "its request just before its socket write and dates its reads by its kernel (`dfserve.stamped_socket`); the "
+        "floor stamps before handing the request to aiohttp, so its send side includes aiohttp's own work on the "
+        "request, and stamps each chunk as aiohttp hands it over.",
         "",
         "At 128 synchronized streams (targets: dfserve's TTFT error p99 at or below the floor's and within 2 ms; CPU "
         "per chunk at most 1.2x the floor's):",
@@ -339,8 +343,9 @@ def run_sim(work: Path, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
         *rate_rows,
         "",
-        "TTFT error = first chunk received by the tester - simulator sent it (the tester stamps its request "
-        "just before the socket write, so nothing on the send side is its own). The lateness includes loopback and "
+        "TTFT error = first chunk received by the tester (dated by its kernel) - simulator sent it (the tester "
+        "stamps its request just before the socket write, so nothing on the send side is its own). The lateness "
+        "includes loopback and "
         "the simulator's socket write after its stamp, so it is an upper bound on the tester's share. Measured "
         "before this client replaced aiohttp on the hot path (same command and day, aiohttp 3.14.5 + uvloop, JSON "
         "parsed per chunk): TTFT error p50 0.29 / p99 3.97 ms, every chunk p50 2.96 / p99 13.2 ms at 128 streams: "

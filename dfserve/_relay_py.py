@@ -599,7 +599,7 @@ class _Readable(Protocol):
 class StampedReader:
     """Called when `sock` is readable: reads once, dates the read by the kernel's receive time (`arrival()`, on
     `perf_counter`'s clock) and hands the bytes to `protocol.data_received`; the end of the stream calls
-    `ended(None)`, a failed read `ended(exc)`.
+    `ended(None)`, a failed read or a protocol that raised `ended(exc)`.
 
     Made without `__init__`, it has no socket: calling it raises ValueError."""
 
@@ -608,7 +608,7 @@ class StampedReader:
     _ended: object = None
     _arrival = 0.0
 
-    def __init__(self, sock: socket.socket, protocol: _Readable, ended: Callable[[OSError | None], object]) -> None:
+    def __init__(self, sock: socket.socket, protocol: _Readable, ended: Callable[[BaseException | None], object]) -> None:
         if not isinstance(sock, socket.socket):
             raise TypeError("StampedReader(sock, ...): sock must be a socket")
         if sock.fileno() < 0:
@@ -635,7 +635,12 @@ class StampedReader:
         self._arrival = self._arrival_of(ancillary, now)
         if not data:
             return self._ended(None)  # type: ignore[operator]
-        return self.protocol.data_received(data)  # type: ignore[attr-defined]
+        try:
+            return self.protocol.data_received(data)  # type: ignore[attr-defined]
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # as asyncio's transports do: a protocol that failed loses its connection
+            return self._ended(exc)  # type: ignore[operator]
 
     def _arrival_of(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
         """The kernel's stamp as a date on `perf_counter`'s clock, `now` being its reading after the read; kept

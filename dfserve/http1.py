@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from dfserve import stamped_socket
 from dfserve.errors import UserError
 from dfserve.relay_core import BadChunk, Dechunker, EventTooLarge
-from dfserve.stamped_socket import AVAILABLE as KERNEL_STAMPS_AVAILABLE
 from dfserve.stamped_socket import StampedSocket, connect
 
 
@@ -433,8 +433,9 @@ class Call:
 
 
 def kernel_stamps_for(url: str) -> bool:
-    """Whether a connection to `url` can be dated by the kernel: plain http on Linux (TLS decrypts in user space)."""
-    return KERNEL_STAMPS_AVAILABLE and urlsplit(url).scheme == "http"
+    """Whether a connection to `url` can be dated by the kernel: plain http where the kernel stamps TCP reads (TLS
+    decrypts in user space)."""
+    return urlsplit(url).scheme == "http" and stamped_socket.available()
 
 
 def is_base_url(url: str) -> bool:

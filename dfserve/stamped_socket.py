@@ -8,12 +8,14 @@ segment as it arrives (`SO_TIMESTAMPNS`); `recvmsg` returns the stamp of the las
 date is when its last byte arrived, whatever the loop was doing then. The stamp is on the wall clock and is moved
 onto the caller's `perf_counter` clock at the read (a step of the wall clock between a segment's arrival and its
 read would misdate that read; a date is kept between the previous read's and now, so it can never run backwards).
-What is left: a read that takes several segments is dated by the last, so a loop more than a chunk gap behind
-still dates the earlier chunks of that read late, by up to a gap.
+What is left: the kernel merges a segment into one still unread in the socket and keeps the newer stamp, so a
+chunk that the loop has not read when the next one arrives is dated by the next (a loop more than a chunk gap
+behind; no read pattern recovers the older stamp).
 
 The transport speaks asyncio's: the protocol gets `connection_made`, `data_received`, `eof_received` and
 `connection_lost`; `arrival()` is the date of the read being delivered. Plain TCP on Linux only: TLS decrypts in
-user space, so an https connection is dated by its loop (`dfserve.http1.Pool` says which a pool uses).
+user space, so an https connection is dated by its loop (`dfserve.http1.Pool` says which a pool uses), and so is
+everything where `available()` found no stamps.
 
     transport, protocol = await connect(loop, "127.0.0.1", 30000, MyProtocol)
     # in MyProtocol.data_received: transport.arrival() is when the bytes arrived, on perf_counter's clock
@@ -24,20 +26,50 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import time
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 from dfserve.relay_core import StampedReader
 
-AVAILABLE = sys.platform == "linux"
 SO_TIMESTAMPNS = 35
 """`SO_TIMESTAMPNS_OLD` in asm-generic/socket.h (x86, arm, riscv...): a `struct timespec` per read; Python's
 socket module does not name it."""
 
 
+_KEPT_ON: list[socket.socket] = []
+"""A loopback pair that asked for stamps, kept open for the life of the process (see `available`)."""
+
+
 def stamp_arrivals(sock: socket.socket) -> None:
     """Ask the kernel to stamp what `sock` receives (set on a listening socket, its accepted ones inherit it)."""
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+
+@cache
+def available(wait_s: float = 1.0) -> bool:
+    """Whether TCP reads here come with the kernel's stamps, with stamping turned on for good. Linux turns receive
+    stamps on for the whole system when the first socket asks, in a deferred work item, and off when the last such
+    socket closes; segments that arrive in between carry no stamp, and their reads would be dated by the loop. So
+    a loopback pair that asks is opened and kept open, and a byte is sent over it until one comes back stamped."""
+    if sys.platform != "linux":
+        return False
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+    stamp_arrivals(receiver)
+    _KEPT_ON.extend((sender, receiver))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        sender.send(b"?")
+        _, ancillary, _, _ = receiver.recvmsg(1, socket.CMSG_SPACE(16))
+        if ancillary:
+            return True
+        time.sleep(0.001)
+    return False
 
 
 class StampedSocket(asyncio.Transport):
@@ -62,10 +94,15 @@ class StampedSocket(asyncio.Transport):
         protocol.connection_made(self)
         loop.add_reader(self._fd, self._reader)
 
-    def _read_ended(self, exc: OSError | None) -> None:
-        """From the reader: the peer ended the stream (None) or the read failed."""
+    def _read_ended(self, exc: BaseException | None) -> None:
+        """From the reader: the peer ended the stream (None), the read failed (OSError), or the protocol raised,
+        which the loop's exception handler hears of, as from asyncio's own transports."""
         if exc is not None:
-            self._close(exc)
+            if not isinstance(exc, OSError):
+                self._loop.call_exception_handler({
+                    "message": "Fatal error: protocol.data_received() call failed.", "exception": exc,
+                    "transport": self, "protocol": self._protocol})
+            self._close(exc if isinstance(exc, Exception) else None)
             return
         self._loop.remove_reader(self._fd)
         self._reading = False
@@ -169,7 +206,10 @@ class StampedSocket(asyncio.Transport):
 async def connect(loop: asyncio.AbstractEventLoop, host: str, port: int,
                   protocol_factory: Callable[[], asyncio.Protocol]) -> tuple[StampedSocket, asyncio.Protocol]:
     """Open a TCP connection (each address of `host` in turn, as `loop.create_connection` does) with TCP_NODELAY
-    and kernel stamps; raises the last address's `OSError` when none accepts."""
+    and kernel stamps; raises the last address's `OSError` when none accepts, or one saying that the kernel here
+    does not stamp TCP reads (`available`)."""
+    if not available():
+        raise OSError("the kernel does not stamp TCP reads here")
     failure: OSError | None = None
     for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         sock = socket.socket(family, kind, proto)

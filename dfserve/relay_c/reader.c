@@ -20,7 +20,8 @@ typedef struct {
     PyObject_HEAD
     int fd;
     PyObject *protocol; /* data_received(data) for each read */
-    PyObject *ended;    /* ended(exc): the peer's end of the stream (None), or the read's OSError */
+    PyObject *ended;    /* ended(exc): the peer's end of the stream (None), the read's OSError, or what the
+                         * protocol raised */
     double arrival;     /* the date of the last read, on perf_counter's clock */
 } StampedReader;
 
@@ -52,6 +53,22 @@ arrival_of(StampedReader *self, struct msghdr *msg, double now)
     return now; /* the end of the stream, or a segment queued before stamping was asked for */
 }
 
+/* ended(exc) with the exception being raised: a failed read, or a protocol that raised. */
+static PyObject *
+end_with_error(StampedReader *self)
+{
+    PyObject *type, *exc, *traceback;
+    PyErr_Fetch(&type, &exc, &traceback);
+    PyErr_NormalizeException(&type, &exc, &traceback);
+    if (traceback != NULL)
+        PyException_SetTraceback(exc, traceback);
+    PyObject *result = PyObject_CallOneArg(self->ended, exc);
+    Py_XDECREF(type);
+    Py_XDECREF(exc);
+    Py_XDECREF(traceback);
+    return result;
+}
+
 static PyObject *
 StampedReader_call(StampedReader *self, PyObject *args, PyObject *kwargs)
 {
@@ -77,15 +94,8 @@ StampedReader_call(StampedReader *self, PyObject *args, PyObject *kwargs)
     if (length < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             Py_RETURN_NONE;
-        PyObject *type, *exc, *traceback;
         PyErr_SetFromErrno(PyExc_OSError);
-        PyErr_Fetch(&type, &exc, &traceback);
-        PyErr_NormalizeException(&type, &exc, &traceback);
-        PyObject *result = PyObject_CallOneArg(self->ended, exc);
-        Py_XDECREF(type);
-        Py_XDECREF(exc);
-        Py_XDECREF(traceback);
-        return result;
+        return end_with_error(self);
     }
     self->arrival = arrival_of(self, &msg, monotonic_now());
     if (length == 0)
@@ -97,6 +107,8 @@ StampedReader_call(StampedReader *self, PyObject *args, PyObject *kwargs)
     PyObject *result = PyObject_CallMethodOneArg(protocol, str_data_received, data);
     Py_DECREF(protocol);
     Py_DECREF(data);
+    if (result == NULL && !PyErr_ExceptionMatches(PyExc_SystemExit) && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        return end_with_error(self); /* as asyncio's transports do: a protocol that failed loses its connection */
     return result;
 }
 
@@ -204,7 +216,7 @@ PyTypeObject StampedReaderType = {
     .tp_name = "dfserve._relay.StampedReader",
     .tp_doc = "StampedReader(sock, protocol, ended): called when sock is readable, reads once, dates the read by "
               "the kernel's receive time (arrival()) and hands the bytes to protocol.data_received; the end of "
-              "the stream calls ended(None), a failed read ended(exc).",
+              "the stream calls ended(None), a failed read or a protocol that raised ended(exc).",
     .tp_basicsize = sizeof(StampedReader),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = StampedReader_new,

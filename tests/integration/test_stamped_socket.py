@@ -151,6 +151,30 @@ def test_a_reset_by_the_peer_loses_the_connection_with_the_error(loop: str, read
     assert isinstance(exc, ConnectionResetError) and calls == ["made", "lost"]
 
 
+class Failing(Recorder):
+    def data_received(self, data: bytes) -> None:
+        raise RuntimeError("the protocol broke")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_protocol_that_raises_loses_its_connection_and_the_loop_hears_why(loop: str, reader: None) -> None:
+    async def go() -> tuple[Exception | None, list[str], list[str]]:
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context["message"]))
+        with listener() as server:
+            _, protocol = await connect(asyncio.get_running_loop(), "127.0.0.1", server.getsockname()[1], Failing)
+            peer, _ = server.accept()
+            peer.sendall(b"anything")
+            assert isinstance(protocol, Failing)
+            exc = await asyncio.wait_for(protocol.lost, 5)
+            peer.close()
+            return exc, protocol.calls, reported
+
+    exc, calls, reported = LOOPS[loop](go())
+    assert isinstance(exc, RuntimeError) and calls == ["made", "lost"]
+    assert reported == ["Fatal error: protocol.data_received() call failed."]
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_write_larger_than_the_socket_takes_goes_whole_and_close_waits_for_it(loop: str, reader: None) -> None:
     payload = bytes(range(256)) * (32 * 1024)  # 8 MiB
