@@ -590,6 +590,7 @@ _STAMP_TYPE = 35
 _TIMESPEC = struct.Struct("@ll")
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_TIMESPEC.size)
 _READ_BYTES = 65536
+_LATE_READ_S = 1e-3
 
 
 class _Readable(Protocol):
@@ -604,6 +605,14 @@ class StampedReader:
     Made without `__init__`, it has no socket: calling it raises ValueError."""
 
     protocol: object = None
+    reads = 0
+    """Reads that took bytes."""
+    late_reads = 0
+    """Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes
+    arrived."""
+    max_lag = 0.0
+    """Of those reads, the longest their bytes waited in the kernel for the loop, in seconds."""
+    _pending_lag: float | None = None
     _sock: socket.socket | None = None
     _ended: object = None
     _arrival = 0.0
@@ -617,10 +626,19 @@ class StampedReader:
         self.protocol = protocol
         self._ended = ended
         self._arrival = 0.0
+        self.reads = self.late_reads = 0
+        self.max_lag = 0.0
+        self._pending_lag = None
 
     def arrival(self) -> float:
         """When the bytes of the last read arrived, on `perf_counter`'s clock."""
         return self._arrival
+
+    def not_a_chunk(self) -> None:
+        """The read being delivered holds no chunk that a later one could share a stamp with (it ended its
+        response, or held only a response head): however late, it dates nothing wrongly, so its lag is not
+        counted."""
+        self._pending_lag = None
 
     def __call__(self) -> object:
         if self._sock is None:
@@ -635,6 +653,12 @@ class StampedReader:
         self._arrival = self._arrival_of(ancillary, now)
         if not data:
             return self._ended(None)  # type: ignore[operator]
+        self.reads += 1
+        if self._pending_lag is not None:
+            if self._pending_lag >= _LATE_READ_S:
+                self.late_reads += 1
+            self.max_lag = max(self.max_lag, self._pending_lag)
+        self._pending_lag = now - self._arrival
         try:
             return self.protocol.data_received(data)  # type: ignore[attr-defined]
         except (SystemExit, KeyboardInterrupt):

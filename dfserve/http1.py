@@ -41,7 +41,7 @@ import httptools
 from dfserve import stamped_socket
 from dfserve.errors import UserError
 from dfserve.relay_core import BadChunk, Dechunker, EventTooLarge
-from dfserve.stamped_socket import StampedSocket, connect
+from dfserve.stamped_socket import ReadLag, StampedSocket, connect
 
 
 class ConnectFailed(Exception):
@@ -276,6 +276,8 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self) -> None:
         self._finished = True
+        if isinstance(self.transport, StampedSocket):
+            self.transport.not_a_chunk()
         if self.done is not None and not self.done.done():
             self.done.set_result(self.response)
         self._ended()
@@ -299,6 +301,8 @@ class _Connection(asyncio.Protocol):
                 self._parse_head(data[start : end + 4])
                 start = end + 4
             data = data[start:]
+            if not data and isinstance(self.transport, StampedSocket):
+                self.transport.not_a_chunk()
             if self._finished:  # a response without a body
                 if data:
                     self._keep_alive = False  # bytes no request asked for: the server's framing is out of step
@@ -457,6 +461,8 @@ class Pool:
         if kernel_stamps and clock is not time.perf_counter:
             raise ValueError("kernel stamps are dated on time.perf_counter's clock")
         self.kernel_stamps = kernel_stamps and kernel_stamps_for(base_url)
+        self.read_lag = ReadLag() if self.kernel_stamps else None
+        """How late the loop took its connections' reads, those closed so far (`close` closes them all)."""
         parts = urlsplit(base_url)
         self.host = cast(str, parts.hostname)  # is_base_url: never None
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -475,8 +481,9 @@ class Pool:
                 return connection
         loop = asyncio.get_running_loop()
         new = partial(_Connection, self.clock, self.read_timeout_s)
-        opening = (connect(loop, self.host, self.port, new) if self.kernel_stamps else loop.create_connection(
-            new, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None))
+        opening = (connect(loop, self.host, self.port, new, self.read_lag) if self.kernel_stamps
+                   else loop.create_connection(new, self.host, self.port, ssl=self.ssl,
+                                               server_hostname=self.host if self.ssl else None))
         try:
             _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
         except OSError as exc:

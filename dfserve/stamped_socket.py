@@ -24,10 +24,12 @@ everything where `available()` found no stamps.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -38,6 +40,24 @@ SO_TIMESTAMPNS = 35
 socket module does not name it."""
 
 
+@dataclass
+class ReadLag:
+    """How long reads' bytes waited in the kernel for the loop, over the connections that added theirs: a loop that
+    lets a chunk wait until the next one arrives dates it by the next (the module's docstring)."""
+
+    reads: int = 0
+    late_reads: int = 0
+    """Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes
+    arrived: only a chunk still unread when the next arrives can be misdated."""
+    max_lag_s: float = 0.0
+    """Of those reads, the longest their bytes waited."""
+
+    def add(self, reads: int, late_reads: int, max_lag_s: float) -> None:
+        self.reads += reads
+        self.late_reads += late_reads
+        self.max_lag_s = max(self.max_lag_s, max_lag_s)
+
+
 _KEPT_ON: list[socket.socket] = []
 """A loopback pair that asked for stamps, kept open for the life of the process (see `available`)."""
 
@@ -45,6 +65,11 @@ _KEPT_ON: list[socket.socket] = []
 def stamp_arrivals(sock: socket.socket) -> None:
     """Ask the kernel to stamp what `sock` receives (set on a listening socket, its accepted ones inherit it)."""
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+
+def _let_go() -> None:
+    for sock in _KEPT_ON:
+        sock.close()
 
 
 @cache
@@ -62,6 +87,7 @@ def available(wait_s: float = 1.0) -> bool:
         receiver, _ = listener.accept()
     stamp_arrivals(receiver)
     _KEPT_ON.extend((sender, receiver))
+    atexit.register(_let_go)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         sender.send(b"?")
@@ -79,8 +105,11 @@ class StampedSocket(asyncio.Transport):
     the read and calls the protocol with no Python frame in between; `arrival` is its date of the read being
     delivered (when the bytes arrived, on `perf_counter`'s clock)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: asyncio.Protocol) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: asyncio.Protocol,
+                 lag: ReadLag | None = None) -> None:
+        """`lag`: where its reads' lag is added when it closes."""
         super().__init__()
+        self._lag = lag
         self._loop = loop
         self._sock = sock
         self._fd = sock.fileno()
@@ -93,6 +122,11 @@ class StampedSocket(asyncio.Transport):
         self._reading = True
         protocol.connection_made(self)
         loop.add_reader(self._fd, self._reader)
+
+    def not_a_chunk(self) -> None:
+        """From the protocol, while it takes a read: that read ended a response or held only a head, so no later
+        chunk can share its stamp (`ReadLag` leaves its lag out)."""
+        self._reader.not_a_chunk()
 
     def _read_ended(self, exc: BaseException | None) -> None:
         """From the reader: the peer ended the stream (None), the read failed (OSError), or the protocol raised,
@@ -186,6 +220,9 @@ class StampedSocket(asyncio.Transport):
             self._loop.remove_writer(self._fd)
             self._unsent.clear()
         self._sock.close()
+        if self._lag is not None:
+            reader = self._reader
+            self._lag.add(reader.reads, reader.late_reads, reader.max_lag)
         self._loop.call_soon(self._protocol.connection_lost, exc)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
@@ -204,7 +241,8 @@ class StampedSocket(asyncio.Transport):
 
 
 async def connect(loop: asyncio.AbstractEventLoop, host: str, port: int,
-                  protocol_factory: Callable[[], asyncio.Protocol]) -> tuple[StampedSocket, asyncio.Protocol]:
+                  protocol_factory: Callable[[], asyncio.Protocol],
+                  lag: ReadLag | None = None) -> tuple[StampedSocket, asyncio.Protocol]:
     """Open a TCP connection (each address of `host` in turn, as `loop.create_connection` does) with TCP_NODELAY
     and kernel stamps; raises the last address's `OSError` when none accepts, or one saying that the kernel here
     does not stamp TCP reads (`available`)."""
@@ -226,5 +264,5 @@ async def connect(loop: asyncio.AbstractEventLoop, host: str, port: int,
             sock.close()
             raise
         protocol = protocol_factory()
-        return StampedSocket(loop, sock, protocol), protocol
+        return StampedSocket(loop, sock, protocol, lag), protocol
     raise failure or OSError(f"{host}: no address")

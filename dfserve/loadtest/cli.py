@@ -12,6 +12,7 @@ import asyncio
 import gc
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
@@ -29,7 +30,7 @@ from dfserve.loadtest.judge import comparability, judge, load_gate
 from dfserve.loadtest.merge import merge, read_shard
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord, read_records
-from dfserve.loadtest.report import Summary, over_error_rate, render_html, summarize
+from dfserve.loadtest.report import Summary, over_error_rate, read_lag_warning, render_html, summarize
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
@@ -37,6 +38,7 @@ from dfserve.loadtest.shard import parse_shard, shard_indices
 from dfserve.loadtest.tasks import load_tasks
 from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
 from dfserve.runs import Provenance, create_run_dir, new_run_id, write_atomic, write_model
+from dfserve.stamped_socket import ReadLag
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_TOO_MANY_ERRORS = 4
@@ -152,7 +154,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
         exporter.close()
-    summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted)
+    summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
     if monitor:
         _print_sequential(monitor)
     if pushgateway:
@@ -205,17 +207,21 @@ def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None) 
     run_dir = create_run_dir(out or shards[0].parent, merged.config.run_id)
     write_model(run_dir / "config.json", merged.config)
     write_atomic(run_dir / "requests.jsonl", "".join(r.model_dump_json() + "\n" for r in merged.records))
-    _finish_run(run_dir, merged.config, merged.records, merged.interrupted)
+    _finish_run(run_dir, merged.config, merged.records, merged.interrupted, merged.read_lag)
     if merged.interrupted:
         click.echo("interrupted: a shard stopped early", err=True)
 
 
-def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], interrupted: bool) -> Summary:
+def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], interrupted: bool,
+                read_lag: Mapping[str, ReadLag]) -> Summary:
     """Write the summary and report of a run whose records are complete, and print the summary."""
-    summary = summarize(config, records, interrupted)
+    summary = summarize(config, records, interrupted, read_lag)
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))
     _print_summary(config, summary)
+    warning = read_lag_warning(summary)
+    if warning is not None:
+        click.echo(warning, err=True)
     click.echo(f"run: {run_dir}")
     return summary
 

@@ -19,6 +19,7 @@ from dfserve.loadtest.config import RunConfig, read_config, read_model
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary
 from dfserve.runs import Provenance
+from dfserve.stamped_socket import ReadLag
 
 _PER_SHARD = {"run_id", "shard", "t0_unix_s", "provenance", "arms"}
 """Fields of config.json that differ between the shards of one run (the arms are compared without their documents)."""
@@ -30,6 +31,7 @@ class ShardRun:
     config: RunConfig
     records: list[RequestRecord]
     interrupted: bool
+    read_lag: dict[str, ReadLag]
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Merged:
     config: RunConfig
     records: list[RequestRecord]
     interrupted: bool
+    read_lag: dict[str, ReadLag]
 
 
 def read_shard(path: Path) -> ShardRun:
@@ -46,7 +49,8 @@ def read_shard(path: Path) -> ShardRun:
         raise UserError(f"{path}: not a shard (run without --shard)")
     summary = read_model(path / "summary.json", Summary,
                          f"{path}: no summary.json; shard {config.shard} has not finished")
-    return ShardRun(path, config, list(read_records(path / "requests.jsonl")), summary.interrupted)
+    read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
+    return ShardRun(path, config, list(read_records(path / "requests.jsonl")), summary.interrupted, read_lag)
 
 
 def _identity(config: RunConfig) -> dict[str, Any]:
@@ -103,4 +107,8 @@ def merge(shards: Sequence[ShardRun], run_id: str) -> Merged:
     config = ordered[0].config.model_copy(update={
         "run_id": run_id, "shard": None, "merged_from": tuple(s.config.run_id for s in ordered), "t0_unix_s": t0,
         "provenance": Provenance.here()})
-    return Merged(config, records, any(s.interrupted for s in ordered))
+    read_lag: dict[str, ReadLag] = {}
+    for shard in ordered:
+        for arm, lag in shard.read_lag.items():
+            read_lag.setdefault(arm, ReadLag()).add(lag.reads, lag.late_reads, lag.max_lag_s)
+    return Merged(config, records, any(s.interrupted for s in ordered), read_lag)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -19,6 +19,7 @@ from dfserve.loadtest import records as rec
 from dfserve.loadtest import stats
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
+from dfserve.stamped_socket import ReadLag
 
 
 class _Model(BaseModel):
@@ -62,6 +63,8 @@ class ArmSummary(_Model):
     output_tokens_per_s: float | None
     round_tokens_histogram: list[int]
     simulated: bool
+    tester_read_lag: ReadLag | None = Field(None, description="how long responses' bytes waited in the kernel "
+                                            "for the tester's loop (None: reads dated by the loop)")
 
 
 class Summary(_Model):
@@ -168,9 +171,24 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     )
 
 
-def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: bool) -> Summary:
-    arms = tuple(summarize_arm(arm.name, [r for r in records if r.arm == arm.name]) for arm in config.arms)
+def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: bool,
+              read_lag: Mapping[str, ReadLag]) -> Summary:
+    arms = tuple(summarize_arm(arm.name, [r for r in records if r.arm == arm.name]).model_copy(
+        update={"tester_read_lag": read_lag.get(arm.name)}) for arm in config.arms)
     return Summary(run_id=config.run_id, interrupted=interrupted, arms=arms)
+
+
+def read_lag_warning(summary: Summary) -> str | None:
+    """One line when the tester's loop let some arm's bytes wait half a typical chunk gap or more: a chunk still
+    unread when the next arrives is dated by the next (dfserve/stamped_socket.py)."""
+    for a in summary.arms:
+        lag, gap = a.tester_read_lag, a.itl_per_chunk_s
+        if lag is not None and gap is not None and lag.max_lag_s >= gap.p50.estimate / 2:
+            return (f"warning: arm {a.arm}: the tester read some chunks up to {lag.max_lag_s * 1e3:.1f} ms after they "
+                    f"arrived ({lag.late_reads} of {lag.reads} reads 1 ms or more late), against chunks "
+                    f"{gap.p50.estimate * 1e3:.1f} ms apart: a chunk still unread when the next arrives is dated by "
+                    "the next; spread the load over processes (--shard) or lower --concurrency")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,6 +286,13 @@ def _legend(names: list[str]) -> str:
 _DATED_BY = {"kernel": "the kernel, as bytes arrived", "loop": "the tester, as it read them"}
 
 
+def _read_lag(lag: ReadLag | None) -> str:
+    if lag is None:
+        return "not measured"
+    late = f"{lag.late_reads / lag.reads:.2%} of {lag.reads} reads 1 ms or more late" if lag.reads else "no reads"
+    return f"max {lag.max_lag_s * 1e3:.2f} ms; {late}"
+
+
 def _row(label: str, values: list[str]) -> str:
     return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
 
@@ -288,6 +313,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         _row("requests (ok / all)", [f"{a.succeeded} / {a.requests}" for a in summary.arms]),
         _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
         _row("arrivals dated by", [_DATED_BY[config.arm(a.arm).arrival_stamps] for a in summary.arms]),
+        _row("tester read lag", [_read_lag(a.tester_read_lag) for a in summary.arms]),
         _row("acceptance length", [
             f"{a.accept_length.estimate:.3f} [{a.accept_length.low:.3f}, {a.accept_length.high:.3f}] ({a.acceptance}, "
             f"n={a.accept_length.n})" if a.accept_length else "unknown" for a in summary.arms]),

@@ -33,6 +33,7 @@ from dfserve.loadtest.shard import Shard, shard_concurrency, shard_indices
 from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
+from dfserve.stamped_socket import ReadLag
 from dfserve.transport import StampingTransport
 
 Halt = Callable[[], bool]
@@ -85,6 +86,8 @@ class RunOutcome:
     config: RunConfig
     records: list[RequestRecord] = field(default_factory=list)
     interrupted: bool = False
+    read_lag: dict[str, ReadLag] = field(default_factory=dict)
+    """Per arm whose reads the kernel dated, how long they waited for the loop."""
 
 
 async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Any | None:
@@ -233,7 +236,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
                 client.close()
     finally:
         records = await writer.close()
-    return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted)
+    read_lag = {c.arm: c.pool.read_lag for c in clients if c.pool.read_lag is not None}
+    return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted, read_lag=read_lag)
 
 
 async def _until_done_or_stopped(drive: asyncio.Future[Any], stop: asyncio.Event) -> bool:

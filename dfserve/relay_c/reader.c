@@ -12,6 +12,7 @@
 #include <time.h>
 
 #define READ_BYTES 65536
+#define LATE_READ_S 1e-3 /* a read taken this long after its bytes arrived counts as late (`late_reads`) */
 #define STAMP_TYPE 35 /* SO_TIMESTAMPNS_OLD (asm-generic/socket.h): a struct timespec, as dfserve/stamped_socket.py asks */
 
 static char read_buffer[READ_BYTES]; /* one for every reader: a read runs whole under the GIL */
@@ -23,6 +24,11 @@ typedef struct {
     PyObject *ended;    /* ended(exc): the peer's end of the stream (None), the read's OSError, or what the
                          * protocol raised */
     double arrival;     /* the date of the last read, on perf_counter's clock */
+    int64_t reads;      /* reads that took bytes */
+    int64_t late_reads; /* of the reads of chunks that more of their response followed, those taken LATE_READ_S
+                         * or more after their bytes arrived */
+    double max_lag;     /* of those reads, the longest their bytes waited in the kernel for the loop, in seconds */
+    double pending_lag; /* the last read's lag, counted when another read follows (< 0: nothing to count) */
 } StampedReader;
 
 static double
@@ -97,9 +103,18 @@ StampedReader_call(StampedReader *self, PyObject *args, PyObject *kwargs)
         PyErr_SetFromErrno(PyExc_OSError);
         return end_with_error(self);
     }
-    self->arrival = arrival_of(self, &msg, monotonic_now());
+    double now = monotonic_now();
+    self->arrival = arrival_of(self, &msg, now);
     if (length == 0)
         return PyObject_CallOneArg(self->ended, Py_None);
+    self->reads++;
+    if (self->pending_lag >= 0) {
+        if (self->pending_lag >= LATE_READ_S)
+            self->late_reads++;
+        if (self->pending_lag > self->max_lag)
+            self->max_lag = self->pending_lag;
+    }
+    self->pending_lag = now - self->arrival;
     PyObject *data = PyBytes_FromStringAndSize(read_buffer, length);
     if (data == NULL)
         return NULL;
@@ -136,13 +151,43 @@ StampedReader_init(StampedReader *self, PyObject *args, PyObject *kwargs)
     Py_SETREF(self->protocol, Py_NewRef(protocol));
     Py_SETREF(self->ended, Py_NewRef(ended));
     self->arrival = 0.0;
+    self->reads = self->late_reads = 0;
+    self->max_lag = 0.0;
+    self->pending_lag = -1.0;
     return 0;
+}
+
+/* The read being delivered holds no chunk that a later one could share a stamp with (it ended its response, or
+ * held only a response head): however late, it dates nothing wrongly, so its lag is not counted. */
+static PyObject *
+StampedReader_not_a_chunk(StampedReader *self, PyObject *unused)
+{
+    self->pending_lag = -1.0;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
 StampedReader_arrival(StampedReader *self, PyObject *unused)
 {
     return PyFloat_FromDouble(self->arrival);
+}
+
+static PyObject *
+StampedReader_get_reads(StampedReader *self, void *closure)
+{
+    return PyLong_FromLongLong(self->reads);
+}
+
+static PyObject *
+StampedReader_get_late_reads(StampedReader *self, void *closure)
+{
+    return PyLong_FromLongLong(self->late_reads);
+}
+
+static PyObject *
+StampedReader_get_max_lag(StampedReader *self, void *closure)
+{
+    return PyFloat_FromDouble(self->max_lag);
 }
 
 static PyObject *
@@ -176,6 +221,7 @@ static int
 StampedReader_clear(StampedReader *self)
 {
     self->fd = -1;
+    self->pending_lag = -1.0;
     Py_XSETREF(self->protocol, Py_NewRef(Py_None));
     Py_XSETREF(self->ended, Py_NewRef(Py_None));
     return 0;
@@ -202,12 +248,19 @@ StampedReader_dealloc(StampedReader *self)
 static PyMethodDef StampedReader_methods[] = {
     {"arrival", (PyCFunction)StampedReader_arrival, METH_NOARGS,
      "arrival() -> float: when the bytes of the last read arrived, on perf_counter's clock."},
+    {"not_a_chunk", (PyCFunction)StampedReader_not_a_chunk, METH_NOARGS,
+     "The read being delivered ended its response or held only a head: its lag is not counted."},
     {NULL},
 };
 
 static PyGetSetDef StampedReader_getset[] = {
     {"protocol", (getter)StampedReader_get_protocol, (setter)StampedReader_set_protocol,
      "What each read's bytes go to (data_received).", NULL},
+    {"reads", (getter)StampedReader_get_reads, NULL, "Reads that took bytes.", NULL},
+    {"late_reads", (getter)StampedReader_get_late_reads, NULL,
+     "Of the reads more of the same response followed, those taken 1 ms or more after their bytes arrived.", NULL},
+    {"max_lag", (getter)StampedReader_get_max_lag, NULL,
+     "Of those reads, the longest their bytes waited in the kernel for the loop, in seconds.", NULL},
     {NULL},
 };
 

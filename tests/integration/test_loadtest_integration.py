@@ -86,9 +86,14 @@ def test_measured_acceptance_of_each_arm_agrees_with_the_profile(ab_run: Path) -
     assert (ab_run / "report.html").read_text().count("<svg") == 5
 
 
-def test_each_arm_says_its_reads_were_dated_by_the_kernel(ab_run: Path) -> None:
+def test_each_arm_says_its_reads_were_dated_by_the_kernel_and_how_long_they_waited(ab_run: Path) -> None:
     config = json.loads((ab_run / "config.json").read_text())
     assert [arm["arrival_stamps"] for arm in config["arms"]] == ["kernel", "kernel"]
+    summary = json.loads((ab_run / "summary.json").read_text())
+    for arm in summary["arms"]:
+        responses = sum(r.arm == arm["arm"] for r in records(ab_run))
+        lag = arm["tester_read_lag"]
+        assert responses < lag["reads"] and 0 <= lag["late_reads"] <= lag["reads"] and 0 <= lag["max_lag_s"] < 1
 
 
 def test_inhouse_against_zlab_fails_on_acceptance(ab_run: Path) -> None:

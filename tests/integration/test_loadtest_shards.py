@@ -50,6 +50,11 @@ def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[s
     assert config["shard"] is None and config["merged_from"] == ["shard-0", "shard-1", "shard-2"]
     summary = json.loads((tmp_path / "merged" / "summary.json").read_text())
     assert [a["requests"] for a in summary["arms"]] == [30, 30]
+    shard_arms = [json.loads((shard / "summary.json").read_text())["arms"] for shard in shards]
+    for i, arm in enumerate(summary["arms"]):  # the tester's read lag: each shard's reads, the worst wait
+        lag = arm["tester_read_lag"]
+        assert lag["reads"] == sum(s[i]["tester_read_lag"]["reads"] for s in shard_arms) > 0
+        assert lag["max_lag_s"] == max(s[i]["tester_read_lag"]["max_lag_s"] for s in shard_arms)
     judged = dfserve("compare", str(tmp_path / "merged"), "--out", str(tmp_path / "verdicts"))
     assert judged.returncode == 1, judged.stdout + judged.stderr  # the in-house drafter accepts fewer tokens
     verdict = json.loads(next((tmp_path / "verdicts").glob("verdict-*/verdict.json")).read_text())

@@ -10,14 +10,14 @@ import struct
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import uvloop
 
 from dfserve import _relay, _relay_py, stamped_socket
 from dfserve.http1 import ConnectFailed, Pool, Response, kernel_stamps_for
-from dfserve.stamped_socket import StampedSocket, connect
+from dfserve.stamped_socket import ReadLag, StampedSocket, connect
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 BUSY_S = 0.06
@@ -122,6 +122,52 @@ def test_a_read_is_dated_when_its_bytes_arrived_not_when_a_busy_loop_got_to_them
     assert data == b"first chunk"
     assert read_at - sent[1] >= BUSY_S
     assert dated_within(arrival, sent), (arrival - sent[0], arrival - sent[1])
+
+
+class EndsOnEnd(Recorder):
+    """Says that a read ending in b"end" held no chunk a later one could share a stamp with, as the HTTP client
+    says of the read that ends a response."""
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if data.endswith(b"end") and self.transport is not None:
+            self.transport.not_a_chunk()
+
+
+def lag_after(loop: str, sends: list[tuple[bytes, bool]]) -> ReadLag:
+    """What a connection adds to a `ReadLag` (which already holds 3 reads, 1 late, 1 ms) after reading `sends`,
+    each read when sent (False) or after the loop was held for `BUSY_S` (True)."""
+    async def go() -> ReadLag:
+        lag = ReadLag(reads=3, late_reads=1, max_lag_s=0.001)
+        with listener() as server:
+            transport, protocol = await connect(asyncio.get_running_loop(), "127.0.0.1", server.getsockname()[1],
+                                                EndsOnEnd, lag)
+            peer, _ = server.accept()
+            assert isinstance(protocol, EndsOnEnd)
+            for count, (data, held) in enumerate(sends, 1):
+                peer.sendall(data)
+                if held:
+                    hold_the_loop()
+                await until(lambda: len(protocol.reads) == count)  # noqa: B023 (awaited before the next turn)
+            assert lag.reads == 3, "added when the connection closes"
+            transport.close()
+            peer.close()
+        return lag
+
+    return cast(ReadLag, LOOPS[loop](go()))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_closed_connection_adds_how_long_its_reads_waited_for_the_loop(loop: str, reader: None) -> None:
+    lag = lag_after(loop, [(b"head", False), (b"chunk", True), (b"chunk", False)])
+    assert lag.reads == 6 and lag.late_reads == 2 and BUSY_S <= lag.max_lag_s < 2 * BUSY_S
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_last_read_of_a_response_is_not_counted_however_late(loop: str, reader: None) -> None:
+    """A late last read dates nothing wrongly: no chunk of its response follows it to share its stamp."""
+    lag = lag_after(loop, [(b"head", False), (b"last chunk, end", True), (b"next head", True)])
+    assert lag.reads == 6 and lag.late_reads == 1 and lag.max_lag_s < BUSY_S
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -274,6 +320,7 @@ def test_every_piece_of_a_chunked_response_is_dated_by_its_arrival_through_the_h
             await asyncio.wait_for(fetching, 5)
             pool.close()
             peer.close()
+            assert pool.read_lag == ReadLag(3, 2, pool.read_lag.max_lag_s)  # both chunks late; the end not counted
             return sent, response.pieces, read_by
 
     sent, pieces, read_by = uvloop.run(go())

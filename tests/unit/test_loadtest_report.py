@@ -14,12 +14,14 @@ from dfserve.loadtest.report import (
     accept_length_figure,
     distribution,
     over_error_rate,
+    read_lag_warning,
     render_html,
     summarize,
     summarize_arm,
     svg_cdf,
 )
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.stamped_socket import ReadLag
 from tests.synthetic import run_config, synthetic
 
 
@@ -50,10 +52,24 @@ def test_arms_over_the_error_rate_limit_are_named_with_their_error_kinds() -> No
     zlab[0] = failed(zlab[0], "timeout", None)  # 2.5%
     inhouse[:10] = [failed(r, "connect", None) for r in inhouse[:6]] + [failed(r, "http_status", 503)
                                                                        for r in inhouse[6:10]]  # 25%
-    summary = summarize(run_config("run-e"), zlab + inhouse, interrupted=False)
+    summary = summarize(run_config("run-e"), zlab + inhouse, interrupted=False, read_lag={})
     (over,) = over_error_rate(summary, 0.05)
     assert over.arm == "inhouse" and over.error_rate == 0.25 and over.errors == {"connect": 6, "http_503": 4}
     assert over_error_rate(summary, 0.25) == [] and len(over_error_rate(summary, 0.0)) == 2
+
+
+def test_a_tester_that_let_bytes_wait_half_a_chunk_gap_is_warned_about_and_the_report_shows_its_lag() -> None:
+    records = synthetic("zlab", 40, 9.0, seed=1, tokens=32) + synthetic("inhouse", 40, 6.0, seed=2, tokens=32)
+    config = run_config("run-l")
+    quiet = summarize(config, records, interrupted=False, read_lag={"zlab": ReadLag(1000, 2, 0.0015)})
+    gap_s = next(a for a in quiet.arms if a.arm == "zlab").itl_per_chunk_s
+    assert gap_s is not None and 0.0015 < gap_s.p50.estimate / 2
+    assert read_lag_warning(quiet) is None
+    late = summarize(config, records, interrupted=False, read_lag={"inhouse": ReadLag(1000, 40, gap_s.p50.estimate)})
+    warning = read_lag_warning(late)
+    assert warning is not None and "arm inhouse" in warning and "40 of 1000 reads" in warning and "--shard" in warning
+    page = render_html(config, late, records)
+    assert "4.00% of 1000 reads 1 ms or more late" in page and "not measured" in page  # zlab: no lag given
 
 
 def test_no_data_is_none_not_zero() -> None:
@@ -67,7 +83,7 @@ def test_no_data_is_none_not_zero() -> None:
 def test_report_html_is_self_contained_with_cdfs_and_histogram() -> None:
     records = synthetic("zlab", 40, 9.0, seed=1, tokens=32) + synthetic("inhouse", 40, 6.0, seed=2, tokens=32)
     config = run_config("run-x")
-    summary = summarize(config, records, interrupted=True)
+    summary = summarize(config, records, interrupted=True, read_lag={})
     page = render_html(config, summary, records)
     assert page.count("<svg") == 5 and "<polyline" in page and "<rect" in page
     assert "Interrupted" in page and "zlab" in page and "inhouse" in page
