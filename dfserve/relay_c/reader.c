@@ -2,11 +2,15 @@
  *
  * The event loop calls it when the socket is readable (loop.add_reader), so a read costs no Python frame: one
  * recvmsg, the stamp of the last segment it took (SO_TIMESTAMPNS, on the wall clock) moved onto perf_counter's
- * clock (CLOCK_MONOTONIC), then protocol.data_received(data). dfserve/stamped_socket.py says why and is the
- * transport around it. */
+ * clock (CLOCK_MONOTONIC), then protocol.data_received(data). It also counts how long chunks waited for the loop
+ * (`late_reads`, `max_lag`): a chunk still unread when the next arrives is dated by the next. dfserve/stamped_socket.py
+ * says why and is the transport around it. */
 #include "relay.h"
 
+#include <structmember.h>
+
 #include <errno.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -173,24 +177,6 @@ StampedReader_arrival(StampedReader *self, PyObject *unused)
 }
 
 static PyObject *
-StampedReader_get_reads(StampedReader *self, void *closure)
-{
-    return PyLong_FromLongLong(self->reads);
-}
-
-static PyObject *
-StampedReader_get_late_reads(StampedReader *self, void *closure)
-{
-    return PyLong_FromLongLong(self->late_reads);
-}
-
-static PyObject *
-StampedReader_get_max_lag(StampedReader *self, void *closure)
-{
-    return PyFloat_FromDouble(self->max_lag);
-}
-
-static PyObject *
 StampedReader_get_protocol(StampedReader *self, void *closure)
 {
     return Py_NewRef(self->protocol);
@@ -256,11 +242,16 @@ static PyMethodDef StampedReader_methods[] = {
 static PyGetSetDef StampedReader_getset[] = {
     {"protocol", (getter)StampedReader_get_protocol, (setter)StampedReader_set_protocol,
      "What each read's bytes go to (data_received).", NULL},
-    {"reads", (getter)StampedReader_get_reads, NULL, "Reads that took bytes.", NULL},
-    {"late_reads", (getter)StampedReader_get_late_reads, NULL,
-     "Of the reads more of the same response followed, those taken 1 ms or more after their bytes arrived.", NULL},
-    {"max_lag", (getter)StampedReader_get_max_lag, NULL,
-     "Of those reads, the longest their bytes waited in the kernel for the loop, in seconds.", NULL},
+    {NULL},
+};
+
+static PyMemberDef StampedReader_members[] = {
+    {"reads", T_LONGLONG, offsetof(StampedReader, reads), READONLY, "Reads that took bytes."},
+    {"late_reads", T_LONGLONG, offsetof(StampedReader, late_reads), READONLY,
+     "Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes "
+     "arrived."},
+    {"max_lag", T_DOUBLE, offsetof(StampedReader, max_lag), READONLY,
+     "Of those reads, the longest their bytes waited in the kernel for the loop, in seconds."},
     {NULL},
 };
 
@@ -280,4 +271,5 @@ PyTypeObject StampedReaderType = {
     .tp_call = (ternaryfunc)StampedReader_call,
     .tp_methods = StampedReader_methods,
     .tp_getset = StampedReader_getset,
+    .tp_members = StampedReader_members,
 };
