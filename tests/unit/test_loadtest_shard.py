@@ -10,6 +10,7 @@ from dfserve.errors import UserError
 from dfserve.loadtest.merge import ShardRun, check_shards, merge
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.shard import Shard, parse_shard, shard_concurrency, shard_indices
+from dfserve.stamped_socket import ReadLag
 from tests.synthetic import run_config, synthetic
 
 
@@ -45,7 +46,8 @@ def shard_runs(count: int, total: int = 12) -> list[ShardRun]:
         shard = Shard(index=i, count=count)
         config = run_config(f"shard-{i}", num_requests=total).model_copy(update={"shard": shard, "t0_unix_s": 100.0 + i})
         mine = set(shard_indices(total, shard))
-        runs.append(ShardRun(Path(f"runs/shard-{i}"), config, [r for r in whole if r.index in mine], False))
+        lag = {"zlab": ReadLag(reads=100 * (i + 1), late_reads=i, max_lag_s=0.001 * (3 - i))}
+        runs.append(ShardRun(Path(f"runs/shard-{i}"), config, [r for r in whole if r.index in mine], False, lag))
     return runs
 
 
@@ -64,7 +66,8 @@ def test_merge_orders_records_and_moves_them_to_one_clock() -> None:
         assert record.model_dump(exclude={"dispatched_s", "sent_s", "first_token_s", "end_s", "chunk_times_s"}) == \
             before.model_dump(exclude={"dispatched_s", "sent_s", "first_token_s", "end_s", "chunk_times_s"})
     assert not merged.interrupted
-    shards[1] = ShardRun(shards[1].path, shards[1].config, shards[1].records, True)
+    assert merged.read_lag == {"zlab": ReadLag(reads=600, late_reads=3, max_lag_s=0.003)}  # inhouse: none given
+    shards[1] = ShardRun(shards[1].path, shards[1].config, shards[1].records, True, {})
     assert merge(shards, "m").interrupted
 
 
@@ -76,7 +79,7 @@ def test_merge_refuses_a_set_that_is_not_whole() -> None:
         check_shards([shards[0], shards[0], shards[1], shards[2]])
     other = shards[1].config.model_copy(update={"load": LoadShape(kind="closed", concurrency=4)})
     with pytest.raises(UserError, match=r"^runs/shard-1: not a shard of the same run as runs/shard-0 \(differs in load\)$"):
-        check_shards([shards[0], ShardRun(shards[1].path, other, [], False), shards[2]])
+        check_shards([shards[0], ShardRun(shards[1].path, other, [], False, {}), shards[2]])
     fewer = shard_runs(2)
     with pytest.raises(UserError, match=r"\(differs in shard count\)$"):
         check_shards([shards[0], fewer[1]])
@@ -87,5 +90,6 @@ def test_merge_refuses_a_set_that_is_not_whole() -> None:
 def test_merge_ignores_the_live_figures_in_server_documents() -> None:
     shards = shard_runs(2)
     arms = tuple(a.model_copy(update={"server_info": {"last_gen_throughput": 12.5}}) for a in shards[1].config.arms)
-    shards[1] = ShardRun(shards[1].path, shards[1].config.model_copy(update={"arms": arms}), shards[1].records, False)
+    shards[1] = ShardRun(shards[1].path, shards[1].config.model_copy(update={"arms": arms}), shards[1].records, False,
+                         {})
     assert len(merge(shards, "m").records) == 24
