@@ -10,7 +10,8 @@ onto the caller's `perf_counter` clock at the read (a step of the wall clock bet
 read would misdate that read; a date is kept between the previous read's and now, so it can never run backwards).
 What is left: the kernel merges a segment into one still unread in the socket and keeps the newer stamp, so a
 chunk that the loop has not read when the next one arrives is dated by the next (a loop more than a chunk gap
-behind; no read pattern recovers the older stamp).
+behind; no read pattern recovers the older stamp). `ReadLag` counts how long chunks waited for the loop, so that a
+run can say when that may have happened.
 
 The transport speaks asyncio's: the protocol gets `connection_made`, `data_received`, `eof_received` and
 `connection_lost`; `arrival()` is the date of the read being delivered. Plain TCP on Linux only: TLS decrypts in
