@@ -605,13 +605,9 @@ class StampedReader:
     Made without `__init__`, it has no socket: calling it raises ValueError."""
 
     protocol: object = None
-    reads = 0
-    """Reads that took bytes."""
-    late_reads = 0
-    """Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes
-    arrived."""
-    max_lag = 0.0
-    """Of those reads, the longest their bytes waited in the kernel for the loop, in seconds."""
+    _reads = 0
+    _late_reads = 0
+    _max_lag = 0.0
     _pending_lag: float | None = None
     _sock: socket.socket | None = None
     _ended: object = None
@@ -626,9 +622,25 @@ class StampedReader:
         self.protocol = protocol
         self._ended = ended
         self._arrival = 0.0
-        self.reads = self.late_reads = 0
-        self.max_lag = 0.0
+        self._reads = self._late_reads = 0
+        self._max_lag = 0.0
         self._pending_lag = None
+
+    @property
+    def reads(self) -> int:
+        """Reads that took bytes."""
+        return self._reads
+
+    @property
+    def late_reads(self) -> int:
+        """Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes
+        arrived."""
+        return self._late_reads
+
+    @property
+    def max_lag(self) -> float:
+        """Of those reads, the longest their bytes waited in the kernel for the loop, in seconds."""
+        return self._max_lag
 
     def arrival(self) -> float:
         """When the bytes of the last read arrived, on `perf_counter`'s clock."""
@@ -653,11 +665,11 @@ class StampedReader:
         self._arrival = self._arrival_of(ancillary, now)
         if not data:
             return self._ended(None)  # type: ignore[operator]
-        self.reads += 1
+        self._reads += 1
         if self._pending_lag is not None:
             if self._pending_lag >= _LATE_READ_S:
-                self.late_reads += 1
-            self.max_lag = max(self.max_lag, self._pending_lag)
+                self._late_reads += 1
+            self._max_lag = max(self._max_lag, self._pending_lag)
         self._pending_lag = now - self._arrival
         try:
             return self.protocol.data_received(data)  # type: ignore[attr-defined]

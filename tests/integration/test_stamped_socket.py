@@ -289,6 +289,15 @@ def test_a_refused_connection_raises_the_os_error_and_the_pool_names_it() -> Non
         uvloop.run(fetch())
 
 
+def test_a_kernel_without_the_option_means_no_kernel_stamps_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(sock: socket.socket) -> None:
+        raise OSError(92, "Protocol not available")
+
+    monkeypatch.setattr(stamped_socket, "stamp_arrivals", refused)
+    assert stamped_socket.available.__wrapped__(0.05) is False
+    assert stamped_socket.available()  # the answer this process found at its first look, kept
+
+
 def test_the_pool_dates_kernel_stamps_on_perf_counter_and_only_over_plain_http() -> None:
     assert kernel_stamps_for("http://127.0.0.1:30000") and not kernel_stamps_for("https://127.0.0.1:30000")
     assert not Pool("https://127.0.0.1:30000", time.perf_counter, kernel_stamps=True).kernel_stamps
@@ -320,6 +329,7 @@ def test_every_piece_of_a_chunked_response_is_dated_by_its_arrival_through_the_h
             await asyncio.wait_for(fetching, 5)
             pool.close()
             peer.close()
+            assert pool.read_lag is not None
             assert pool.read_lag == ReadLag(3, 2, pool.read_lag.max_lag_s)  # both chunks late; the end not counted
             return sent, response.pieces, read_by
 

@@ -314,6 +314,9 @@ def test_objects_made_without_init_are_inert(impl: Relay) -> None:
 def test_a_stamped_reader_made_without_init_has_no_socket_and_refuses_what_is_not_one(impl: Relay) -> None:
     reader = impl.StampedReader.__new__(impl.StampedReader)
     assert reader.protocol is None and reader.arrival() == 0.0
+    assert (reader.reads, reader.late_reads, reader.max_lag) == (0, 0, 0.0)
+    with pytest.raises(AttributeError):
+        reader.reads = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="no socket"):
         reader()
     with pytest.raises(TypeError):
