@@ -124,6 +124,7 @@ class _Connection(asyncio.Protocol):
         self.clock = clock
         self.arrival = clock
         """When the read being delivered arrived: the kernel's date over a `StampedSocket`, else `clock()` now."""
+        self._stamped: StampedSocket | None = None
         self.read_timeout_s = read_timeout_s
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -156,6 +157,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
         self.loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup is a getpid() system call
         if isinstance(transport, StampedSocket):
+            self._stamped = transport
             self.arrival = transport.arrival
 
     def data_received(self, data: bytes) -> None:
@@ -276,8 +278,8 @@ class _Connection(asyncio.Protocol):
 
     def _finish(self) -> None:
         self._finished = True
-        if isinstance(self.transport, StampedSocket):
-            self.transport.not_a_chunk()
+        if self._stamped is not None:
+            self._stamped.not_a_chunk()
         if self.done is not None and not self.done.done():
             self.done.set_result(self.response)
         self._ended()
@@ -301,8 +303,8 @@ class _Connection(asyncio.Protocol):
                 self._parse_head(data[start : end + 4])
                 start = end + 4
             data = data[start:]
-            if not data and isinstance(self.transport, StampedSocket):
-                self.transport.not_a_chunk()
+            if not data and self._stamped is not None:
+                self._stamped.not_a_chunk()
             if self._finished:  # a response without a body
                 if data:
                     self._keep_alive = False  # bytes no request asked for: the server's framing is out of step

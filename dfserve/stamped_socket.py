@@ -98,7 +98,7 @@ def available(wait_s: float = 1.0) -> bool:
                 return True
             time.sleep(0.001)
     except OSError:
-        pass  # a kernel (or sandbox) without the option, or without loopback
+        return False  # a kernel (or sandbox) without the option, or without loopback
     return False
 
 

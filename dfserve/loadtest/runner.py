@@ -21,10 +21,9 @@ from typing import Any
 
 import httpx
 
-from dfserve import sglang
+from dfserve import sglang, stamped_socket
 from dfserve.errors import UserError
 from dfserve.headers import ARM as PIN_HEADER
-from dfserve.http1 import kernel_stamps_for
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
@@ -125,7 +124,6 @@ async def probe_arm(
         model_info=model_info if isinstance(model_info, dict) else None,
         model=model or "default",
         simulated=bool(server and server.simulated),
-        arrival_stamps="kernel" if kernel_stamps_for(url) else "loop",
     )
 
 
@@ -187,37 +185,39 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=10,
                                  trust_env=False) as http:
         arms = [await probe_arm(http, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
+    stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts
     run_dir = create_run_dir(plan.out, plan.name)
     writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
-    t0 = time.perf_counter()
-    writer.begin(t0)
-    config = RunConfig(
-        run_id=run_dir.name,
-        api="chat" if plan.api == "chat" else "native",
-        arms=tuple(arms),
-        tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
-        num_requests=plan.num_requests,
-        warmup=plan.warmup,
-        sampling=plan.sampling,
-        load=load,
-        duration_s=plan.duration_s,
-        request_timeout_s=plan.request_timeout_s,
-        pin_arms=plan.pin_arms,
-        sequential=plan.sequential,
-        shard=plan.shard,
-        header_names=tuple(name for name, _ in plan.headers),
-        t0_unix_s=time.time() - (time.perf_counter() - t0),
-        provenance=Provenance.here(),
-    )
-    write_model(run_dir / "config.json", config)
-    order = plan.task_set.sequence(total, load.seed)
-    deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
     try:
+        t0 = time.perf_counter()
+        writer.begin(t0)
         clients = [
             ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
                       request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms, headers=dict(plan.headers))
             for arm in arms
         ]
+        config = RunConfig(
+            run_id=run_dir.name,
+            api="chat" if plan.api == "chat" else "native",
+            arms=tuple(arm.model_copy(update={"arrival_stamps": "kernel" if client.pool.kernel_stamps else "loop"})
+                       for arm, client in zip(arms, clients, strict=True)),
+            tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
+            num_requests=plan.num_requests,
+            warmup=plan.warmup,
+            sampling=plan.sampling,
+            load=load,
+            duration_s=plan.duration_s,
+            request_timeout_s=plan.request_timeout_s,
+            pin_arms=plan.pin_arms,
+            sequential=plan.sequential,
+            shard=plan.shard,
+            header_names=tuple(name for name, _ in plan.headers),
+            t0_unix_s=time.time() - (time.perf_counter() - t0),
+            provenance=Provenance.here(),
+        )
+        write_model(run_dir / "config.json", config)
+        order = plan.task_set.sequence(total, load.seed)
+        deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
         offsets = load.offsets(total)
         indices = shard_indices(total, plan.shard)
         concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)

@@ -337,3 +337,29 @@ def test_every_piece_of_a_chunked_response_is_dated_by_its_arrival_through_the_h
     assert [data for _, data in pieces] == [b"first", b"second"]
     for (arrival, _), window, read in zip(pieces, sent, read_by, strict=True):
         assert dated_within(arrival, window) and read - window[1] >= BUSY_S, (arrival - window[0], read - window[1])
+
+
+def test_a_late_read_of_a_head_alone_is_not_counted_as_a_chunk_left_waiting() -> None:
+    """A head shares its stamp with no chunk: however late the loop reads it, no chunk is misdated."""
+    async def go() -> ReadLag | None:
+        loop = asyncio.get_running_loop()
+        with listener() as server:
+            server.setblocking(False)
+            pool = Pool(f"http://127.0.0.1:{server.getsockname()[1]}", time.perf_counter, kernel_stamps=True)
+            response = Response()
+            fetching = asyncio.ensure_future(pool.fetch("/generate", b"{}", b"", response))
+            peer, _ = await loop.sock_accept(server)
+            await loop.sock_recv(peer, 65536)
+            peer.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            hold_the_loop()
+            await until(lambda: response.status == 200)
+            peer.sendall(b"5\r\nfirst\r\n")
+            await until(lambda: len(response.pieces) == 1)
+            peer.sendall(b"0\r\n\r\n")
+            await asyncio.wait_for(fetching, 5)
+            pool.close()
+            peer.close()
+            return pool.read_lag
+
+    lag = uvloop.run(go())
+    assert lag is not None and lag.reads == 3 and lag.late_reads == 0 and lag.max_lag_s < BUSY_S / 2
