@@ -8,8 +8,8 @@ import asyncio
 import socket
 import struct
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, cast
 
 import pytest
@@ -305,61 +305,59 @@ def test_the_pool_dates_kernel_stamps_on_perf_counter_and_only_over_plain_http()
         Pool("http://127.0.0.1:30000", time.monotonic, kernel_stamps=True)
 
 
-def test_every_piece_of_a_chunked_response_is_dated_by_its_arrival_through_the_http_client(reader: None) -> None:
-    """The tester's path: head, then chunks read by the de-chunker as the transport's protocol, each dated by the
-    kernel while the loop is busy when they come."""
-    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 
-    async def go() -> tuple[list[tuple[float, float]], list[tuple[float, bytes]], list[float]]:
-        loop = asyncio.get_running_loop()
-        with listener() as server:
-            server.setblocking(False)
-            pool = Pool(f"http://127.0.0.1:{server.getsockname()[1]}", time.perf_counter, kernel_stamps=True)
-            response = Response()
-            fetching = asyncio.ensure_future(pool.fetch("/generate", b"{}", b"", response))
-            peer, _ = await loop.sock_accept(server)
-            await loop.sock_recv(peer, 65536)
+
+@asynccontextmanager
+async def fetching_one() -> AsyncIterator[tuple[Pool, Response, socket.socket, asyncio.Future[None]]]:
+    """The tester's path: a kernel-stamped pool fetching one request from a server played by the test (the peer, its
+    request read); the response ended by the test is awaited, and the pool closed, on the way out."""
+    loop = asyncio.get_running_loop()
+    with listener() as server:
+        server.setblocking(False)
+        pool = Pool(f"http://127.0.0.1:{server.getsockname()[1]}", time.perf_counter, kernel_stamps=True)
+        response = Response()
+        fetching = asyncio.ensure_future(pool.fetch("/generate", b"{}", b"", response))
+        peer, _ = await loop.sock_accept(server)
+        await loop.sock_recv(peer, 65536)
+        yield pool, response, peer, fetching
+        await asyncio.wait_for(fetching, 5)
+        pool.close()
+        peer.close()
+
+
+def test_every_piece_of_a_chunked_response_is_dated_by_its_arrival_through_the_http_client(reader: None) -> None:
+    """Head, then chunks read by the de-chunker as the transport's protocol, each dated by the kernel while the
+    loop is busy when they come."""
+    async def go() -> tuple[list[tuple[float, float]], list[tuple[float, bytes]], list[float], ReadLag | None]:
+        async with fetching_one() as (pool, response, peer, _):
             sent, read_by = [], []
-            for count, piece in enumerate((head + b"5\r\nfirst\r\n", b"6\r\nsecond\r\n"), 1):
+            for count, piece in enumerate((HEAD + b"5\r\nfirst\r\n", b"6\r\nsecond\r\n"), 1):
                 sent.append(send(peer, piece))
                 hold_the_loop()  # while the piece waits in the kernel
                 await until(lambda: len(response.pieces) == count)  # noqa: B023 (awaited before the next turn)
                 read_by.append(time.perf_counter())
             peer.sendall(b"0\r\n\r\n")
-            await asyncio.wait_for(fetching, 5)
-            pool.close()
-            peer.close()
-            assert pool.read_lag is not None
-            assert pool.read_lag == ReadLag(3, 2, pool.read_lag.max_lag_s)  # both chunks late; the end not counted
-            return sent, response.pieces, read_by
+        return sent, response.pieces, read_by, pool.read_lag
 
-    sent, pieces, read_by = uvloop.run(go())
+    sent, pieces, read_by, lag = uvloop.run(go())
     assert [data for _, data in pieces] == [b"first", b"second"]
     for (arrival, _), window, read in zip(pieces, sent, read_by, strict=True):
         assert dated_within(arrival, window) and read - window[1] >= BUSY_S, (arrival - window[0], read - window[1])
+    assert lag is not None and (lag.reads, lag.late_reads) == (3, 2)  # both chunks late; the end not counted
 
 
 def test_a_late_read_of_a_head_alone_is_not_counted_as_a_chunk_left_waiting() -> None:
     """A head shares its stamp with no chunk: however late the loop reads it, no chunk is misdated."""
     async def go() -> ReadLag | None:
-        loop = asyncio.get_running_loop()
-        with listener() as server:
-            server.setblocking(False)
-            pool = Pool(f"http://127.0.0.1:{server.getsockname()[1]}", time.perf_counter, kernel_stamps=True)
-            response = Response()
-            fetching = asyncio.ensure_future(pool.fetch("/generate", b"{}", b"", response))
-            peer, _ = await loop.sock_accept(server)
-            await loop.sock_recv(peer, 65536)
-            peer.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        async with fetching_one() as (pool, response, peer, _):
+            peer.sendall(HEAD)
             hold_the_loop()
             await until(lambda: response.status == 200)
             peer.sendall(b"5\r\nfirst\r\n")
             await until(lambda: len(response.pieces) == 1)
             peer.sendall(b"0\r\n\r\n")
-            await asyncio.wait_for(fetching, 5)
-            pool.close()
-            peer.close()
-            return pool.read_lag
+        return pool.read_lag
 
     lag = uvloop.run(go())
     assert lag is not None and lag.reads == 3 and lag.late_reads == 0 and lag.max_lag_s < BUSY_S / 2
