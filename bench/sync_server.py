@@ -10,6 +10,9 @@ arrival and first-chunk send on the wall clock, and the server's own lateness (f
 worst chunk's). GET /progress counts ended streams and chunks sent, for a CPU window over a run.
 
     python bench/sync_server.py --port 0 --ttft-ms 20 --gap-ms 10 --chunks 64
+
+`--first-together K` sends the first K chunks in one write when the first is due, as a server that flushes late
+does: a client reads them in one read, and is right to date them alike.
 """
 
 from __future__ import annotations
@@ -82,10 +85,11 @@ class Served:
 
 
 class Server:
-    def __init__(self, ttft_s: float, gap_s: float, chunks: int) -> None:
+    def __init__(self, ttft_s: float, gap_s: float, chunks: int, first_together: int = 1) -> None:
         self.ttft_s = ttft_s
         self.gap_s = gap_s
         self.streams = Streams.build(chunks)
+        self.first_together = first_together
         self.log: list[Served] = []
         self.ended = 0
         self.chunks_sent = 0
@@ -170,15 +174,16 @@ class Connection(asyncio.Protocol):
         if self.transport is None:
             server.ended += 1
             return
-        self.transport.write(chunks[k])
-        server.chunks_sent += 1
+        together = server.first_together if k == 0 else 1
+        self.transport.write(b"".join(chunks[k : k + together]))
+        server.chunks_sent += len(chunks[k : k + together])
         late = now - due
         if k == 0:
             served.first_sent_unix = served.arrival_unix + (now - arrival_pc)
             served.first_late = late
         served.worst_late = max(served.worst_late, late)
-        if k + 1 < len(chunks):
-            self.send(chunks, k + 1, served, arrival_pc)
+        if k + together < len(chunks):
+            self.send(chunks, k + together, served, arrival_pc)
         else:
             server.ended += 1
             self.streaming = False
@@ -212,8 +217,11 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument("--gap-ms", type=float, default=10.0)
     parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument("--first-together", type=int, default=1, help="chunks sent in the first write")
     args = parser.parse_args()
-    uvloop.run(serve(args.port, Server(args.ttft_ms / 1e3, args.gap_ms / 1e3, args.chunks)))
+    if not 1 <= args.first_together <= args.chunks:
+        parser.error("--first-together: from 1 to --chunks")
+    uvloop.run(serve(args.port, Server(args.ttft_ms / 1e3, args.gap_ms / 1e3, args.chunks, args.first_together)))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,12 @@ def itl_per_chunk_s(r: RequestRecord) -> list[float]:
     return [later - earlier for earlier, later in pairwise(times)]
 
 
+def read_with_next(r: RequestRecord) -> list[bool]:
+    """For each token chunk but the last: whether it reached the tester in one read with the next, so carries the
+    next one's date (the server sent them together, or the tester left it unread until the next arrived)."""
+    return [later == earlier for earlier, later in pairwise(r.chunk_times_s)]
+
+
 def itl_per_token_s(r: RequestRecord) -> list[float]:
     """Each gap split evenly over the tokens of the chunk that ended it; empty when per-chunk tokens are unknown."""
     if r.chunk_tokens is None or len(r.chunk_tokens) != len(r.chunk_times_s):

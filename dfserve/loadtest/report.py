@@ -45,6 +45,24 @@ class Distribution(_Model):
     max: float
 
 
+class ReadWithNext(_Model):
+    """Token chunks that reached the tester in one read with the next chunk of their response, and so carry its
+    date: the server sent them together, or the tester's loop left the first unread until the next arrived (then
+    its TTFT or inter-chunk gap is off by up to a chunk gap; `read_lag_warning`)."""
+
+    first_chunks: int = Field(description="requests whose first token chunk was read with the second")
+    of_first_chunks: int = Field(description="requests with two token chunks or more")
+    chunks: int = Field(description="token chunks read with the next one")
+    of_chunks: int = Field(description="token chunks with a next one")
+
+    def surely_over(self, share: float) -> bool:
+        """Whether the first chunks or all chunks read with the next are over `share` beyond sampling noise (the low
+        end of the 95% Wilson interval): one in sixty is not one in a hundred."""
+        return any(interval is not None and interval.low > share
+                   for interval in (stats.wilson(self.first_chunks, self.of_first_chunks),
+                                    stats.wilson(self.chunks, self.of_chunks)))
+
+
 class ArmSummary(_Model):
     arm: str
     requests: int
@@ -65,6 +83,8 @@ class ArmSummary(_Model):
     simulated: bool
     tester_read_lag: ReadLag | None = Field(None, description="how long responses' bytes waited in the kernel "
                                             "for the tester's loop (None: reads dated by the loop)")
+    read_with_next: ReadWithNext | None = Field(None, description="token chunks dated by the next one because "
+                                                "both came in one read (None: no request had two chunks)")
 
 
 class Summary(_Model):
@@ -150,6 +170,7 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     ends = [r.end_s for r in ok if r.end_s is not None]
     span = max(ends) - min(starts) if starts and ends else 0.0
     histogram = Counter(t for r in ok for t in rec.round_tokens(r))
+    together = [rec.read_with_next(r) for r in ok if len(r.chunk_times_s) >= 2]
     return ArmSummary(
         arm=arm,
         requests=len(measured),
@@ -168,6 +189,9 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
         output_tokens_per_s=output_tokens / span if span > 0 else None,
         round_tokens_histogram=[histogram.get(k, 0) for k in range(max(histogram, default=-1) + 1)],
         simulated=any(r.simulated for r in measured),
+        read_with_next=ReadWithNext(
+            first_chunks=sum(flags[0] for flags in together), of_first_chunks=len(together),
+            chunks=sum(map(sum, together)), of_chunks=sum(map(len, together))) if together else None,
     )
 
 
@@ -178,16 +202,31 @@ def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: 
     return Summary(run_id=config.run_id, interrupted=interrupted, arms=arms)
 
 
+READ_WITH_NEXT_WARNED = 0.01
+"""A run warns when surely more than this share of an arm's first chunks, or of all its chunks, came in one read
+with the next while the tester's loop fell behind: enough to move a p99."""
+READ_LAG_WARNED_S = 1e-3
+"""The least wait that counts as falling behind: a chunk dated by one that came under 1 ms later is not worth a
+warning (and a server that sends its chunks together makes the median gap nothing)."""
+
+
 def read_lag_warning(summary: Summary) -> str | None:
-    """One line when the tester's loop let some arm's bytes wait half a typical chunk gap or more: a chunk still
-    unread when the next arrives is dated by the next (dfserve/stamped_socket.py)."""
+    """One line when the tester's loop fell behind enough to date some arm's chunks by the next ones
+    (dfserve/stamped_socket.py): surely more than `READ_WITH_NEXT_WARNED` of its first chunks or of all its chunks
+    read with the next, and reads left waiting half a median chunk gap or more (`READ_LAG_WARNED_S` at least). Either
+    alone is not the tester's error: a server may send chunks together, and one read left waiting in thousands
+    moves no figure."""
     for a in summary.arms:
-        lag, gap = a.tester_read_lag, a.itl_per_chunk_s
-        if lag is not None and gap is not None and lag.max_lag_s >= gap.p50.estimate / 2:
-            return (f"warning: arm {a.arm}: the tester read some chunks up to {lag.max_lag_s * 1e3:.1f} ms after they "
-                    f"arrived ({lag.late_reads} of {lag.reads} reads 1 ms or more late), against chunks "
-                    f"{gap.p50.estimate * 1e3:.1f} ms apart: a chunk still unread when the next arrives is dated by "
-                    "the next; spread the load over processes (--shard) or lower --concurrency")
+        lag, gap, together = a.tester_read_lag, a.itl_per_chunk_s, a.read_with_next
+        if lag is None or gap is None or together is None:
+            continue
+        behind = lag.max_lag_s >= max(gap.p50.estimate / 2, READ_LAG_WARNED_S)
+        if behind and together.surely_over(READ_WITH_NEXT_WARNED):
+            return (f"warning: arm {a.arm}: {together.first_chunks} of {together.of_first_chunks} first chunks and "
+                    f"{together.chunks} of {together.of_chunks} chunks came in one read with the next one, so are "
+                    f"dated by it, while the tester read some bytes up to {lag.max_lag_s * 1e3:.1f} ms after they "
+                    f"arrived (chunks {gap.p50.estimate * 1e3:.1f} ms apart): TTFT and inter-chunk tails may be off "
+                    "by a chunk gap; spread the load over processes (--shard) or lower --concurrency")
     return None
 
 
@@ -293,6 +332,14 @@ def _read_lag(lag: ReadLag | None) -> str:
     return f"max {lag.max_lag_s * 1e3:.2f} ms; {late}"
 
 
+def _read_with_next(together: ReadWithNext | None) -> str:
+    if together is None:
+        return "n/a"
+    return (f"first {together.first_chunks} of {together.of_first_chunks} "
+            f"({together.first_chunks / together.of_first_chunks:.2%}); all {together.chunks} of {together.of_chunks} "
+            f"({together.chunks / together.of_chunks:.2%})")
+
+
 def _row(label: str, values: list[str]) -> str:
     return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
 
@@ -314,6 +361,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
         _row("arrivals dated by", [_DATED_BY[config.arm(a.arm).arrival_stamps] for a in summary.arms]),
         _row("tester read lag", [_read_lag(a.tester_read_lag) for a in summary.arms]),
+        _row("chunks read with the next", [_read_with_next(a.read_with_next) for a in summary.arms]),
         _row("acceptance length", [
             f"{a.accept_length.estimate:.3f} [{a.accept_length.low:.3f}, {a.accept_length.high:.3f}] ({a.acceptance}, "
             f"n={a.accept_length.n})" if a.accept_length else "unknown" for a in summary.arms]),

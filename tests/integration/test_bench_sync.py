@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 TTFT_S = 0.02
 
 
-def sync_server() -> list[str]:
-    return [sys.executable, str(ROOT / "bench" / "sync_server.py"), "--port", "0", "--ttft-ms", "20", "--gap-ms", "2",
-            "--chunks", "8"]
+def sync_server(gap_ms: int = 2, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "bench" / "sync_server.py"), "--port", "0", "--ttft-ms", "20", "--gap-ms",
+            str(gap_ms), "--chunks", "8", *extra]
 
 
 def logged(url: str) -> dict[int, list[float]]:
@@ -59,3 +59,19 @@ def test_dfserve_reads_every_stream_whole_and_each_request_is_logged_once(tmp_pa
     assert len(records) == 10 and all(r.ok and len(r.chunk_times_s) == 8 for r in records)
     assert sorted(int(r.task_id[1:]) for r in records) == sorted(served) == list(range(10))
     assert all((r.first_token_s or 0) - (r.sent_s or 0) >= TTFT_S for r in records)
+
+
+def test_chunks_a_server_sends_together_are_dated_alike_counted_and_not_blamed_on_the_tester(tmp_path: Path) -> None:
+    with serve(sync_server(20, "--first-together", "2")) as server:
+        done = subprocess.run(dfserve_argv("loadtest", "run", "--arm", f"sync={server.url}", "--num-requests", "8",
+                                           "--warmup", "2", "--concurrency", "4", "--max-new-tokens", "8", "--out",
+                                           str(tmp_path), "--name", "run", "--quiet"), timeout=60, capture_output=True,
+                              text=True)
+    assert done.returncode == 0, done.stderr
+    records = list(read_records(tmp_path / "run" / "requests.jsonl"))
+    assert all(r.chunk_times_s[0] == r.chunk_times_s[1] < r.chunk_times_s[2] for r in records)
+    (arm,) = json.loads((tmp_path / "run" / "summary.json").read_text())["arms"]
+    assert arm["read_with_next"] == {"first_chunks": 8, "of_first_chunks": 8, "chunks": 8, "of_chunks": 56}
+    assert "first 8 of 8 (100.00%); all 8 of 56 (14.29%)" in (tmp_path / "run" / "report.html").read_text()
+    if arm["tester_read_lag"]["max_lag_s"] < 0.01:  # the tester kept up with chunks 20 ms apart: the server's doing
+        assert "warning" not in done.stderr, done.stderr

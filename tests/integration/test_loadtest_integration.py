@@ -156,7 +156,8 @@ def test_killing_one_arm_mid_run_keeps_complete_records_and_classifies_the_rest(
         _, stderr = run.communicate(timeout=120)
     # most of inhouse's requests failed: the run is kept, and says so in one line and its exit status
     assert run.returncode == 4, stderr
-    (line,) = stderr.splitlines()
+    # (on a loaded machine the tester's read-lag warning may come too: not what this test is about)
+    (line,) = [line for line in stderr.splitlines() if not line.startswith("warning: arm ")]
     assert line.startswith("errors over --max-error-rate 0.05: inhouse failed ") and "zlab" not in line
     assert "disconnect=" in line and line.endswith(f"; run kept: {tmp_path / 'k'}")
     kept = records(tmp_path / "k")

@@ -127,6 +127,12 @@ def test_latency_figures_come_from_raw_timestamps() -> None:
     assert rec.wait_s(_record(scheduled_s=0.5, dispatched_s=0.8)) == pytest.approx(0.3)
 
 
+def test_a_chunk_read_with_the_next_carries_its_date() -> None:
+    assert rec.read_with_next(_record()) == [False, False]
+    assert rec.read_with_next(_record(chunk_times_s=[1.2, 1.2, 1.4, 1.4])) == [True, False, True]
+    assert rec.read_with_next(_record(chunk_times_s=[1.1])) == []
+
+
 def test_a_chunk_that_merged_rounds_adds_none_to_the_per_round_histogram() -> None:
     """A client that fell behind gets SGLang's latest state only: three rounds (4, 2, 3 tokens) arrive as two
     chunks (4, then 2 + 3). Counting chunks as rounds would show a round of 5 that never ran."""
