@@ -50,10 +50,10 @@ class ReadWithNext(_Model):
     date: the server sent them together, or the tester's loop left the first unread until the next arrived (then
     its TTFT or inter-chunk gap is off by up to a chunk gap; `read_lag_warning`)."""
 
-    first_chunks: int = Field(description="requests whose first token chunk was read with the second")
-    of_first_chunks: int = Field(description="requests with two token chunks or more")
-    chunks: int = Field(description="token chunks read with the next one")
-    of_chunks: int = Field(description="token chunks with a next one")
+    first_chunks: int = Field(ge=0, description="requests whose first token chunk was read with the second")
+    of_first_chunks: int = Field(ge=1, description="requests with two token chunks or more")
+    chunks: int = Field(ge=0, description="token chunks read with the next one")
+    of_chunks: int = Field(ge=1, description="token chunks with a next one")
 
     def surely_over(self, share: float) -> bool:
         """Whether the first chunks or all chunks read with the next are over `share` beyond sampling noise (the low

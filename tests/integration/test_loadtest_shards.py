@@ -79,5 +79,13 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path) -> N
         refused = dfserve("loadtest", "merge", *map(str, given), "--out", str(tmp_path / "merged"))
         assert refused.returncode == 2 and refused.stderr.strip() == line, refused.stderr
     assert not (tmp_path / "merged").exists()
+    summary = shards[1] / "summary.json"  # an edited summary: a count with nothing to count it of
+    document = json.loads(summary.read_text())
+    document["arms"][0]["read_with_next"]["of_chunks"] = 0
+    summary.write_text(json.dumps(document))
+    refused = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "merged"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"dfserve: error: {summary}: ") and "of_chunks" in refused.stderr
+    assert not (tmp_path / "merged").exists()
     bad = dfserve("loadtest", "run", "--out", str(tmp_path), *arms, *LOAD, "--concurrency", "2", "--shard", "3/3")
     assert bad.returncode == 2 and bad.stderr.strip() == "dfserve: error: --shard: '3/3' needs 0 <= I < N"
