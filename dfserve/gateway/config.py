@@ -13,6 +13,8 @@ file or a bad `PUT /admin/arms` body is refused before it can touch live traffic
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -88,6 +90,13 @@ class RoutingConfig(_Model):
         return self
 
 
+def routing_version(routing: RoutingConfig) -> str:
+    """A short hash of the routing's content: the same on every replica that runs the same routing, whatever the
+    file's layout, comments or key order (`dfserve_gateway_routing_version`, `gateway.watch`)."""
+    canonical = json.dumps(routing.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
 class Limits(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     max_connections: int = Field(2048, gt=0, description="Client connections open at once; one more is answered "
@@ -128,6 +137,15 @@ class AdminConfig(_Model):
     token_env: str = Field("DFSERVE_ADMIN_TOKEN", description="Environment variable holding the bearer token.")
 
 
+class ObserverConfig(_Model):
+    """One observer of finished exchanges (`gateway.observers`): a registered kind and its options."""
+
+    kind: str = Field(description="A kind registered with `dfserve.gateway.observers.register`.")
+    queue_size: int = Field(4096, gt=0, description="Exchanges waiting for the observer's thread; past it one is "
+                            "dropped for this observer and counted (reason behind).")
+    options: dict[str, Any] = Field(default_factory=dict, description="What the kind reads, as it documents.")
+
+
 class GatewayConfig(_Model):
     """Everything `dfserve gateway` needs; `routing` is the part the admin API can replace at runtime."""
 
@@ -140,6 +158,8 @@ class GatewayConfig(_Model):
     scrape: ScrapeConfig = ScrapeConfig()
     admin: AdminConfig = AdminConfig()
     seed: int | None = Field(None, description="Seed of the split's random choice; None draws one.")
+    observers: tuple[ObserverConfig, ...] = Field((), description="Observers of every finished exchange besides "
+                                                  "metrics, each on a thread of its own.")
     watch_interval_s: float | None = Field(None, gt=0, description="Check the config file this often and apply "
                                            "its routing when it changes (`gateway.watch`); the admin API is then "
                                            "read-only. None: the file is read at start and on SIGHUP.")
@@ -156,9 +176,9 @@ class GatewayConfig(_Model):
 _ROUTING_KEYS = set(RoutingConfig.model_fields)
 
 
-def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
+def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """Accept routing keys (mode, arms, ...) at the top level of the YAML file as well as under `routing:`."""
-    routing = dict(raw.get("routing") or {})
+    routing = dict(_mapping(raw.get("routing") or {}, where, "routing"))
     rest = {}
     for key, value in raw.items():
         if key in _ROUTING_KEYS:
@@ -166,6 +186,13 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
         elif key != "routing":
             rest[key] = value
     return {**rest, "routing": routing}
+
+
+def _mapping(value: Any, where: str, field: str) -> dict[str, Any]:
+    """`value` where the file must hold a mapping: `routing: 5` is refused naming the field, not a TypeError."""
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {field}: expected a mapping, not {type(value).__name__} {value!r:.40}")
+    return value
 
 
 def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
@@ -192,6 +219,7 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
 def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
     """The config file (if any) with flag overrides applied; dotted keys (`admin.port`) reach nested fields."""
     raw: dict[str, Any] = {}
+    where = f"--config {path}" if path else "gateway config"
     if path is not None:
         try:
             loaded = yaml.safe_load(path.read_text())
@@ -201,15 +229,15 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
             raise UserError(describe_yaml(exc, f"--config {path}")) from None
         if not isinstance(loaded, dict):
             raise UserError(f"--config {path}: expected a mapping at the top level")
-        raw = _flatten(loaded)
+        raw = _flatten(loaded, where)
     raw.setdefault("routing", {})
     for dotted, value in overrides.items():
         target = raw
         *parents, leaf = dotted.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
+        for depth, parent in enumerate(parents, 1):
+            target = _mapping(target.setdefault(parent, {}), where, ".".join(parents[:depth]))
         target[leaf] = value
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe_invalid(exc, f"--config {path}" if path else "gateway config")) from None
+        raise UserError(describe_invalid(exc, where)) from None
