@@ -121,6 +121,9 @@ class HealthConfig(_Model):
     interval_s: float = Field(2.0, gt=0, description="Active GET /health per replica.")
     timeout_s: float = Field(1.0, gt=0)
     eject_after_failures: int = Field(3, gt=0, description="Consecutive failures (active or passive) that eject.")
+    max_ejection_percent: float = Field(50, ge=0, le=100, allow_inf_nan=False,
+                                        description="Most of an arm's replicas that requests' failures may eject (at "
+                                        "least one, never the last healthy one); health checks eject any.")
     path: str = "/health"
 
 
