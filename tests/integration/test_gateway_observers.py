@@ -5,8 +5,8 @@ raises or stalls costs clients nothing."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
-import time
 from collections import Counter
 from typing import Any
 
@@ -22,15 +22,19 @@ pytestmark = pytest.mark.slow
 
 
 class Recorder:
-    def __init__(self, gate: threading.Event | None = None) -> None:
+    def __init__(self, gate: threading.Event | None = None, expected: int = 0) -> None:
         self.seen: list[Exchanged] = []
         self.closed = False
         self.gate = gate
+        self.expected = expected
+        self.all_seen = threading.Event()
 
     def observe(self, exchanged: Exchanged) -> None:
         if self.gate is not None:
             self.gate.wait()
         self.seen.append(exchanged)
+        if len(self.seen) == self.expected:
+            self.all_seen.set()
 
     def close(self) -> None:
         self.closed = True
@@ -47,9 +51,8 @@ class Raising:
 def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     requests = 12
     listening: list[str] = []
-    monkeypatch.setattr(entrypoint, "announce", lambda name, sock: listening.append(url_of(sock)))
     gate = threading.Event()
-    recorder, stalled = Recorder(), Recorder(gate)
+    recorder, stalled = Recorder(expected=3 * requests), Recorder(gate)
     monkeypatch.setitem(observers.KINDS, "test_stalled", lambda options: stalled)
     with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:
         config = load_config(None, {
@@ -61,18 +64,22 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
                              "dead": {"weight": 1, "replicas": [url_of(dead)]}}})
 
         async def run() -> tuple[list[int], str]:
+            announced = asyncio.Event()
+
+            def announce(name: str, sock: socket.socket) -> None:
+                listening.append(url_of(sock))
+                announced.set()
+
+            monkeypatch.setattr(entrypoint, "announce", announce)
             served = asyncio.ensure_future(entrypoint.serve(config, observers={
                 "recorder": recorder, "raising": Raising()}))
-            while not listening:
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(announced.wait(), 30)
             async with httpx.AsyncClient(base_url=listening[0], timeout=30) as client:
                 bodies: list[dict[str, Any]] = [
                     {"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 8}, "stream": i % 2 == 0}
                     for i in range(requests)]
                 statuses = [(await client.post("/generate", json=body)).status_code for body in bodies]
-                deadline = time.monotonic() + 20
-                while len(recorder.seen) < 3 * requests and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(recorder.all_seen.wait, 20)
                 text = (await client.get("/metrics")).text
             gate.set()
             served.cancel()
