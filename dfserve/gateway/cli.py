@@ -7,9 +7,24 @@ from pathlib import Path
 from typing import Any
 
 import click
+from pydantic import ValidationError
 
-from dfserve.errors import UserError
-from dfserve.gateway.config import load_config, parse_arm_flag
+from dfserve.errors import UserError, describe_invalid
+from dfserve.gateway.config import ArmConfig, load_config
+
+
+def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
+    """`--arm NAME=WEIGHT@URL[,URL...]`, e.g. `baseline=90@http://127.0.0.1:30000`."""
+    name, sep, rest = text.partition("=")
+    weight, sep2, urls = rest.partition("@")
+    if not sep or not sep2 or not name:
+        raise UserError(f"--arm {text!r}: expected NAME=WEIGHT@URL[,URL...]")
+    try:
+        return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
+    except (ValueError, ValidationError) as exc:
+        detail = describe_invalid(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
+        raise UserError(detail) from None
+
 
 
 @click.command()

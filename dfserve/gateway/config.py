@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, UserError, describe_invalid, describe_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
@@ -171,8 +171,8 @@ class GatewayConfig(_Model):
         """The admin bearer token, read from the environment so it never sits in a config file."""
         token = (os.environ if environ is None else environ).get(self.admin.token_env, "")
         if self.admin.port is not None and len(token) < 16:
-            raise UserError(f"admin.token_env: set {self.admin.token_env} to a token of at least 16 characters, "
-                            "or leave admin.port unset")
+            raise FieldError("admin.token_env", f"set {self.admin.token_env} to a token of at least 16 characters, "
+                             "or leave admin.port unset")
         return token or None
 
 
@@ -206,32 +206,20 @@ def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
         raise UserError(describe_invalid(exc, where)) from None
 
 
-def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
-    """`--arm NAME=WEIGHT@URL[,URL...]`, e.g. `baseline=90@http://127.0.0.1:30000`."""
-    name, sep, rest = text.partition("=")
-    weight, sep2, urls = rest.partition("@")
-    if not sep or not sep2 or not name:
-        raise UserError(f"--arm {text!r}: expected NAME=WEIGHT@URL[,URL...]")
-    try:
-        return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
-    except (ValueError, ValidationError) as exc:
-        detail = describe_invalid(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
-        raise UserError(detail) from None
-
-
 def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
-    """The config file (if any) with flag overrides applied; dotted keys (`admin.port`) reach nested fields."""
+    """The config file (if any) with overrides applied (the CLI's flags); dotted keys (`admin.port`) reach nested
+    fields. A `UserError` names the file and the field."""
     raw: dict[str, Any] = {}
-    where = f"--config {path}" if path else "gateway config"
+    where = str(path) if path else "gateway config"
     if path is not None:
         try:
             loaded = yaml.safe_load(path.read_text())
         except OSError as exc:
-            raise UserError(f"--config {path}: {exc.strerror}") from None
+            raise UserError(f"{path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
-            raise UserError(describe_yaml(exc, f"--config {path}")) from None
+            raise UserError(describe_yaml(exc, str(path))) from None
         if not isinstance(loaded, dict):
-            raise UserError(f"--config {path}: expected a mapping at the top level")
+            raise UserError(f"{path}: expected a mapping at the top level")
         raw = _flatten(loaded, where)
     raw.setdefault("routing", {})
     for dotted, value in overrides.items():
