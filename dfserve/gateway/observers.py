@@ -1,9 +1,10 @@
 """Observers of finished exchanges: the one seam through which the gateway tells what became of each request.
 
 Every request the gateway sends to an arm (a client's, or a shadow mirror of one; answered, refused by the arm's
-limits or failed) ends in one `Exchanged` record, handed once to `Observers.finished`. Metrics are the first observer
-(`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families it updates are
-read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records) runs on a thread of
+limits or failed) ends in one `Exchanged` record, handed once to `Observers.finished`; a request the gateway
+refuses before it picks an arm (invalid JSON, an unknown route, an oversize body) is no exchange. Metrics are the
+first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
+it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records) runs on a thread of
 its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an observer's work never
 runs on the hot path. An exchange that finds the queue full is dropped for that observer, and an observer that
 raises loses that exchange: both are counted (`dfserve_gateway_observer_failures_total{observer, reason}`, reason
