@@ -1,6 +1,6 @@
 """The package's one C extension, `dfserve._relay` (the relay's per-read work, see dfserve/relay_c/relay.h); the rest
 is in pyproject.toml. The extension is optional: where it cannot be built (no compiler, no Python headers) the
-install goes on and `dfserve.relay_core` uses its pure-Python twin, `dfserve/_relay_py.py`."""
+install goes on and `dfserve.relay_core` uses its pure-Python twin, `dfserve/_relay_py/`."""
 
 from pathlib import Path
 

@@ -89,6 +89,11 @@ ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _to
 RELOAD_OUTCOMES = ("applied", "refused")
 """Values of the `outcome` label of `dfserve_gateway_routing_reloads_total`."""
 
+OBSERVER_FAILURES = "dfserve_gateway_observer_failures"  # counter; exposed with _total
+OBSERVER_FAILURE_REASONS = ("failed", "behind")
+"""Why an observer of the gateway's finished exchanges missed one (`gateway.observers`): it raised, or its queue was
+full (it fell behind). Neither ever fails or slows the client's request."""
+
 ARM_LABELS = ("arm", "route")
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
 """Labels of `dfserve_requests_total`, the same from the gateway and the load tester (see `request_labels`):
@@ -369,3 +374,20 @@ class RoutingMetrics:
                           ("version",), registry=registry),
             reloads=reloads,
         )
+
+
+@dataclass(frozen=True)
+class ObserverMetrics:
+    """What became of the exchanges handed to the gateway's observers that they did not take."""
+
+    failures: Counter
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> ObserverMetrics:
+        return cls(Counter(OBSERVER_FAILURES, "Finished exchanges an observer missed; reason: failed (it raised) or "
+                           "behind (its queue was full, the exchange was dropped for it).", ("observer", "reason"),
+                           registry=registry))
+
+    def watch(self, observer: str) -> dict[str, Counter]:
+        """The series of one observer, every reason's at 0 from its registration, so `increase()` sees the first."""
+        return {reason: self.failures.labels(observer, reason) for reason in OBSERVER_FAILURE_REASONS}

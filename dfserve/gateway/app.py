@@ -11,6 +11,7 @@ and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -21,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
-from dfserve.gateway.config import GatewayConfig, RoutingConfig
+from dfserve.gateway.config import GatewayConfig, RoutingConfig, routing_version
+from dfserve.gateway.observers import Exchanged, MetricsObserver, Observers
 from dfserve.gateway.relay import (
     ARM_HEADER,
     HOP_BY_HOP,
@@ -29,7 +31,7 @@ from dfserve.gateway.relay import (
     NativeStream,
     OpenAIStream,
     measure_whole,
-    record,
+    outcome,
     relay_stream,
     response_headers,
 )
@@ -37,9 +39,8 @@ from dfserve.gateway.routing import Router, UnknownArm
 from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
-from dfserve.gateway.watch import routing_version
 from dfserve.headers import ARM
-from dfserve.metrics import STREAM_ERROR, DfserveMetrics, RoutingMetrics
+from dfserve.metrics import STREAM_ERROR, DfserveMetrics, ObserverMetrics, RoutingMetrics
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
@@ -60,13 +61,17 @@ def build_router(routing: RoutingConfig) -> Router:
 
 
 class Gateway:
-    """The live state behind both listeners: routing (swapped atomically by `apply`), upstream, metrics."""
+    """The live state behind both listeners: routing (swapped atomically by `apply`), upstream, metrics, and the
+    observers every finished exchange goes to (metrics first; `add` more before `start`)."""
 
     def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = DfserveMetrics.build(self.registry)
         self.routing_metrics = RoutingMetrics.build(self.registry)
+        self.observers = Observers(ObserverMetrics.build(self.registry))
+        self.observers.add("metrics", MetricsObserver(self.metrics), inline=True)
+        self.request_ids = itertools.count()
         self.version = ""
         self.rng = random.Random(config.seed)
         self.routing = config.routing
@@ -129,6 +134,7 @@ class Gateway:
         if self._upstream is not None:
             self._upstream.close()
             await self._upstream.http.aclose()
+        await asyncio.to_thread(self.observers.close)
 
 
 class GatewayApp:
@@ -157,7 +163,7 @@ class GatewayApp:
             except UnknownArm as exc:
                 send_error(reply, 400, str(exc), "invalid_request_error")
                 return
-            exchange = Exchange(arm=arm, route=FORWARDED_GETS[path])
+            exchange = Exchange(arm=arm, route=FORWARDED_GETS[path], request_id=next(self.gateway.request_ids))
             await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
         elif path == "/health" and method in ("GET", "HEAD"):
             self.health(reply)
@@ -226,12 +232,14 @@ class GatewayApp:
         with_spec = request.body
         if api != "native" and not inspected.return_spec_tokens_details:
             with_spec = sglang.with_spec_details(inspected.body)
+        request_id, body = next(gateway.request_ids), request.body
         for mirror in decision.mirrors:
             if mirror in down:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
-                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, start=start), path, with_spec, headers))
-        exchange = Exchange(arm=decision.arm, route=api, start=start)
+                gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
+                                                   body=body, start=start), path, with_spec, headers))
+        exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, start=start)
         await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
@@ -279,7 +287,9 @@ class GatewayApp:
                 clean = exchange.error in (None, STREAM_ERROR)  # an error in band ends a well-formed stream
                 gateway.upstream.release(opened, clean=clean, failure=exchange.error)
             in_flight.dec()
-            record(gateway.metrics, exchange)
+            gateway.observers.finished(Exchanged(
+                exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
+                outcome(exchange), exchange.unparsed))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

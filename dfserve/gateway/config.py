@@ -13,6 +13,8 @@ file or a bad `PUT /admin/arms` body is refused before it can touch live traffic
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, UserError, describe_invalid, describe_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
@@ -88,6 +90,13 @@ class RoutingConfig(_Model):
         return self
 
 
+def routing_version(routing: RoutingConfig) -> str:
+    """A short hash of the routing's content: the same on every replica that runs the same routing, whatever the
+    file's layout, comments or key order (`dfserve_gateway_routing_version`, `gateway.watch`)."""
+    canonical = json.dumps(routing.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
 class Limits(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     max_connections: int = Field(2048, gt=0, description="Client connections open at once; one more is answered "
@@ -112,6 +121,9 @@ class HealthConfig(_Model):
     interval_s: float = Field(2.0, gt=0, description="Active GET /health per replica.")
     timeout_s: float = Field(1.0, gt=0)
     eject_after_failures: int = Field(3, gt=0, description="Consecutive failures (active or passive) that eject.")
+    max_ejection_percent: float = Field(50, ge=0, le=100, allow_inf_nan=False,
+                                        description="Most of an arm's replicas that requests' failures may eject (at "
+                                        "least one, never the last healthy one); health checks eject any.")
     path: str = "/health"
 
 
@@ -128,6 +140,15 @@ class AdminConfig(_Model):
     token_env: str = Field("DFSERVE_ADMIN_TOKEN", description="Environment variable holding the bearer token.")
 
 
+class ObserverConfig(_Model):
+    """One observer of finished exchanges (`gateway.observers`): a registered kind and its options."""
+
+    kind: str = Field(description="A kind registered with `dfserve.gateway.observers.register`.")
+    queue_size: int = Field(4096, gt=0, description="Exchanges waiting for the observer's thread; past it one is "
+                            "dropped for this observer and counted (reason behind).")
+    options: dict[str, Any] = Field(default_factory=dict, description="What the kind reads, as it documents.")
+
+
 class GatewayConfig(_Model):
     """Everything `dfserve gateway` needs; `routing` is the part the admin API can replace at runtime."""
 
@@ -140,6 +161,8 @@ class GatewayConfig(_Model):
     scrape: ScrapeConfig = ScrapeConfig()
     admin: AdminConfig = AdminConfig()
     seed: int | None = Field(None, description="Seed of the split's random choice; None draws one.")
+    observers: tuple[ObserverConfig, ...] = Field((), description="Observers of every finished exchange besides "
+                                                  "metrics, each on a thread of its own.")
     watch_interval_s: float | None = Field(None, gt=0, description="Check the config file this often and apply "
                                            "its routing when it changes (`gateway.watch`); the admin API is then "
                                            "read-only. None: the file is read at start and on SIGHUP.")
@@ -148,17 +171,17 @@ class GatewayConfig(_Model):
         """The admin bearer token, read from the environment so it never sits in a config file."""
         token = (os.environ if environ is None else environ).get(self.admin.token_env, "")
         if self.admin.port is not None and len(token) < 16:
-            raise UserError(f"admin.token_env: set {self.admin.token_env} to a token of at least 16 characters, "
-                            "or leave admin.port unset")
+            raise FieldError("admin.token_env", f"set {self.admin.token_env} to a token of at least 16 characters, "
+                             "or leave admin.port unset")
         return token or None
 
 
 _ROUTING_KEYS = set(RoutingConfig.model_fields)
 
 
-def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
+def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """Accept routing keys (mode, arms, ...) at the top level of the YAML file as well as under `routing:`."""
-    routing = dict(raw.get("routing") or {})
+    routing = dict(_mapping(raw.get("routing") or {}, where, "routing"))
     rest = {}
     for key, value in raw.items():
         if key in _ROUTING_KEYS:
@@ -166,6 +189,13 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
         elif key != "routing":
             rest[key] = value
     return {**rest, "routing": routing}
+
+
+def _mapping(value: Any, where: str, field: str) -> dict[str, Any]:
+    """`value` where the file must hold a mapping: `routing: 5` is refused naming the field, not a TypeError."""
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {field}: expected a mapping, not {type(value).__name__} {value!r:.40}")
+    return value
 
 
 def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
@@ -176,40 +206,29 @@ def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
         raise UserError(describe_invalid(exc, where)) from None
 
 
-def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
-    """`--arm NAME=WEIGHT@URL[,URL...]`, e.g. `baseline=90@http://127.0.0.1:30000`."""
-    name, sep, rest = text.partition("=")
-    weight, sep2, urls = rest.partition("@")
-    if not sep or not sep2 or not name:
-        raise UserError(f"--arm {text!r}: expected NAME=WEIGHT@URL[,URL...]")
-    try:
-        return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
-    except (ValueError, ValidationError) as exc:
-        detail = describe_invalid(exc, "--arm") if isinstance(exc, ValidationError) else f"--arm {text!r}: {exc}"
-        raise UserError(detail) from None
-
-
 def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
-    """The config file (if any) with flag overrides applied; dotted keys (`admin.port`) reach nested fields."""
+    """The config file (if any) with overrides applied (the CLI's flags); dotted keys (`admin.port`) reach nested
+    fields. A `UserError` names the file and the field."""
     raw: dict[str, Any] = {}
+    where = str(path) if path else "gateway config"
     if path is not None:
         try:
             loaded = yaml.safe_load(path.read_text())
         except OSError as exc:
-            raise UserError(f"--config {path}: {exc.strerror}") from None
+            raise UserError(f"{path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
-            raise UserError(describe_yaml(exc, f"--config {path}")) from None
+            raise UserError(describe_yaml(exc, str(path))) from None
         if not isinstance(loaded, dict):
-            raise UserError(f"--config {path}: expected a mapping at the top level")
-        raw = _flatten(loaded)
+            raise UserError(f"{path}: expected a mapping at the top level")
+        raw = _flatten(loaded, where)
     raw.setdefault("routing", {})
     for dotted, value in overrides.items():
         target = raw
         *parents, leaf = dotted.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
+        for depth, parent in enumerate(parents, 1):
+            target = _mapping(target.setdefault(parent, {}), where, ".".join(parents[:depth]))
         target[leaf] = value
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe_invalid(exc, f"--config {path}" if path else "gateway config")) from None
+        raise UserError(describe_invalid(exc, where)) from None

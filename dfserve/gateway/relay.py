@@ -5,7 +5,7 @@ fails after its first byte can still end with a well-formed error event. That pe
 (`dfserve.relay_core.EventRelay`, fed straight by the upstream connection's de-chunker): it writes each piece to the
 client, then counts the tokens it carried, found by the JSON keys `dfserve.sglang` names (`TokenMarks`), and
 counts the gap since the last piece with tokens into histogram buckets; the buckets go into the metrics once per
-request (`record`). Whole responses are read, measured and sent.
+request (`outcome`, by the metrics observer). Whole responses are read, measured and sent.
 
 Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
@@ -33,7 +33,7 @@ from dfserve.errors import ProtocolError
 from dfserve.gateway.server import Responder
 from dfserve.gateway.upstream import MID_STREAM, Opened, mid_stream_error
 from dfserve.headers import ARM, REPLICA
-from dfserve.metrics import ITL_BUCKETS_S, STREAM_ERROR, Binned, DfserveMetrics, Measure, Outcome, observe
+from dfserve.metrics import ITL_BUCKETS_S, STREAM_ERROR, Binned, Measure, Outcome
 from dfserve.relay_core import EventRelay
 
 HOP_BY_HOP = frozenset({
@@ -69,10 +69,16 @@ class Acceptance:
 
 @dataclass
 class Exchange:
-    """Raw facts about one relayed request (perf_counter seconds), turned into metrics by `record`."""
+    """Raw facts about one relayed request (perf_counter seconds), handed to the observers once it is over
+    (`outcome`, `gateway.observers`)."""
 
     arm: str
     route: str
+    request_id: int = 0
+    """Shared by a client's request and its shadow mirrors."""
+    mirror: bool = False
+    body: bytes = b""
+    """The request body as the client sent it."""
     replica: str = ""
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
@@ -204,10 +210,10 @@ def measure_whole(api: str, body: bytes) -> Acceptance:
     return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
 
 
-def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
-    """Turn one exchange's raw facts into the per-arm metrics (`dfserve.metrics.observe` decides what counts)."""
+def outcome(exchange: Exchange) -> Outcome:
+    """One exchange's raw facts as dfserve's per-request families read them (`dfserve.metrics.observe`)."""
     acceptance = exchange.acceptance
-    observe(metrics, Outcome(
+    return Outcome(
         arm=exchange.arm, route=exchange.route, replica=exchange.replica, status=exchange.error_code or exchange.status,
         error=exchange.error,
         ttft_s=exchange.first - exchange.start if exchange.first is not None else None,
@@ -215,6 +221,4 @@ def record(metrics: DfserveMetrics, exchange: Exchange) -> None:
         chunk_gaps=exchange.chunk_gaps, token_gaps=exchange.token_gaps,
         output_tokens=acceptance.output_tokens, verify_rounds=acceptance.verify_ct,
         accept_length=acceptance.accept_length, measure=acceptance.measure,
-    ))
-    if exchange.unparsed is not None:
-        metrics.child(metrics.upstream_errors, exchange.arm, exchange.replica, "protocol").inc()
+    )

@@ -4,7 +4,10 @@ Requests go out through `dfserve.http1`, one keep-alive pool per replica (TCP_NO
 chunk: the relay's cost per streamed chunk is most of the gateway's, see bench/RESULTS.md); health checks, off the
 hot path, use an `httpx.AsyncClient`. A replica is ejected after `eject_after_failures`
 consecutive failures, passive (connect errors, disconnects and 5xx seen by requests) or active (`GET /health`), and
-re-admitted by the next health check that passes. A request whose replica fails before any response byte is retried
+re-admitted by the next health check that passes. As Envoy's outlier detection bounds it, passive signals eject at
+most `max_ejection_percent` of an arm's replicas (at least one), and never its last healthy one: a request whose
+own content makes an engine fail (a 500 on a bad input) cannot take an arm out of service, however often a client
+sends it; only an active health check that fails ejects the last replica. A request whose replica fails before any response byte is retried
 on another replica of the same arm, never of another arm.
 """
 
@@ -42,6 +45,8 @@ class Replica:
     healthy: bool = True
     failures: int = 0
     in_flight: int = 0
+    passively_ejected: bool = False
+    """Ejected on requests' failures, not by a health check (counted against `max_ejection_percent`)."""
 
 
 @dataclass(eq=False)
@@ -54,6 +59,15 @@ class Arm:
     @property
     def up(self) -> bool:
         return any(replica.healthy for replica in self.replicas)
+
+
+def may_eject_passively(replicas: list[tuple[bool, bool]], max_ejection_percent: float) -> bool:
+    """Whether requests' failures may eject one more of an arm's replicas, given each one's (healthy, ejected
+    passively): never the last healthy one, and past the first, no more than `max_ejection_percent` of them."""
+    healthy = sum(1 for up, _ in replicas if up)
+    ejected = sum(1 for up, passive in replicas if not up and passive)
+    allowed = max(1, int(len(replicas) * max_ejection_percent / 100))
+    return healthy > 1 and ejected < allowed
 
 
 class UpstreamFailure(Exception):
@@ -144,17 +158,25 @@ class Upstream:
         return frozenset(name for name, arm in self.arms.items() if not arm.up)
 
     def _failed(self, arm: Arm, replica: Replica, kind: str) -> None:
+        """One failure of `replica`: active when `kind` is `health`, else passive (a request's)."""
         self.metrics.upstream_errors.labels(arm.name, replica.url, kind).inc()
         replica.failures += 1
-        if replica.healthy and replica.failures >= self.health.eject_after_failures:
-            replica.healthy = False
-            self.metrics.ejections.labels(arm.name, replica.url).inc()
-            self.metrics.replica_healthy.labels(arm.name, replica.url).set(0)
+        if not replica.healthy or replica.failures < self.health.eject_after_failures:
+            return
+        passive = kind != "health"
+        if passive and not may_eject_passively([(r.healthy, r.passively_ejected) for r in arm.replicas],
+                                               self.health.max_ejection_percent):
+            return
+        replica.healthy = False
+        replica.passively_ejected = passive
+        self.metrics.ejections.labels(arm.name, replica.url).inc()
+        self.metrics.replica_healthy.labels(arm.name, replica.url).set(0)
 
     def _succeeded(self, arm: Arm, replica: Replica) -> None:
         replica.failures = 0
         if not replica.healthy:
             replica.healthy = True
+            replica.passively_ejected = False
             self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
 
     async def open(

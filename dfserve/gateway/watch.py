@@ -9,7 +9,7 @@ written elsewhere must be replaced the same way (write a temporary file, rename 
 A changed file is loaded and validated in full (the flags given at start still override it); valid routing is
 applied atomically (`Gateway.apply`), an invalid file is refused with one log line and
 `dfserve_gateway_routing_reloads_total{outcome="refused"}`, and the last good routing stays. Every replica exposes
-the hash of the routing it runs (`routing_version`, in `GET /admin/arms` and `dfserve_gateway_routing_version`), so
+the hash of the routing it runs (`config.routing_version`, in `GET /admin/arms` and `dfserve_gateway_routing_version`), so
 a rollout is complete when `count(count by (version) (dfserve_gateway_routing_version)) == 1`.
 """
 
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from dfserve.errors import UserError
-from dfserve.gateway.config import GatewayConfig, RoutingConfig
+from dfserve.gateway.config import GatewayConfig, routing_version
 
 if TYPE_CHECKING:
     from dfserve.gateway.app import Gateway
@@ -34,17 +33,37 @@ log = logging.getLogger("dfserve.gateway")
 Outcome = Literal["applied", "unchanged", "refused"]
 
 
-def routing_version(routing: RoutingConfig) -> str:
-    """A short hash of the routing's content: the same on every replica that runs the same routing, whatever the
-    file's layout, comments or key order."""
-    canonical = json.dumps(routing.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
-
-
 def restart_fields(running: GatewayConfig, loaded: GatewayConfig) -> list[str]:
     """Fields outside `routing` that differ: they only take effect when the process starts again."""
     return [name for name in GatewayConfig.model_fields
             if name != "routing" and getattr(running, name) != getattr(loaded, name)]
+
+
+def reload_routing(gateway: Gateway, load: Callable[[], GatewayConfig], source: Path | str) -> Outcome:
+    """Load the config once and apply its routing, for SIGHUP and for each new version of a watched file alike.
+
+    Every failure is refused: counted (`dfserve_gateway_routing_reloads_total{outcome="refused"}`), said in one log
+    line, and the last good routing stays; nothing it raises can end the watch or reach the event loop as a
+    traceback. A failure that is not a `UserError` (a bug the file's content found) is named by its type."""
+    metrics = gateway.routing_metrics
+    try:
+        loaded = load()
+        version = routing_version(loaded.routing)
+        if version == gateway.version:
+            return "unchanged"
+        gateway.apply(loaded.routing)
+    except Exception as exc:
+        metrics.reloads.labels("refused").inc()
+        reason = str(exc) if isinstance(exc, (UserError, ValueError)) else f"{type(exc).__name__}: {exc}"
+        log.error("config %s refused, routing %s stays: %s", source, gateway.version, reason)
+        return "refused"
+    metrics.reloads.labels("applied").inc()
+    weights = ", ".join(f"{name}={arm.weight:g}" for name, arm in loaded.routing.arms.items())
+    log.warning("config %s: routing %s applied (%s mode: %s)", source, version, loaded.routing.mode, weights)
+    later = restart_fields(gateway.config, loaded)
+    if later:
+        log.warning("config %s: %s changed too; they take effect at the next start", source, ", ".join(later))
+    return "applied"
 
 
 class ConfigWatcher:
@@ -70,25 +89,7 @@ class ConfigWatcher:
         if digest == self._seen:
             return None
         self._seen = digest
-        gateway = self.gateway
-        metrics = gateway.routing_metrics
-        try:
-            loaded = self.load()
-            version = routing_version(loaded.routing)
-            if version == gateway.version:
-                return "unchanged"
-            gateway.apply(loaded.routing)
-        except (UserError, ValueError) as exc:
-            metrics.reloads.labels("refused").inc()
-            log.error("config %s refused, routing %s stays: %s", self.path, gateway.version, exc)
-            return "refused"
-        metrics.reloads.labels("applied").inc()
-        weights = ", ".join(f"{name}={arm.weight:g}" for name, arm in loaded.routing.arms.items())
-        log.warning("config %s: routing %s applied (%s mode: %s)", self.path, version, loaded.routing.mode, weights)
-        later = restart_fields(gateway.config, loaded)
-        if later:
-            log.warning("config %s: %s changed too; they take effect at the next start", self.path, ", ".join(later))
-        return "applied"
+        return reload_routing(self.gateway, self.load, self.path)
 
     async def run(self) -> None:
         """Poll forever (cancel to stop)."""

@@ -24,17 +24,6 @@ typedef struct {
     int last_chunk_written; /* the body's end went out with its last events */
 } EventRelay;
 
-/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"), looking only at
- * lines that end at or after `from`; 0 if none. */
-Py_ssize_t
-event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
-{
-    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--)
-        if (ends_event(buf, i))
-            return i + 1;
-    return 0;
-}
-
 static int
 relay_meter(EventRelay *self, PyObject *now, PyObject *events)
 {

@@ -50,6 +50,17 @@ event_end(const char *buf, Py_ssize_t length, Py_ssize_t from)
     return 0;
 }
 
+/* Length of the longest prefix of buf that ends with a blank line ("\n\n" or "\n\r\n"), looking only at
+ * lines that end at or after `from`; 0 if none. */
+Py_ssize_t
+event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from)
+{
+    for (Py_ssize_t i = length - 1; i >= Py_MAX(from, 1); i--)
+        if (ends_event(buf, i))
+            return i + 1;
+    return 0;
+}
+
 /* The bytes [*from, *to) that cutting the member whose key starts at `at` removes: the member and one comma beside
  * it, or the whole event where its object is left empty (nothing else was asked for). 0: not a member to cut (its
  * value does not end, or it is not inside an object), or one that reaches back before `floor`. */

@@ -12,8 +12,9 @@
  * members.c), then notes the piece's arrival time and the tokens it carried, found by JSON keys that
  * `dfserve.sglang` names (`TokenMarks`), so the SGLang format is still known in one place. Python sees the stream again when it ends (`gateway.relay.meter`).
  *
- * The extension is optional: `dfserve/_relay_py.py` is its pure-Python twin, with the same API and behaviour
- * (tests/unit/test_relay_differential.py runs both on the same inputs), and `dfserve.relay_core` picks one.
+ * The extension is optional: `dfserve/_relay_py/` is its pure-Python twin, one module per file here, with the
+ * same API and behaviour (tests/unit/test_relay_differential.py runs both on the same inputs), and
+ * `dfserve.relay_core` picks one.
  */
 #ifndef DFSERVE_RELAY_H
 #define DFSERVE_RELAY_H
@@ -38,8 +39,10 @@ int check_keys(PyObject *keys);
 int64_t read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative);
 PyObject *relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
-/* members.c: `events` less each member whose key is `key` (a new reference; `events` itself if nothing was cut) */
+/* members.c: `events` less each member whose key is `key` (a new reference; `events` itself if nothing was cut),
+ * and where the events of a buffer end */
 PyObject *strip_members(PyObject *events, PyObject *key);
+Py_ssize_t event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from);
 
 /* bins.c: histogram observations counted as a Prometheus histogram counts them */
 typedef struct {
@@ -62,7 +65,6 @@ ends_event(const char *buf, Py_ssize_t i)
 
 /* event_relay.c */
 extern PyTypeObject EventRelayType;
-Py_ssize_t event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from);
 int relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last);
 
 /* dechunker.c */

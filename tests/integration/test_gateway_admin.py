@@ -146,10 +146,17 @@ def test_sighup_reloads_the_file_and_a_bad_file_changes_nothing(tmp_path: Path, 
         assert weight() == 10
         write(30)
         assert hangup_and_wait(30) == 30
-        path.write_text("arms: {candidate: {weight: -1}}\n")
-        process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while "reload refused" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "reload refused" in log.read_text()  # the handler ran and said why; only then is "unchanged" meaningful
-        assert process.poll() is None and weight() == 30
+        for bad, said in (("arms: {candidate: {weight: -1}}\n", "arms.candidate"),
+                          ("routing: 5\n", "routing: expected a mapping")):
+            path.write_text(bad)
+            process.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while said not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert said in log.read_text()  # the handler ran and said why; only then is "unchanged" meaningful
+            assert process.poll() is None and weight() == 30
+        text = log.read_text()
+        refused = [line for line in text.splitlines() if "refused" in line]
+        assert len(refused) == 2 and all(f"config {path} refused, routing" in line for line in refused)
+        assert "Traceback" not in text
+        assert 'dfserve_gateway_routing_reloads_total{outcome="refused"} 2.0' in httpx.get(base + "/metrics").text

@@ -99,8 +99,9 @@ class Stub:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
-        if self.status >= 500:
-            return web.json_response({"object": "error", "message": "engine down", "code": self.status}, status=self.status)
+        if self.status >= 500 or request.headers.get("x-stub") == "poison":  # poison: this request's own 500
+            status = max(self.status, 500)
+            return web.json_response({"object": "error", "message": "engine down", "code": status}, status=status)
         if not body.get("stream"):
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "def f(): — ü"},
                                       "finish_reason": "length"}
@@ -371,6 +372,23 @@ def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tup
     assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="stream_cut") == 1
     assert metric(text, "dfserve_requests_total", arm="a", status="error", error="stream_cut") == 1
     assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
+
+
+def test_requests_that_make_the_engine_fail_never_take_an_arm_down(tmp_path: Path) -> None:
+    """One client's requests answered 500 used to eject an arm's only replica, and every client got 503 until the
+    next health check; passive signals now never eject the last healthy replica (health checks still do)."""
+    with Stub() as stub:
+        config = write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
+                              health={"interval_s": 60, "eject_after_failures": 2})
+        with gateway_server(config) as gw:
+            poisoned = [httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "poison"})
+                        for _ in range(5)]
+            after = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM)
+            text = httpx.get(gw + "/metrics").text
+    assert [r.status_code for r in poisoned] == [500] * 5 and after.status_code == 200
+    assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="http_500") == 5
+    assert metric(text, "dfserve_replica_ejections_total", arm="a") == 0
+    assert metric(text, "dfserve_replica_healthy", replica=stub.url) == 1
 
 
 def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:

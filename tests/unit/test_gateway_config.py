@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dfserve.errors import UserError
-from dfserve.gateway.config import load_config, parse_arm_flag, parse_routing
+from dfserve.gateway.cli import parse_arm_flag
+from dfserve.gateway.config import load_config, parse_routing
 
 GOOD = """
 mode: split

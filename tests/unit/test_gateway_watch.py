@@ -3,6 +3,7 @@ symlink swap."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -14,8 +15,8 @@ from prometheus_client import generate_latest
 
 from dfserve import metrics as m
 from dfserve.gateway.app import Gateway
-from dfserve.gateway.config import load_config, parse_routing
-from dfserve.gateway.watch import ConfigWatcher, restart_fields, routing_version
+from dfserve.gateway.config import load_config, parse_routing, routing_version
+from dfserve.gateway.watch import ConfigWatcher, reload_routing, restart_fields
 
 
 def document(candidate: float, **extra: Any) -> dict[str, Any]:
@@ -126,3 +127,57 @@ def test_fields_outside_routing_are_named_as_needing_a_restart(tmp_path: Path) -
     running = load_config(path, {})
     path.write_text(yaml.safe_dump(document(20, port=9999, health={"interval_s": 5})))
     assert restart_fields(running, load_config(path, {})) == ["port", "health"]
+
+
+@pytest.mark.parametrize(("bad", "overrides", "field"), [
+    ("routing: 5\n", {}, "routing"),
+    ("admin: 5\n", {"admin.port": 0}, "admin"),
+])
+def test_a_version_of_the_wrong_type_is_refused_and_the_watch_goes_on(
+        tmp_path: Path, bad: str, overrides: dict[str, Any], field: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapping where a scalar came used to raise a TypeError out of the watcher's task, which ended it for good:
+    no later version was applied and nothing was counted."""
+    monkeypatch.setenv("DFSERVE_ADMIN_TOKEN", "x" * 16)
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(document(10)))
+    gateway = Gateway(load_config(path, overrides))
+    watcher = ConfigWatcher(path, lambda: load_config(path, overrides), gateway, 0.01)
+
+    async def watch_through_a_bad_version() -> None:
+        task = asyncio.ensure_future(watcher.run())
+        await asyncio.sleep(0.05)
+        replace(path, bad + yaml.safe_dump(document(10)))
+        await asyncio.sleep(0.05)
+        replace(path, yaml.safe_dump(document(40)))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if gateway.routing.arms["candidate"].weight == 40:
+                break
+        assert not task.done()
+        task.cancel()
+
+    with caplog.at_level(logging.ERROR, "dfserve.gateway"):
+        asyncio.run(watch_through_a_bad_version())
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"{field}: expected a mapping" in message and str(path) in message
+    assert gateway.routing.arms["candidate"].weight == 40
+    text = exposed(gateway)
+    assert f'{m.ROUTING_RELOADS}_total{{outcome="refused"}} 1.0' in text
+    assert f'{m.ROUTING_RELOADS}_total{{outcome="applied"}} 1.0' in text
+
+
+def test_a_failure_no_check_foresaw_is_refused_in_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever a load raises, the reload is refused and counted, never raised into the loop (SIGHUP, watch)."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(document(10)))
+    gateway = Gateway(load_config(path, {}))
+
+    def broken() -> Any:
+        raise KeyError("unforeseen")
+
+    with caplog.at_level(logging.ERROR, "dfserve.gateway"):
+        assert reload_routing(gateway, broken, path) == "refused"
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.endswith("KeyError: 'unforeseen'") and "\n" not in message
+    assert f'{m.ROUTING_RELOADS}_total{{outcome="refused"}} 1.0' in exposed(gateway)

@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dfserve import sglang
 from dfserve._relay import EventRelay
 from dfserve.deploy.sim import protocol as engine
-from dfserve.gateway.relay import Exchange, NativeStream, OpenAIStream, StreamKind, meter, record
+from dfserve.gateway import relay
+from dfserve.gateway.relay import Exchange, NativeStream, OpenAIStream, StreamKind, meter
 from dfserve.loadtest.client import Sent, build_record, read_stream
 from dfserve.loadtest.exporter import outcome
 from dfserve.metrics import ITL_BUCKETS_S, DfserveMetrics, observe
@@ -79,7 +80,7 @@ def test_the_same_streams_give_the_same_series_from_the_gateway_and_the_load_tes
         sent = 0.01 * index
         times = [T0 + sent + 0.02 + 0.013 * (i + 1) ** 1.5 for i in range(len(pieces))]
         exchange = through_the_gateway(api, pieces, T0 + sent, times)
-        record(gateway_metrics, exchange)
+        observe(gateway_metrics, relay.outcome(exchange))
         stream = read_stream(api, list(zip(times, pieces, strict=True)), T0)
         stamps = Sent("a", f"t{index}", index, False, None, sent, sent, times[-1] + 0.001 - T0)
         observe(tester_metrics, outcome(build_record(api, stamps, 200, stream, stream.failure), api))

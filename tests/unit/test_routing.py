@@ -120,14 +120,14 @@ def test_the_arms_down_follow_every_change_of_replica_health() -> None:
     assert upstream.down() == frozenset()
     upstream._failed(a, a.replicas[0], "connect")
     assert upstream.down() == frozenset()  # one replica of a is still up
-    upstream._failed(a, a.replicas[1], "connect")
+    upstream._failed(a, a.replicas[1], "health")  # the last healthy replica: only a health check ejects it
     upstream._failed(b, b.replicas[0], "health")
     assert upstream.down() == {"a", "b"}
     upstream._succeeded(a, a.replicas[1])
     assert upstream.down() == {"b"}
     upstream.set_arms({"a": arms["a"]})  # b is gone, a keeps its replicas' state
     assert upstream.down() == frozenset()
-    upstream._failed(upstream.arms["a"], upstream.arms["a"].replicas[1], "connect")
+    upstream._failed(upstream.arms["a"], upstream.arms["a"].replicas[1], "health")
     assert upstream.down() == {"a"}
 
 

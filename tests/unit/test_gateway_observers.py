@@ -1,0 +1,167 @@
+"""The observers' seam without sockets: every exchange once and in order, off the loop; an observer that raises or
+falls behind is counted and logged once, and never reaches the caller."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+
+from dfserve import metrics as m
+from dfserve.errors import FieldError
+from dfserve.gateway import observers
+from dfserve.gateway.config import load_config
+from dfserve.gateway.entrypoint import assemble
+from dfserve.gateway.observers import Exchanged, MetricsObserver, Observers
+from dfserve.metrics import DfserveMetrics, ObserverMetrics, Outcome
+
+
+def exchanged(request_id: int, status: int = 200, mirror: bool = False) -> Exchanged:
+    return Exchanged(request_id, mirror, "POST", "/generate", b"x-user: 1\r\n", b'{"text": "hi"}', 1.0,
+                     Outcome(arm="a", route="native", replica="http://r", status=status, error=None, ttft_s=0.01,
+                             e2e_s=0.1, output_tokens=8, verify_rounds=2, accept_length=4.0, measure="exact"))
+
+
+class Recorder:
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.seen: list[Exchanged] = []
+        self.closed = False
+        self.gate = gate
+
+    def observe(self, exchanged: Exchanged) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+        self.seen.append(exchanged)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Raising:
+    def observe(self, exchanged: Exchanged) -> None:
+        raise RuntimeError(f"cannot take {exchanged.request_id}")
+
+    def close(self) -> None:
+        raise RuntimeError("cannot close")
+
+
+def failures(registry: CollectorRegistry, name: str, reason: str) -> str:
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(f'{m.OBSERVER_FAILURES}_total{{observer="{name}",reason="{reason}"}}'):
+            return line.rsplit(" ", 1)[1]
+    raise AssertionError(f"no series for {name} {reason}")
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def test_each_exchange_goes_once_and_in_order_to_every_observer(registry: CollectorRegistry) -> None:
+    seam = Observers(ObserverMetrics.build(registry))
+    metrics = DfserveMetrics.build(registry)
+    seam.add("metrics", MetricsObserver(metrics), inline=True)
+    first, second = Recorder(), Recorder()
+    seam.add("first", first)
+    seam.add("second", second, queue_size=64)
+    sent = [exchanged(i, status=200 if i % 3 else 502, mirror=i % 2 == 1) for i in range(40)]
+    for item in sent:
+        seam.finished(item)
+    seam.close()
+    assert first.seen == sent and second.seen == sent and first.closed and second.closed
+    text = generate_latest(registry).decode()
+    assert f'{m.REQUESTS}_total{{arm="a",error="",replica="http://r",route="native",status="2xx"}} 26.0' in text
+    assert f'{m.REQUESTS}_total{{arm="a",error="http_status",replica="http://r",route="native",status="5xx"}} 14.0' in text
+    assert all(failures(registry, name, reason) == "0.0" for name in ("metrics", "first", "second")
+               for reason in m.OBSERVER_FAILURE_REASONS)
+
+
+def test_an_observer_that_raises_is_counted_and_logged_once(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    seam = Observers(ObserverMetrics.build(registry))
+    kept = Recorder()
+    seam.add("raising", Raising())
+    seam.add("inline_raising", Raising(), inline=True)
+    seam.add("kept", kept)
+    with caplog.at_level(logging.ERROR, "dfserve.gateway"):
+        for i in range(5):
+            seam.finished(exchanged(i))  # nothing raised reaches the caller
+        seam.close()
+    assert [e.request_id for e in kept.seen] == list(range(5))
+    assert failures(registry, "raising", "failed") == "6.0"  # five exchanges and its close
+    assert failures(registry, "inline_raising", "failed") == "6.0"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("RuntimeError: cannot take 0" in text for text in messages)
+
+
+def test_an_observer_that_falls_behind_loses_exchanges_and_never_holds_the_caller(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    gate = threading.Event()
+    slow, fast = Recorder(gate), Recorder()
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("slow", slow, queue_size=2)
+    seam.add("fast", fast)
+    with caplog.at_level(logging.ERROR, "dfserve.gateway"):
+        for i in range(10):
+            seam.finished(exchanged(i))  # returns although `slow` takes nothing
+        behind = int(float(failures(registry, "slow", "behind")))
+        gate.set()
+        seam.close()
+    assert 10 - 3 <= behind <= 10 - 2  # the queue's two, and the one its thread may hold
+    assert len(slow.seen) == 10 - behind and len(fast.seen) == 10
+    assert failures(registry, "fast", "behind") == "0.0"
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "observer slow" in message and "queue is full" in message
+
+
+def test_two_observers_of_one_name_are_refused(registry: CollectorRegistry) -> None:
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("a", Recorder(), inline=True)
+    with pytest.raises(FieldError, match="observers: two observers named 'a'"):
+        seam.add("a", Recorder(), inline=True)
+
+
+@pytest.fixture
+def recorder_kind() -> Iterator[list[Recorder]]:
+    built: list[Recorder] = []
+
+    @observers.register("test_recorder")
+    def make(options: Mapping[str, Any]) -> Recorder:
+        if set(options) != {"label"}:
+            raise FieldError("observers.options", f"test_recorder takes label, not {sorted(options)}")
+        built.append(Recorder())
+        return built[-1]
+
+    yield built
+    del observers.KINDS["test_recorder"]
+
+
+def write(tmp_path: Path, entries: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"arms": {"a": {"weight": 1, "replicas": ["http://127.0.0.1:1"]}},
+                                    "observers": entries}))
+    return path
+
+
+def test_observers_are_registered_by_config(tmp_path: Path, recorder_kind: list[Recorder]) -> None:
+    path = write(tmp_path, [{"kind": "test_recorder", "queue_size": 8, "options": {"label": "x"}}])
+    gateway = assemble(load_config(path, {}))
+    assert gateway.observers.names == ["metrics", "test_recorder"]
+    gateway.observers.finished(exchanged(7))
+    gateway.observers.close()
+    (recorder,) = recorder_kind
+    assert [e.request_id for e in recorder.seen] == [7] and recorder.closed
+
+
+def test_an_unknown_kind_is_refused_naming_its_field(tmp_path: Path, recorder_kind: list[Recorder]) -> None:
+    path = write(tmp_path, [{"kind": "test_recorder", "options": {"label": "x"}}, {"kind": "capture"}])
+    with pytest.raises(FieldError, match=r"observers\.1\.kind: no observer kind 'capture' \(known: .*test_recorder"):
+        assemble(load_config(path, {}))
+    with pytest.raises(ValueError, match="registered twice"):
+        observers.register("test_recorder")(lambda options: Recorder())
