@@ -315,7 +315,8 @@ def _build_features(model: Any, references: refs.ReferenceSet, key: feat.Feature
             stage.advance(1)
         writer.finish(feat.FeatureBuild(key=key, tasks=tuple(r.task for r in references.references),
                                         built_at=utc_now_iso(), built_by=run_id,
-                                        build_s=time.monotonic() - started, health=feat.health(agree, positions)))
+                                        build_s=time.monotonic() - started, health=feat.health(agree, positions),
+                                        files=writer.files))
 
 
 def _staged(drafter: EvalDrafter, run_dir: Path) -> EvalDrafter:

@@ -61,7 +61,7 @@ def weight_files(folder: Path) -> list[Path]:
 def load_head(folder: Path, target: Target, dtype: torch.dtype) -> TargetHead:
     """The target's input embedding and output head, read from its safetensors files without loading the model
     (a tied head is the embedding)."""
-    tables = {name: path for path in weight_files(folder) for name in read_safetensors_header(path)}
+    tables = {name: path for path in weight_files(folder) for name in read_safetensors_header(path, "target")}
     embed_name = next((name for name in EMBED_NAMES if name in tables), None)
     if embed_name is None:
         raise FieldError("target", f"{folder}: no input embedding among the weights (looked for {list(EMBED_NAMES)})")
