@@ -56,12 +56,8 @@ class FeatureKey(_Model):
         return hashlib.sha256(self.model_dump_json(exclude={"target"}).encode()).hexdigest()
 
 
-SCHEMA_VERSION = 2
-"""Version 1 caches hold no content hashes: refused, never trusted unverified."""
-
-
 class FeatureBuild(_Model):
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[2] = Field(2, description="version 1 caches hold no content hashes: refused")
     kind: Literal["eval-features"] = "eval-features"
     key: FeatureKey
     tasks: tuple[str, ...]
