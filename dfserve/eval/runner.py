@@ -67,6 +67,7 @@ from dfserve.runs import (
     link_input,
     new_run_id,
     package_versions,
+    run_name,
     utc_now_iso,
     write_atomic,
     write_model,
@@ -139,7 +140,7 @@ def run_eval(plan: EvalPlan, console: Console) -> EvalOutcome:
 
 def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     _quiet_transformers()
-    run_id = plan.name or new_run_id("eval")
+    run_id = new_run_id("eval") if plan.name is None else run_name(plan.name)
     if (plan.out / run_id).exists():
         raise FieldError("name", f"run directory {plan.out / run_id} already exists; runs are never overwritten")
     progress = EvalProgress(console)

@@ -355,3 +355,12 @@ def test_a_task_file_unreadable_after_its_hash_was_checked_is_one_line(world: Wo
     with pytest.raises(FieldError, match=r"task-00001.safetensors: its content does not match"):
         feat.open_features(copy, build.key)
     assert store.context(0, build.key.taps).shape[-1] > 0
+
+
+def test_a_run_name_that_is_not_one_folder_name_is_refused_before_any_work(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("../../escape", "..", ".hidden", ""):
+        status, out, err = run_cli(capsys, *eval_args(world, name, f"short={world.short}", out="named"))
+        assert status == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"dfserve: error: --name: run name {name!r} "), err
+    assert not (world.root / "named").exists() and not (world.root.parent / "escape").exists()
