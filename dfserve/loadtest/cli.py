@@ -160,6 +160,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
         exporter.close()
+    if outcome.records_lost:
+        _refuse_lost(outcome)
     summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
     if monitor:
         _print_sequential(monitor)
@@ -175,6 +177,18 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             + ", ".join(f"{kind}={count}" for kind, count in a.errors.items()) + ")" for a in failing)
             + f"; run kept: {outcome.run_dir}", err=True)
         sys.exit(EXIT_TOO_MANY_ERRORS)
+
+
+def _refuse_lost(outcome: RunOutcome) -> None:
+    """A run whose records could not all be written: kept as interrupted where its summary can still be written,
+    one line either way."""
+    try:
+        _finish_run(outcome.run_dir, outcome.config, outcome.records, True, outcome.read_lag)
+        kept = f"run kept, marked interrupted: {outcome.run_dir}"
+    except OSError as exc:
+        kept = (f"its summary and report could not be written either ({exc.strerror}): {outcome.run_dir} is "
+                "incomplete")
+    raise UserError(f"{outcome.records_lost}; {kept}")
 
 
 def _design(until_decided: bool, gate: Path | None, look_every: int | None) -> SequentialDesign | None:
