@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch import Tensor
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, describe_invalid
 from dfserve.eval.records import Health
 from dfserve.runs import staged_folder, write_model
@@ -141,11 +142,6 @@ def _schema_version(data: bytes) -> object:
     except ValueError:
         return None
     return document.get("schema_version") if isinstance(document, dict) else None
-
-
-def file_sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def verify(folder: Path, build: FeatureBuild) -> None:
