@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from dfserve.deploy.assets import Target, read_json, read_safetensors_header, target_from_config
@@ -85,7 +85,7 @@ def load_target(folder: Path, dtype: torch.dtype) -> Any:
 
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise FieldError("target", f"{folder}: transformers cannot load it ({str(exc).splitlines()[0]})") from None
     model, info = loaded
     missing = sorted(info.get("missing_keys") or [])

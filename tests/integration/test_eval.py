@@ -364,3 +364,17 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused_before_any_work(
         assert status == 2 and out == "" and err.count("\n") == 1, err
         assert err.startswith(f"dfserve: error: --name: run name {name!r} "), err
     assert not (world.root / "named").exists() and not (world.root.parent / "escape").exists()
+
+
+def test_a_target_whose_safetensors_header_is_torn_is_one_line(world: World,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    torn = world.root / "torn-target"
+    shutil.copytree(world.target, torn)
+    weights = next(torn.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8] + b"x" + data[9:])  # the header is no longer JSON
+    status, out, err = run_cli(capsys, *eval_args(world, "torn", f"short={world.short}", out="torn-runs",
+                                                  cache="torn-cache", target=torn))
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"dfserve: error: --target: {torn}") and "Traceback" not in err, err
+    assert not (world.root / "torn-runs").exists()
