@@ -240,7 +240,8 @@ def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, 
 
 def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], interrupted: bool,
                 read_lag: Mapping[str, ReadLag]) -> Summary:
-    """Write the summary and report of a run whose records are complete, and print the summary."""
+    """Write the summary and report of a run (`interrupted` when its records may not all be there), and print the
+    summary."""
     summary = summarize(config, records, interrupted, read_lag)
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))
