@@ -75,8 +75,10 @@ def read_shard(path: Path) -> ShardRun:
 def _ends_mid_line(path: Path) -> bool:
     """Whether the file's last line has no newline: every line the writer appends ends in one."""
     with path.open("rb") as handle:
-        size = handle.seek(0, 2)
-        return size > 0 and handle.seek(size - 1) >= 0 and handle.read(1) != b"\n"
+        if handle.seek(0, 2) == 0:
+            return False
+        handle.seek(-1, 2)
+        return handle.read(1) != b"\n"
 
 
 def _listed(indexes: Sequence[int]) -> str:
