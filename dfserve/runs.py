@@ -36,10 +36,31 @@ def new_run_id(prefix: str = "run") -> str:
     return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}-{secrets.token_hex(3)}"
 
 
+NAME_BYTES = 255
+"""The longest file name Linux file systems take."""
+
+
+def run_name(name: str) -> str:
+    """`name` if it names a folder directly under the output folder: one path component, not hidden (temporary
+    files and staged folders begin with a dot). A `FieldError` about `name` otherwise: `--name ../../x` must not
+    write outside `--out`."""
+    if not name:
+        problem = "is empty"
+    elif "/" in name or "\\" in name or "\0" in name:
+        problem = "holds a path separator or NUL; it must be one folder name"
+    elif name.startswith("."):
+        problem = "begins with a dot ('..' leaves the output folder; other dotted names are hidden or temporary)"
+    elif len(name.encode()) > NAME_BYTES:
+        problem = f"is longer than {NAME_BYTES} bytes"
+    else:
+        return name
+    raise FieldError("name", f"run name {name!r} {problem}")
+
+
 def create_run_dir(out: Path, name: str | None = None, prefix: str = "run") -> Path:
     """Make a new, empty run directory under `out`; an existing name is an error, never reused."""
+    path = out / (new_run_id(prefix) if name is None else run_name(name))
     out.mkdir(parents=True, exist_ok=True)
-    path = out / (name or new_run_id(prefix))
     try:
         path.mkdir()
     except FileExistsError:

@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from dfserve.relay_core import StampedReader
 
@@ -41,17 +43,27 @@ SO_TIMESTAMPNS = 35
 socket module does not name it."""
 
 
+Count = Annotated[int, Field(ge=0)]
+Wait = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
 @dataclass
 class ReadLag:
     """How long reads' bytes waited in the kernel for the loop, over the connections that added theirs: a loop that
     lets a chunk wait until the next one arrives dates it by the next (the module's docstring)."""
 
-    reads: int = 0
-    late_reads: int = 0
+    reads: Count = 0
+    late_reads: Count = 0
     """Of the reads of chunks that more of their response followed, those taken 1 ms or more after their bytes
     arrived: only a chunk still unread when the next arrives can be misdated."""
-    max_lag_s: float = 0.0
+    max_lag_s: Wait = 0.0
     """Of those reads, the longest their bytes waited."""
+
+    def __post_init__(self) -> None:
+        """Checked when read back from a summary (pydantic calls it): a count of late reads beyond the reads is not
+        one the tester made."""
+        if self.late_reads > self.reads:
+            raise ValueError(f"late_reads {self.late_reads} is more than reads {self.reads}")
 
     def add(self, reads: int, late_reads: int, max_lag_s: float) -> None:
         self.reads += reads

@@ -216,25 +216,35 @@ def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str
     return problems
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor names, dtypes, shapes and byte ranges from a safetensors header, without reading the data."""
+def read_safetensors_header(path: Path, field: str = "drafter") -> dict[str, TensorInfo]:
+    """Tensor names, dtypes, shapes and byte ranges from a safetensors header, without reading the data; a header
+    that is not one (torn, not JSON, entries of the wrong shape) is a `FieldError` about `field` naming the file."""
     try:
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
                 raise ValueError("header length implausible")
             header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         start = 8 + length
-        return {
-            name: TensorInfo(
-                str(entry["dtype"]), tuple(entry["shape"]),
-                (start + entry["data_offsets"][0], start + entry["data_offsets"][1]),
-            )
-            for name, entry in header.items()
-            if name != "__metadata__"
-        }
-    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise UserError(f"drafter: {path} is not a safetensors file ({exc.__class__.__name__}: {exc})") from None
+        return {name: _tensor_info(name, entry, start) for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, struct.error, ValueError, RecursionError) as exc:
+        raise FieldError(field, f"{path} is not a safetensors file ({exc.__class__.__name__}: {exc})") from None
+
+
+def _tensor_info(name: str, entry: object, start: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{name}: not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise ValueError(f"{name}: dtype is not a string")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"{name}: shape is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{name}: data_offsets is not [begin, end]")
+    return TensorInfo(dtype, tuple(shape), (start + offsets[0], start + offsets[1]))
 
 
 # Exponent and mantissa bits by safetensors dtype: a value is NaN or Inf when its exponent bits are all set.

@@ -3,9 +3,12 @@ every later drafter, keyed by everything they depend on.
 
 A cache is a folder named by the hash of its key (the target's content, the reference tokens and their key, the
 taps, the dtype, the torch and transformers versions), holding `build.json` (the key, the health figure, who built
-it and when) and one safetensors file per task (`tap.<layer>` tensors, [tokens, hidden]). It appears whole or not at
-all. A cache named explicitly (`features` field) whose key differs from this run's is refused, naming what differs;
-it is never reused silently::
+it and when, the sha256 of each task file) and one safetensors file per task (`tap.<layer>` tensors, [tokens,
+hidden]). It appears whole or not at all. A cache named explicitly (`features` field) whose key differs from this
+run's is refused, naming what differs; it is never reused silently. The key says what the features were computed
+from, not that the files still hold them: a file whose content no longer matches its recorded hash (a disk error,
+an edit, a truncation) would be scored as if it were the target's, so every file is hashed again when the cache
+is opened, once per run and before the run's folder exists, and a mismatch is refused::
 
     store = open_features(folder, key)            # refused when built under other settings
     context = store.context(task_index, taps=(1, 16, 31, 46, 61))
@@ -14,18 +17,20 @@ it is never reused silently::
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 from torch import Tensor
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, describe_invalid
 from dfserve.eval.records import Health
 from dfserve.runs import staged_folder, write_model
@@ -53,7 +58,7 @@ class FeatureKey(_Model):
 
 
 class FeatureBuild(_Model):
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = Field(2, description="version 1 caches hold no content hashes: refused")
     kind: Literal["eval-features"] = "eval-features"
     key: FeatureKey
     tasks: tuple[str, ...]
@@ -61,6 +66,7 @@ class FeatureBuild(_Model):
     built_by: str
     build_s: float
     health: Health
+    files: dict[str, str] = Field(description="sha256 of each task file by name, checked whenever the cache is opened")
 
 
 def health(agree: int, positions: int) -> Health:
@@ -103,17 +109,63 @@ class FeatureStore:
     def context(self, task_index: int, taps: Sequence[int]) -> Tensor:
         """A task's features in a drafter's tap order, concatenated ([tokens, taps · hidden]), as z-lab's
         `extract_context_feature` builds them."""
-        with safe_open(str(self.folder / _task_file(task_index)), framework="pt") as handle:
-            return torch.cat([handle.get_tensor(f"tap.{tap}") for tap in taps], dim=-1)
+        path = self.folder / _task_file(task_index)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                return torch.cat([handle.get_tensor(f"tap.{tap}") for tap in taps], dim=-1)
+        except (SafetensorError, OSError) as exc:
+            raise _damaged(path, f"it no longer reads as safetensors ({exc})") from None
+
+
+def _damaged(path: Path, why: str) -> FieldError:
+    return FieldError("features", f"{path}: {why}; a damaged or altered feature cache is never used (remove "
+                      f"{path.parent} and a run rebuilds it)")
 
 
 def _read_build(folder: Path) -> FeatureBuild:
+    path = folder / BUILD
     try:
-        return FeatureBuild.model_validate_json((folder / BUILD).read_bytes())
+        data = path.read_bytes()
+        return FeatureBuild.model_validate_json(data)
     except FileNotFoundError:
         raise FieldError("features", f"{folder} is not a feature cache (no {BUILD})") from None
     except ValidationError as exc:
-        raise FieldError("features", describe_invalid(exc, str(folder / BUILD))) from None
+        if _schema_version(data) == 1:
+            raise _damaged(path, "built by an earlier dfserve that recorded no content hashes, so what it holds "
+                           "cannot be verified") from None
+        raise FieldError("features", describe_invalid(exc, str(path))) from None
+
+
+def _schema_version(data: bytes) -> object:
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    return document.get("schema_version") if isinstance(document, dict) else None
+
+
+def verify(folder: Path, build: FeatureBuild) -> None:
+    """Every task file's content against the hash `build` recorded, and its header naming every tap: a `FieldError`
+    naming the first file that differs."""
+    names = [_task_file(i) for i in range(len(build.tasks))]
+    if sorted(build.files) != names:
+        raise _damaged(folder / BUILD, f"it records hashes of {len(build.files)} files for {len(names)} tasks")
+    for name in names:
+        path = folder / name
+        try:
+            digest = file_sha256(path)
+        except OSError as exc:
+            raise _damaged(path, f"cannot be read ({exc.strerror})") from None
+        if digest != build.files[name]:
+            raise _damaged(path, f"its content does not match the sha256 recorded in {BUILD} when the cache was "
+                           "built")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                found = set(handle.keys())
+        except SafetensorError as exc:
+            raise _damaged(path, f"it does not read as safetensors ({exc})") from None
+        if missing := [tap for tap in build.key.taps if f"tap.{tap}" not in found]:
+            raise _damaged(path, f"it holds no features of taps {missing}")
 
 
 def check_built_for(folder: Path, target_sha256: str, target: str) -> None:
@@ -124,12 +176,12 @@ def check_built_for(folder: Path, target_sha256: str, target: str) -> None:
 
 
 def open_features(folder: Path, key: FeatureKey) -> FeatureStore:
-    """A cache folder built under exactly `key`; any other is refused with what differs."""
+    """A cache folder built under exactly `key` whose files still hold what was written; any other is refused with
+    what differs."""
     build = _read_build(folder)
     if build.key != key:
         raise _refused(folder, _differences(build.key, key))
-    if missing := [i for i in range(len(build.tasks)) if not (folder / _task_file(i)).is_file()]:
-        raise FieldError("features", f"{folder}: task files {missing[:5]} are missing; the cache is damaged")
+    verify(folder, build)
     return FeatureStore(folder, build)
 
 
@@ -147,10 +199,14 @@ def write_features(final: Path) -> Iterator[FeatureWriter]:
 @dataclass(frozen=True)
 class FeatureWriter:
     folder: Path
+    files: dict[str, str] = field(default_factory=dict)
+    """sha256 of each task file written, by name: `FeatureBuild.files`."""
 
     def task(self, index: int, taps: dict[int, Tensor]) -> None:
-        save_file({f"tap.{tap}": tensor.contiguous() for tap, tensor in sorted(taps.items())},
-                  str(self.folder / _task_file(index)))
+        data = save({f"tap.{tap}": tensor.contiguous() for tap, tensor in sorted(taps.items())})
+        name = _task_file(index)
+        (self.folder / name).write_bytes(data)
+        self.files[name] = hashlib.sha256(data).hexdigest()
 
     def finish(self, build: FeatureBuild) -> None:
         write_model(self.folder / BUILD, build)

@@ -67,6 +67,7 @@ from dfserve.runs import (
     link_input,
     new_run_id,
     package_versions,
+    run_name,
     utc_now_iso,
     write_atomic,
     write_model,
@@ -139,7 +140,7 @@ def run_eval(plan: EvalPlan, console: Console) -> EvalOutcome:
 
 def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     _quiet_transformers()
-    run_id = plan.name or new_run_id("eval")
+    run_id = new_run_id("eval") if plan.name is None else run_name(plan.name)
     if (plan.out / run_id).exists():
         raise FieldError("name", f"run directory {plan.out / run_id} already exists; runs are never overwritten")
     progress = EvalProgress(console)
@@ -315,7 +316,8 @@ def _build_features(model: Any, references: refs.ReferenceSet, key: feat.Feature
             stage.advance(1)
         writer.finish(feat.FeatureBuild(key=key, tasks=tuple(r.task for r in references.references),
                                         built_at=utc_now_iso(), built_by=run_id,
-                                        build_s=time.monotonic() - started, health=feat.health(agree, positions)))
+                                        build_s=time.monotonic() - started, health=feat.health(agree, positions),
+                                        files=writer.files))
 
 
 def _staged(drafter: EvalDrafter, run_dir: Path) -> EvalDrafter:

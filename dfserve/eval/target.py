@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from dfserve.deploy.assets import Target, read_json, read_safetensors_header, target_from_config
@@ -61,7 +61,7 @@ def weight_files(folder: Path) -> list[Path]:
 def load_head(folder: Path, target: Target, dtype: torch.dtype) -> TargetHead:
     """The target's input embedding and output head, read from its safetensors files without loading the model
     (a tied head is the embedding)."""
-    tables = {name: path for path in weight_files(folder) for name in read_safetensors_header(path)}
+    tables = {name: path for path in weight_files(folder) for name in read_safetensors_header(path, "target")}
     embed_name = next((name for name in EMBED_NAMES if name in tables), None)
     if embed_name is None:
         raise FieldError("target", f"{folder}: no input embedding among the weights (looked for {list(EMBED_NAMES)})")
@@ -85,7 +85,7 @@ def load_target(folder: Path, dtype: torch.dtype) -> Any:
 
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise FieldError("target", f"{folder}: transformers cannot load it ({str(exc).splitlines()[0]})") from None
     model, info = loaded
     missing = sorted(info.get("missing_keys") or [])

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dfserve.baselines import BaselineRegistry, entry
-from dfserve.errors import UserError
+from dfserve.errors import UserError, flags_for
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_config
 from dfserve.loadtest.exporter import Exporter
@@ -37,11 +37,17 @@ from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
 from dfserve.loadtest.shard import parse_shard, shard_indices
 from dfserve.loadtest.tasks import load_tasks
 from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
-from dfserve.runs import Provenance, create_run_dir, new_run_id, write_atomic, write_model
+from dfserve.runs import Provenance, create_run_dir, new_run_id, run_name, write_atomic, write_model
 from dfserve.stamped_socket import ReadLag
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_TOO_MANY_ERRORS = 4
+
+
+def _name(name: str | None) -> str | None:
+    """`--name`, checked before any work: a run folder is one name under `--out`."""
+    with flags_for({"name": "--name"}):
+        return None if name is None else run_name(name)
 
 
 def _arm(value: str) -> tuple[str, str]:
@@ -136,7 +142,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
     plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
                    task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
-                   load=load, out=out, name=name, duration_s=duration, request_timeout_s=request_timeout, model=model,
+                   load=load, out=out, name=_name(name), duration_s=duration, request_timeout_s=request_timeout, model=model,
                    pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
                    shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
     monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
@@ -154,6 +160,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
         exporter.close()
+    if outcome.records_lost:
+        _refuse_lost(outcome)
     summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
     if monitor:
         _print_sequential(monitor)
@@ -169,6 +177,18 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             + ", ".join(f"{kind}={count}" for kind, count in a.errors.items()) + ")" for a in failing)
             + f"; run kept: {outcome.run_dir}", err=True)
         sys.exit(EXIT_TOO_MANY_ERRORS)
+
+
+def _refuse_lost(outcome: RunOutcome) -> None:
+    """A run whose records could not all be written: kept as interrupted where its summary can still be written,
+    one line either way."""
+    try:
+        _finish_run(outcome.run_dir, outcome.config, outcome.records, True, outcome.read_lag)
+        kept = f"run kept, marked interrupted: {outcome.run_dir}"
+    except OSError as exc:
+        kept = (f"its summary and report could not be written either ({exc.strerror}): {outcome.run_dir} is "
+                "incomplete")
+    raise UserError(f"{outcome.records_lost}; {kept}")
 
 
 def _design(until_decided: bool, gate: Path | None, look_every: int | None) -> SequentialDesign | None:
@@ -201,20 +221,27 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the merged run directory goes (default: beside the first shard).")
 @click.option("--name", default=None, help="Merged run directory name (must not exist).")
-def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None) -> None:
-    """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole."""
-    merged = merge([read_shard(path) for path in shards], name or new_run_id())
+@click.option("--force", is_flag=True, help="Merge shards that lost records (cut, missing lines); the merged run "
+              "is marked interrupted, so it is judged only as an incomplete run.")
+def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, force: bool) -> None:
+    """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole, or a
+    shard whose records do not match its summary and schedule."""
+    merged = merge([read_shard(path) for path in shards], _name(name) or new_run_id(), force)
+    for lost in merged.incomplete:
+        click.echo(f"forced: {lost}", err=True)
     run_dir = create_run_dir(out or shards[0].parent, merged.config.run_id)
     write_model(run_dir / "config.json", merged.config)
     write_atomic(run_dir / "requests.jsonl", "".join(r.model_dump_json() + "\n" for r in merged.records))
     _finish_run(run_dir, merged.config, merged.records, merged.interrupted, merged.read_lag)
     if merged.interrupted:
-        click.echo("interrupted: a shard stopped early", err=True)
+        click.echo("interrupted: " + ("shards lost records, merged by --force" if merged.incomplete
+                                      else "a shard stopped early"), err=True)
 
 
 def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], interrupted: bool,
                 read_lag: Mapping[str, ReadLag]) -> Summary:
-    """Write the summary and report of a run whose records are complete, and print the summary."""
+    """Write the summary and report of a run (`interrupted` when its records may not all be there), and print the
+    summary."""
     summary = summarize(config, records, interrupted, read_lag)
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))

@@ -2,13 +2,23 @@
 
 The shards must be the whole set of one configuration: every shard index of one count exactly once, and the same
 arms, tasks, load, sampling and limits in each (server documents aside: they hold live figures that differ from
-one read to the next). Anything else is refused with one line naming the shard. Records keep their schedule index
-and task; their times are moved from their shard's time zero to the earliest shard's, so the merged run has one
-clock. The merged config.json names the shards it came from; the shards themselves are left as they were.
+one read to the next). Anything else is refused with one line naming the shard. Each shard's records are checked
+against what the shard says it sent, since a lost line would otherwise drop a request from the verdict unseen:
+every record's index in the shard's part of the schedule, no (arm, index) twice, each arm's measured records as many
+as its summary.json counts, requests.jsonl not cut mid-line, and a shard that ran to its end (not interrupted, no
+duration bound, no early stop) holding every index of its part for every arm. Records missing or cut are refused
+unless forced (`force`): the merged run then holds what the shards held and its summary says `interrupted`, so it
+is judged only as an incomplete run. Duplicated or foreign records are refused even then: no merge can tell which
+copy is the request that was sent.
+
+Records keep their schedule index and task; their times are moved from their shard's time zero to the earliest
+shard's, so the merged run has one clock. The merged config.json names the shards it came from; the shards
+themselves are left as they were.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +26,9 @@ from typing import Any
 
 from dfserve.errors import UserError
 from dfserve.loadtest.config import RunConfig, read_config, read_model
-from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.records import RequestRecord, measured_records, read_records
 from dfserve.loadtest.report import Summary
+from dfserve.loadtest.shard import shard_indices
 from dfserve.runs import Provenance
 from dfserve.stamped_socket import ReadLag
 
@@ -32,6 +43,10 @@ class ShardRun:
     records: list[RequestRecord]
     interrupted: bool
     read_lag: dict[str, ReadLag]
+    counted: dict[str, int]
+    """Each arm's measured requests as the shard's summary.json counts them."""
+    cut: bool = False
+    """requests.jsonl ends mid-line (the torn line is not among `records`)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,8 @@ class Merged:
     records: list[RequestRecord]
     interrupted: bool
     read_lag: dict[str, ReadLag]
+    incomplete: tuple[str, ...] = ()
+    """What forced merging let through: one line per shard whose records are missing or cut."""
 
 
 def read_shard(path: Path) -> ShardRun:
@@ -50,7 +67,61 @@ def read_shard(path: Path) -> ShardRun:
     summary = read_model(path / "summary.json", Summary,
                          f"{path}: no summary.json; shard {config.shard} has not finished")
     read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
-    return ShardRun(path, config, list(read_records(path / "requests.jsonl")), summary.interrupted, read_lag)
+    records = path / "requests.jsonl"
+    return ShardRun(path, config, list(read_records(records)), summary.interrupted, read_lag,
+                    {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records))
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file's last line has no newline: every line the writer appends ends in one."""
+    with path.open("rb") as handle:
+        if handle.seek(0, 2) == 0:
+            return False
+        handle.seek(-1, 2)
+        return handle.read(1) != b"\n"
+
+
+def _listed(indexes: Sequence[int]) -> str:
+    shown = ", ".join(map(str, indexes[:5]))
+    return f"{shown}, ... ({len(indexes)} in all)" if len(indexes) > 5 else shown
+
+
+def tampered(shard: ShardRun) -> list[str]:
+    """Records no merge may keep: of an arm the shard has not, outside its part of the schedule, or twice."""
+    config = shard.config
+    mine = set(shard_indices(config.warmup + config.num_requests, config.shard))
+    arms = {arm.name for arm in config.arms}
+    problems = []
+    if foreign := sorted({r.arm for r in shard.records} - arms):
+        problems.append(f"records of arms {foreign} it does not have")
+    if outside := sorted({r.index for r in shard.records if r.index not in mine}):
+        problems.append(f"indexes {_listed(outside)} outside shard {config.shard}'s part of the schedule")
+    twice = Counter((r.arm, r.index) for r in shard.records)
+    for arm in config.arms:
+        if repeated := sorted(index for (name, index), n in twice.items() if name == arm.name and n > 1):
+            problems.append(f"arm {arm.name}: indexes {_listed(repeated)} recorded twice")
+    return problems
+
+
+def incomplete(shard: ShardRun) -> list[str]:
+    """What a shard lost: a cut last line, fewer measured records than its summary counts, and for a shard that
+    ran to its end, indexes of its part of the schedule without a record."""
+    config = shard.config
+    problems = ["requests.jsonl's last line is cut"] if shard.cut else []
+    ran_to_end = not shard.interrupted and config.duration_s is None and config.sequential is None
+    schedule = shard_indices(config.warmup + config.num_requests, config.shard)
+    for arm in config.arms:
+        records = [r for r in shard.records if r.arm == arm.name]
+        measured, counted = len(measured_records(records)), shard.counted.get(arm.name)
+        if counted is None:
+            problems.append(f"arm {arm.name}: not in summary.json")
+        elif measured != counted:
+            problems.append(f"arm {arm.name}: {measured} measured records in requests.jsonl, summary.json counts "
+                            f"{counted}")
+        held = {r.index for r in records}
+        if ran_to_end and (missing := [i for i in schedule if i not in held]):
+            problems.append(f"arm {arm.name}: indexes {_listed(missing)} of its schedule have no record")
+    return problems
 
 
 def _identity(config: RunConfig) -> dict[str, Any]:
@@ -60,8 +131,9 @@ def _identity(config: RunConfig) -> dict[str, Any]:
     return {**config.model_dump(exclude=_PER_SHARD), "arms": arms, "shard count": config.shard.count}
 
 
-def check_shards(shards: Sequence[ShardRun]) -> list[ShardRun]:
-    """The shards ordered by index; a `UserError` when they differ in configuration, repeat or leave one out."""
+def check_shards(shards: Sequence[ShardRun], force: bool = False) -> list[ShardRun]:
+    """The shards ordered by index; a `UserError` when they differ in configuration, repeat or leave one out, when
+    one holds records no merge may keep, or (unless `force`) when one lost records."""
     if not shards:
         raise UserError("merge: give the shard directories")
     first = shards[0]
@@ -83,7 +155,15 @@ def check_shards(shards: Sequence[ShardRun]) -> list[ShardRun]:
     if missing:
         raise UserError(f"merge: shard {', '.join(missing)} missing (given: "
                         f"{', '.join(f'{i}/{count}' for i in sorted(by_index))})")
-    return [by_index[i] for i in range(count)]
+    ordered = [by_index[i] for i in range(count)]
+    for shard in ordered:
+        if problems := tampered(shard):
+            raise UserError(f"{shard.path}: shard {shard.config.shard} holds {'; '.join(problems)}; it is never "
+                            "merged")
+        if not force and (problems := incomplete(shard)):
+            raise UserError(f"{shard.path}: shard {shard.config.shard} lost records ({'; '.join(problems)}); "
+                            "--force merges what the shards hold, marked interrupted")
+    return ordered
 
 
 def shifted(record: RequestRecord, by: float) -> RequestRecord:
@@ -97,9 +177,11 @@ def shifted(record: RequestRecord, by: float) -> RequestRecord:
         "chunk_times_s": [t + by for t in record.chunk_times_s]})
 
 
-def merge(shards: Sequence[ShardRun], run_id: str) -> Merged:
-    """The shards as one run named `run_id`: records in schedule order (arms in config order within an index)."""
-    ordered = check_shards(shards)
+def merge(shards: Sequence[ShardRun], run_id: str, force: bool = False) -> Merged:
+    """The shards as one run named `run_id`: records in schedule order (arms in config order within an index).
+    Forced, shards that lost records are merged too, and the run is marked interrupted."""
+    ordered = check_shards(shards, force)
+    lost = tuple(f"{s.path}: {'; '.join(problems)}" for s in ordered if (problems := incomplete(s)))
     t0 = min(s.config.t0_unix_s for s in ordered)
     arm_order = {arm.name: i for i, arm in enumerate(ordered[0].config.arms)}
     records = [shifted(r, s.config.t0_unix_s - t0) for s in ordered for r in s.records]
@@ -111,4 +193,4 @@ def merge(shards: Sequence[ShardRun], run_id: str) -> Merged:
     for shard in ordered:
         for arm, lag in shard.read_lag.items():
             read_lag.setdefault(arm, ReadLag()).add(lag.reads, lag.late_reads, lag.max_lag_s)
-    return Merged(config, records, any(s.interrupted for s in ordered), read_lag)
+    return Merged(config, records, bool(lost) or any(s.interrupted for s in ordered), read_lag, lost)

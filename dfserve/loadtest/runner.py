@@ -87,6 +87,8 @@ class RunOutcome:
     interrupted: bool = False
     read_lag: dict[str, ReadLag] = field(default_factory=dict)
     """Per arm whose reads the kernel dated, how long they waited for the loop."""
+    records_lost: str | None = None
+    """Why some finished requests have no record (the writer's file could not be written), and how many."""
 
 
 async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Any | None:
@@ -178,8 +180,8 @@ async def _open_loop(
 
 
 async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None) -> RunOutcome:
-    """Probe the arms, create the run directory, drive the load until done, `stop`, `halt` or the duration bound."""
-    halted = halt or (lambda: False)
+    """Probe the arms, create the run directory, drive the load until done, `stop`, `halt`, the duration bound or
+    the record writer's stopping (its file could not be written: the run is then interrupted)."""
     load = plan.load
     total = plan.warmup + plan.num_requests
     async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=10,
@@ -188,6 +190,10 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts
     run_dir = create_run_dir(plan.out, plan.name)
     writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
+
+    def halted() -> bool:
+        return writer.stopped() or (halt is not None and halt())
+
     try:
         t0 = time.perf_counter()
         writer.begin(t0)
@@ -237,7 +243,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     finally:
         records = await writer.close()
     read_lag = {c.arm: c.pool.read_lag for c in clients if c.pool.read_lag is not None}
-    return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted, read_lag=read_lag)
+    return RunOutcome(run_dir=run_dir, config=config, records=records, interrupted=interrupted or bool(writer.lost),
+                      read_lag=read_lag, records_lost=writer.lost)
 
 
 async def _until_done_or_stopped(drive: asyncio.Future[Any], stop: asyncio.Event) -> bool:

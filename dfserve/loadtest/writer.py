@@ -14,6 +14,11 @@ caller's reads them back (a validation and the observers, tens of microseconds a
 When the caller dies, the writer still reads to the end of its pipe (1 MiB, about 80 chat streams of 64 chunks)
 and writes every request in it: a crash loses the requests in flight, and only if the writer had fallen further
 behind than its pipe holds, the finished ones still waiting in the caller.
+
+When the file cannot be written (a full disk: ENOSPC), the writer says so in one line on its stderr, stops echoing
+and reads the caller's frames to their end without writing them, so the loop's writes never fail; the caller sees
+its echo end early, stops sending (`stopped`), and `close` returns the records that were written with `lost`
+saying what was not. The run is then kept as an interrupted one, never judged as if complete.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import IO, cast
 
 from dfserve import sglang
+from dfserve.errors import UserError
 from dfserve.loadtest.client import Finished, Wire, derive
 from dfserve.loadtest.records import RequestRecord
 from dfserve.runs import JsonlAppender
@@ -46,6 +52,8 @@ LENGTH = 4
 PIPE_BYTES = 1 << 20
 """Linux's largest pipe for an unprivileged process (/proc/sys/fs/pipe-max-size); the default is 64 KiB."""
 READY = b"ready\n"
+WRITE_FAILED = 3
+"""The writer's exit status when its file could not be written; its stderr's last line says why."""
 
 
 def frame(finished: Finished | float) -> bytes:
@@ -96,7 +104,7 @@ def write_records(api: sglang.Api, source: IO[bytes], appender: JsonlAppender, e
 def _spawn(api: sglang.Api, path: Path) -> subprocess.Popen[bytes]:
     """The writer process (a fork and exec: nothing to wait for); the loop writes to its stdin through a transport."""
     process = subprocess.Popen([sys.executable, "-m", __name__, api, str(path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdin is not None
     fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     return process
@@ -111,6 +119,18 @@ class _Closed(asyncio.Protocol):
             self.closed.set_result(None)
 
 
+class RecordWriterError(UserError):
+    """The record writer could not start, or failed other than on its file."""
+
+
+def _last_line(process: subprocess.Popen[bytes]) -> str:
+    """The last line the writer wrote on its stderr (read once it has exited), or its exit status."""
+    assert process.stderr is not None
+    with process.stderr:
+        lines = process.stderr.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"exit status {process.returncode}"
+
+
 class RecordWriter:
     """`submit` finished requests from the loop; `close` waits until all are written, returns them in submit order."""
 
@@ -121,7 +141,10 @@ class RecordWriter:
         self._protocol = protocol
         self._observers = observers
         self._failure: BaseException | None = None
+        self._submitted = 0
         self.records: list[RequestRecord] = []
+        self.lost: str | None = None
+        """Set by `close` when the file could not be written: why, and how many finished requests were not."""
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._read_back, name="dfserve-record-reader", daemon=True)
@@ -133,7 +156,10 @@ class RecordWriter:
         process = _spawn(api, path)
         assert process.stdin is not None and process.stdout is not None
         if await asyncio.to_thread(process.stdout.readline) != READY:
-            raise RuntimeError(f"the record writer did not start (status {process.wait()})")
+            process.stdin.close()
+            process.stdout.close()
+            await asyncio.to_thread(process.wait)
+            raise RecordWriterError(f"the record writer did not start: {_last_line(process)}")
         transport, protocol = await asyncio.get_running_loop().connect_write_pipe(_Closed, process.stdin)
         return cls(process, transport, protocol, observers)
 
@@ -142,7 +168,12 @@ class RecordWriter:
         self._transport.write(frame(t0))
 
     def submit(self, finished: Finished) -> None:
+        self._submitted += 1
         self._transport.write(frame(finished))
+
+    def stopped(self) -> bool:
+        """Whether the writer stopped writing before `close` (its file could not be written): send nothing more."""
+        return not self._thread.is_alive() and not self._transport.is_closing()
 
     async def close(self) -> list[RequestRecord]:
         """Write everything submitted and stop; re-raises what failed (the writer process, an observer)."""
@@ -152,10 +183,14 @@ class RecordWriter:
             await asyncio.to_thread(self._thread.join)
             sys.setswitchinterval(self._switch_interval)
         status = await asyncio.to_thread(self._process.wait)
+        reason = _last_line(self._process)
         if self._failure is not None:
             raise self._failure
-        if status != 0:
-            raise RuntimeError(f"the record writer exited with status {status}")
+        if status == WRITE_FAILED:
+            self.lost = (f"{reason}: {self._submitted - len(self.records)} of {self._submitted} finished requests "
+                         "were not written")
+        elif status != 0:
+            raise RecordWriterError(f"the record writer failed: {reason}")
         return self.records
 
     def _read_back(self) -> None:
@@ -178,10 +213,25 @@ def main() -> None:
     api, path = sys.argv[1], Path(sys.argv[2])
     if api not in ("native", "chat"):
         raise SystemExit(f"dfserve.loadtest.writer: unknown api {api!r}")
-    with JsonlAppender(path) as appender:
+    try:
+        appender = JsonlAppender(path)
         sys.stdout.buffer.write(READY)
         sys.stdout.buffer.flush()
         write_records("chat" if api == "chat" else "native", sys.stdin.buffer, appender, sys.stdout.buffer)
+        appender.close()
+    except OSError as exc:
+        _give_up(path, exc)
+
+
+def _give_up(path: Path, exc: OSError) -> None:
+    """One line, the echo ended (the caller stops sending), the caller's frames read to their end so its writes
+    never fail; `os._exit`, so the file's unwritten buffer is not tried again on the way out."""
+    sys.stderr.write(f"{exc.filename or path}: {exc.strerror or exc}\n")
+    sys.stderr.flush()
+    os.close(sys.stdout.fileno())
+    while os.read(sys.stdin.fileno(), PIPE_BYTES):
+        pass
+    os._exit(WRITE_FAILED)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,3 +296,85 @@ def test_a_hybrid_gated_deltanet_target_in_the_vision_language_layout(world: Wor
     assert config["target"]["family"] == "qwen3_5_text" and config["features"]["taps"] == [1, 5]
     assert config["features"]["health"]["fraction"] >= 0.99
     assert "drafter" in out
+
+
+def _zero_data(path: Path) -> None:
+    """Every tensor of a safetensors file set to zero, its header left as it was."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = bytes(len(data) - start)
+    path.write_bytes(bytes(data))
+
+
+def test_a_feature_cache_whose_content_no_longer_matches_its_hashes_is_refused(
+        world: World, first_run: FirstRun, capsys: pytest.CaptureFixture[str]) -> None:
+    """Zeroed tensors scored as features would give a drafter τ 1.0 and a verdict on nothing; a torn header would
+    end the run in a traceback inside a half-written run folder. Both are refused before the run folder exists."""
+    built = Path(json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"])
+    registry = world.root / "runs" / "baselines.json"
+    before = registry.read_bytes()
+
+    def damaged(name: str, damage: Any) -> Path:
+        copy = world.root / "damaged" / name
+        shutil.copytree(built, copy)
+        damage(copy)
+        return copy
+
+    task = "task-00002.safetensors"
+    cases = [
+        (damaged("zeroed", lambda f: [_zero_data(p) for p in f.glob("*.safetensors")]),
+         "task-00000.safetensors: its content does not match the sha256 recorded in build.json"),
+        (damaged("header", lambda f: (f / task).write_bytes(b"\xff" * 8 + (f / task).read_bytes()[8:])),
+         f"{task}: its content does not match"),
+        (damaged("missing", lambda f: (f / task).unlink()), f"{task}: cannot be read"),
+        (damaged("v1", lambda f: (f / "build.json").write_text(json.dumps(
+            {**{k: v for k, v in json.loads((f / "build.json").read_text()).items() if k != "files"},
+             "schema_version": 1}))), "build.json: built by an earlier dfserve that recorded no content hashes"),
+    ]
+    for folder, message in cases:
+        status, out, err = run_cli(capsys, *eval_args(world, "damaged", f"short={world.short}", features=folder))
+        assert status == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"dfserve: error: --features: {folder}") and message in err, err
+        assert "never used" in err
+        assert not (world.root / "runs" / "damaged").exists()
+    assert registry.read_bytes() == before  # no offline τ recorded from damaged features
+
+
+def test_a_task_file_unreadable_after_its_hash_was_checked_is_one_line(world: World, first_run: FirstRun) -> None:
+    from dfserve.errors import FieldError
+    from dfserve.eval import features as feat
+
+    built = Path(json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"])
+    copy = world.root / "torn" / built.name
+    shutil.copytree(built, copy)
+    build = feat.FeatureBuild.model_validate_json((copy / "build.json").read_bytes())
+    store = feat.open_features(copy, build.key)
+    (copy / "task-00001.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(FieldError, match=r"task-00001.safetensors: it no longer reads as safetensors .* never used"):
+        store.context(1, build.key.taps)
+    with pytest.raises(FieldError, match=r"task-00001.safetensors: its content does not match"):
+        feat.open_features(copy, build.key)
+    assert store.context(0, build.key.taps).shape[-1] > 0
+
+
+def test_a_run_name_that_is_not_one_folder_name_is_refused_before_any_work(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("../../escape", "..", ".hidden", ""):
+        status, out, err = run_cli(capsys, *eval_args(world, name, f"short={world.short}", out="named"))
+        assert status == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"dfserve: error: --name: run name {name!r} "), err
+    assert not (world.root / "named").exists() and not (world.root.parent / "escape").exists()
+
+
+def test_a_target_whose_safetensors_header_is_torn_is_one_line(world: World,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    torn = world.root / "torn-target"
+    shutil.copytree(world.target, torn)
+    weights = next(torn.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8] + b"x" + data[9:])  # the header is no longer JSON
+    status, out, err = run_cli(capsys, *eval_args(world, "torn", f"short={world.short}", out="torn-runs",
+                                                  cache="torn-cache", target=torn))
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"dfserve: error: --target: {torn}") and "Traceback" not in err, err
+    assert not (world.root / "torn-runs").exists()

@@ -4,8 +4,10 @@ same seed, judged by `dfserve compare` like any run; an incomplete or mixed set 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,3 +91,73 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path) -> N
     assert not (tmp_path / "merged").exists()
     bad = dfserve("loadtest", "run", "--out", str(tmp_path), *arms, *LOAD, "--concurrency", "2", "--shard", "3/3")
     assert bad.returncode == 2 and bad.stderr.strip() == "dfserve: error: --shard: '3/3' needs 0 <= I < N"
+
+
+def test_merge_refuses_shards_whose_records_do_not_match_their_summary(tmp_path: Path) -> None:
+    """A finished shard with its last line cut, a line removed or an empty requests.jsonl used to merge with exit 0
+    and fewer pairs; a negative read-lag count was merged as given."""
+    with sim_server("zlab", 0.002, 0) as zlab:
+        arms = ["--arm", f"zlab={zlab}"]
+        pristine = [run(tmp_path / "pristine", arms, f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
+                    for i in range(2)]
+
+    def damaged(name: str, damage: Any) -> list[Path]:
+        copies = [tmp_path / name / shard.name for shard in pristine]
+        for shard, copy in zip(pristine, copies, strict=True):
+            shutil.copytree(shard, copy)
+        damage(copies[1] / "requests.jsonl")
+        return copies
+
+    def summary_edit(path: Path) -> None:
+        summary = path.parent / "summary.json"
+        document = json.loads(summary.read_text())
+        document["arms"][0]["tester_read_lag"] = {"reads": 4, "late_reads": -2, "max_lag_s": 0.0}
+        summary.write_text(json.dumps(document))
+
+    lines = (pristine[1] / "requests.jsonl").read_text().splitlines(keepends=True)
+    measured = sum(not json.loads(line)["warmup"] for line in lines)
+    cases = [
+        ("cut", lambda p: p.write_text("".join(lines)[:-40]), "requests.jsonl's last line is cut; arm zlab: "
+         f"{measured - 1} measured records in requests.jsonl, summary.json counts {measured}"),
+        ("removed", lambda p: p.write_text("".join(lines[:3] + lines[5:])), "arm zlab: "
+         f"{measured - 2} measured records in requests.jsonl, summary.json counts {measured}"),
+        ("empty", lambda p: p.write_text(""), f"arm zlab: 0 measured records in requests.jsonl, summary.json counts "
+         f"{measured}"),
+    ]
+    for name, damage, problem in cases:
+        shards = damaged(name, damage)
+        refused = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "merged"))
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith(f"dfserve: error: {shards[1]}: shard 1/2 lost records ({problem}")
+        assert not (tmp_path / "merged").exists()
+        forced = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "forced"), "--name", name,
+                         "--force")
+        assert forced.returncode == 0 and f"forced: {shards[1]}: {problem}" in forced.stderr, forced.stderr
+        summary = json.loads((tmp_path / "forced" / name / "summary.json").read_text())
+        assert summary["interrupted"] is True  # judged only as an incomplete run
+        assert "--force" in json.loads((tmp_path / "forced" / name / "config.json").read_text())["provenance"]["argv"]
+    shards = damaged("lag", summary_edit)
+    refused = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "merged"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"dfserve: error: {shards[1] / 'summary.json'}: arms.0.tester_read_lag.late_reads")
+    assert not (tmp_path / "merged").exists()
+    whole = dfserve("loadtest", "merge", *map(str, pristine), "--out", str(tmp_path / "merged"), "--name", "m")
+    assert whole.returncode == 0 and "forced" not in whole.stderr, whole.stderr
+    assert json.loads((tmp_path / "merged" / "m" / "summary.json").read_text())["interrupted"] is False
+
+
+def test_a_run_name_is_one_folder_under_out(tmp_path: Path) -> None:
+    """`--name ../../x` wrote outside `--out`; now refused before any request is sent."""
+    out = tmp_path / "a" / "b" / "out"
+    with sim_server("zlab", 0.002, 0) as zlab:
+        for name, problem in [("../../x", "holds a path separator"), ("..", "begins with a dot"),
+                              (".hidden", "begins with a dot"), ("", "is empty"), ("a/b", "holds a path separator")]:
+            refused = dfserve("loadtest", "run", "--out", str(out), "--name", name, "--arm", f"zlab={zlab}", *LOAD,
+                              "--concurrency", "2")
+            assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+            assert refused.stderr.startswith(f"dfserve: error: --name: run name {name!r} {problem}"), refused.stderr
+        shards = [run(out, ["--arm", f"zlab={zlab}"], f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
+                  for i in range(2)]
+    refused = dfserve("loadtest", "merge", *map(str, shards), "--name", "../../x")
+    assert refused.returncode == 2 and refused.stderr.startswith("dfserve: error: --name: run name '../../x' holds")
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_dir() and p.parent != out) == ["a", "b", "out"]

@@ -239,3 +239,32 @@ def test_converted_folder_with_nan_is_rejected(tmp_path: Path) -> None:
     (damaged / "config.json").write_text((result.folder / "config.json").read_text())
     with pytest.raises(UserError, match=r"layers\.1\.self_attn\.o_proj\.weight has 1 NaN and 0 Inf values"):
         resolve_drafter(str(damaged), PROFILE, TARGET, tmp_path / "store")
+
+
+def _header(document: object) -> bytes:
+    text = json.dumps(document).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize(("payload", "problem"), [
+    (b"\x05\x00", "unpack requires a buffer of 8 bytes"),
+    (b"\xff" * 8 + b"{}", "header length implausible"),
+    (b"\x03\x00\x00\x00\x00\x00\x00\x00{\xff}", "UnicodeDecodeError"),
+    (_header([1, 2]), "not a JSON object"),
+    (_header({"w": "F32"}), "w: not an object"),
+    (_header({"w": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 8]}}), "w: shape is not a list of sizes"),
+    (_header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}), "w: data_offsets is not [begin, end]"),
+    (_header({"w": {"shape": [2], "data_offsets": [0, 8]}}), "w: dtype is not a string"),
+    (b"\x20\x00\x00\x00\x00\x00\x00\x00" + b"[" * 32, "JSONDecodeError"),
+])
+def test_a_corrupted_safetensors_header_is_one_line_about_its_field(tmp_path: Path, payload: bytes,
+                                                                    problem: str) -> None:
+    from dfserve.deploy.assets import read_safetensors_header
+    from dfserve.errors import FieldError
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(payload)
+    with pytest.raises(FieldError) as caught:
+        read_safetensors_header(path, "target")
+    assert caught.value.field == "target" and str(path) in str(caught.value) and problem in str(caught.value)
+    assert "\n" not in str(caught.value)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from dfserve.errors import UserError
 from dfserve.loadtest.merge import ShardRun, check_shards, merge
@@ -47,7 +50,8 @@ def shard_runs(count: int, total: int = 12) -> list[ShardRun]:
         config = run_config(f"shard-{i}", num_requests=total).model_copy(update={"shard": shard, "t0_unix_s": 100.0 + i})
         mine = set(shard_indices(total, shard))
         lag = {"zlab": ReadLag(reads=100 * (i + 1), late_reads=i, max_lag_s=0.001 * (3 - i))}
-        runs.append(ShardRun(Path(f"runs/shard-{i}"), config, [r for r in whole if r.index in mine], False, lag))
+        runs.append(ShardRun(Path(f"runs/shard-{i}"), config, [r for r in whole if r.index in mine], False, lag,
+                             {"zlab": len(mine), "inhouse": len(mine)}))
     return runs
 
 
@@ -67,7 +71,7 @@ def test_merge_orders_records_and_moves_them_to_one_clock() -> None:
             before.model_dump(exclude={"dispatched_s", "sent_s", "first_token_s", "end_s", "chunk_times_s"})
     assert not merged.interrupted
     assert merged.read_lag == {"zlab": ReadLag(reads=600, late_reads=3, max_lag_s=0.003)}  # inhouse: none given
-    shards[1] = ShardRun(shards[1].path, shards[1].config, shards[1].records, True, {})
+    shards[1] = replace(shards[1], interrupted=True, read_lag={})
     assert merge(shards, "m").interrupted
 
 
@@ -79,7 +83,7 @@ def test_merge_refuses_a_set_that_is_not_whole() -> None:
         check_shards([shards[0], shards[0], shards[1], shards[2]])
     other = shards[1].config.model_copy(update={"load": LoadShape(kind="closed", concurrency=4)})
     with pytest.raises(UserError, match=r"^runs/shard-1: not a shard of the same run as runs/shard-0 \(differs in load\)$"):
-        check_shards([shards[0], ShardRun(shards[1].path, other, [], False, {}), shards[2]])
+        check_shards([shards[0], replace(shards[1], config=other), shards[2]])
     fewer = shard_runs(2)
     with pytest.raises(UserError, match=r"\(differs in shard count\)$"):
         check_shards([shards[0], fewer[1]])
@@ -90,6 +94,63 @@ def test_merge_refuses_a_set_that_is_not_whole() -> None:
 def test_merge_ignores_the_live_figures_in_server_documents() -> None:
     shards = shard_runs(2)
     arms = tuple(a.model_copy(update={"server_info": {"last_gen_throughput": 12.5}}) for a in shards[1].config.arms)
-    shards[1] = ShardRun(shards[1].path, shards[1].config.model_copy(update={"arms": arms}), shards[1].records, False,
-                         {})
+    shards[1] = replace(shards[1], config=shards[1].config.model_copy(update={"arms": arms}), read_lag={})
     assert len(merge(shards, "m").records) == 24
+
+
+def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
+    """1/3 holds indexes 1, 4, 7, 10 of both arms, and its summary counts 4 each."""
+    whole = shard_runs(3)
+    lost_one = [r for r in whole[1].records if (r.arm, r.index) != ("inhouse", 10)]
+    cases = [
+        (replace(whole[1], cut=True), "requests.jsonl's last line is cut"),
+        (replace(whole[1], records=lost_one), "arm inhouse: 3 measured records in requests.jsonl, summary.json "
+         "counts 4; arm inhouse: indexes 10 of its schedule have no record"),
+        (replace(whole[1], records=[]), "arm zlab: 0 measured records in requests.jsonl, summary.json counts 4; "
+         "arm zlab: indexes 1, 4, 7, 10 of its schedule have no record"),
+        (replace(whole[1], records=lost_one, counted={"zlab": 4, "inhouse": 3}),
+         "arm inhouse: indexes 10 of its schedule have no record"),
+        (replace(whole[1], counted={"zlab": 4}), "arm inhouse: not in summary.json"),
+    ]
+    for shard, problem in cases:
+        shards = [whole[0], shard, whole[2]]
+        with pytest.raises(UserError) as refused:
+            merge(shards, "m")
+        assert str(refused.value).startswith(f"runs/shard-1: shard 1/3 lost records ({problem}")
+        assert str(refused.value).endswith("); --force merges what the shards hold, marked interrupted")
+        forced = merge(shards, "m", force=True)
+        assert forced.interrupted and len(forced.incomplete) == 1
+        assert forced.incomplete[0].startswith(f"runs/shard-1: {problem}")
+        assert len(forced.records) == sum(len(s.records) for s in shards)
+    stopped = replace(whole[1], records=lost_one, counted={"zlab": 4, "inhouse": 3}, interrupted=True)
+    assert merge([whole[0], stopped, whole[2]], "m").incomplete == ()  # Ctrl-C: fewer records, all counted
+    assert not merge(whole, "m").interrupted
+
+
+def test_duplicated_or_foreign_records_are_never_merged() -> None:
+    whole = shard_runs(3)
+    first = whole[1].records[0]
+    foreign = first.model_copy(update={"index": 2})
+    stranger = first.model_copy(update={"arm": "other"})
+    cases = [
+        (replace(whole[1], records=[*whole[1].records, first]), f"arm {first.arm}: indexes {first.index} recorded twice"),
+        (replace(whole[1], records=[*whole[1].records, foreign]), "indexes 2 outside shard 1/3's part of the schedule"),
+        (replace(whole[1], records=[*whole[1].records, stranger]), "records of arms ['other'] it does not have"),
+    ]
+    for shard, problem in cases:
+        for force in (False, True):
+            with pytest.raises(UserError, match=rf"^runs/shard-1: shard 1/3 holds {re.escape(problem)}; it is never "
+                               "merged$"):
+                merge([whole[0], shard, whole[2]], "m", force=force)
+
+
+def test_read_lag_read_back_from_a_summary_is_validated() -> None:
+    """Negative counts, more late reads than reads, a negative or NaN wait: refused in one line naming the field."""
+    good = {"reads": 10, "late_reads": 2, "max_lag_s": 0.004}
+    adapter = TypeAdapter(ReadLag)
+    assert adapter.validate_python(good) == ReadLag(10, 2, 0.004)
+    for bad, field in [({"reads": -1, "late_reads": 0}, "reads"), ({"late_reads": -3}, "late_reads"),
+                       ({"max_lag_s": -0.5}, "max_lag_s"), ({"max_lag_s": float("nan")}, "max_lag_s"),
+                       ({"late_reads": 11}, "late_reads 11 is more than reads 10")]:
+        with pytest.raises(ValidationError, match=re.escape(field)):
+            adapter.validate_python({**good, **bad})

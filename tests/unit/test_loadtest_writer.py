@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import threading
@@ -11,7 +12,7 @@ import pytest
 
 from dfserve.loadtest.client import Finished, Sent, derive
 from dfserve.loadtest.records import read_records
-from dfserve.loadtest.writer import frame, read_frames, write_records
+from dfserve.loadtest.writer import RecordWriter, RecordWriterError, frame, read_frames, write_records
 from dfserve.runs import JsonlAppender
 
 PIECE = b'data: {"text": "a", "meta_info": {"prompt_tokens": 3, "completion_tokens": 1, "finish_reason": null}}\n\n'
@@ -128,3 +129,10 @@ def test_derive_keeps_the_chunks_of_a_cancelled_stream() -> None:
 def test_wire_round_trip(error: tuple[str, str] | None) -> None:
     original = finished(3, error)
     assert Finished.from_wire(original.wire()) == original
+
+
+def test_a_writer_that_cannot_create_its_file_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "gone" / "requests.jsonl"
+    with pytest.raises(RecordWriterError) as refused:
+        asyncio.run(RecordWriter.start("native", path, []))
+    assert str(refused.value) == f"the record writer did not start: {path}: No such file or directory"

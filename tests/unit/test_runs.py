@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from dfserve.errors import UserError
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, redacted, write_atomic, write_model
+from dfserve.errors import FieldError, UserError
+from dfserve.runs import (
+    JsonlAppender,
+    Provenance,
+    create_run_dir,
+    redacted,
+    run_name,
+    write_atomic,
+    write_model,
+)
 
 
 class Row(BaseModel):
@@ -62,3 +71,17 @@ def test_secrets_on_the_command_line_never_reach_a_file() -> None:
     assert not any(secret in written for secret in ("k1", "k2", "k3", "k4"))
     assert redacted(argv) == ["dfserve", "loadtest", "run", "--api-key", "***", "--api-key=***", "--header",
                               "Authorization: ***", "--header=X-Token: ***", "--name", "--api-key"]
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("../../x", "holds a path separator or NUL"), ("..", "begins with a dot"), (".", "begins with a dot"),
+    (".staged", "begins with a dot"), ("", "is empty"), ("a/b", "holds a path separator"),
+    ("a\\b", "holds a path separator"), ("a\0b", "holds a path separator or NUL"), ("é" * 128, "longer than 255 bytes"),
+])
+def test_a_run_name_is_one_plain_folder_name(tmp_path: Path, name: str, problem: str) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(FieldError, match=re.escape(problem)) as refused:
+        create_run_dir(out, name)
+    assert refused.value.field == "name" and repr(name) in str(refused.value)
+    assert not tmp_path.joinpath("x").exists() and not out.exists()
+    assert run_name("run-1.v2") == "run-1.v2" and create_run_dir(out, "run-1.v2") == out / "run-1.v2"
