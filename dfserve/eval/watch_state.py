@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dfserve.errors import FieldError, describe_invalid
+from dfserve.eval.trend import TrendBaseline, TrendPoint
 from dfserve.runs import utc_now_iso
 
 STATE = "watch.json"
@@ -36,14 +37,16 @@ class CheckpointEntry(_Model):
     size: int
     mtime_ns: int
     detail: str | None = Field(None, description="why it is corrupt, or what it was skipped for")
+    point: TrendPoint | None = Field(None, description="its place in the trend, once scored")
     at: str
 
 
 class WatchState(_Model):
     schema_version: Literal[1] = 1
     kind: Literal["eval-watch-state"] = "eval-watch-state"
+    settings: dict[str, str] = Field(default_factory=dict, description="what every run of this watch shares")
     checkpoints: dict[str, CheckpointEntry] = Field(default_factory=dict)
-    baseline_run: str | None = Field(None, description="the baseline's eval run, scored once for the whole watch")
+    baseline: TrendBaseline | None = Field(None, description="the baseline, scored once for the whole watch")
 
     def with_entry(self, entry: CheckpointEntry) -> WatchState:
         return self.model_copy(update={"checkpoints": {**self.checkpoints, entry.key: entry}})
