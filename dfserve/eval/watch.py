@@ -8,7 +8,7 @@ only ever read. Each poll lists the candidates (`watch_files.scan`); one unchang
 complete (`watch_discovery.Stability`, `watch_files.probe`), and is scored through `runner.run_eval` on the shared
 feature cache::
 
-    result = watch(plan, Console(stderr=True))
+    result = watch(plan, Console(stderr=True), print)
 
 The eval entry points used: `runner.EvalPlan`, `runner.run_eval`, and `verdict.judge_offline` (pairing each
 checkpoint's run with the baseline's by task).
@@ -86,11 +86,15 @@ class WatchResult:
 class Watcher:
     """One watch's loop; the clock, the sleep and the poll are injectable, so its decisions are testable alone."""
 
-    def __init__(self, plan: WatchPlan, console: Console, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, poll: Callable[[Path], list[Seen]] = scan) -> None:
-        self.plan, self.console, self.clock, self.sleep, self.poll = plan, console, clock, sleep, poll
+    def __init__(self, plan: WatchPlan, console: Console, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 poll: Callable[[Path], list[Seen]] = scan) -> None:
+        """`console`: the eval runs' progress; `log`: one line per thing the watch did (scored, skipped, corrupt)."""
+        self.plan, self.console, self.log, self.clock, self.sleep, self.poll = plan, console, log, clock, sleep, poll
         self.runs = plan.out / "runs"
         self.stability = Stability()
+        self.failed: dict[str, tuple[int, int]] = {}
+        """Candidates that failed to load once, at this fingerprint: corrupt if they fail again unchanged."""
         self.result = WatchResult()
         self.state = WatchState()
 
@@ -131,9 +135,9 @@ class Watcher:
             summary = read_model(summary_path, EvalSummary, "") if summary_path.is_file() else None
             if summary is not None and not summary.interrupted:
                 self._finish(started, started.run_id)
-                self.console.print(f"resumed: {started.key} (step {started.step}) had finished scoring")
+                self.log(f"resumed: {started.key} (step {started.step}) had finished scoring")
             else:
-                self.console.print(f"resumed: {started.key} (step {started.step}) was cut short in run "
+                self.log(f"resumed: {started.key} (step {started.step}) was cut short in run "
                                    f"{started.run_id}; it is scored again")
         self._save()
         if any(e.point is not None for e in self.state.checkpoints.values()):
@@ -149,7 +153,7 @@ class Watcher:
             run_id = BASELINE_RUN + (f"-attempt{attempt}" if attempt > 1 else "")
             run_dir = self.runs / run_id
             if not run_dir.exists():
-                self.console.print(f"scoring the baseline {self.plan.baseline} once")
+                self.log(f"scoring the baseline {self.plan.baseline} once")
                 self._eval(((None, self.plan.baseline),), run_id)
             if (run_dir / "summary.json").is_file():
                 break
@@ -193,20 +197,22 @@ class Watcher:
                 pending.remove(passed)
                 self._save(entry(passed.key, passed.step, "skipped", candidates[passed.key][1].fingerprint,
                                  detail=f"step {first.step} arrived before it was scored"))
-                self.console.print(f"skipped: {passed.key} (step {passed.step}): step {first.step} arrived first")
+                self.log(f"skipped: {passed.key} (step {passed.step}): step {first.step} arrived first")
             self._score(first, seen)
         return acted
 
     def _probe(self, seen: Seen) -> int | None:
-        """The step stored in a loadable candidate (its name's, when it has one); None when it is corrupt or has no
-        step anywhere (reported in one line, recorded, and tried again only when its bytes change)."""
+        """The step of a loadable candidate (its name's, else the one stored in it); None when it does not load or
+        has no step anywhere. One that fails twice unchanged is corrupt: reported in one line, recorded, and tried
+        again only when its bytes change (a trainer paused mid-write fails once, then grows)."""
         try:
             stored = probe(self.plan.checkpoints / seen.key).step
         except FieldError as exc:
-            if not (self.plan.checkpoints / seen.key).exists():
-                return None  # rotated away between the poll and the load
-            self._corrupt(seen, step_from_name(seen.key), exc.message)
+            if self.failed.get(seen.key) == seen.fingerprint:
+                self._corrupt(seen, step_from_name(seen.key), exc.message)
+            self.failed[seen.key] = seen.fingerprint
             return None
+        self.failed.pop(seen.key, None)
         step = step_from_name(seen.key)
         if step is None and stored is None:
             self._corrupt(seen, None, "no step in its name nor in the checkpoint (step, global_step)")
@@ -214,7 +220,7 @@ class Watcher:
 
     def _corrupt(self, seen: Seen, step: int | None, detail: str) -> None:
         self._save(entry(seen.key, step, "corrupt", seen.fingerprint, detail=detail))
-        self.console.print(f"corrupt: {seen.key}: {detail}")
+        self.log(f"corrupt: {seen.key}: {detail}")
 
     def _score(self, ready: Ready, seen: Seen) -> None:
         known = self.state.checkpoints.get(ready.key)
@@ -239,7 +245,7 @@ class Watcher:
         trend = self._publish()
         line = ", ".join(f"τ {m} {point.tau[m].estimate:.3f}" for m in trend.methods)
         projection = trend.projections[trend.methods[0]]
-        self.console.print(f"scored: {started.key} (step {point.step}): {line}; vs baseline "
+        self.log(f"scored: {started.key} (step {point.step}): {line}; vs baseline "
                            f"{point.judgement.verdict}; projection: {projection.outcome} ({projection.detail})")
 
     def _point(self, started: CheckpointEntry, run_dir: Path) -> TrendPoint:
@@ -272,7 +278,7 @@ class Watcher:
             try:
                 push_trend(self.plan.pushgateway, self.plan.name, trend)
             except FieldError as exc:  # the watch goes on; the next checkpoint pushes the whole trend again
-                self.console.print(f"[yellow]warning:[/] {exc.message}")
+                self.log(f"warning: {exc.message}")
         return trend
 
 
@@ -288,5 +294,5 @@ def _read_records(run_dir: Path) -> tuple[EvalConfig, list[AnchorRecord]]:
                     if r.drafter == label]
 
 
-def watch(plan: WatchPlan, console: Console) -> WatchResult:
-    return Watcher(plan, console).run()
+def watch(plan: WatchPlan, console: Console, log: Callable[[str], None]) -> WatchResult:
+    return Watcher(plan, console, log).run()
