@@ -180,8 +180,7 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
         first.send_signal(signal.SIGKILL)
     finally:
         first.kill()
-        first.wait()
-    first_err = first.stderr.read().decode() if first.stderr else ""
+        first_err = first.communicate()[1].decode()
 
     def write_the_rest() -> None:
         trainer.slowly(STEPS[2])
@@ -207,8 +206,9 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
     runs = sorted(p.name for p in (out / "runs").iterdir())
     if killed_while == "started":  # killed mid-run: the partial run stays, the next attempt has its own name
         assert state["drafter_step15.pt"]["attempt"] == 2 and "resumed: drafter_step15.pt (step 15) was cut" in err
-        assert runs == ["baseline", "step-000000002", "step-000000015", "step-000000015-attempt2", "step-000000050",
-                        "step-000000120"]
+        # the kill may come before the first attempt's run folder exists
+        assert [r for r in runs if r != "step-000000015"] == [
+            "baseline", "step-000000002", "step-000000015-attempt2", "step-000000050", "step-000000120"]
         assert not (out / "runs" / "step-000000015" / "summary.json").exists()
     else:
         assert runs == ["baseline", "step-000000002", "step-000000015", "step-000000050", "step-000000120"]
@@ -223,7 +223,7 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
     trend = json.loads((out / "trend.json").read_text())
     assert [p["step"] for p in trend["points"]] == list(STEPS)
     taus = [p["tau"]["vanilla"]["estimate"] for p in trend["points"]]
-    assert taus[0] < taus[2] < taus[3] and taus[0] < taus[1]  # τ rises with training
+    assert max(taus[:2]) < taus[2] < taus[3]  # τ rises with training (the first few steps are noise)
     assert [c["checkpoint"] for c in trend["corrupt"]] == ["step_80/checkpoint.pt"]
     last, baseline = trend["points"][-1], trend["baseline"]
     assert last["tau"] == baseline["tau"] and last["judgement"]["verdict"] == "PASS"  # the baseline's own weights
