@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dfserve.eval.trend import Trend
 from dfserve.loadtest.report import svg_lines
 
-_W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 640, 300, 52, 16, 44, 40
+_W, _H, _LEFT, _RIGHT, _BOTTOM = 640, 320, 52, 16, 40
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
 _POSITIONS = 4
 """Block positions plotted by step (position 1 first); later ones are in the run's own report."""
@@ -25,8 +25,8 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 def svg_xy(title: str, xlabel: str, ylabel: str, series: Sequence[Series], hlines: Sequence[tuple[str, float]] = (),
            y_range: tuple[float, float] | None = None) -> str:
-    """Points joined by lines over numeric x and y (each series: name, points, dash pattern), and labelled
-    horizontal reference lines; the y range covers every value unless given."""
+    """Points joined by lines over numeric x and y (each series: name, points, dash pattern), and labelled dotted
+    horizontal reference lines, the i-th in the i-th series' colour; the y range covers every value unless given."""
     values = [y for _, points, _ in series for _, y in points] + [y for _, y in hlines]
     xs = [x for _, points, _ in series for x, _ in points]
     if not xs:
@@ -38,33 +38,42 @@ def svg_xy(title: str, xlabel: str, ylabel: str, series: Sequence[Series], hline
     y_low, y_high = y_low - pad, y_high + pad
     x_low, x_high = min(0.0, min(xs)), max(xs) if max(xs) > min(0.0, min(xs)) else min(0.0, min(xs)) + 1
 
+    legend = [(name, _COLOURS[i % len(_COLOURS)], dash) for i, (name, _, dash) in enumerate(series)]
+    legend += [(name, _COLOURS[i % len(_COLOURS)], "2 3") for i, (name, _) in enumerate(hlines)]
+    placed, x, row = [], float(_LEFT), 0
+    for name, colour, dash in legend:
+        width = 28 + 6.2 * len(name)
+        if x + width > _W - _RIGHT and x > _LEFT:
+            x, row = float(_LEFT), row + 1
+        placed.append((x, 30 + 15 * row, name, colour, dash))
+        x += width
+    top = 30 + 15 * row + 16
+
     def px(x: float) -> float:
         return _LEFT + (x - x_low) / (x_high - x_low) * (_W - _LEFT - _RIGHT)
 
     def py(y: float) -> float:
-        return _H - _BOTTOM - (y - y_low) / (y_high - y_low) * (_H - _TOP - _BOTTOM)
+        return _H - _BOTTOM - (y - y_low) / (y_high - y_low) * (_H - top - _BOTTOM)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" role="img" '
              f'aria-label="{html.escape(title)}">',
              f'<text x="{_W / 2}" y="16" font-size="14" text-anchor="middle">{html.escape(title)}</text>',
              f'<line x1="{_LEFT}" y1="{_H - _BOTTOM}" x2="{_W - _RIGHT}" y2="{_H - _BOTTOM}" stroke="#333"/>',
-             f'<line x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_H - _BOTTOM}" stroke="#333"/>',
+             f'<line x1="{_LEFT}" y1="{top}" x2="{_LEFT}" y2="{_H - _BOTTOM}" stroke="#333"/>',
              f'<text x="{(_LEFT + _W - _RIGHT) / 2}" y="{_H - 6}" font-size="12" text-anchor="middle">'
              f'{html.escape(xlabel)}</text>',
-             f'<text x="14" y="{(_TOP + _H - _BOTTOM) / 2}" font-size="12" text-anchor="middle" '
-             f'transform="rotate(-90 14 {(_TOP + _H - _BOTTOM) / 2})">{html.escape(ylabel)}</text>']
+             f'<text x="14" y="{(top + _H - _BOTTOM) / 2}" font-size="12" text-anchor="middle" '
+             f'transform="rotate(-90 14 {(top + _H - _BOTTOM) / 2})">{html.escape(ylabel)}</text>']
     for x in _ticks(x_low, x_high):
         parts.append(f'<text x="{px(x):.1f}" y="{_H - _BOTTOM + 15}" font-size="10" text-anchor="middle">'
                      f'{x:.0f}</text>')
     for y in _ticks(y_low, y_high):
         parts.append(f'<text x="{_LEFT - 5}" y="{py(y) + 3:.1f}" font-size="10" text-anchor="end">{y:.2f}</text>'
                      f'<line x1="{_LEFT}" y1="{py(y):.1f}" x2="{_W - _RIGHT}" y2="{py(y):.1f}" stroke="#eee"/>')
-    legend: list[tuple[str, str, str]] = []
     for i, (name, y) in enumerate(hlines):
-        colour = _COLOURS[(len(series) + i) % len(_COLOURS)]
-        parts.append(f'<line x1="{_LEFT}" y1="{py(y):.1f}" x2="{_W - _RIGHT}" y2="{py(y):.1f}" stroke="{colour}" '
-                     f'stroke-width="1.5" stroke-dasharray="2 3"><title>{html.escape(name)}: {y:.3f}</title></line>')
-        legend.append((name, colour, "2 3"))
+        parts.append(f'<line x1="{_LEFT}" y1="{py(y):.1f}" x2="{_W - _RIGHT}" y2="{py(y):.1f}" '
+                     f'stroke="{_COLOURS[i % len(_COLOURS)]}" stroke-width="1.5" stroke-dasharray="2 3">'
+                     f'<title>{html.escape(name)}: {y:.3f}</title></line>')
     for i, (name, points, dash) in enumerate(series):
         colour = _COLOURS[i % len(_COLOURS)]
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
@@ -72,13 +81,10 @@ def svg_xy(title: str, xlabel: str, ylabel: str, series: Sequence[Series], hline
                      f'points="{path}"/>')
         parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"><title>{html.escape(name)} '
                   f'step {x:.0f}: {y:.3f}</title></circle>' for x, y in points]
-        legend.append((name, colour, dash))
-    x = float(_LEFT)
-    for name, colour, dash in legend:
-        parts.append(f'<line x1="{x:.1f}" y1="30" x2="{x + 16:.1f}" y2="30" stroke="{colour}" stroke-width="2" '
-                     f'stroke-dasharray="{dash}"/><text x="{x + 20:.1f}" y="34" font-size="11">{html.escape(name)}'
-                     "</text>")
-        x += 28 + 6.2 * len(name)
+    for x, y, name, colour, dash in placed:
+        parts.append(f'<line x1="{x:.1f}" y1="{y - 4}" x2="{x + 16:.1f}" y2="{y - 4}" stroke="{colour}" '
+                     f'stroke-width="2" stroke-dasharray="{dash}"/><text x="{x + 20:.1f}" y="{y}" font-size="11">'
+                     f'{html.escape(name)}</text>')
     return "".join(parts) + "</svg>"
 
 

@@ -130,7 +130,9 @@ class Watcher:
     def _resume(self) -> None:
         """A run started before a kill: adopted when it finished, else scored again under the next attempt's name."""
         for started in self.state.of("started"):
-            assert started.run_id is not None and started.step is not None
+            if started.run_id is None or started.step is None:
+                raise FieldError("out", f"{self.plan.out / 'watch.json'}: {started.key} is started without a run "
+                                 "or a step; the file was edited")
             summary_path = self.runs / started.run_id / "summary.json"
             summary = read_model(summary_path, EvalSummary, "") if summary_path.is_file() else None
             if summary is not None and not summary.interrupted:
