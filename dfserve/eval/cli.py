@@ -101,6 +101,9 @@ def eval_group() -> None:
               help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"))
 @click.option("--name", default=None, help="Run directory name (must not exist).")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Only tasks I, I+N, ... of the first --num-tasks (0-based): one part of a feature cache built "
+                   "on several machines, joined by `dfserve eval cache merge`.")
 @click.option("--quiet", is_flag=True, help="No progress.")
 @click.pass_context
 def run_command(ctx: click.Context, **opts: Any) -> None:
@@ -119,6 +122,15 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
         sys.exit(130)
 
 
+def _shard(value: str | None) -> tuple[int, int] | None:
+    from dfserve.loadtest.shard import parse_shard
+
+    if value is None:
+        return None
+    shard = parse_shard(value)
+    return shard.index, shard.count
+
+
 def _eval_plan(opts: dict[str, Any], drafters: tuple[tuple[str | None, str], ...], out: Path,
                name: str | None) -> EvalPlan:
     """The plan of `eval run`'s settings (`eval watch` shares them), built inside the command's `flags_for`."""
@@ -135,6 +147,7 @@ def _eval_plan(opts: dict[str, Any], drafters: tuple[tuple[str | None, str], ...
         dtype=opts["dtype"], anchors_per_forward=opts["anchors_per_forward"], cache=opts["cache"],
         features=opts["features"], store=opts["store"], registry=opts["registry"], out=out,
         name=name, gate=read_gate(opts["gate"], DEFAULT_EVAL_GATE), threads=opts["threads"],
+        shard=_shard(opts.get("shard")),
     )
     if plan.reference != "local" and not plan.reference.startswith(("http://", "https://")):
         raise UserError(f"--reference: {plan.reference!r} is neither 'local' nor an http(s) URL")
@@ -230,8 +243,9 @@ def compare_command(run: Path, run2: Path | None, baseline: str | None, candidat
     sys.exit(EXIT[judgement.verdict])
 
 
-_NOT_WATCHED = {"drafters", "out", "name"}
-"""`eval run`'s settings a watch sets itself: the drafter (each checkpoint), the run folder and its name."""
+_NOT_WATCHED = {"drafters", "out", "name", "shard"}
+"""`eval run`'s settings a watch sets itself (the drafter: each checkpoint; the run folder and its name) or has no
+use for (a part of the tasks)."""
 
 
 @eval_group.command("watch", context_settings={"show_default": True})
@@ -285,3 +299,25 @@ def watch_command(ctx: click.Context, checkpoints: Path, baseline: str, out: Pat
 
 
 watch_command.params.extend(p for p in run_command.params if p.name not in _NOT_WATCHED)
+
+
+@eval_group.group("cache")
+def cache_group() -> None:
+    """The feature cache: merge the parts built by `eval run --shard I/N`."""
+
+
+@cache_group.command("merge")
+@click.argument("parts", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--cache", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The cache folder every later run reads (its --cache).")
+@click.option("--tasks", default="humaneval", help="The task set the parts were built from.")
+@click.option("--num-tasks", type=click.IntRange(min=1), required=True, help="--num-tasks the parts were built with.")
+def cache_merge_command(parts: tuple[Path, ...], cache: Path, tasks: str, num_tasks: int) -> None:
+    """Join the --cache folders of `eval run --shard I/N` into one cache: the references and target features of
+    every task, as `eval run` on all of them would find them. Refuses a part missing, twice, or built otherwise."""
+    from dfserve.eval.cache_merge import merge_caches
+    from dfserve.loadtest.tasks import load_tasks
+
+    with flags_for({"shards": "PARTS", "cache": "--cache", "tasks": "--tasks"}):
+        merged = merge_caches(list(parts), cache, load_tasks(tasks), num_tasks)
+    click.echo(f"merged {merged.tasks} tasks from {len(parts)} parts: {merged.features}")

@@ -262,3 +262,48 @@ def test_a_watch_refuses_to_write_inside_the_checkpoint_folder_and_a_restart_und
                                                 "settings": {"target": "another"}, "checkpoints": {}}))
     status, _, err = run_cli(capsys, *watch_args(trained, folder, out, "--nice", 0))
     assert status == 2 and err.count("\n") == 1 and "started under other settings" in err and "target" in err
+
+
+def _run(trained: Trained, tmp_path: Path, name: str, cache: Path, *extra: str) -> list[str]:
+    settings = {"target": trained.target, "tasks": trained.tasks, "num-tasks": TASKS, "max-new-tokens": MAX_NEW,
+                "ddtree-budgets": "2,4", "drafter-store": trained.root / "store", "registry": tmp_path / "registry",
+                "out": tmp_path / "runs", "cache": cache, "name": name}
+    args = ["eval", "run", "--drafter", str(trained.baseline), "--quiet", *extra]
+    for flag, value in settings.items():
+        args += [f"--{flag}", str(value)]
+    return args
+
+
+def test_a_feature_cache_built_in_parts_merges_into_the_one_a_whole_run_reuses(
+        trained: Trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with models.one_thread():
+        for i in range(2):
+            status, _, err = run_cli(capsys, *_run(trained, tmp_path, f"part-{i}", tmp_path / f"part-{i}",
+                                                   "--shard", f"{i}/2"))
+            assert status == 0, err
+        part0 = json.loads((tmp_path / "runs" / "part-0" / "config.json").read_text())
+        assert [t["id"] for t in part0["tasks"]["tasks"]] == ["he-0", "he-2"]  # tasks 0, 2 of 4
+        merge = ["eval", "cache", "merge", "--cache", tmp_path / "cache", "--tasks", trained.tasks, "--num-tasks", TASKS]
+        status, out, err = run_cli(capsys, *merge, tmp_path / "part-0")
+        assert status == 2 and err.count("\n") == 1 and "PARTS: 2 of 4 tasks are in no part" in err
+        status, out, err = run_cli(capsys, *merge, tmp_path / "part-0", tmp_path / "part-0")
+        assert status == 2 and "each task belongs to one part" in err
+        assert not (tmp_path / "cache").exists()
+        status, out, err = run_cli(capsys, *merge, tmp_path / "part-1", tmp_path / "part-0")
+        assert status == 0 and f"merged {TASKS} tasks from 2 parts" in out, err
+        status, _, err = run_cli(capsys, *merge, tmp_path / "part-1", tmp_path / "part-0")
+        assert status == 2 and "already holds the merged cache" in err
+
+        status, _, err = run_cli(capsys, *_run(trained, tmp_path, "whole", tmp_path / "cache"))
+        assert status == 0, err
+        status, _, err = run_cli(capsys, *_run(trained, tmp_path, "own", tmp_path / "own-cache"))
+        assert status == 0, err
+    whole = json.loads((tmp_path / "runs" / "whole" / "config.json").read_text())
+    own = json.loads((tmp_path / "runs" / "own" / "config.json").read_text())
+    assert whole["features"]["reused"] is True and whole["references"]["reused"] is True  # no target forward
+    assert whole["features"]["built_by"] == "merge of part-0, part-1"
+    assert own["features"]["reused"] is False and whole["features"]["key"] == own["features"]["key"]
+    assert whole["features"]["health"] == own["features"]["health"]
+    summaries = [json.loads((tmp_path / "runs" / name / "summary.json").read_text())["drafters"][0]["methods"]
+                 for name in ("whole", "own")]
+    assert summaries[0] == summaries[1]
