@@ -223,6 +223,7 @@ class Watcher:
     def _corrupt(self, seen: Seen, step: int | None, detail: str) -> None:
         self._save(entry(seen.key, step, "corrupt", seen.fingerprint, detail=detail))
         self.log(f"corrupt: {seen.key}: {detail}")
+        self._publish()  # the trend lists it
 
     def _score(self, ready: Ready, seen: Seen) -> None:
         known = self.state.checkpoints.get(ready.key)

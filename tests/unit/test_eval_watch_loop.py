@@ -4,13 +4,16 @@ integration test's (tests/integration/test_eval_watch.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
 from dfserve.deploy.profiles import load_profile
+from dfserve.eval.records import Figure
 from dfserve.eval.runner import EvalPlan
+from dfserve.eval.trend import TrendBaseline
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE
 from dfserve.eval.watch import Watcher, WatchPlan
 from dfserve.eval.watch_discovery import Ready, Seen
@@ -41,7 +44,9 @@ class Scripted(Watcher):
         self.now += seconds
 
     def _ensure_baseline(self) -> None:
-        pass
+        baseline = TrendBaseline(run_id="baseline", run_dir="runs/baseline", drafter="zlab", identity="zlab",
+                                 tau={"vanilla": Figure(estimate=6.0, low=5.8, high=6.2, n=100)}, accuracy=[0.9])
+        self.state = self.state.model_copy(update={"baseline": baseline})
 
     def _score(self, ready: Ready, seen: Seen) -> None:
         self.scoring.append(ready.step)
@@ -81,6 +86,8 @@ def test_every_checkpoint_in_step_order_and_a_file_that_never_loads_is_corrupt_o
     corrupt = [line for line in watcher.lines if line.startswith("corrupt:")]
     assert len(corrupt) == 1 and corrupt[0].startswith("corrupt: step_50/checkpoint.pt: ")
     assert read_state(tmp_path / "watch").checkpoints["step_50/checkpoint.pt"].status == "corrupt"
+    trend = json.loads((tmp_path / "watch" / "trend.json").read_text())
+    assert [c["checkpoint"] for c in trend["corrupt"]] == ["step_50/checkpoint.pt"]
 
 
 def test_a_restarted_watch_scores_nothing_it_scored_before(tmp_path: Path) -> None:
