@@ -141,8 +141,10 @@ def stage(source: Path, staged: Path, mode: StageMode) -> Path:
         return staged
     staged.parent.mkdir(parents=True, exist_ok=True)
     partial = staged.with_name(f".{staged.name}.staging")
-    if partial.exists():
-        shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+    if partial.is_dir():  # left by a staging cut short
+        shutil.rmtree(partial)
+    elif partial.exists():
+        partial.unlink()
     try:
         if source.is_dir():
             for path in _files(source):
