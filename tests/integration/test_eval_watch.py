@@ -189,12 +189,26 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
         trainer.folder_checkpoint(STEPS[3])
 
     writer = threading.Thread(target=write_the_rest)
+    pushed_steps: list[float] = []
+    done = threading.Event()
+
+    def read_pushes(gateway: str) -> None:
+        """Each push replaces the watch's group: the steps seen over time are one per scored checkpoint."""
+        while not done.wait(0.05):
+            step = _gauges(gateway).get('dfserve_eval_watch_step{watch="run7"}')
+            if step is not None and (not pushed_steps or pushed_steps[-1] != step):
+                pushed_steps.append(step)
+
     with pushgateway_server() as gateway, models.one_thread():
+        reader = threading.Thread(target=read_pushes, args=(gateway,))
         writer.start()
+        reader.start()
         status, stdout, err = run_cli(capsys, *watch_args(trained, folder, out, "--pushgateway", gateway,
                                                           "--watch-name", "run7", "--stop-after-idle", 4,
                                                           "--nice", 0))
         writer.join()
+        done.set()
+        reader.join()
         gauges = _gauges(gateway)
     assert status == 0, err
     assert "scored 3 checkpoints" in stdout  # 15 (again or adopted), 50, 120: nothing scored twice
@@ -240,6 +254,9 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
     assert found == trainer.wrote
     assert (out / "staged" / "step-000000050.pt").samefile(folder / "step_50" / "checkpoint.pt")
 
+    # on restart the trend as it stood (step 2 alone when 15 was cut short), then each checkpoint as it is scored
+    resumed_with = [STEPS[0]] if state["drafter_step15.pt"]["attempt"] == 2 else []
+    assert pushed_steps == [*resumed_with, STEPS[1], STEPS[2], STEPS[3]]
     assert gauges['dfserve_eval_watch_step{watch="run7"}'] == STEPS[3]
     for method in ("vanilla", "ddtree2", "ddtree4"):
         tau = last["tau"][method]["estimate"]
