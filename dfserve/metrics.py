@@ -88,6 +88,16 @@ ROUTING_VERSION = "dfserve_gateway_routing_version"
 ROUTING_RELOADS = "dfserve_gateway_routing_reloads"  # counter; exposed with _total
 RELOAD_OUTCOMES = ("applied", "refused")
 """Values of the `outcome` label of `dfserve_gateway_routing_reloads_total`."""
+EVAL_WATCH_STEP = "dfserve_eval_watch_step"
+EVAL_WATCH_TAU = "dfserve_eval_watch_tau"
+EVAL_WATCH_BASELINE_TAU = "dfserve_eval_watch_baseline_tau"
+EVAL_WATCH_TAU_GAP = "dfserve_eval_watch_tau_gap"
+EVAL_WATCH_PROJECTED_CROSSING_STEP = "dfserve_eval_watch_projected_crossing_step"
+EVAL_WATCH_PROJECTION = "dfserve_eval_watch_projection"
+EVAL_WATCH_OUTCOMES = ("too_few_checkpoints", "reached", "will_reach", "plateau_below", "undetermined")
+"""Values of the `outcome` label of `dfserve_eval_watch_projection` (1 on the current one, 0 on the others), pushed
+by `dfserve eval watch` to a Pushgateway after each checkpoint it scores, grouped by `watch`; every family but the
+step is labelled `method` (vanilla, ddtreeN)."""
 
 OBSERVER_FAILURES = "dfserve_gateway_observer_failures"  # counter; exposed with _total
 OBSERVER_FAILURE_REASONS = ("failed", "behind")
@@ -391,3 +401,33 @@ class ObserverMetrics:
     def watch(self, observer: str) -> dict[str, Counter]:
         """The series of one observer, every reason's at 0 from its registration, so `increase()` sees the first."""
         return {reason: self.failures.labels(observer, reason) for reason in OBSERVER_FAILURE_REASONS}
+
+
+class EvalWatchMetrics:
+    """A training run's latest scored checkpoint against its baseline, and the projection of where it is heading."""
+
+    step: Gauge
+    tau: Gauge
+    baseline_tau: Gauge
+    tau_gap: Gauge
+    projected_crossing_step: Gauge
+    projection: Gauge
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> EvalWatchMetrics:
+        method = ("method",)
+        return cls(
+            step=Gauge(EVAL_WATCH_STEP, "Training step of the latest checkpoint scored.", registry=registry),
+            tau=Gauge(EVAL_WATCH_TAU, "Offline τ (tokens per verify round) of the latest checkpoint scored.", method,
+                      registry=registry),
+            baseline_tau=Gauge(EVAL_WATCH_BASELINE_TAU, "Offline τ of the baseline drafter on the same features.",
+                               method, registry=registry),
+            tau_gap=Gauge(EVAL_WATCH_TAU_GAP, "Latest checkpoint's τ minus the baseline's (negative: below it).",
+                          method, registry=registry),
+            projected_crossing_step=Gauge(
+                EVAL_WATCH_PROJECTED_CROSSING_STEP, "Step at which the fitted τ curve reaches the baseline's; absent "
+                "when the fit places no crossing.", method, registry=registry),
+            projection=Gauge(EVAL_WATCH_PROJECTION, "1 on the projection's current outcome (plateau_below: the run "
+                             "is projected not to reach the baseline), 0 on the others.", (*method, "outcome"),
+                             registry=registry),
+        )

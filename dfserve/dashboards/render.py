@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from . import ab, engine
+from . import ab, engine, training
 from .engine import NameStyle
 from .grafana import Dashboard
 from .rules import RuleSettings, rule_groups
@@ -31,7 +31,7 @@ class Settings:
 
 def dashboards(settings: Settings) -> tuple[Dashboard, ...]:
     return (ab.build(settings.rules.baseline_arm, settings.rules.candidate_arm, settings.sglang_names),
-            engine.build(settings.sglang_names))
+            engine.build(settings.sglang_names), training.build())
 
 
 class _BlockDumper(yaml.SafeDumper):

@@ -94,6 +94,8 @@ def alerts(settings: RuleSettings) -> tuple[Alert, ...]:
     engines_up = selector("up", [f'{m.DEPLOYMENT_LABEL}!=""'])
     routing_versions = f"count by (job) (count by (job, version) ({m.ROUTING_VERSION}))"
     refused = increase_sum(counter(m.ROUTING_RELOADS), "10m", ["job"], ('outcome="refused"',))
+    plateau_below = selector(m.EVAL_WATCH_PROJECTION, ['outcome="plateau_below"'])
+    plateau = f"max by (job, watch, method) ({plateau_below})"
     return (
         Alert("DfserveCandidateAcceptanceBelowBaseline",
               f"{candidate}\n< ignoring (arm) group_left\n{settings.accept_tolerance} * {baseline}",
@@ -125,6 +127,10 @@ def alerts(settings: RuleSettings) -> tuple[Alert, ...]:
               "A gateway refused a new routing file",
               "{{ $labels.job }}: the config file's new version was refused (the gateway log says which field); "
               "the replicas keep the last good routing."),
+        Alert("DfserveTrainingProjectedBelowBaseline", f"{plateau} == 1", (plateau,), "1m", "warning",
+              "The training run is projected not to reach the baseline",
+              "Watch {{ $labels.watch }}: the τ ({{ $labels.method }}) of its checkpoints levels off below the "
+              "baseline's (dfserve eval watch's projection, see its report.html)."),
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -25,6 +25,9 @@ from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalVerdict, Side, check_gat
 from dfserve.loadtest.config import read_model
 from dfserve.loadtest.judge import read_gate
 from dfserve.runs import Provenance, create_run_dir, read_jsonl, write_model
+
+if TYPE_CHECKING:
+    from dfserve.eval.runner import EvalPlan
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 NEEDS = ("torch", "transformers", "safetensors", "dflash")
@@ -98,35 +101,57 @@ def eval_group() -> None:
               help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"))
 @click.option("--name", default=None, help="Run directory name (must not exist).")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Only tasks I, I+N, ... of the first --num-tasks (0-based): one part of a feature cache built "
+                   "on several machines, joined by `dfserve eval cache merge`.")
 @click.option("--quiet", is_flag=True, help="No progress.")
 @click.pass_context
 def run_command(ctx: click.Context, **opts: Any) -> None:
     """Score drafters on cached target features of coding tasks, as online greedy decoding would."""
     _require_packages()
-    from dfserve.deploy.profiles import load_profile
-    from dfserve.eval.runner import EvalPlan, run_eval
-    from dfserve.loadtest.tasks import load_tasks
+    from dfserve.eval.runner import run_eval
 
     console = Console(stderr=True, quiet=opts["quiet"])
     with flags_for(command_flags(ctx.command) | {"drafter": "--drafter"}):
-        plan = EvalPlan(
-            target=opts["target"], drafters=tuple(_drafter(d) for d in opts["drafters"]),
-            profile=load_profile(opts["profile_name"]), drafter_config=opts["drafter_config"],
-            tasks=load_tasks(opts["tasks"]), num_tasks=opts["num_tasks"], max_new_tokens=opts["max_new_tokens"],
-            block_size=opts["block_size"], ddtree_budgets=_budgets(opts["ddtree_budgets"]),
-            prompt_format=opts["prompt_format"], thinking=opts["thinking"], reference=opts["reference"],
-            dtype=opts["dtype"], anchors_per_forward=opts["anchors_per_forward"], cache=opts["cache"],
-            features=opts["features"], store=opts["store"], registry=opts["registry"], out=opts["out"],
-            name=opts["name"], gate=read_gate(opts["gate"], DEFAULT_EVAL_GATE), threads=opts["threads"],
-        )
-        if plan.reference != "local" and not plan.reference.startswith(("http://", "https://")):
-            raise UserError(f"--reference: {plan.reference!r} is neither 'local' nor an http(s) URL")
+        plan = _eval_plan(opts, tuple(_drafter(d) for d in opts["drafters"]), opts["out"], opts["name"])
         outcome = run_eval(plan, console)
     _print_run(outcome.config, outcome.summary)
     click.echo(f"run: {outcome.run_dir}")
     if outcome.summary.interrupted:
         click.echo("interrupted: partial run kept", err=True)
         sys.exit(130)
+
+
+def _shard(value: str | None) -> tuple[int, int] | None:
+    from dfserve.loadtest.shard import parse_shard
+
+    if value is None:
+        return None
+    shard = parse_shard(value)
+    return shard.index, shard.count
+
+
+def _eval_plan(opts: dict[str, Any], drafters: tuple[tuple[str | None, str], ...], out: Path,
+               name: str | None) -> EvalPlan:
+    """The plan of `eval run`'s settings (`eval watch` shares them), built inside the command's `flags_for`."""
+    from dfserve.deploy.profiles import load_profile
+    from dfserve.eval.runner import EvalPlan
+    from dfserve.loadtest.tasks import load_tasks
+
+    plan = EvalPlan(
+        target=opts["target"], drafters=drafters,
+        profile=load_profile(opts["profile_name"]), drafter_config=opts["drafter_config"],
+        tasks=load_tasks(opts["tasks"]), num_tasks=opts["num_tasks"], max_new_tokens=opts["max_new_tokens"],
+        block_size=opts["block_size"], ddtree_budgets=_budgets(opts["ddtree_budgets"]),
+        prompt_format=opts["prompt_format"], thinking=opts["thinking"], reference=opts["reference"],
+        dtype=opts["dtype"], anchors_per_forward=opts["anchors_per_forward"], cache=opts["cache"],
+        features=opts["features"], store=opts["store"], registry=opts["registry"], out=out,
+        name=name, gate=read_gate(opts["gate"], DEFAULT_EVAL_GATE), threads=opts["threads"],
+        shard=_shard(opts.get("shard")),
+    )
+    if plan.reference != "local" and not plan.reference.startswith(("http://", "https://")):
+        raise UserError(f"--reference: {plan.reference!r} is neither 'local' nor an http(s) URL")
+    return plan
 
 
 def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
@@ -216,3 +241,83 @@ def compare_command(run: Path, run2: Path | None, baseline: str | None, candidat
     _print_judgement(Console(), judgement)
     click.echo(f"verdict: {verdict_dir / 'eval-verdict.json'}")
     sys.exit(EXIT[judgement.verdict])
+
+
+_NOT_WATCHED = {"drafters", "out", "name", "shard"}
+"""`eval run`'s settings a watch sets itself (the drafter: each checkpoint; the run folder and its name) or has no
+use for (a part of the tasks)."""
+
+
+@eval_group.command("watch", context_settings={"show_default": True})
+@click.argument("checkpoints", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--baseline", default="zlab", metavar="zlab|DIR|baseline",
+              help="The reference drafter every checkpoint is paired with (scored once): zlab, a folder or "
+                   "checkpoint, or the registry's baseline.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("eval-watch"),
+              help="The watch folder: state, staged checkpoints, one eval run per checkpoint, trend.json, "
+                   "report.html. A restarted watch resumes from it.")
+@click.option("--every-checkpoint", is_flag=True,
+              help="Score every checkpoint, oldest first (default: the newest first, skipping older pending ones).")
+@click.option("--poll-seconds", type=click.FloatRange(min=0.01), default=30.0,
+              help="Between two looks at CHECKPOINTS; a file is complete once unchanged over two looks.")
+@click.option("--stop-after-idle", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Stop once nothing new has appeared for this long (default: watch until stopped).")
+@click.option("--stage", type=click.Choice(["link", "copy"]), default="link",
+              help="Stage each checkpoint beside the runs by hard link, or by copy (CHECKPOINTS on another file "
+                   "system, e.g. a read-only volume).")
+@click.option("--pushgateway", default=None, metavar="URL", help="Push each scored checkpoint's gauges here.")
+@click.option("--watch-name", default=None, help="The watch's name in the Pushgateway and the report (default: "
+              "the --out folder's name).")
+@click.option("--nice", "niceness", type=click.IntRange(min=0, max=19), default=10,
+              help="Lower the watch's CPU priority by this much (os.nice), so the trainer keeps its pace.")
+@click.pass_context
+def watch_command(ctx: click.Context, checkpoints: Path, baseline: str, out: Path, every_checkpoint: bool,
+                  poll_seconds: float, stop_after_idle: float | None, stage: str, pushgateway: str | None,
+                  watch_name: str | None, niceness: int, **opts: Any) -> None:
+    """Score each checkpoint a trainer writes to CHECKPOINTS against a baseline, and project whether the run will
+    reach it (trend.json, report.html). The checkpoint folder is only read."""
+    import os
+
+    _require_packages()
+    from dfserve.eval.watch import WatchPlan, watch
+
+    if out.resolve().is_relative_to(checkpoints.resolve()):
+        raise UserError(f"--out: {out} lies inside {checkpoints}; the watch never writes into the checkpoint folder")
+    os.nice(niceness)
+    console = Console(stderr=True, quiet=opts["quiet"])
+    with flags_for(command_flags(ctx.command) | {"checkpoint": "CHECKPOINTS", "stage": "--stage"}):
+        plan = WatchPlan(checkpoints=checkpoints, out=out, eval=_eval_plan(opts, (), out / "runs", None),
+                         baseline=baseline, every_checkpoint=every_checkpoint, poll_s=poll_seconds,
+                         stop_after_idle_s=stop_after_idle, stage="copy" if stage == "copy" else "link",
+                         pushgateway=pushgateway, name=watch_name or out.resolve().name)
+        try:
+            result = watch(plan, console, lambda line: click.echo(line, err=True))
+        except KeyboardInterrupt:
+            click.echo(f"stopped; `dfserve eval watch` on {out} again resumes", err=True)
+            sys.exit(130)
+    click.echo(f"scored {len(result.scored)} checkpoints; trend: {out / 'trend.json'}")
+
+
+watch_command.params.extend(p for p in run_command.params if p.name not in _NOT_WATCHED)
+
+
+@eval_group.group("cache")
+def cache_group() -> None:
+    """The feature cache: merge the parts built by `eval run --shard I/N`."""
+
+
+@cache_group.command("merge")
+@click.argument("parts", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--cache", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="The cache folder every later run reads (its --cache).")
+@click.option("--tasks", default="humaneval", help="The task set the parts were built from.")
+@click.option("--num-tasks", type=click.IntRange(min=1), required=True, help="--num-tasks the parts were built with.")
+def cache_merge_command(parts: tuple[Path, ...], cache: Path, tasks: str, num_tasks: int) -> None:
+    """Join the --cache folders of `eval run --shard I/N` into one cache: the references and target features of
+    every task, as `eval run` on all of them would find them. Refuses a part missing, twice, or built otherwise."""
+    from dfserve.eval.cache_merge import merge_caches
+    from dfserve.loadtest.tasks import load_tasks
+
+    with flags_for({"shards": "PARTS", "cache": "--cache", "tasks": "--tasks"}):
+        merged = merge_caches(list(parts), cache, load_tasks(tasks), num_tasks)
+    click.echo(f"merged {merged.tasks} tasks from {len(parts)} parts: {merged.features}")

@@ -210,3 +210,8 @@ class FeatureWriter:
 
     def finish(self, build: FeatureBuild) -> None:
         write_model(self.folder / BUILD, build)
+
+
+def task_path(folder: Path, index: int) -> Path:
+    """Where a cache folder holds task `index`'s features (a merge of caches built in parts links them)."""
+    return folder / _task_file(index)

@@ -105,6 +105,9 @@ class EvalPlan:
     gate: EvalGate
     threads: int | None = None
     """CPU threads torch computes with; None: torch's default."""
+    shard: tuple[int, int] | None = None
+    """(i, n): only tasks i, i+n, ... of the first `num_tasks`, for a feature cache built in parts and merged
+    (`cache_merge`); None: all of them."""
 
     def methods(self) -> list[str]:
         return [VANILLA, *(ddtree_method(b) for b in self.ddtree_budgets)]
@@ -206,6 +209,8 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
         raise FieldError("target", f"{folder}: no tokenizer transformers can load ({str(exc).splitlines()[0]})") from None
     prompt = prompt_settings(tokenizer, plan.prompt_format, plan.thinking)
     tasks = plan.tasks.tasks[:plan.num_tasks]
+    if plan.shard is not None:
+        tasks = tasks[plan.shard[0]::plan.shard[1]]
     prompts = [prompt_ids(tokenizer, prompt, task) for task in tasks]
     target_sha = folder_sha256(folder, plan.store / ".hashes")  # the machine's memo of content hashes, with deploy's
     if plan.features is not None:

@@ -124,7 +124,8 @@ def prometheus_server(config: Path, data: Path, log: Path | None = None) -> Iter
 @contextlib.contextmanager
 def pushgateway_server(log: Path | None = None) -> Iterator[str]:
     """Debian's `prometheus-pushgateway` on loopback; yields its base URL."""
-    argv = ["prometheus-pushgateway", f"--web.listen-address={LOOPBACK}:0"]
+    argv = ["prometheus-pushgateway", f"--web.listen-address={LOOPBACK}:0",
+            "--persistence.file="]  # Debian's default file would carry pushes over from earlier tests
     with serve(argv, log, "/-/ready", GO_LISTENING) as started:
         yield started.url
 

@@ -23,6 +23,7 @@ from cloudcoil.models.prometheus_operator import v1 as operator
 from dfserve import metrics as m
 from dfserve.dashboards.render import Settings, render
 from dfserve.deploy.k8s import FLEET_HEADER, PRO6000_NODES, fleet, to_yaml
+from dfserve.eval.cli import run_command, watch_command
 from dfserve.gateway.config import load_config
 from dfserve.loadtest.cli import loadtest
 from tests import ROOT
@@ -103,7 +104,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 
 def test_every_overlay_is_found() -> None:
     assert {Path(o).name for o in OVERLAYS} == {"zlab", "inhouse", "gateway", "loadtest", "monitoring", "fleet",
-                                                  "gateway-replicated", "loadtest-sharded"}
+                                                  "gateway-replicated", "loadtest-sharded", "eval-watch",
+                                                  "eval-features-sharded"}
 
 
 @pytest.mark.parametrize("where", KUSTOMIZATIONS)
@@ -255,3 +257,55 @@ def test_monitoring_selects_the_engines_and_gateway_and_ships_the_generated_file
         k: v for k, v in files.items() if k.startswith("grafana/")}
     rule = one(monitoring, "PrometheusRule", "dfserve")
     assert rule["spec"] == yaml.safe_load(files["prometheus/dfserve-rules.yml"])
+
+
+def test_eval_watch_reads_the_trainers_volume_only_and_runs_alone() -> None:
+    docs = rendered("overlays/eval-watch")
+    deployment = one(docs, "Deployment", "dfserve-eval-watch")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["dfserve", "eval", "watch", "/checkpoints"]
+    # CHECKPOINTS exists only in the pod: parsed leniently, every flag must still be the command's own
+    context = watch_command.make_context("watch", expanded_args(container), resilient_parsing=True)
+    params = context.params
+    assert params["stage"] == "copy" and params["pushgateway"].startswith("http://") and params["threads"] == 8
+    assert params["niceness"] == 10 and params["baseline"] == "zlab" and params["dtype"] == "bfloat16"
+    mounts = {v["name"]: v for v in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["checkpoints"]["mountPath"] == "/checkpoints" and mounts["checkpoints"]["readOnly"] is True
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["readOnly"] is True
+    written = [params["out"], params["cache"], params["store"], params["registry"]]
+    assert all(str(path).startswith(mounts["watch"]["mountPath"] + "/") for path in written), written
+    one(docs, "PersistentVolumeClaim", volumes["watch"]["persistentVolumeClaim"]["claimName"])
+    assert mounts["models"]["readOnly"] is True
+
+
+KEYING = ("target", "tasks", "num_tasks", "max_new_tokens", "dtype", "prompt_format", "thinking", "reference",
+          "profile_name", "drafter_config")
+"""The settings a feature cache is keyed by (with the drafter's taps): the parts' and the watch's must agree."""
+
+
+def test_sharded_feature_build_makes_the_parts_of_the_watchs_cache() -> None:
+    job = one(rendered("overlays/eval-features-sharded"), "Job", "dfserve-eval-features")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert job["spec"]["completionMode"] == "Indexed" and container["command"] == ["dfserve", "eval", "run"]
+    count = job["spec"]["completions"]
+    assert job["spec"]["parallelism"] == count
+    downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+    assert downward["SHARD_INDEX"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    shard = run_command.make_context("run", [a.replace("$(SHARD_INDEX)", "1").replace("$(JOB_UID)", "u")
+                                             for a in expanded_args({**container, "env": []})]).params
+    assert shard["shard"] == f"1/{count}" and shard["cache"] == Path("/watch/cache-parts/part-1")
+    watch = one(rendered("overlays/eval-watch"), "Deployment", "dfserve-eval-watch")
+    (watcher,) = watch["spec"]["template"]["spec"]["containers"]
+    params = watch_command.make_context("watch", expanded_args(watcher), resilient_parsing=True).params
+    assert {k: shard[k] for k in KEYING} == {k: params[k] for k in KEYING}
+    assert shard["drafters"] == (params["baseline"],)  # the baseline's taps are the cache's
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    watch_claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                    for v in watch["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims["watch"] == watch_claims["watch"] and params["cache"] == Path("/watch/cache")
+    claim = one(rendered("overlays/eval-watch"), "PersistentVolumeClaim", claims["watch"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # the parts are written from several nodes

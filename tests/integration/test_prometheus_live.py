@@ -24,10 +24,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, push_to_gateway
 
 from dfserve import metrics as m
-from dfserve.dashboards import ab, engine, rules
+from dfserve.dashboards import ab, engine, rules, training
 from dfserve.dashboards.grafana import Dashboard, expand
+from dfserve.eval.watch_push import PUSH_JOB as WATCH_JOB
 from dfserve.headers import ARM
 from dfserve.listen import wait_listening
 from tests import ROOT
@@ -167,6 +169,22 @@ def _streamed_chat_without_spec_details(gateway: str, prometheus: str) -> None:
         _wait_for(prometheus, waited)
 
 
+def _push_watch(pushgateway: str) -> None:
+    """What `dfserve eval watch --pushgateway` pushes after a checkpoint of a run levelling off below its baseline
+    (the watch's own test pushes real trends; here the dashboards and rules read the names)."""
+    registry = CollectorRegistry()
+    gauges = m.EvalWatchMetrics.build(registry)
+    gauges.step.set(4000)
+    for method, tau, baseline in (("vanilla", 6.1, 7.9), ("ddtree8", 7.28, 11.26)):
+        gauges.tau.labels(method).set(tau)
+        gauges.baseline_tau.labels(method).set(baseline)
+        gauges.tau_gap.labels(method).set(tau - baseline)
+        gauges.projected_crossing_step.labels(method).set(9000)
+        for outcome in m.EVAL_WATCH_OUTCOMES:
+            gauges.projection.labels(method, outcome).set(1.0 if outcome == "plateau_below" else 0.0)
+    push_to_gateway(pushgateway, job=WATCH_JOB, registry=registry, grouping_key={"watch": "run7"}, timeout=10)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("observe")
@@ -197,10 +215,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                   live=lambda url: _scraped_from(prometheus, live_targets, url))
         live_end = time.time()
         _loadtest(tmp, "chat", shadow, "--pushgateway", pushgateway)
+        _push_watch(pushgateway)
         _streamed_chat_without_spec_details(split, prometheus)
         _wait_for(prometheus, f'sum({m.REQUESTS}_total{{job="{PUSHED_JOB}"}})')
         _wait_for(prometheus, f'min({m.ARM_WINDOWED_ACCEPT_LENGTH}{{job="gateway"}})')
         _wait_for(prometheus, f"min({rules.ACCEPT_LENGTH_5M})")
+        _wait_for(prometheus, f'min({m.EVAL_WATCH_STEP}{{job="{WATCH_JOB}"}})')
         yield Stack(prometheus, live_start, live_end)
 
 
@@ -307,7 +327,14 @@ def test_every_engine_panel_has_data(stack: Stack, names: engine.NameStyle) -> N
     assert len(checked) == sum(len(row.panels) for row in board.rows)
 
 
-@pytest.mark.parametrize("board", [ab.build(), engine.build("colon"), engine.build("underscore")],
+def test_every_training_panel_has_data_from_a_pushed_watch(stack: Stack) -> None:
+    board = training.build()
+    checked = _check_dashboard(stack, board, {"watch": ".*", "method": ".*", "datasource": ""}, None,
+                               _exported(stack, WATCH_JOB), per_target=True, need_finite=True)
+    assert len(checked) == sum(len(row.panels) for row in board.rows)
+
+
+@pytest.mark.parametrize("board", [ab.build(), engine.build("colon"), engine.build("underscore"), training.build()],
                          ids=lambda board: board.uid)
 def test_every_variable_has_values(stack: Stack, board: Dashboard) -> None:
     values = {"job": ".*"}

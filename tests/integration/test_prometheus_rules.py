@@ -130,6 +130,18 @@ CASES: list[dict[str, Any]] = [
         {"expr": f"count by (version) ({m.ROUTING_VERSION})", "eval_time": "20m",
          "exp_samples": [{"labels": '{version="v1"}', "value": 1}, {"labels": '{version="v2"}', "value": 2}]},
     ]},
+    {"interval": "1m", "input_series": [
+        # A watch's projection, pushed once per checkpoint: undetermined, then levelling off below the baseline.
+        *({"series": f'{m.EVAL_WATCH_PROJECTION}{{job="dfserve_eval_watch", watch="run7", method="vanilla", '
+                     f'outcome="{outcome}"}}', "values": values}
+          for outcome, values in (("undetermined", "1x5 0x10"), ("plateau_below", "0x5 1x10"))),
+        {"series": f'{m.EVAL_WATCH_PROJECTION}{{job="dfserve_eval_watch", watch="run8", method="vanilla", '
+                   'outcome="plateau_below"}', "values": "0x15"},
+    ], "alert_rule_test": [
+        _alert("DfserveTrainingProjectedBelowBaseline", "5m", None),
+        _alert("DfserveTrainingProjectedBelowBaseline", "10m", {"job": "dfserve_eval_watch", "watch": "run7",
+                                                                "method": "vanilla", "severity": "warning"}),
+    ]},
 ]
 
 

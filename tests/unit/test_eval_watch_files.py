@@ -1,0 +1,100 @@
+"""The watch's reads of a checkpoint folder and its staging: layouts trainers write, loads that fail on a cut file,
+steps stored in checkpoints, and staging that never writes on the checkpoint side."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dfserve.errors import FieldError
+from dfserve.eval.watch_files import probe, scan, stage
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    (root / "step_100").mkdir(parents=True)
+    torch.save({"step": 100, "model": {"w": torch.ones(3)}}, root / "step_100" / "checkpoint.pt")
+    torch.save({"global_step": 7, "model": {"w": torch.ones(3)}}, root / "latest.pt")
+    save_file({"w": torch.ones(2)}, str(root / "drafter_step200.safetensors"), metadata={"step": "200"})
+    hf = root / "checkpoint-300"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(hf / "model.safetensors"))
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 300}))
+    (root / "step_400.pt.tmp").write_bytes(b"half")
+    (root / ".step_500.pt").write_bytes(b"hidden")
+    (root / "tmp-600").mkdir()
+    (root / "tmp-600" / "checkpoint.pt").write_bytes(b"staging")
+    (root / "notes.txt").write_text("not weights")
+    return root
+
+
+def test_scan_finds_each_layout_once_and_never_a_temporary_name(checkpoints: Path) -> None:
+    seen = {s.key: s for s in scan(checkpoints)}
+    assert sorted(seen) == ["checkpoint-300", "drafter_step200.safetensors", "latest.pt", "step_100/checkpoint.pt"]
+    folder = seen["checkpoint-300"]
+    assert folder.folder and folder.size == sum(p.stat().st_size for p in (checkpoints / "checkpoint-300").iterdir())
+
+
+def test_probe_reads_the_step_trainers_store_and_refuses_a_cut_file(checkpoints: Path) -> None:
+    assert probe(checkpoints / "latest.pt").step == 7
+    assert probe(checkpoints / "step_100" / "checkpoint.pt").step == 100
+    assert probe(checkpoints / "drafter_step200.safetensors").step == 200
+    assert probe(checkpoints / "checkpoint-300").step == 300
+    whole = (checkpoints / "latest.pt").read_bytes()
+    cut = checkpoints / "cut.pt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(FieldError, match=r"cut\.pt does not load"):
+        probe(cut)
+    cut_safetensors = checkpoints / "cut.safetensors"
+    cut_safetensors.write_bytes((checkpoints / "drafter_step200.safetensors").read_bytes()[:-4])
+    with pytest.raises(FieldError, match=r"cut\.safetensors does not load"):
+        probe(cut_safetensors)
+
+
+def test_staging_links_files_and_folders_and_writes_nothing_on_the_checkpoint_side(
+        checkpoints: Path, tmp_path: Path) -> None:
+    before = _tree(checkpoints)
+    staged = stage(checkpoints / "step_100" / "checkpoint.pt", tmp_path / "watch" / "staged" / "step-100.pt", "link")
+    assert staged.samefile(checkpoints / "step_100" / "checkpoint.pt")
+    folder = stage(checkpoints / "checkpoint-300", tmp_path / "watch" / "staged" / "step-300", "link")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json"]
+    assert (folder / "model.safetensors").samefile(checkpoints / "checkpoint-300" / "model.safetensors")
+    copied = stage(checkpoints / "latest.pt", tmp_path / "watch" / "staged" / "step-7.pt", "copy")
+    assert not copied.samefile(checkpoints / "latest.pt") and copied.read_bytes() == (checkpoints / "latest.pt").read_bytes()
+    assert stage(checkpoints / "latest.pt", copied, "copy") == copied  # staged once
+    assert _tree(checkpoints) == before
+    assert [p.name for p in (tmp_path / "watch" / "staged").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_staging_cut_short_leaves_nothing_under_the_staged_name(checkpoints: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another file system half way through a folder (EXDEV): refused in one line, no half-staged folder."""
+    real_link, calls = os.link, []
+
+    def link(source: object, target: object) -> None:
+        calls.append(source)
+        if len(calls) == 2:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_link(source, target)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "link", link)
+    staged = tmp_path / "watch" / "staged" / "step-300"
+    with pytest.raises(FieldError, match=r"on another file system than .*checkpoint-300"):
+        stage(checkpoints / "checkpoint-300", staged, "link")
+    assert not staged.exists()
+    monkeypatch.setattr(os, "link", real_link)
+    assert stage(checkpoints / "checkpoint-300", staged, "link") == staged  # the next try starts clean
+    assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json"]
