@@ -403,6 +403,7 @@ class ObserverMetrics:
         return {reason: self.failures.labels(observer, reason) for reason in OBSERVER_FAILURE_REASONS}
 
 
+@dataclass(frozen=True)
 class EvalWatchMetrics:
     """A training run's latest scored checkpoint against its baseline, and the projection of where it is heading."""
 
