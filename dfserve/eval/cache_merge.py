@@ -5,7 +5,8 @@ computes, so every later checkpoint reuses it without a target forward.
 Each part is a `--cache` folder holding one reference file and one feature folder. The merge refuses parts built
 under different settings (target, taps, dtype, versions, prompts, limits, reference source), a task missing or given
 twice, and tasks that are not the first `num_tasks` of the task set; the merged feature folder links the parts' task
-files (no tensor is copied) and appears whole or not at all::
+files (no tensor is copied), with the content hashes each part recorded and was checked against when read, and
+appears whole or not at all::
 
     merged = merge_caches([Path("shard-0"), Path("shard-1")], Path("eval-cache"), load_tasks("humaneval"), 164)
 """
@@ -119,14 +120,17 @@ def merge_caches(caches: Sequence[Path], out: Path, tasks: TaskSet, num_tasks: i
     folder = feat.features_path(out, feature_key)
     if folder.exists() or refs.reference_path(out, key).exists():
         raise FieldError("cache", f"{out} already holds the merged cache ({folder.name}); nothing to do")
+    files: dict[str, str] = {}
     with staged_folder(folder) as tmp:
         for index, task in enumerate(wanted):
             part, at = found[task]
-            link_input(feat.task_path(part.features, at), feat.task_path(tmp, index), "cache")
+            source, linked = feat.task_path(part.features, at), feat.task_path(tmp, index)
+            link_input(source, linked, "cache")
+            files[linked.name] = part.build.files[source.name]
         agree = sum(p.build.health.agree for p in parts)
         positions = sum(p.build.health.positions for p in parts)
         write_model(tmp / feat.BUILD, feat.FeatureBuild(
             key=feature_key, tasks=tuple(wanted), built_at=utc_now_iso(),
             built_by="merge of " + ", ".join(sorted(p.build.built_by for p in parts)),
-            build_s=sum(p.build.build_s for p in parts), health=feat.health(agree, positions)))
+            build_s=sum(p.build.build_s for p in parts), health=feat.health(agree, positions), files=files))
     return Merged(refs.store_references(out, references), folder, len(wanted))
