@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from dfserve.eval.records import EvalConfig, EvalSummary, Judgement
-from dfserve.loadtest.report import svg_histogram, svg_lines
+from dfserve.svg import svg_histogram, svg_lines
 
 
 def _row(label: str, values: list[str]) -> str:

@@ -19,7 +19,7 @@ import pytest
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
 from dfserve.deploy.sim.profiles import load_profile
 from dfserve.loadtest.records import RequestRecord, read_records
-from dfserve.loadtest.tasks import load_tasks
+from dfserve.tasks import load_tasks
 from tests import ROOT
 from tests.integration.servers import (
     Started,

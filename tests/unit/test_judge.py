@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from dfserve.errors import UserError
-from dfserve.loadtest import stats
-from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule, comparability, judge, load_gate, tasks_needed
+from dfserve.loadtest.judge import DEFAULT_GATE, comparability, judge, load_gate
+from dfserve.verdict import stats
+from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.results import tasks_needed
 from tests.synthetic import run_config, synthetic
 
 
@@ -85,7 +87,7 @@ def test_pairs_with_different_tasks_are_refused() -> None:
 def test_warmup_records_are_left_out() -> None:
     base = synthetic("a", 50, 9.0, seed=1)
     cand = [r.model_copy(update={"arm": "b", "warmup": r.index < 10}) for r in synthetic("b", 50, 9.0, seed=2)]
-    assert judge(base, cand, DEFAULT_GATE, 0.0).paired_requests == 40
+    assert judge(base, cand, DEFAULT_GATE, 0.0).pairs == 40
 
 
 def test_tasks_needed_scales_with_the_square_of_the_spread() -> None:

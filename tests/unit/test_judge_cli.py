@@ -10,20 +10,17 @@ from click.testing import CliRunner
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.loadtest.cli import baseline, compare, promote
 from dfserve.loadtest.records import RequestRecord
-from dfserve.runs import JsonlAppender, create_run_dir, write_model
-from tests.synthetic import run_config, synthetic
+from tests.synthetic import run_config, synthetic, write_run
 
 
-def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], **config: object) -> Path:
-    run_dir = create_run_dir(out, name)
+def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], *, interrupted: bool = False,
+             summary: bool = True, **config: object) -> Path:
+    """A finished run of these arms' records; its schedule is as long as the longest arm's unless given."""
+    config.setdefault("num_requests", max(len(records) for records in arms.values()))
     base = run_config(name, **config)  # type: ignore[arg-type]
     keep = tuple(a for a in base.arms if a.name in arms) or base.arms[:1]
-    write_model(run_dir / "config.json", base.model_copy(update={"arms": keep}))
-    with JsonlAppender(run_dir / "requests.jsonl") as appender:
-        for records in arms.values():
-            for r in records:
-                appender.append(r)
-    return run_dir
+    return write_run(out, base.model_copy(update={"arms": keep}), [r for rs in arms.values() for r in rs],
+                     interrupted=interrupted, summary=summary)
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
@@ -37,12 +34,12 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
     before = snapshot(fail)
     result = CliRunner().invoke(compare, [str(fail)])
     assert result.exit_code == 1, result.output
-    assert "verdict: FAIL" in result.output and "acceptance length" in result.output
+    assert "verdict: FAIL" in result.output and "accept_length" in result.output
     assert snapshot(fail) == before
     verdicts = list(runs.glob("verdict-*/verdict.json"))
     assert len(verdicts) == 1
     document = json.loads(verdicts[0].read_text())
-    assert document["verdict"] == "FAIL" and document["baseline"]["arm"] == "zlab"
+    assert document["verdict"] == "FAIL" and document["baseline"]["name"] == "zlab"
     assert document["candidate"]["drafter"] == "z-lab/Qwen3.6-27B-DFlash"
 
     same = synthetic("zlab", 150, 9.0, seed=1)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.schedule import LoadShape, poisson_offsets
-from dfserve.loadtest.tasks import TaskSet, load_tasks
+from dfserve.tasks import TaskSet, load_tasks
 
 
 def test_humaneval_is_read_offline_with_all_164_problems() -> None:
@@ -56,7 +56,7 @@ def test_bad_task_files_name_the_problem(tmp_path: Path, lines: list[str], messa
 
 
 def test_missing_task_file_is_a_user_error() -> None:
-    with pytest.raises(UserError, match="--tasks"):
+    with pytest.raises(FieldError, match="is neither 'humaneval' nor an existing JSONL file"):
         load_tasks("/nonexistent/tasks.jsonl")
 
 
@@ -71,7 +71,7 @@ def test_sequence_is_seeded_covers_every_task_per_pass_and_reaches_the_count() -
 
 
 def test_sequence_rejects_zero() -> None:
-    with pytest.raises(UserError, match="--num-requests"):
+    with pytest.raises(FieldError, match="num_requests: must be at least 1"):
         TaskSet("x", load_tasks("humaneval").tasks).sequence(0, 0)
 
 

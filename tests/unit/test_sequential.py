@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dfserve.errors import UserError
-from dfserve.loadtest import confseq, stats
+from dfserve.errors import FieldError, UserError
 from dfserve.loadtest.config import SequentialDesign
-from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule
+from dfserve.loadtest.judge import DEFAULT_GATE
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.runner import RunPlan
-from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential, units_to_decide
-from dfserve.loadtest.tasks import TaskSet
+from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
+from dfserve.tasks import TaskSet
+from dfserve.verdict import confseq, stats
+from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.sequential import units_to_decide
 from tests.synthetic import run_config, synthetic
 
 ACCEPT = Gate(rules=(Rule(metric="accept_length", max_worse=0.02),))
@@ -258,7 +260,7 @@ def test_tpot_regression_fails_on_quantile_sequences() -> None:
 
 
 def test_a_gate_on_per_token_samples_is_refused_before_anything_is_sent() -> None:
-    with pytest.raises(UserError, match="--gate: rule itl_per_token_p95"):
+    with pytest.raises(FieldError, match="gate: rule itl_per_token_p95: deciding as the run goes needs one value"):
         monitor(Gate(rules=(Rule(metric="itl_per_token_p95", max_worse=0.05),)))
 
 
@@ -275,15 +277,17 @@ def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair
     base = synthetic("zlab", 70, 9.0, seed=1, tasks=164)
     cand = synthetic("inhouse", 70, 6.0, seed=2, tasks=164)
     records = pair_up(base, cand)
-    judgement, report = judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, config)
-    assert judgement.verdict == "FAIL" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
+    outcome = judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, config)
+    judgement, report = outcome.judgement, outcome.sequential
+    assert report is not None and judgement.verdict == "FAIL" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
     assert report.stopped_after_pairs <= 48 and report.pairs == 70 and report.design.look_every == 16
     accept = next(r for r in judgement.rules if r.metric == "accept_length")
     assert accept.low is not None and accept.low > 0.2 and "always-valid" in accept.detail
     assert {m.metric for m in judgement.metrics} >= {"accept_length", "ttft_p50"}  # the fixed-n table, for reading
     lenient = Gate(rules=(Rule(metric="accept_length", max_worse=0.5),))
-    judgement, report = judge_sequential(records, "zlab", "inhouse", lenient, config)
-    assert judgement.verdict == "PASS" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
+    outcome = judge_sequential(records, "zlab", "inhouse", lenient, config)
+    judgement, report = outcome.judgement, outcome.sequential
+    assert report is not None and judgement.verdict == "PASS" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
     with pytest.raises(UserError, match="--until-decided"):
         judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, run_config("fixed"))
 
@@ -292,13 +296,13 @@ def test_the_verdict_says_when_more_distinct_tasks_than_the_set_holds_would_deci
     config = run_config("seq").model_copy(update={"sequential": SequentialDesign(gate=ACCEPT)})
     records = pair_up(synthetic("zlab", 48, 9.0, seed=1, tasks=48, noise=0.3),
                       synthetic("inhouse", 48, 9.0, seed=2, tasks=48, noise=0.3))
-    judgement, report = judge_sequential(records, "zlab", "inhouse", ACCEPT, config)
-    rule = judgement.rules[0]
-    assert report.stopped == "end" and rule.status == "INCONCLUSIVE"
+    outcome = judge_sequential(records, "zlab", "inhouse", ACCEPT, config)
+    rule = outcome.judgement.rules[0]
+    assert outcome.sequential is not None and outcome.sequential.stopped == "end" and rule.status == "INCONCLUSIVE"
     assert rule.tasks_needed is not None and rule.tasks_needed > config.tasks.size and rule.requests_needed is None
     assert rule.task_set_limited and "the task set, not the request count, keeps it undecided" in rule.detail
     roomy = config.model_copy(update={"tasks": config.tasks.model_copy(update={"size": 100_000})})
-    rule = judge_sequential(records, "zlab", "inhouse", ACCEPT, roomy)[0].rules[0]
+    rule = judge_sequential(records, "zlab", "inhouse", ACCEPT, roomy).judgement.rules[0]
     assert not rule.task_set_limited and "task set" not in rule.detail
 
 
