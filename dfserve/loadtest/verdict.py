@@ -107,7 +107,7 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
         raise Untrusted("runs are not comparable (" + "; ".join(mismatches) + ")")
     missing = [line for run in runs for line in incomplete(run)]
     if missing and not force:
-        raise Untrusted("; ".join(missing) + ": its data is not the whole run")
+        raise Untrusted("not the whole run: " + "; ".join(missing))
     design: Design = FixedN()
     if len(runs) == 1 and base.config.sequential is not None:  # a run that stopped on its own intervals
         design = design_of(base.config)

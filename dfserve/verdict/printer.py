@@ -13,7 +13,7 @@ from dfserve.verdict.verdict import Verdict
 
 
 def _value(m: MetricResult, value: float) -> str:
-    return f"{value * 1e3:.2f} ms" if m.unit == "s" else f"{value:.4g}"
+    return f"{value * 1e3:.4g} ms" if m.unit == "s" else f"{value:.4g}"
 
 
 def _change(m: MetricResult) -> str:
@@ -23,11 +23,11 @@ def _change(m: MetricResult) -> str:
 
 
 def metrics_table(j: Judgement, title: str, sequential: bool = False) -> Table:
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for column in ("metric", "baseline", "candidate", "change [95% CI" + (", fixed-n]" if sequential else "]"), "n"):
         table.add_column(column, no_wrap=True)
     for m in j.metrics:
-        n = f"{m.n_baseline}/{m.n_candidate}"
+        n = str(m.n_baseline) if m.n_baseline == m.n_candidate else f"{m.n_baseline}/{m.n_candidate}"
         if m.baseline is None or m.candidate is None:
             table.add_row(m.metric, "-", "-", "no data", "0")
         elif m.change is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dfserve.cli import main
 from dfserve.errors import FieldError, UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord, read_records
@@ -188,3 +189,18 @@ def test_request_headers_from_the_command_line() -> None:
         request_headers(("authorization: Bearer x",), "k")
     with pytest.raises(UserError, match="--api-key"):
         request_headers((), "a key")
+
+
+def test_a_tasks_file_with_a_byte_that_is_not_utf8_is_one_line_naming_file_and_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    with pytest.raises(FieldError, match=r"tasks: .*tasks\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 27\)"):
+        load_tasks(str(path))
+    for command in (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1"],
+                    ["eval", "run", "--target", str(tmp_path / "target"), "--drafter", "zlab"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--tasks", str(path)])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith("dfserve: error: --tasks: ") and "tasks.jsonl:2: not UTF-8 text" in err
