@@ -174,13 +174,17 @@ def refusals(registry: BaselineRegistry, verdict: Verdict) -> list[str]:
 def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *, force: bool = False,
                     reason: str | None = None) -> Promotion:
     """Record the candidate of an online verdict as its target's baseline (the first promotion of a target
-    records its baseline first). Refused always: an offline verdict, and one promoted before; unless `force`
+    records its baseline first). Refused always: an offline verdict, one that judged a run against itself, and one
+promoted before; unless `force`
     with a `reason` (recorded): anything `refusals` names."""
     if force and not reason:
         raise FieldError("force", "give {other} TEXT; it is recorded with the promotion", other="reason")
     if verdict.source != "loadtest":
         raise UserError(f"{file}: an offline verdict screens drafters and promotes none; an online one "
                         "(dfserve compare) does")
+    base, cand = verdict.baseline, verdict.candidate
+    if base.run_id == cand.run_id and (base.name == cand.name or base.run_dir != cand.run_dir):
+        raise UserError(f"{file}: the verdict judged run {base.run_id} against itself; it promotes nothing")
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     before = next((e for e in registry.history() if e.verdict == str(file) or e.verdict_sha256 == digest), None)
     if before is not None:
@@ -188,7 +192,6 @@ def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *,
     refused = refusals(registry, verdict)
     if refused and not force:
         raise Untrusted("promote: " + "; ".join(refused))
-    base, cand = verdict.baseline, verdict.candidate
     new = []
     if registry.current(base.target) is None:
         new.append(entry(base.target, base.drafter, base.run_id, base.name, reason="baseline of the first promotion"))

@@ -172,6 +172,20 @@ def test_records_missing_against_the_summary_are_refused(tmp_path: Path) -> None
     assert "not the whole run: run cut arm inhouse: requests.jsonl holds 119 measured records, summary.json counts 120" in str(refused.exception)
 
 
+def test_a_verdict_of_a_run_against_itself_never_promotes(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    file = next((runs / "v").glob("verdict-*/verdict.json"))
+    document = json.loads(file.read_text())
+    document["candidate"] = document["baseline"]
+    file.chmod(0o644)
+    file.write_text(json.dumps(document))
+    refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs), "--force", "--reason", "try"],
+                                 standalone_mode=False)
+    assert refused.exception is not None and "judged run aa against itself" in str(refused.exception)
+    assert BaselineRegistry(runs).history() == []
+
+
 def test_an_offline_verdict_never_promotes(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
