@@ -236,6 +236,9 @@ def read_lag_warning(summary: Summary) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# report.html
+
 _DATED_BY = {"kernel": "the kernel, as bytes arrived", "loop": "the tester, as it read them"}
 
 
