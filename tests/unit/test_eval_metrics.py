@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
-from dfserve.errors import FieldError
+from dfserve.errors import FieldError, UserError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
 from dfserve.eval.records import AnchorRecord, PromptSettings
 from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
-from dfserve.eval.verdict import DEFAULT_EVAL_GATE, check_gate, judge_offline
+from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, check_gate, compare_eval_runs, judge_offline
 from dfserve.loadtest.cli import compare
 from dfserve.runs import write_model
 from dfserve.verdict.gate import Gate, Rule
@@ -191,3 +192,17 @@ def test_registry_keeps_offline_tau_and_compare_shows_it_beside_online(tmp_path:
     assert "acceptance length offline (dfserve eval, counted as SGLang does) beside online" in shown.output
     assert "zlab (z-lab/Qwen3.6-27B-DFlash): online" in shown.output and "offline 8.120" in shown.output
     assert f"inhouse ({converted}): online" in shown.output and "offline 5.420" in shown.output
+
+
+def test_an_evaluation_is_never_compared_with_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run folder twice, or a copy of it: refused before anything is judged."""
+    loaded: list[Path] = []
+
+    def load(cls: type[EvalRun], path: Path) -> EvalRun:
+        loaded.append(path)
+        return cls(path, SimpleNamespace(run_id="eval-1"), [])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EvalRun, "load", classmethod(load))
+    with pytest.raises(UserError, match=r"are one run \(eval-1\): give it once, with both drafters"):
+        compare_eval_runs(tmp_path / "a", tmp_path / "copy-of-a", None, None, None, tmp_path / "out")
+    assert loaded == [tmp_path / "a", tmp_path / "copy-of-a"] and not (tmp_path / "out").exists()
