@@ -1,5 +1,6 @@
 """The one way a judgement reaches the terminal: a table of metrics that fits 80 columns (latencies in ms), the
-rules with their intervals, and the verdict; a forced verdict says first what it was forced past."""
+rules with their intervals (a long one wraps under its own text), and the verdict; a forced verdict says first
+what it was forced past."""
 
 from __future__ import annotations
 
@@ -47,10 +48,14 @@ def print_judgement(console: Console, j: Judgement, sequential: SequentialReport
         console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs"
                       + ("" if loss.applicable else " (temperature > 0: not judged)")
                       + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
+    rules = Table.grid(padding=(0, 1), pad_edge=True)
+    rules.add_column(no_wrap=True)
+    rules.add_column()
     for rule in j.rules:
         needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
                   f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
-        console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
+        rules.add_row(rule.status, f"{rule.metric}: {rule.detail}{needed}")
+    console.print(rules)
     if sequential:
         seq = sequential
         console.print(f"sequential: {seq.method}; alpha {seq.design.alpha}, a look every {seq.design.look_every} "
