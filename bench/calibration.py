@@ -57,12 +57,13 @@ from bench.results import write_section  # noqa: E402
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty  # noqa: E402
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile  # noqa: E402
 from dfserve.loadtest import cli as loadtest_cli  # noqa: E402
-from dfserve.loadtest import confseq, stats  # noqa: E402
 from dfserve.loadtest.config import SequentialDesign  # noqa: E402
-from dfserve.loadtest.judge import DEFAULT_GATE, Gate, judge  # noqa: E402
+from dfserve.loadtest.judge import DEFAULT_GATE, judge  # noqa: E402
 from dfserve.loadtest.records import RequestRecord, read_records  # noqa: E402
 from dfserve.loadtest.sequential import SequentialMonitor  # noqa: E402
-from dfserve.loadtest.tasks import Task, TaskSet, load_tasks  # noqa: E402
+from dfserve.tasks import Task, TaskSet, load_tasks  # noqa: E402
+from dfserve.verdict import confseq, stats  # noqa: E402
+from dfserve.verdict.gate import Gate  # noqa: E402
 from tests.integration.servers import dfserve_argv, sim_server  # noqa: E402
 from tests.synthetic import synthetic  # noqa: E402
 

@@ -3,7 +3,8 @@
 One small JSON file beside the runs (`baselines.json`), rewritten atomically (temp file, fsync, rename) under an
 exclusive lock, so readers never see half a file and two promotions cannot interleave. Entries are only appended:
 the current baseline of a target is its latest entry, and the history is the list. `dfserve promote` appends;
-`dfserve baseline show|history` and `dfserve deploy --drafter baseline` read. The same file keeps each drafter's
+`dfserve baseline show|history` and `dfserve deploy --drafter baseline` read. What may be promoted is decided
+here (`promote_verdict`), not by a command. The same file keeps each drafter's
 offline τ (`dfserve eval` appends), so `dfserve compare` can show it beside the online τ of the same drafter.
 
     registry = BaselineRegistry(Path("runs"))
@@ -15,17 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.runs import utc_now_iso
+from dfserve.verdict.verdict import Verdict
 
 FILENAME = "baselines.json"
 CONVERTED_DRAFTER = re.compile(r"inhouse-[0-9a-f]{16}")
@@ -49,6 +53,7 @@ class BaselineEntry(BaseModel):
     run_id: str
     arm: str
     verdict: str | None = Field(None, description="path of the verdict.json that justified it; None for the first")
+    verdict_sha256: str | None = Field(None, description="content hash of that verdict.json: a verdict promotes once")
     recorded_at: str
     forced: bool = False
     reason: str | None = None
@@ -140,6 +145,57 @@ class BaselineRegistry:
 
 
 def entry(target: str, drafter: str, run_id: str, arm: str, verdict: str | None = None, *, forced: bool = False,
-          reason: str | None = None) -> BaselineEntry:
+          reason: str | None = None, verdict_sha256: str | None = None) -> BaselineEntry:
     return BaselineEntry(target=target, drafter=drafter, run_id=run_id, arm=arm, verdict=verdict,
-                         recorded_at=utc_now_iso(), forced=forced, reason=reason)
+                         verdict_sha256=verdict_sha256, recorded_at=utc_now_iso(), forced=forced, reason=reason)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    candidate: BaselineEntry
+    refusals: list[str]
+    """What `force` overrode; empty for a promotion on its own merits."""
+
+
+def refusals(registry: BaselineRegistry, verdict: Verdict) -> list[str]:
+    """Why this verdict may not promote its candidate unless forced; empty when it may."""
+    found = []
+    if verdict.verdict != "PASS":
+        found.append(f"the verdict is {verdict.verdict}, only PASS promotes")
+    if verdict.forced:
+        found.append("the verdict was forced past " + "; ".join(verdict.mismatches + verdict.incomplete))
+    current = registry.current(verdict.baseline.target)
+    if current is not None and current.drafter != verdict.baseline.drafter:
+        found.append(f"the verdict's baseline {verdict.baseline.drafter!r} is not the current baseline "
+                     f"{current.drafter!r}")
+    return found
+
+
+def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *, force: bool = False,
+                    reason: str | None = None) -> Promotion:
+    """Record the candidate of an online verdict as its target's baseline (the first promotion of a target
+    records its baseline first). Refused always: an offline verdict, one that judged a run against itself, and one
+promoted before; unless `force`
+    with a `reason` (recorded): anything `refusals` names."""
+    if force and not reason:
+        raise FieldError("force", "give {other} TEXT; it is recorded with the promotion", other="reason")
+    if verdict.source != "loadtest":
+        raise UserError(f"{file}: an offline verdict screens drafters and promotes none; an online one "
+                        "(dfserve compare) does")
+    base, cand = verdict.baseline, verdict.candidate
+    if base.run_id == cand.run_id and (base.name == cand.name or base.run_dir != cand.run_dir):
+        raise UserError(f"{file}: the verdict judged run {base.run_id} against itself; it promotes nothing")
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    before = next((e for e in registry.history() if e.verdict == str(file) or e.verdict_sha256 == digest), None)
+    if before is not None:
+        raise UserError(f"{file}: this verdict was promoted on {before.recorded_at}; a verdict promotes once")
+    refused = refusals(registry, verdict)
+    if refused and not force:
+        raise Untrusted("promote: " + "; ".join(refused))
+    new = []
+    if registry.current(base.target) is None:
+        new.append(entry(base.target, base.drafter, base.run_id, base.name, reason="baseline of the first promotion"))
+    new.append(entry(cand.target, cand.drafter, cand.run_id, cand.name, str(file), forced=bool(refused),
+                     reason=reason if refused else None, verdict_sha256=digest))
+    registry.append(*new)
+    return Promotion(new[-1], refused)

@@ -76,3 +76,8 @@ def describe_yaml(exc: yaml.YAMLError, where: str) -> str:
     problem = getattr(exc, "problem", None) or type(exc).__name__
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     return f"{where}: invalid YAML{at}: {problem}"
+
+
+class Untrusted(UserError):
+    """Data a verdict should not rest on as it is (runs that differ, a run that is incomplete): refused unless the
+    caller asks to judge it anyway, and then stamped so in the verdict. The CLI names its own way to ask."""

@@ -24,7 +24,7 @@ from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from dfserve.errors import FieldError, UserError
+from dfserve.errors import FieldError, UserError, describe_invalid
 
 
 def utc_now_iso() -> str:
@@ -152,6 +152,16 @@ class JsonlAppender:
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def read_model(path: Path, model: type[M], missing: str) -> M:
+    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(missing) from None
+    except ValidationError as exc:
+        raise UserError(describe_invalid(exc, str(path))) from None
 
 
 def read_jsonl(path: Path, model: type[M], what: str) -> Iterator[M]:

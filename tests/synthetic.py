@@ -4,13 +4,16 @@ report: paired by index, task difficulty shared across arms, round noise each ar
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.report import summarize
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.runs import Provenance
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 
 
 def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, tokens: int = 256, tpot: float = 0.01,
@@ -54,3 +57,17 @@ def run_config(run_id: str, num_requests: int = 100, max_running: int = 48) -> R
         sampling=Sampling(max_new_tokens=256, temperature=0.0, top_p=1.0), load=LoadShape(kind="closed", concurrency=8),
         duration_s=None, request_timeout_s=60.0, t0_unix_s=0.0, provenance=Provenance.here(),
     )
+
+
+def write_run(out: Path, config: RunConfig, records: Sequence[RequestRecord], *, interrupted: bool = False,
+              summary: bool = True) -> Path:
+    """A run folder as `dfserve loadtest run` leaves it: config.json, requests.jsonl and (unless killed)
+    summary.json."""
+    run_dir = create_run_dir(out, config.run_id)
+    write_model(run_dir / "config.json", config)
+    with JsonlAppender(run_dir / "requests.jsonl") as appender:
+        for r in records:
+            appender.append(r)
+    if summary:
+        write_model(run_dir / "summary.json", summarize(config, records, interrupted, {}))
+    return run_dir

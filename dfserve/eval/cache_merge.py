@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from dfserve.errors import FieldError, describe_invalid
 from dfserve.eval import features as feat
 from dfserve.eval import references as refs
-from dfserve.loadtest.tasks import TaskSet
 from dfserve.runs import link_input, staged_folder, utc_now_iso, write_model
+from dfserve.tasks import TaskSet
 
 _PER_PART = ("task_ids", "prompts_sha256")
 """The reference-key fields that differ between parts; every other field must agree."""

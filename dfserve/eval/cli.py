@@ -20,16 +20,15 @@ from rich.console import Console
 from rich.table import Table
 
 from dfserve.errors import UserError, command_flags, flags_for
-from dfserve.eval.records import AnchorRecord, EvalConfig, EvalSummary, Judgement
-from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalVerdict, Side, check_gate, judge_offline
-from dfserve.loadtest.config import read_model
-from dfserve.loadtest.judge import read_gate
-from dfserve.runs import Provenance, create_run_dir, read_jsonl, write_model
+from dfserve.eval.records import EvalConfig, EvalSummary
+from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
+from dfserve.verdict.gate import read_gate
+from dfserve.verdict.printer import print_judgement
+from dfserve.verdict.verdict import EXIT
 
 if TYPE_CHECKING:
     from dfserve.eval.runner import EvalPlan
 
-EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 NEEDS = ("torch", "transformers", "safetensors", "dflash")
 
 
@@ -98,7 +97,7 @@ def eval_group() -> None:
 @click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"),
               help="Baseline registry folder: --drafter baseline, and where offline τ is recorded.")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
-              help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
+              help="YAML gate: rules: [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"))
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--shard", default=None, metavar="I/N",
@@ -123,7 +122,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
 
 
 def _shard(value: str | None) -> tuple[int, int] | None:
-    from dfserve.loadtest.shard import parse_shard
+    from dfserve.shard import parse_shard
 
     if value is None:
         return None
@@ -136,7 +135,7 @@ def _eval_plan(opts: dict[str, Any], drafters: tuple[tuple[str | None, str], ...
     """The plan of `eval run`'s settings (`eval watch` shares them), built inside the command's `flags_for`."""
     from dfserve.deploy.profiles import load_profile
     from dfserve.eval.runner import EvalPlan
-    from dfserve.loadtest.tasks import load_tasks
+    from dfserve.tasks import load_tasks
 
     plan = EvalPlan(
         target=opts["target"], drafters=drafters,
@@ -173,34 +172,7 @@ def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
     console.print(f"health: the target's own greedy choice matches the reference at {health.agree}/{health.positions} "
                   f"positions ({health.fraction:.4f})" + (f"\n[bold red]warning:[/] {health.warning}" if health.warning else ""))
     for judgement in summary.judgements:
-        _print_judgement(console, judgement)
-
-
-def _print_judgement(console: Console, j: Judgement) -> None:
-    console.print(f"[bold]{j.candidate} vs {j.baseline}: {j.verdict}[/] ({j.tasks} paired tasks"
-                  + (f"; about {j.tasks_needed} distinct tasks would decide it" if j.tasks_needed else "") + ")")
-    for m in j.metrics:
-        if m.change is not None:
-            console.print(f"  {m.label}: {m.baseline:.3f} -> {m.candidate:.3f}, {m.change * 100:+.2f}% "
-                          f"[{(m.change_low or 0) * 100:+.2f}, {(m.change_high or 0) * 100:+.2f}]")
-    for rule in j.rules:
-        console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}")
-
-
-def _load(run_dir: Path) -> tuple[EvalConfig, list[AnchorRecord]]:
-    config = read_model(run_dir / "config.json", EvalConfig, f"{run_dir}: not an evaluation run (no config.json)")
-    return config, list(read_jsonl(run_dir / "anchors.jsonl", AnchorRecord, "an anchor record"))
-
-
-def _label(config: EvalConfig, wanted: str | None, flag: str, default_index: int) -> str:
-    labels = [d.label for d in config.drafters]
-    if wanted is None:
-        if len(labels) <= default_index:
-            raise UserError(f"{flag}: run {config.run_id} has drafters {labels}; name one")
-        return labels[default_index]
-    if wanted not in labels:
-        raise UserError(f"{flag}: run {config.run_id} has no drafter {wanted!r} (drafters: {', '.join(labels)})")
-    return wanted
+        print_judgement(console, judgement)
 
 
 @eval_group.command("compare")
@@ -209,38 +181,17 @@ def _label(config: EvalConfig, wanted: str | None, flag: str, default_index: int
 @click.option("--baseline", default=None, help="Baseline drafter label (default: RUN's first drafter).")
 @click.option("--candidate", default=None, help="Candidate drafter label (default: the second drafter / RUN2's first).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}].")
+              help="YAML gate: rules: [{metric: tau_vanilla|tau_ddtreeN, max_worse}].")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict folder goes (default: "
               "beside RUN).")
 def compare_command(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,
                     out: Path | None) -> None:
     """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused)."""
-    rules = read_gate(gate, DEFAULT_EVAL_GATE)
-    base_cfg, base_records = _load(run)
-    cand_cfg, cand_records = _load(run2) if run2 is not None else (base_cfg, base_records)
-    if problems := base_cfg.comparable_with(cand_cfg):
-        raise UserError("runs are not comparable (" + "; ".join(problems) + "); evaluate both drafters on one cache")
-    base_label = _label(base_cfg, baseline, "--baseline", 0)
-    cand_label = _label(cand_cfg, candidate, "--candidate", 1 if run2 is None else 0)
-    if run2 is None and base_label == cand_label:
-        raise UserError("--baseline/--candidate: the same drafter on both sides")
-    methods = [m for m in base_cfg.methods() if m in cand_cfg.methods()]
-    check_gate(rules, methods)
-    judgement = judge_offline(base_label, [r for r in base_records if r.drafter == base_label], cand_label,
-                              [r for r in cand_records if r.drafter == cand_label],
-                              [t.id for t in base_cfg.tasks.tasks], methods, rules)
-
-    def side(config: EvalConfig, path: Path, label: str) -> Side:
-        info = next(d for d in config.drafters if d.label == label)
-        return Side(run_id=config.run_id, run_dir=str(path.resolve()), drafter=label, identity=info.identity)
-
-    verdict = EvalVerdict(baseline=side(base_cfg, run, base_label), candidate=side(cand_cfg, run2 or run, cand_label),
-                          features=base_cfg.features.key, judgement=judgement, gate=rules, provenance=Provenance.here())
-    verdict_dir = create_run_dir(out or run.parent, prefix="eval-verdict")
-    write_model(verdict_dir / "eval-verdict.json", verdict)
-    _print_judgement(Console(), judgement)
-    click.echo(f"verdict: {verdict_dir / 'eval-verdict.json'}")
-    sys.exit(EXIT[judgement.verdict])
+    with flags_for(command_flags(compare_command)):
+        verdict, path = compare_eval_runs(run, run2, baseline, candidate, gate, out)
+    print_judgement(Console(), verdict.judgement)
+    click.echo(f"verdict: {path}")
+    sys.exit(EXIT[verdict.verdict])
 
 
 _NOT_WATCHED = {"drafters", "out", "name", "shard"}
@@ -316,7 +267,7 @@ def cache_merge_command(parts: tuple[Path, ...], cache: Path, tasks: str, num_ta
     """Join the --cache folders of `eval run --shard I/N` into one cache: the references and target features of
     every task, as `eval run` on all of them would find them. Refuses a part missing, twice, or built otherwise."""
     from dfserve.eval.cache_merge import merge_caches
-    from dfserve.loadtest.tasks import load_tasks
+    from dfserve.tasks import load_tasks
 
     with flags_for({"shards": "PARTS", "cache": "--cache", "tasks": "--tasks"}):
         merged = merge_caches(list(parts), cache, load_tasks(tasks), num_tasks)

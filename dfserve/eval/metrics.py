@@ -29,7 +29,7 @@ from dfserve.eval.records import (
     ddtree_method,
 )
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
-from dfserve.loadtest import stats
+from dfserve.verdict import stats
 
 if TYPE_CHECKING:  # scoring needs torch; these figures do not
     from dfserve.eval.scoring import AnchorScores

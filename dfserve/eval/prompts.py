@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from dfserve.errors import FieldError
 from dfserve.eval.records import PromptSettings
-from dfserve.loadtest.tasks import Task
+from dfserve.tasks import Task
 
 
 def prompt_settings(tokenizer: Any, format: Literal["chat", "raw"], thinking: bool) -> PromptSettings:

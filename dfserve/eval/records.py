@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dfserve.loadtest.judge import MetricResult, RuleResult
 from dfserve.runs import Provenance
+from dfserve.verdict.results import Judgement
 
 Finish = Literal["eos", "length"]
 VANILLA = "vanilla"
@@ -189,16 +189,6 @@ class DrafterSummary(_Model):
 
     def method(self, name: str) -> MethodSummary:
         return next(m for m in self.methods if m.method == name)
-
-
-class Judgement(_Model):
-    baseline: str
-    candidate: str
-    verdict: Literal["PASS", "FAIL", "INCONCLUSIVE"]
-    tasks: int
-    metrics: tuple[MetricResult, ...]
-    rules: tuple[RuleResult, ...]
-    tasks_needed: int | None
 
 
 class EvalSummary(_Model):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import html
 
-from dfserve.eval.records import EvalConfig, EvalSummary, Judgement
-from dfserve.loadtest.report import svg_histogram, svg_lines
+from dfserve.eval.records import EvalConfig, EvalSummary
+from dfserve.svg import svg_histogram, svg_lines
+from dfserve.verdict.results import Judgement
 
 
 def _row(label: str, values: list[str]) -> str:

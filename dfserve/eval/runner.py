@@ -58,8 +58,7 @@ from dfserve.eval.target import (
     target_folder,
     teacher_forced,
 )
-from dfserve.eval.verdict import EvalGate, check_gate, judge_offline
-from dfserve.loadtest.tasks import TaskSet
+from dfserve.eval.verdict import check_gate, judge_offline
 from dfserve.runs import (
     JsonlAppender,
     Provenance,
@@ -72,6 +71,8 @@ from dfserve.runs import (
     write_atomic,
     write_model,
 )
+from dfserve.tasks import TaskSet
+from dfserve.verdict.gate import Gate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -102,7 +103,7 @@ class EvalPlan:
     registry: Path
     out: Path
     name: str | None
-    gate: EvalGate
+    gate: Gate
     threads: int | None = None
     """CPU threads torch computes with; None: torch's default."""
     shard: tuple[int, int] | None = None

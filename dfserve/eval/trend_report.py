@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from dfserve.eval.trend import Trend
-from dfserve.loadtest.report import svg_lines
+from dfserve.svg import svg_lines
 
 _W, _H, _LEFT, _RIGHT, _BOTTOM = 640, 320, 52, 16, 40
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")

@@ -1,10 +1,10 @@
-"""Two drafters scored on the same feature cache, paired by task: each method's τ change with a bootstrap interval,
-and PASS / FAIL / INCONCLUSIVE through the gate machinery of `dfserve compare` (`judge.max_worse_rule`).
+"""The offline evaluation as a source of pairs for the verdict core: two drafters scored on the same feature cache,
+paired by task, each method's τ a metric (`tau_vanilla`, `tau_ddtree8`).
 
-Tasks are the clusters: one bootstrap draw picks tasks with replacement and both drafters' Σ tokens / Σ rounds
-are taken over the same picks, so a prompt's difficulty cancels out of the difference. The default rule asks the
-candidate's vanilla τ to be at most 2% below the baseline's with confidence, like `dfserve compare`'s acceptance
-rule; a gate file may name any method (`tau_vanilla`, `tau_ddtree8`)::
+A unit is one drafter's totals on one task (Σ tokens and Σ rounds per method), so tasks are the clusters of the
+bootstrap and a prompt's difficulty cancels out of the difference. The default rule asks the candidate's vanilla
+τ to be at most 2% below the baseline's with confidence, like `dfserve compare`'s acceptance rule; a gate file may
+name any method the run scored::
 
     judgement = judge_offline("zlab", base_records, "step-4000", cand_records, task_ids, methods, gate)
 """
@@ -12,94 +12,112 @@ rule; a gate file may name any method (`tau_vanilla`, `tau_ddtree8`)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-
-from dfserve.errors import FieldError
+from dfserve.errors import FieldError, UserError
 from dfserve.eval.metrics import method_totals
-from dfserve.eval.records import AnchorRecord, Judgement, metric_of
-from dfserve.loadtest import stats
-from dfserve.loadtest.judge import MetricResult, max_worse_rule, overall
-from dfserve.runs import Provenance
+from dfserve.eval.records import VANILLA, AnchorRecord, EvalConfig, metric_of
+from dfserve.runs import Provenance, read_jsonl, read_model
+from dfserve.verdict.fixed import FixedN
+from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
+from dfserve.verdict.pairs import MetricSpec, Pairs
+from dfserve.verdict.results import Judgement
+from dfserve.verdict.verdict import Side, Verdict, write_verdict
+
+DEFAULT_EVAL_GATE = Gate(rules=(Rule(metric=metric_of(VANILLA), max_worse=0.02),))
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True)
+class TaskTotals:
+    """One drafter on one task: tokens committed and rounds made by each method's trajectory."""
+
+    tokens: dict[str, float]
+    rounds: dict[str, float]
+    ok: bool = True
 
 
-class EvalRule(_Model):
-    metric: str = Field(description="tau_vanilla, or tau_ddtreeN for a DDTree budget the run scored")
-    max_worse: float = Field(ge=0, description="how much lower (relative) the candidate's τ may be")
+def _tau(method: str) -> MetricSpec[TaskTotals]:
+    return MetricSpec(f"τ {method} (Σ tokens / Σ rounds)", "ratio", True, numerator=lambda u: u.tokens[method],
+                      denominator=lambda u: u.rounds[method])
 
 
-class EvalGate(_Model):
-    schema_version: Literal[1] = 1
-    rules: tuple[EvalRule, ...] = Field(min_length=1)
-    bootstrap_draws: int = Field(2000, ge=200)
-    seed: int = 0
+def metrics_of(methods: Sequence[str]) -> dict[str, MetricSpec[TaskTotals]]:
+    return {metric_of(method): _tau(method) for method in methods}
 
 
-DEFAULT_EVAL_GATE = EvalGate(rules=(EvalRule(metric=metric_of("vanilla"), max_worse=0.02),))
-
-
-def check_gate(gate: EvalGate, methods: Sequence[str]) -> None:
+def check_gate(gate: Gate, methods: Sequence[str]) -> None:
     """Every rule must name a method the run scores; checked before any computation."""
-    known = [metric_of(m) for m in methods]
-    if unknown := [r.metric for r in gate.rules if r.metric not in known]:
-        raise FieldError("gate", f"metrics {unknown} are not scored by this run (known: {', '.join(known)})")
+    check_rules(gate, metrics_of(methods))
 
 
 def judge_offline(
     baseline: str, base_records: Sequence[AnchorRecord], candidate: str, cand_records: Sequence[AnchorRecord],
-    task_ids: Sequence[str], methods: Sequence[str], gate: EvalGate,
+    task_ids: Sequence[str], methods: Sequence[str], gate: Gate,
 ) -> Judgement:
+    """The fixed-n verdict over the tasks where both drafters made a round."""
     totals = {m: (method_totals(base_records, task_ids, m), method_totals(cand_records, task_ids, m)) for m in methods}
+
+    def unit(side: int, task: int) -> TaskTotals:
+        return TaskTotals({m: float(t[side][0][task]) for m, t in totals.items()},
+                          {m: float(t[side][1][task]) for m, t in totals.items()})
+
     (_, base_rounds), (_, cand_rounds) = totals[methods[0]]
-    paired = (base_rounds > 0) & (cand_rounds > 0)
-    tasks = int(paired.sum())
-    weights = stats.cluster_weights(max(tasks, 1), gate.bootstrap_draws, np.random.default_rng(gate.seed))
-    results = {}
-    for method, ((tb, rb), (tc, rc)) in totals.items():
-        tb, rb, tc, rc = tb[paired], rb[paired], tc[paired], rc[paired]
-        metric = metric_of(method)
-        label = f"τ {method} (Σ tokens / Σ rounds)"
-        if not tasks:
-            results[metric] = MetricResult(metric=metric, label=label, baseline=None, candidate=None, change=None,
-                                           change_low=None, change_high=None, relative=True, n_baseline=0,
-                                           n_candidate=0, higher_is_better=True)
-            continue
-        tau_b, tau_c = tb.sum() / rb.sum(), tc.sum() / rc.sum()
-        draws = stats.weighted_ratio(weights, tc, rc) / stats.weighted_ratio(weights, tb, rb) - 1
-        interval = stats.percentile_interval(float(tau_c / tau_b - 1), draws)
-        results[metric] = MetricResult(
-            metric=metric, label=label, baseline=float(tau_b), candidate=float(tau_c), change=interval.estimate,
-            change_low=interval.low, change_high=interval.high, relative=True, n_baseline=int(rb.sum()),
-            n_candidate=int(rc.sum()), higher_is_better=True,
-        )
-    rules = tuple(max_worse_rule(rule.max_worse, results[rule.metric], tasks) for rule in gate.rules)
-    verdict, needed = overall(rules)
-    return Judgement(baseline=baseline, candidate=candidate, verdict=verdict, tasks=tasks,
-                     metrics=tuple(results.values()), rules=rules, tasks_needed=needed)
+    both = [i for i in range(len(task_ids)) if base_rounds[i] > 0 and cand_rounds[i] > 0]
+    pairs = Pairs.match((baseline, candidate), ((i, task_ids[i], unit(0, i)) for i in both),
+                        ((i, task_ids[i], unit(1, i)) for i in both), deterministic=True)
+    return FixedN().judge(pairs, metrics_of(methods), gate).judgement
 
 
-class Side(_Model):
-    run_id: str
-    run_dir: str
-    drafter: str
-    identity: str
+@dataclass(frozen=True)
+class EvalRun:
+    path: Path
+    config: EvalConfig
+    records: list[AnchorRecord]
+
+    @classmethod
+    def load(cls, path: Path) -> EvalRun:
+        config = read_model(path / "config.json", EvalConfig, f"{path}: not an evaluation run (no config.json)")
+        return cls(path, config, list(read_jsonl(path / "anchors.jsonl", AnchorRecord, "an anchor record")))
+
+    def label(self, wanted: str | None, field: str, default_index: int) -> str:
+        labels = [d.label for d in self.config.drafters]
+        if wanted is None:
+            if len(labels) <= default_index:
+                raise FieldError(field, f"run {self.config.run_id} has drafters {labels}; name one")
+            return labels[default_index]
+        if wanted not in labels:
+            raise FieldError(field, f"run {self.config.run_id} has no drafter {wanted!r} (drafters: "
+                             f"{', '.join(labels)})")
+        return wanted
+
+    def side(self, label: str) -> Side:
+        info = next(d for d in self.config.drafters if d.label == label)
+        return Side(run_id=self.config.run_id, run_dir=str(self.path.resolve()), name=label,
+                    target=self.config.target.model, drafter=info.identity)
 
 
-class EvalVerdict(_Model):
-    """eval-verdict.json: an offline judgement, in a folder of its own. It never promotes a drafter: only an
-    online verdict (`dfserve compare`) does."""
-
-    schema_version: Literal[1] = 1
-    kind: Literal["eval-verdict"] = "eval-verdict"
-    baseline: Side
-    candidate: Side
-    features: str
-    judgement: Judgement
-    gate: EvalGate
-    provenance: Provenance
+def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candidate: str | None,
+                      gate: Path | None, out: Path | None) -> tuple[Verdict, Path]:
+    """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused), and
+    write the offline verdict into a new folder under `out` (default: beside `run`)."""
+    rules = read_gate(gate, DEFAULT_EVAL_GATE)
+    base = EvalRun.load(run)
+    cand = EvalRun.load(run2) if run2 is not None else base
+    if run2 is not None and base.config.run_id == cand.config.run_id:
+        raise UserError(f"{run} and {run2} are one run ({base.config.run_id}): give it once, with both drafters")
+    if problems := base.config.comparable_with(cand.config):
+        raise UserError("runs are not comparable (" + "; ".join(problems) + "); evaluate both drafters on one cache")
+    base_label = base.label(baseline, "baseline", 0)
+    cand_label = cand.label(candidate, "candidate", 1 if run2 is None else 0)
+    if run2 is None and base_label == cand_label:
+        raise FieldError("baseline", "the same drafter as {other}", other="candidate")
+    methods = [m for m in base.config.methods() if m in cand.config.methods()]
+    check_gate(rules, methods)
+    judgement = judge_offline(base_label, [r for r in base.records if r.drafter == base_label], cand_label,
+                              [r for r in cand.records if r.drafter == cand_label],
+                              [t.id for t in base.config.tasks.tasks], methods, rules)
+    verdict = Verdict(source="eval", verdict=judgement.verdict, baseline=base.side(base_label),
+                      candidate=cand.side(cand_label), forced=False, features=base.config.features.key,
+                      judgement=judgement, gate=rules, provenance=Provenance.here())
+    return verdict, write_verdict(verdict, out or run.parent)

@@ -41,8 +41,7 @@ from dfserve.eval.watch_state import (
     replace_atomic,
     write_state,
 )
-from dfserve.loadtest.config import read_model
-from dfserve.runs import read_jsonl
+from dfserve.runs import read_jsonl, read_model
 
 BASELINE_RUN = "baseline"
 TREND = "trend.json"

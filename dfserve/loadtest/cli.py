@@ -21,26 +21,27 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from dfserve.baselines import BaselineRegistry, entry
-from dfserve.errors import UserError, flags_for
+from dfserve.baselines import BaselineRegistry, promote_verdict
+from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.http1 import is_base_url
-from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_config
+from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign
 from dfserve.loadtest.exporter import Exporter
-from dfserve.loadtest.judge import comparability, judge, load_gate
+from dfserve.loadtest.judge import load_gate
 from dfserve.loadtest.merge import merge, read_shard
 from dfserve.loadtest.progress import Progress
-from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, over_error_rate, read_lag_warning, render_html, summarize
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
-from dfserve.loadtest.shard import parse_shard, shard_indices
-from dfserve.loadtest.tasks import load_tasks
-from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
-from dfserve.runs import Provenance, create_run_dir, new_run_id, run_name, write_atomic, write_model
+from dfserve.loadtest.sequential import SequentialMonitor
+from dfserve.loadtest.verdict import compare_runs
+from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
+from dfserve.shard import parse_shard, shard_indices
 from dfserve.stamped_socket import ReadLag
+from dfserve.tasks import load_tasks
+from dfserve.verdict.printer import print_verdict
+from dfserve.verdict.verdict import EXIT, Verdict, read_verdict, verdict_file
 
-EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_TOO_MANY_ERRORS = 4
 
 
@@ -140,13 +141,14 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValidationError as exc:
         raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
-    plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
-                   task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
-                   load=load, out=out, name=_name(name), duration_s=duration, request_timeout_s=request_timeout, model=model,
-                   pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
-                   shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
-    monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
-                                 len(plan.task_set.tasks), warmup) if plan.sequential else None)
+    with flags_for(command_flags(run_command)):
+        plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
+                       task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
+                       load=load, out=out, name=_name(name), duration_s=duration, request_timeout_s=request_timeout,
+                       model=model, pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
+                       shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
+        monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
+                                     len(plan.task_set.tasks), warmup) if plan.sequential else None)
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
@@ -155,7 +157,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
-        with progress:
+        with progress, flags_for(command_flags(run_command)):
             observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
@@ -173,7 +175,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     failing = over_error_rate(summary, max_error_rate)
     if failing:
         click.echo(f"errors over --max-error-rate {max_error_rate:g}: " + "; ".join(
-            f"{a.arm} failed {a.requests - a.succeeded} of {a.requests} ({a.error_rate:.1%}: "
+            f"{a.arm} failed {sum(a.errors.values())} of {a.requests - a.cancelled} ({a.error_rate:.1%}: "
             + ", ".join(f"{kind}={count}" for kind, count in a.errors.items()) + ")" for a in failing)
             + f"; run kept: {outcome.run_dir}", err=True)
         sys.exit(EXIT_TOO_MANY_ERRORS)
@@ -282,33 +284,11 @@ def _print_summary(config: RunConfig, summary: Summary) -> None:
                f"{'' if a.acceptance == 'exact' else ' est.'}" if a.accept_length else "unknown")
         ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f} / {a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
         tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f} / {a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
-        errors = ", ".join(f"{k}={v}" for k, v in a.errors.items()) or "0"
+        errors = (", ".join(f"{k}={v}" for k, v in a.errors.items()) or "0") + (
+            f", {a.cancelled} cancelled" if a.cancelled else "")
         rate = f"{a.output_tokens_per_s:.0f}" if a.output_tokens_per_s else "-"
         table.add_row(a.arm, f"{a.succeeded}/{a.requests}", errors, tau, ttft, tpot, rate)
     Console().print(table)
-
-
-def _load_run(run_dir: Path) -> tuple[RunConfig, list[RequestRecord]]:
-    return read_config(run_dir), list(read_records(run_dir / "requests.jsonl"))
-
-
-def _pick_arms(runs: list[tuple[Path, RunConfig]], baseline: str | None, candidate: str | None) -> tuple[str, str]:
-    """One run: its first two arms by default; two runs: each run's only arm unless named."""
-    if len(runs) == 1:
-        names = [a.name for a in runs[0][1].arms]
-        if baseline is None and candidate is None and len(names) != 2:
-            raise UserError(f"--baseline/--candidate: run has arms {names}; name the two to compare")
-        chosen = (baseline or names[0], candidate or next(n for n in names if n != (baseline or names[0])))
-        if chosen[0] == chosen[1]:
-            raise UserError("--baseline/--candidate: the same arm on both sides")
-        return chosen
-    picked = []
-    for (path, config), wanted, flag in zip(runs, (baseline, candidate), ("--baseline", "--candidate"), strict=True):
-        names = [a.name for a in config.arms]
-        if wanted is None and len(names) != 1:
-            raise UserError(f"{flag}: run {path} has arms {names}; name one")
-        picked.append(wanted or names[0])
-    return picked[0], picked[1]
 
 
 @click.command()
@@ -317,79 +297,27 @@ def _pick_arms(runs: list[tuple[Path, RunConfig]], baseline: str | None, candida
 @click.option("--baseline", default=None, help="Baseline arm (default: the first arm / RUN's arm).")
 @click.option("--candidate", default=None, help="Candidate arm (default: the second arm / RUN2's arm).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML rules: [{metric, max_worse | at_least}]; defaults shown in the verdict.")
+              help="YAML gate: rules: [{metric, max_worse | at_least}]; defaults shown in the verdict.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict directory goes "
               "(default: beside RUN).")
-@click.option("--force", is_flag=True, help="Compare runs that differ in tasks, sampling or load; stamped in the verdict.")
+@click.option("--force", is_flag=True, help="Compare runs that differ in tasks, sampling or load, or a run that is "
+              "incomplete (interrupted, killed, records missing); stamped in the verdict.")
 def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,
             out: Path | None, force: bool) -> None:
-    """Judge a candidate against a baseline (two arms of RUN, or RUN vs RUN2). Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE."""
-    rules = load_gate(gate)
+    """Judge a candidate against a baseline (two arms of RUN, or RUN vs RUN2). Exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE.
+
+    Refused: a run against itself; unless --force (then stamped in the verdict): runs that differ, and a run that
+    was interrupted, killed or lost records."""
     paths = [run] if run2 is None else [run, run2]
-    loaded = [_load_run(p) for p in paths]
-    base_name, cand_name = _pick_arms([(p, c) for p, (c, _) in zip(paths, loaded, strict=True)], baseline, candidate)
-    (base_cfg, base_records), (cand_cfg, cand_records) = loaded[0], loaded[-1]
-    mismatches = comparability(base_cfg, base_name, cand_cfg, cand_name)
-    if mismatches and not force:
-        raise UserError("runs are not comparable (" + "; ".join(mismatches) + "); --force compares anyway")
-    sequential = base_cfg.sequential if run2 is None else None
-    report = None
-    if sequential is not None:  # a run that stopped on its own intervals is judged on always-valid ones
-        rules = sequential.gate if gate is None else rules
-        judgement, report = judge_sequential(base_records, base_name, cand_name, rules, base_cfg)
-    else:
-        judgement = judge([r for r in base_records if r.arm == base_name],
-                          [r for r in cand_records if r.arm == cand_name], rules, temperature=base_cfg.sampling.temperature)
-    verdict = Verdict(verdict=judgement.verdict, baseline=arm_ref(base_cfg, paths[0], base_name),
-                      candidate=arm_ref(cand_cfg, paths[-1], cand_name), forced=bool(mismatches), mismatches=mismatches,
-                      judgement=judgement, gate=rules, provenance=Provenance.here(), sequential=report)
-    verdict_dir = create_run_dir(out or run.parent, prefix="verdict")
-    write_model(verdict_dir / FILENAME, verdict)
-    _print_verdict(verdict)
+    try:
+        with flags_for(command_flags(compare)):
+            verdict, path = compare_runs(paths, baseline, candidate, gate, force, out)
+    except Untrusted as exc:
+        raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
+    print_verdict(Console(), verdict)
     _print_offline(verdict, BaselineRegistry(run.parent))
-    click.echo(f"verdict: {verdict_dir / FILENAME}")
+    click.echo(f"verdict: {path}")
     sys.exit(EXIT[verdict.verdict])
-
-
-def _print_verdict(verdict: Verdict) -> None:
-    j = verdict.judgement
-    console = Console()
-    if verdict.forced:
-        console.print(f"[bold red]FORCED comparison of runs that differ:[/] {'; '.join(verdict.mismatches)}")
-    table = Table(title=f"{verdict.candidate.arm} vs {verdict.baseline.arm}: {j.paired_requests} paired requests over "
-                  f"{j.tasks} tasks" + (" (SIMULATED)" if verdict.baseline.simulated else ""))
-    for column in ("metric", "baseline", "candidate", "change [95% CI" + (", fixed-n]" if verdict.sequential else "]"), "n"):
-        table.add_column(column)
-    for m in j.metrics:
-        if m.change is None:
-            if m.baseline is None or m.candidate is None:
-                table.add_row(m.label, "-", "-", "no data", "0")
-            else:
-                table.add_row(m.label, f"{m.baseline:.4g}", f"{m.candidate:.4g}", "undefined: baseline is 0",
-                              f"{m.n_baseline}/{m.n_candidate}")
-            continue
-        scale = "%" if m.relative else " pts"
-        factor = 100.0
-        table.add_row(m.label, f"{m.baseline:.4g}", f"{m.candidate:.4g}",
-                      f"{m.change * factor:+.2f}{scale} [{(m.change_low or 0) * factor:+.2f}, "
-                      f"{(m.change_high or 0) * factor:+.2f}]", f"{m.n_baseline}/{m.n_candidate}")
-    console.print(table)
-    loss = j.lossless
-    console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs"
-                  + ("" if loss.applicable else " (temperature > 0: not judged)")
-                  + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
-    for rule in j.rules:
-        needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
-                  f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
-        console.print(f"  {rule.status:<14} {rule.metric}: {rule.detail}{needed}")
-    if verdict.sequential:
-        seq = verdict.sequential
-        console.print(f"sequential: {seq.method}; alpha {seq.design.alpha}, a look every {seq.design.look_every} "
-                      f"pairs, decisions from {seq.design.min_tasks} tasks. The run stopped at look {seq.looks} after "
-                      f"{seq.stopped_after_pairs} pairs ({seq.stopped}, {seq.verdict_when_stopped}); judged over "
-                      f"{seq.pairs} pairs. The table's intervals are fixed-n, for reading only.")
-    console.print(f"[bold]verdict: {verdict.verdict}[/]" +
-                  (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
 
 
 def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
@@ -399,7 +327,7 @@ def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
     for side, value in ((verdict.baseline, online.baseline), (verdict.candidate, online.candidate)):
         score = registry.offline(side.drafter)
         if score is not None and value is not None:
-            lines.append(f"  {side.arm} ({side.drafter}): online {value:.3f}, offline {score.tau_as_sglang:.3f} "
+            lines.append(f"  {side.name} ({side.drafter}): online {value:.3f}, offline {score.tau_as_sglang:.3f} "
                          f"(eval run {score.run_id}, {score.tasks} tasks, features {score.features})")
     if lines:
         click.echo("acceptance length offline (dfserve eval, counted as SGLang does) beside online:\n" + "\n".join(lines))
@@ -409,32 +337,22 @@ def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
 @click.argument("verdict_path", metavar="VERDICT", type=click.Path(path_type=Path, exists=True))
 @click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Directory of baselines.json (default: the directory holding the verdict, beside the runs).")
-@click.option("--force", is_flag=True, help="Promote without a PASS or a matching baseline; needs --reason.")
+@click.option("--force", is_flag=True, help="Promote without a PASS, a matching baseline or an unforced verdict; "
+              "needs --reason.")
 @click.option("--reason", default=None, help="Why a forced promotion is right; recorded.")
 def promote(verdict_path: Path, registry: Path | None, force: bool, reason: str | None) -> None:
-    """Record the candidate of a PASS verdict as the new baseline of its target (history kept)."""
-    if force and not reason:
-        raise UserError("--force: give --reason TEXT; it is recorded with the promotion")
-    verdict = read_verdict(verdict_path)
-    verdict_file = (verdict_path / FILENAME if verdict_path.is_dir() else verdict_path).resolve()
-    store = BaselineRegistry(registry or verdict_file.parent.parent)
-    base, cand = verdict.baseline, verdict.candidate
-    refusals = []
-    if verdict.verdict != "PASS":
-        refusals.append(f"the verdict is {verdict.verdict}, only PASS promotes")
-    current = store.current(base.target)
-    if current is not None and current.drafter != base.drafter:
-        refusals.append(f"the verdict's baseline {base.drafter!r} is not the current baseline {current.drafter!r}")
-    if refusals and not force:
-        raise UserError("promote: " + "; ".join(refusals) + " (--force --reason TEXT overrides)")
-    new = []
-    if current is None:
-        new.append(entry(base.target, base.drafter, base.run_id, base.arm, reason="baseline of the first promotion"))
-    new.append(entry(cand.target, cand.drafter, cand.run_id, cand.arm, str(verdict_file), forced=bool(refusals),
-                     reason=reason if refusals else None))
-    store.append(*new)
+    """Record the candidate of a PASS verdict as the new baseline of its target (history kept). A verdict is
+    promoted once; a forced one, an offline one or one of a run that was not whole is refused unless --force."""
+    file = verdict_file(verdict_path).resolve()
+    try:
+        with flags_for(command_flags(promote)):
+            promotion = promote_verdict(BaselineRegistry(registry or file.parent.parent), read_verdict(file), file,
+                                        force=force, reason=reason)
+    except Untrusted as exc:
+        raise UserError(f"{exc} (--force --reason TEXT overrides)") from None
+    cand = promotion.candidate
     click.echo(f"baseline of {cand.target}: {cand.drafter} (run {cand.run_id}, arm {cand.arm})"
-               + (" FORCED: " + "; ".join(refusals) if refusals else ""))
+               + (" FORCED: " + "; ".join(promotion.refusals) if promotion.refusals else ""))
 
 
 @click.group()

@@ -32,7 +32,7 @@ from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from dfserve.loadtest.records import Acceptance, ErrorKind, RequestRecord
-from dfserve.loadtest.tasks import Task
+from dfserve.tasks import Task
 
 Failure = tuple[ErrorKind, str]
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from dfserve.errors import UserError, describe_invalid
-from dfserve.loadtest.judge import Gate
+from dfserve.errors import UserError
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.loadtest.shard import Shard
-from dfserve.runs import Provenance
+from dfserve.runs import Provenance, read_model
 from dfserve.sglang import SamplingParams
-
-M = TypeVar("M", bound=BaseModel)
+from dfserve.shard import Shard
+from dfserve.verdict.design import SequentialDesign
 
 
 class _Model(BaseModel):
@@ -51,18 +49,6 @@ class ArmInfo(_Model):
     arrival_stamps: Literal["kernel", "loop"] = Field("loop", description="what dated each read of a response: "
                                                       "the kernel's receive time (plain http on Linux), or the "
                                                       "tester's loop when it read it (https; runs before this field)")
-
-
-class SequentialDesign(_Model):
-    """How an `--until-decided` run looks at its data and when it stops (see `sequential.py`)."""
-
-    method: Literal["confidence-sequences"] = "confidence-sequences"
-    alpha: float = Field(0.05, gt=0, lt=1, description="each rule's interval holds at every look at once with "
-                         "probability 1 - alpha (two-sided; the fixed-n judge's intervals are 95% too)")
-    look_every: int = Field(16, ge=1, description="paired requests of the schedule between looks")
-    min_tasks: int = Field(16, ge=2, description="distinct tasks before any rule is decided: the normal "
-                           "approximation of a ratio's change needs a few")
-    gate: Gate = Field(description="the rules the run stops on")
 
 
 class RunConfig(_Model):
@@ -107,16 +93,6 @@ class RunConfig(_Model):
             if arm.name == name:
                 return arm
         raise UserError(f"run {self.run_id}: no arm named {name!r} (arms: {', '.join(a.name for a in self.arms)})")
-
-
-def read_model(path: Path, model: type[M], missing: str) -> M:
-    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field."""
-    try:
-        return model.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise UserError(missing) from None
-    except ValidationError as exc:
-        raise UserError(describe_invalid(exc, str(path))) from None
 
 
 def read_config(run_dir: Path) -> RunConfig:

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from dfserve.errors import UserError
-from dfserve.loadtest.config import RunConfig, read_config, read_model
+from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
 from dfserve.loadtest.report import Summary
-from dfserve.loadtest.shard import shard_indices
-from dfserve.runs import Provenance
+from dfserve.runs import Provenance, read_model
+from dfserve.shard import shard_indices
 from dfserve.stamped_socket import ReadLag
 
 _PER_SHARD = {"run_id", "shard", "t0_unix_s", "provenance", "arms"}

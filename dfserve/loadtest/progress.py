@@ -13,7 +13,8 @@ from rich.table import Table
 
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord
-from dfserve.loadtest.sequential import Look, RuleState, SequentialMonitor, units_to_decide
+from dfserve.loadtest.sequential import SequentialMonitor
+from dfserve.verdict.sequential import Look, RuleState, units_to_decide
 
 
 @dataclass

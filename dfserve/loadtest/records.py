@@ -68,6 +68,11 @@ class RequestRecord(BaseModel):
     def ok(self) -> bool:
         return self.error_kind is None
 
+    @property
+    def cancelled(self) -> bool:
+        """Cancelled by the tester when it was stopped (Ctrl-C): not answered, and not a failure of the arm."""
+        return self.error_kind == "cancelled"
+
 
 def ttft_s(r: RequestRecord) -> float | None:
     if r.sent_s is None or r.first_token_s is None:

@@ -16,10 +16,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.loadtest import records as rec
-from dfserve.loadtest import stats
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
 from dfserve.stamped_socket import ReadLag
+from dfserve.svg import svg_cdf, svg_histogram
+from dfserve.verdict import stats
 
 
 class _Model(BaseModel):
@@ -68,7 +69,9 @@ class ArmSummary(_Model):
     requests: int
     succeeded: int
     errors: dict[str, int] = Field(description="Failed requests by kind; HTTP error answers by status (`http_503`).")
-    error_rate: float
+    error_rate: float = Field(description="failed / (requests - cancelled)")
+    cancelled: int = Field(0, description="requests the tester cancelled when it was stopped: not answered, and "
+                           "not errors of the arm")
     acceptance: Literal["exact", "estimated", "unknown"]
     accept_length: Figure | None
     ttft_s: Distribution | None
@@ -158,7 +161,9 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     """Figures of one arm's measured (non-warm-up) records."""
     measured = rec.measured_records(records)
     ok = [r for r in measured if r.ok]
-    errors = Counter(_error_name(r) for r in measured if r.error_kind is not None)
+    cancelled = sum(r.cancelled for r in measured)
+    errors = Counter(_error_name(r) for r in measured if r.error_kind is not None and not r.cancelled)
+    answered = len(measured) - cancelled
     # Requests without a verify round (one token, or an engine without speculation) have no acceptance to measure;
     # they leave the figure to the others, and its label says how the others measured it.
     known = {r.acceptance for r in ok} - {"unknown"}
@@ -176,7 +181,8 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
         requests=len(measured),
         succeeded=len(ok),
         errors=dict(sorted(errors.items())),
-        error_rate=(len(measured) - len(ok)) / len(measured) if measured else 0.0,
+        error_rate=(answered - len(ok)) / answered if answered else 0.0,
+        cancelled=cancelled,
         acceptance=acceptance,
         accept_length=accept_length_figure(ok) if acceptance != "unknown" else None,
         ttft_s=distribution(_each(ok, rec.ttft_s)),
@@ -233,95 +239,6 @@ def read_lag_warning(summary: Summary) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 # report.html
 
-_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-_W, _H, _PAD = 520, 260, 44
-
-
-def svg_cdf(title: str, series: dict[str, list[float]], unit_scale: float = 1000.0, unit: str = "ms") -> str:
-    """Empirical CDFs, one line per arm, x in `unit` (up to each arm's p99.5 so a tail does not flatten the rest)."""
-    present = {name: np.sort(np.asarray(v, dtype=float)) * unit_scale for name, v in series.items() if v}
-    if not present:
-        return f"<p>{html.escape(title)}: no samples</p>"
-    top = max(float(np.quantile(v, 0.995)) for v in present.values()) or 1.0
-    parts = [_frame(title, f"{unit}", top)]
-    for values, colour in zip(present.values(), _COLOURS, strict=False):
-        step = max(1, len(values) // 400)
-        points = [
-            (_PAD + min(x, top) / top * (_W - 2 * _PAD), _H - _PAD - (i + 1) / len(values) * (_H - 2 * _PAD))
-            for i, x in list(enumerate(values))[::step]
-        ]
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
-    parts.append(_legend(list(present)))
-    return "".join(parts) + "</svg>"
-
-
-def svg_lines(title: str, series: dict[str, list[float | None]], xlabel: str) -> str:
-    """One line per series over x = 0, 1, 2, ... (the list index) on a 0..1 scale (shares); None is no point."""
-    present = {name: values for name, values in series.items() if any(v is not None for v in values)}
-    if not present:
-        return f"<p>{html.escape(title)}: no data</p>"
-    width = max(len(v) for v in present.values())
-    parts = [_frame(title, xlabel, float(width - 1), integer=True)]
-    for values, colour in zip(present.values(), _COLOURS, strict=False):
-        points = [(_PAD + i / max(1, width - 1) * (_W - 2 * _PAD), _H - _PAD - v * (_H - 2 * _PAD))
-                  for i, v in enumerate(values) if v is not None]
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>')
-    parts.append(_legend(list(present)))
-    return "".join(parts) + "</svg>"
-
-
-def svg_histogram(title: str, series: dict[str, list[int]]) -> str:
-    """Share of verify rounds that emitted k tokens, bars side by side per arm."""
-    present = {name: counts for name, counts in series.items() if sum(counts)}
-    if not present:
-        return f"<p>{html.escape(title)}: no verify rounds recorded</p>"
-    width = max(len(c) for c in present.values())
-    shares = {name: [c / sum(counts) for c in counts] + [0.0] * (width - len(counts)) for name, counts in present.items()}
-    top = max(max(s) for s in shares.values()) or 1.0
-    parts = [_frame(title, "tokens per round", float(width - 1), integer=True, y_top=f"{top:.2f}")]
-    slot = (_W - 2 * _PAD) / width
-    bar = slot / (len(shares) + 1)
-    for a, ((name, share), colour) in enumerate(zip(shares.items(), _COLOURS, strict=False)):
-        for k, value in enumerate(share):
-            height = value / top * (_H - 2 * _PAD)
-            x = _PAD + k * slot + a * bar
-            parts.append(f'<rect x="{x:.1f}" y="{_H - _PAD - height:.1f}" width="{bar:.1f}" height="{height:.1f}" '
-                         f'fill="{colour}"><title>{html.escape(name)} k={k}: {value:.3f}</title></rect>')
-    parts.append(_legend(list(shares)))
-    return "".join(parts) + "</svg>"
-
-
-def _frame(title: str, xlabel: str, top: float, integer: bool = False, y_top: str = "1") -> str:
-    """Axes, title and x ticks; the y axis runs from 0 to `y_top` (a share)."""
-    ticks = [f'<text x="{_PAD - 4}" y="{_H - _PAD + 4}" font-size="10" text-anchor="end">0</text>',
-             f'<text x="{_PAD - 4}" y="{_PAD + 4}" font-size="10" text-anchor="end">{y_top}</text>']
-    for i in range(5):
-        value = top * i / 4
-        x = _PAD + i / 4 * (_W - 2 * _PAD)
-        label = f"{value:.0f}" if integer or top >= 20 else f"{value:.2g}"
-        ticks.append(f'<text x="{x:.1f}" y="{_H - _PAD + 16}" font-size="10" text-anchor="middle">{label}</text>')
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" role="img">'
-        f'<text x="{_W / 2}" y="16" font-size="13" text-anchor="middle">{html.escape(title)}</text>'
-        f'<line x1="{_PAD}" y1="{_H - _PAD}" x2="{_W - _PAD}" y2="{_H - _PAD}" stroke="#333"/>'
-        f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{_H - _PAD}" stroke="#333"/>'
-        f'<text x="{_W / 2}" y="{_H - 8}" font-size="11" text-anchor="middle">{html.escape(xlabel)}</text>'
-        + "".join(ticks)
-    )
-
-
-def _legend(names: list[str]) -> str:
-    """One row of coloured names between the title and the plot, where no line or bar can run under it."""
-    parts, x = [], float(_PAD)
-    for name, colour in zip(names, _COLOURS, strict=False):
-        parts.append(f'<rect x="{x:.1f}" y="26" width="10" height="3" fill="{colour}"/>'
-                     f'<text x="{x + 14:.1f}" y="31" font-size="11" fill="{colour}">{html.escape(name)}</text>')
-        x += 14 + 6.5 * len(name) + 16
-    return "".join(parts)
-
-
 _DATED_BY = {"kernel": "the kernel, as bytes arrived", "loop": "the tester, as it read them"}
 
 
@@ -359,6 +276,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         "<table><tr><th></th>" + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>",
         _row("requests (ok / all)", [f"{a.succeeded} / {a.requests}" for a in summary.arms]),
         _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
+        _row("cancelled at the stop", [str(a.cancelled) for a in summary.arms]),
         _row("arrivals dated by", [_DATED_BY[config.arm(a.arm).arrival_stamps] for a in summary.arms]),
         _row("tester read lag", [_read_lag(a.tester_read_lag) for a in summary.arms]),
         _row("chunks read with the next", [_read_with_next(a.read_with_next) for a in summary.arms]),

@@ -28,11 +28,11 @@ from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.loadtest.shard import Shard, shard_concurrency, shard_indices
-from dfserve.loadtest.tasks import Task, TaskSet
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
+from dfserve.shard import Shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
+from dfserve.tasks import Task, TaskSet
 from dfserve.transport import StampingTransport
 
 Halt = Callable[[], bool]

@@ -1,68 +1,122 @@
-"""verdict.json: what `dfserve compare` decided, about which arms of which runs, and under which gate.
+"""`dfserve compare` as a library call: load the runs, refuse what must not be judged, pick the design, judge,
+write verdict.json.
 
-It is written into a directory of its own (never into the runs it judges) and is what `dfserve promote` reads.
+Refused always: a run judged against itself (one folder twice, or two folders of one run id). Refused unless
+forced, and then stamped in the verdict (`forced`, with `mismatches` and `incomplete`): runs that differ in what
+shapes their numbers, and a run whose data is not whole (interrupted, killed before its summary, or with fewer
+records than its schedule or its summary counts). A run that stopped on its own always-valid intervals
+(`--until-decided`) is judged on them again; any other on the fixed-n bootstrap.
+
+    verdict, path = compare_runs([Path("runs/ab")], None, None, gate=None, force=False, out=None)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from dfserve.loadtest.config import RunConfig, read_model
-from dfserve.loadtest.judge import Gate, Judgement
-from dfserve.loadtest.sequential import SequentialReport
-from dfserve.runs import Provenance
+from dfserve.errors import FieldError, Untrusted, UserError
+from dfserve.loadtest.config import RunConfig, read_config
+from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
+from dfserve.loadtest.records import RequestRecord, measured_records, read_records
+from dfserve.loadtest.report import Summary
+from dfserve.loadtest.sequential import design_of
+from dfserve.runs import Provenance, read_model
 from dfserve.sglang import parse_server_info
-
-FILENAME = "verdict.json"
-
-
-class ArmRef(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    run_id: str
-    run_dir: str
-    arm: str
-    url: str
-    target: str = Field(description="target model, from /server_info model_path (else the served model name)")
-    drafter: str = Field(description="draft model path from /server_info, 'none' without speculation")
-    simulated: bool
+from dfserve.shard import shard_indices
+from dfserve.verdict.design import Design
+from dfserve.verdict.fixed import FixedN
+from dfserve.verdict.verdict import Side, Verdict, write_verdict
 
 
-def arm_ref(config: RunConfig, run_dir: Path, arm: str) -> ArmRef:
-    info = config.arm(arm)
-    server = parse_server_info(info.server_info) if info.server_info is not None else None
-    return ArmRef(
-        run_id=config.run_id,
-        run_dir=str(run_dir.resolve()),
-        arm=arm,
-        url=info.url,
-        target=(server.model_path if server and server.model_path else info.model),
-        drafter=(server.draft_model_path if server and server.draft_model_path else "none"),
-        simulated=info.simulated,
-    )
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    config: RunConfig
+    records: list[RequestRecord]
+
+    @classmethod
+    def load(cls, path: Path) -> Run:
+        return cls(path, read_config(path), list(read_records(path / "requests.jsonl")))
+
+    def side(self, arm: str) -> Side:
+        info = self.config.arm(arm)
+        server = parse_server_info(info.server_info) if info.server_info is not None else None
+        return Side(run_id=self.config.run_id, run_dir=str(self.path.resolve()), name=arm, url=info.url,
+                    target=server.model_path if server and server.model_path else info.model,
+                    drafter=server.draft_model_path if server and server.draft_model_path else "none",
+                    simulated=info.simulated)
 
 
-class Verdict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def incomplete(run: Run) -> list[str]:
+    """Why a run's records are not the whole run; empty when they are."""
+    name = run.config.run_id
+    summary_file = run.path / "summary.json"
+    if not summary_file.exists():
+        return [f"run {name} has no summary.json: it was killed, or is still running"]
+    summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
+    problems = [f"run {name} was interrupted before its end"] if summary.interrupted else []
+    config = run.config
+    expected = None
+    if config.sequential is None and config.duration_s is None:
+        expected = sum(1 for i in shard_indices(config.warmup + config.num_requests, config.shard) if i >= config.warmup)
+    for arm in summary.arms:
+        recorded = len(measured_records(r for r in run.records if r.arm == arm.arm))
+        if recorded != arm.requests:
+            problems.append(f"run {name} arm {arm.arm}: requests.jsonl holds {recorded} measured records, "
+                            f"summary.json counts {arm.requests}")
+        elif expected is not None and recorded < expected:
+            problems.append(f"run {name} arm {arm.arm}: {recorded} of the {expected} scheduled requests recorded")
+    return problems
 
-    schema_version: Literal[1] = 1
-    kind: Literal["verdict"] = "verdict"
-    verdict: Literal["PASS", "FAIL", "INCONCLUSIVE"]
-    baseline: ArmRef
-    candidate: ArmRef
-    forced: bool = Field(description="compared although the runs differ in what shapes the numbers")
-    mismatches: list[str]
-    judgement: Judgement
-    gate: Gate
-    provenance: Provenance
-    sequential: SequentialReport | None = Field(None, description="set when the run stopped as soon as its gate was "
-                                                "decided: the method, its parameters and where the run stopped")
+
+def pick_arms(runs: Sequence[Run], baseline: str | None, candidate: str | None) -> tuple[str, str]:
+    """One run: its first two arms by default; two runs: each run's only arm unless named."""
+    if len(runs) == 1:
+        names = [a.name for a in runs[0].config.arms]
+        if baseline is None and candidate is None and len(names) != 2:
+            raise FieldError("baseline", f"the run has arms {names}; name the two to compare (and {{other}})",
+                             other="candidate")
+        chosen = (baseline or names[0], candidate or next(n for n in names if n != (baseline or names[0])))
+        if chosen[0] == chosen[1]:
+            raise FieldError("baseline", "the same arm as {other}", other="candidate")
+        return chosen
+    picked = []
+    for run, wanted, field in zip(runs, (baseline, candidate), ("baseline", "candidate"), strict=True):
+        names = [a.name for a in run.config.arms]
+        if wanted is None and len(names) != 1:
+            raise FieldError(field, f"run {run.path} has arms {names}; name one")
+        picked.append(wanted or names[0])
+    return picked[0], picked[1]
 
 
-def read_verdict(path: Path) -> Verdict:
-    """A verdict directory or its verdict.json."""
-    file = path / FILENAME if path.is_dir() else path
-    return read_model(file, Verdict, f"VERDICT: {file} does not exist")
+def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | None, gate: Path | None,
+                 force: bool, out: Path | None) -> tuple[Verdict, Path]:
+    """Judge a candidate arm against a baseline arm (two arms of one run, or one arm of each of two runs) and
+    write the verdict into a new folder under `out` (default: beside the first run)."""
+    rules = load_gate(gate)
+    runs = [Run.load(path) for path in paths]
+    if len(runs) == 2 and runs[0].config.run_id == runs[1].config.run_id:
+        raise UserError(f"{paths[0]} and {paths[1]} are one run ({runs[0].config.run_id}): a run is never judged "
+                        "against itself")
+    base_arm, cand_arm = pick_arms(runs, baseline, candidate)
+    base, cand = runs[0], runs[-1]
+    mismatches = comparability(base.config, base_arm, cand.config, cand_arm)
+    if mismatches and not force:
+        raise Untrusted("runs are not comparable (" + "; ".join(mismatches) + ")")
+    missing = [line for run in runs for line in incomplete(run)]
+    if missing and not force:
+        raise Untrusted("not the whole run: " + "; ".join(missing))
+    design: Design = FixedN()
+    if len(runs) == 1 and base.config.sequential is not None:  # a run that stopped on its own intervals
+        design = design_of(base.config)
+        rules = base.config.sequential.gate if gate is None else rules
+    pairs = pairs_of([r for r in base.records if r.arm == base_arm], [r for r in cand.records if r.arm == cand_arm],
+                     base.config.sampling.temperature)
+    outcome = design.judge(pairs, METRICS, rules)
+    verdict = Verdict(source="loadtest", verdict=outcome.judgement.verdict, baseline=base.side(base_arm),
+                      candidate=cand.side(cand_arm), forced=bool(mismatches or missing), mismatches=mismatches,
+                      incomplete=missing, judgement=outcome.judgement, gate=rules, provenance=Provenance.here(),
+                      sequential=outcome.sequential)
+    return verdict, write_verdict(verdict, out or paths[0].parent)

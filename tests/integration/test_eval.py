@@ -167,7 +167,7 @@ def test_the_distilled_drafter_beats_the_barely_trained_one(first_run: FirstRun,
                              "--out", world.root / "verdicts")
     assert status == 1 and "short vs long: FAIL" in out
     verdict = json.loads(next((world.root / "verdicts").glob("eval-verdict-*/eval-verdict.json")).read_text())
-    assert verdict["judgement"]["verdict"] == "FAIL" and verdict["candidate"]["drafter"] == "short"
+    assert verdict["judgement"]["verdict"] == "FAIL" and verdict["candidate"]["name"] == "short" and verdict["source"] == "eval"
     offline = BaselineRegistry(world.root / "runs").read().offline
     assert [s.label for s in offline] == ["short", "long"] and offline[1].tau > offline[0].tau
     assert offline[1].drafter.startswith("inhouse-") and offline[1].features == json.loads(

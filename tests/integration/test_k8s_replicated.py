@@ -13,7 +13,7 @@ import pytest
 from dfserve.gateway.cli import gateway as gateway_command
 from dfserve.gateway.config import load_config
 from dfserve.loadtest.cli import loadtest
-from dfserve.loadtest.shard import parse_shard
+from dfserve.shard import parse_shard
 from tests.integration.test_k8s import one, rendered
 
 GATEWAY = "overlays/gateway-replicated"

@@ -19,7 +19,7 @@ import pytest
 from dfserve.deploy.sim.acceptance import RoundModel, prompt_difficulty
 from dfserve.deploy.sim.profiles import load_profile
 from dfserve.loadtest.records import RequestRecord, read_records
-from dfserve.loadtest.tasks import load_tasks
+from dfserve.tasks import load_tasks
 from tests import ROOT
 from tests.integration.servers import (
     Started,
@@ -185,7 +185,10 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(tmp_path: Path) -> Non
     kept = records(tmp_path / "c")
     assert 5 <= len(kept) < 208
     assert {r.error_kind for r in kept} <= {None, "cancelled"}
-    assert json.loads((tmp_path / "c" / "summary.json").read_text())["interrupted"] is True
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    (arm,) = summary["arms"]
+    assert summary["interrupted"] is True and arm["errors"] == {} and arm["error_rate"] == 0  # cancelled, not failed
+    assert arm["cancelled"] == sum(r.cancelled for r in kept if not r.warmup)
 
 
 def sync_server(ttft_ms: float, gap_ms: float, chunks: int) -> contextlib.AbstractContextManager[Started]:

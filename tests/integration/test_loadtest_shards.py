@@ -61,7 +61,7 @@ def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[s
     assert judged.returncode == 1, judged.stdout + judged.stderr  # the in-house drafter accepts fewer tokens
     verdict = json.loads(next((tmp_path / "verdicts").glob("verdict-*/verdict.json")).read_text())
     judgement = verdict["judgement"]
-    assert judgement["paired_requests"] == 30 and judgement["lossless"]["identical"] == 30
+    assert judgement["pairs"] == 30 and judgement["lossless"]["identical"] == 30
     assert {r["metric"]: r["status"] for r in judgement["rules"]}["accept_length"] == "FAIL"
 
 

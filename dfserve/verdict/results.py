@@ -1,0 +1,92 @@
+"""What a design decides: each metric with its paired interval, each rule's status, and the verdict of them all."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Status = Literal["PASS", "FAIL", "INCONCLUSIVE"]
+RuleStatus = Literal["PASS", "FAIL", "INCONCLUSIVE", "NOT_APPLICABLE"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MetricResult(_Model):
+    metric: str
+    label: str
+    baseline: float | None
+    candidate: float | None
+    change: float | None = Field(description="candidate vs baseline: relative (c/b - 1), absolute for error_rate")
+    change_low: float | None
+    change_high: float | None
+    relative: bool
+    n_baseline: int
+    n_candidate: int
+    higher_is_better: bool
+    unit: Literal["", "s"] = Field("", description="of baseline and candidate: s for latencies, '' for none")
+
+
+class RuleResult(_Model):
+    metric: str
+    limit: float
+    status: RuleStatus
+    detail: str
+    tasks_needed: int | None = None
+    low: float | None = Field(None, description="the interval the rule was decided on: how much worse the candidate "
+                              "is (relative or absolute), or the identical fraction for lossless_fraction; "
+                              "set by sequential judgements")
+    high: float | None = None
+    requests_needed: int | None = Field(None, description="paired requests that would decide the rule if the data "
+                                        "went on as so far (sequential judgements)")
+    task_set_limited: bool = Field(False, description="undecided, and more requests cannot decide it: every task was "
+                                   "seen, or more distinct tasks than the set holds are needed, and repeating one "
+                                   "adds nothing (temperature 0: same output, same verify rounds)")
+
+
+class Lossless(_Model):
+    applicable: bool
+    pairs: int
+    identical: int
+    fraction: float | None
+    low: float | None
+    high: float | None
+    differing_tasks: list[str]
+
+
+class Judgement(_Model):
+    baseline: str = Field(description="the baseline side: an arm of a load test, a drafter of an evaluation")
+    candidate: str
+    verdict: Status
+    pairs: int = Field(description="paired units judged: requests of a load test, tasks of an offline evaluation")
+    tasks: int
+    metrics: tuple[MetricResult, ...]
+    rules: tuple[RuleResult, ...]
+    lossless: Lossless | None = Field(None, description="identical outputs, where the source records outputs")
+    tasks_needed: int | None
+
+
+def fold(statuses: Iterable[RuleStatus]) -> Status:
+    """Any FAIL fails, else any INCONCLUSIVE leaves it open, else PASS (a rule that does not apply passes)."""
+    seen = set(statuses)
+    return "FAIL" if "FAIL" in seen else "INCONCLUSIVE" if "INCONCLUSIVE" in seen else "PASS"
+
+
+def overall(rules: Sequence[RuleResult]) -> tuple[Status, int | None]:
+    """The verdict of a set of rule results (any FAIL fails; any INCONCLUSIVE leaves it open) and the distinct
+    tasks the undecided rules would need."""
+    verdict = fold(r.status for r in rules)
+    needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
+    return verdict, max(needed) if needed else None
+
+
+def tasks_needed(n: int, half_width: float, margin: float) -> int | None:
+    """Distinct tasks for an interval of this spread to clear the limit: its width shrinks as 1/sqrt(tasks). Not
+    requests: at temperature 0 a repeated task repeats its output and its rounds, so repeats add no evidence."""
+    if n == 0 or margin <= 0 or not math.isfinite(half_width):
+        return None
+    return max(n + 1, math.ceil(n * (half_width / margin) ** 2))

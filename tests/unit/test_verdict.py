@@ -1,0 +1,107 @@
+"""The verdict core on its own: paired statistics, gates as they are read, and the printer."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from dfserve.errors import FieldError
+from dfserve.loadtest.judge import DEFAULT_GATE, judge, load_gate
+from dfserve.verdict import stats
+from dfserve.verdict.printer import print_judgement
+from tests.synthetic import synthetic
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("rules: []\n", "rules: Value error, a gate needs at least one rule (with none, any candidate would pass)"),
+    ("rules:\n  - {metric: accept_length, max_worse: .inf}\n", "rules.0.max_worse: Input should be a finite number"),
+    ("rules:\n  - {metric: accept_length, max_worse: .nan}\n", "rules.0.max_worse: Input should be a finite number"),
+    ("rules:\n  - {metric: lossless_fraction, at_least: .nan}\n", "rules.0.at_least: Input should be a finite number"),
+])
+def test_a_gate_that_would_decide_nothing_is_refused_when_read(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "gate.yaml"
+    path.write_text(text)
+    with pytest.raises(FieldError) as caught:
+        load_gate(path)
+    assert caught.value.field == "gate" and str(caught.value) == f"gate: {path}: {message}"
+
+
+def test_a_gate_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "gate.yaml"
+    path.write_bytes(b"rules:\n  - {metric: accept_length, max_worse: 0.01} # \xff\n")
+    with pytest.raises(FieldError, match=r"gate: .*gate\.yaml: not UTF-8 text"):
+        load_gate(path)
+
+
+def test_the_printed_table_fits_80_columns_with_latencies_in_ms() -> None:
+    j = judge(synthetic("zlab", 200, 9.0, seed=1), synthetic("inhouse", 200, 6.0, seed=2), DEFAULT_GATE, 0.0)
+    out = io.StringIO()
+    print_judgement(Console(file=out, width=80), j)
+    lines = out.getvalue().splitlines()
+    rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in {m.metric for m in j.metrics}}
+    assert set(rows) == {m.metric for m in j.metrics}  # one line each: no cell wrapped
+    assert all(len(line) <= 80 for line in lines)
+    assert any(line.startswith(" FAIL accept_length: worse by") for line in lines)
+    tpot = next(m for m in j.metrics if m.metric == "tpot_p95")
+    assert tpot.baseline is not None and f"{tpot.baseline * 1e3:.4g} ms" in rows["tpot_p95"]
+    assert " ms" not in rows["accept_length"]
+
+
+def test_wilson_and_quantile_intervals() -> None:
+    interval = stats.wilson(95, 100)
+    assert interval is not None
+    assert interval.low == pytest.approx(0.8882, abs=1e-3) and interval.high == pytest.approx(0.9785, abs=1e-3)
+    assert stats.wilson(0, 0) is None
+    assert stats.quantile([], 0.5) is None
+    values = np.arange(1000, dtype=float)
+    q = stats.quantile_interval(values, 0.95)
+    assert q is not None and q.low < 949 < q.high and q.high - q.low < 40
+
+
+def test_quantile_interval_covers_the_true_quantile_about_95_percent() -> None:
+    rng = np.random.default_rng(0)
+    true_p95 = -math.log(0.05)
+    covered = 0
+    for _ in range(400):
+        q = stats.quantile_interval(rng.exponential(size=200), 0.95)
+        assert q is not None
+        covered += q.low <= true_p95 <= q.high
+    assert 0.91 <= covered / 400 <= 0.99
+
+
+def test_weighted_quantiles_with_unit_weights_match_the_plain_quantile() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=301)
+    weights = np.ones((3, 301))
+    assert stats.weighted_quantiles(weights, values, 0.9) == pytest.approx([stats.quantile(values, 0.9)] * 3)
+    weights[1, values > np.median(values)] = 0  # drop the upper half: the 0.9 quantile falls
+    assert stats.weighted_quantiles(weights, values, 0.9)[1] < np.median(values)
+
+
+def test_cluster_weights_pick_as_many_tasks_as_there_are() -> None:
+    weights = stats.cluster_weights(7, 50, np.random.default_rng(0))
+    assert weights.shape == (50, 7) and (weights.sum(axis=1) == 7).all()
+
+
+def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
+    rng = np.random.default_rng(2)
+    owners = rng.integers(0, 30, size=40_000)
+    values = rng.exponential(size=40_000) + owners * 0.01
+    weights = stats.cluster_weights(30, 400, rng)
+    exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
+    grid = stats.clustered_quantiles(weights, values, owners, 0.95)
+    assert np.abs(grid - exact).max() < 0.02 * exact.mean()
+
+
+def test_the_readmes_example_gate_loads(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    example = readme.split("```yaml\nrules:", 1)[1].split("```", 1)[0]
+    path = tmp_path / "gate.yaml"
+    path.write_text("rules:" + example)
+    gate = load_gate(path)
+    assert [r.metric for r in gate.rules] == ["accept_length", "error_rate", "lossless_fraction"]
