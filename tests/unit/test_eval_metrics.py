@@ -142,7 +142,7 @@ def test_a_feature_cache_built_for_another_target_or_taps_is_refused(tmp_path: P
     folder = tmp_path / "features"
     folder.mkdir()
     write_model(folder / "build.json", FeatureBuild(key=feature_key(), tasks=(), built_at="x", built_by="run-1",
-                                                    build_s=1.0, health=health(1, 1)))
+                                                    build_s=1.0, health=health(1, 1), files={}))
     assert open_features(folder, feature_key()).build.built_by == "run-1"
     with pytest.raises(FieldError, match=r"built for target /models/a \(sha256 aaaaaaaaaaaa\), this run's target is "
                                          r"/models/b \(sha256 bbbbbbbbbbbb\)"):
