@@ -184,7 +184,12 @@ class CaptureWriter:
             if self._stopped is not None:
                 self._counts[self._stop_kind] += 1
                 continue
-            line = self._line(captured)
+            try:
+                line = self._line(captured)
+            except (ValueError, TypeError) as exc:  # a body pydantic cannot write back out: this request only
+                self._counts["unreadable"] += 1
+                self._log_once("unreadable", f"capture {self.policy.dir}: a request could not be recorded ({exc})")
+                continue
             if line is not None:
                 self._append(line)
         if self._segment is not None:
