@@ -1,5 +1,5 @@
-"""Capture then replay, over real sockets: clients send requests to a loopback server whose handler feeds a
-`CaptureWriter` through the gateway adapter; `dfserve loadtest run --tasks capture:DIR` replays them to the
+"""Capture then replay, over real sockets: clients send requests to a loopback server whose handler hands each one,
+shaped as the gateway's finished exchanges, to the capture observer; `dfserve loadtest run --tasks capture:DIR` replays them to the
 simulator on their captured schedule, and to a second capturing server, which shows the bodies arrive as captured."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,9 @@ import httpx
 import pytest
 
 from dfserve.capture.format import CapturePolicy, CaptureRecord
-from dfserve.capture.gateway import capture_observer
+from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.writer import CaptureWriter
-from dfserve.gateway.server import Request
 from dfserve.loadtest.records import read_records
 from dfserve.loadtest.schedule import trace_offsets
 from tests.integration.servers import LOOPBACK, dfserve_argv, sim_server
@@ -30,21 +30,33 @@ pytestmark = pytest.mark.slow
 FLAGS = ("--max-new-tokens", "24", "--temperature", "0", "--top-p", "1")
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The fields of the gateway's record of a finished exchange that capture reads."""
+
+    mirror: bool
+    method: str
+    path: str
+    headers: bytes
+    body: bytes
+    start_s: float
+
+
 @contextlib.contextmanager
 def capturing_server(policy: CapturePolicy) -> Iterator[str]:
     """A loopback HTTP server that captures every POST and answers `{}`; the capture is closed when it stops."""
-    writer = CaptureWriter.open(policy)
-    observe = capture_observer(writer)
+    observer = CaptureObserver(CaptureWriter.open(policy))
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:
-            arrival_unix_s, arrival_perf_s = time.time(), time.perf_counter()
+            arrived = time.perf_counter()
             body = self.rfile.read(int(self.headers["Content-Length"]))
-            headers = [(name.lower().encode(), value.encode()) for name, value in self.headers.items()]
-            observe(Request("POST", self.path, headers, body), arrival_unix_s, arrival_perf_s)
+            headers = b"".join(f"{name.lower()}: {value}\r\n".encode() for name, value in self.headers.items())
             self._answer(200, b"{}")
+            observer.observe(Finished(False, "POST", self.path, headers, body, arrived))
+            observer.observe(Finished(True, "POST", self.path, headers, body, arrived))  # a shadow copy: not kept
 
         def do_GET(self) -> None:
             self._answer(404, b"")
@@ -66,7 +78,7 @@ def capturing_server(policy: CapturePolicy) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
-        writer.close()
+        observer.close()
 
 
 def send(url: str, requests: list[tuple[str, dict[str, Any]]], gap_s: float = 0.0) -> None:

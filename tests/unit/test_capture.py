@@ -10,12 +10,14 @@ import os
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from dfserve.capture import writer as writer_module
 from dfserve.capture.format import MANIFEST, CapturePolicy, CaptureRecord
+from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.redact import kept_headers, redact, sampling_of, text_hash
 from dfserve.capture.writer import Captured, CaptureWriter
@@ -266,3 +268,42 @@ def test_a_record_line_is_checked_against_the_format() -> None:
         CaptureRecord.model_validate({"seq": 0, "route": "native", "path": "/generate", "arrival_unix_s": 0,
                                       "offset_s": 0, "sampling": {}, "headers": [], "body": {}, "redaction": "keep",
                                       "replayable": True, "surprise": 1})
+
+
+# --- the gateway's observer ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finished:
+    mirror: bool
+    method: str
+    path: str
+    headers: bytes
+    body: bytes
+    start_s: float
+
+
+def test_the_observer_keeps_client_requests_with_their_arrival_and_not_mirrors(tmp_path: Path) -> None:
+    observer = CaptureObserver(CaptureWriter.open(policy(tmp_path), clock=lambda: 40.0), wall=lambda: 1000.0,
+                               clock=lambda: 50.0)
+    lines = b"authorization: Bearer k\r\nx-team: infra\r\ncontent-type: application/json\r\n"
+    body = json.dumps(NATIVE).encode()
+    observer.observe(Finished(False, "POST", "/generate", lines, body, 48.5))
+    observer.observe(Finished(True, "POST", "/generate", lines, body, 48.5))
+    observer.observe(Finished(False, "GET", "/generate", lines, b"", 49.0))
+    observer.close()
+    manifest, records = read_capture(tmp_path / "capture")
+    assert manifest.complete and len(records) == 1
+    record = records[0]
+    assert (record.offset_s, record.arrival_unix_s) == (8.5, 998.5)
+    assert record.headers == (("x-team", "infra"), ("content-type", "application/json"))
+
+
+def test_the_observers_options_are_the_policy_and_a_bad_one_names_its_field(tmp_path: Path) -> None:
+    observer = CaptureObserver.from_options({"dir": str(tmp_path / "c"), "fraction": 0.5, "redact": "hash",
+                                             "max_bytes": 1 << 20, "max_segments": 4})
+    observer.close()
+    assert read_capture(tmp_path / "c")[0].policy.redact == "hash"
+    with pytest.raises(FieldError, match=r"^capture\.fraction: Input should be less than or equal to 1"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "d"), "fraction": 2})
+    with pytest.raises(FieldError, match=r"^capture\.max_segment: Extra inputs"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "d"), "max_segment": 2})
