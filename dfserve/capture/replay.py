@@ -4,8 +4,8 @@ Each captured request becomes a `ReplayTask` that carries its own body, so it is
 settings; settings it did not set are taken from the run's flags (`--max-new-tokens`, `--temperature`,
 `--top-p`), so the load stays bounded, and the run's config.json records the loosest settings of the replay (the
 largest of each), so losslessness is judged only where every request was greedy. What the load tester changes in
-each body: it streams (`stream`, chat's usage and spec details, which it measures with), chat names the arm's model,
-and native drops `rid` (one id sent to every arm). Task ids carry a hash of that body, so the task set's hash
+each body: it streams (`stream`, chat's usage and spec details, which it measures with), chat names the arm's model
+and drops `return_meta_info` (refused on a stream), and native drops `rid` (one id sent to every arm). Task ids carry a hash of that body, so the task set's hash
 changes with any setting. A run replays one route; a capture that mixes routes, or one that cannot be replayed
 (user text hashed, prompt dropped), or one that is incomplete or tampered with, is refused in one line.
 
@@ -42,6 +42,8 @@ REPLAYED_ROUTES = ("native", "chat")
 class ReplayTask(Task):
     """A captured request, sent as it came (less what `request` says)."""
 
+    seq: int = 0
+    """The record's number in the capture."""
     route: sglang.Api = "native"
     body: dict[str, Any] = field(default_factory=dict, compare=False)
     arrival_s: float = 0.0
@@ -53,6 +55,7 @@ class ReplayTask(Task):
         body["stream"] = True
         if self.route == "chat":
             body["model"] = model
+            body.pop(sglang.RETURN_META_INFO, None)  # SGLang refuses it on a stream
             body[sglang.RETURN_SPEC_DETAILS] = True
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         else:
@@ -72,13 +75,8 @@ class CaptureTaskSet(TaskSet):
         records)."""
         tasks = tuple(_with_defaults(task, sampling) for task in self.tasks if isinstance(task, ReplayTask))
         settings = [_settings(task) for task in tasks]
-        try:
-            loosest = Sampling(max_new_tokens=max(s[0] for s in settings), temperature=max(s[1] for s in settings),
-                               top_p=max(s[2] for s in settings))
-        except (TypeError, ValidationError):
-            bad = next(t for t, s in zip(tasks, settings, strict=True) if not _valid(s))
-            raise UserError(f"--tasks: {self.name}: task {bad.id}: its sampling settings are not numbers in range "
-                            f"({_settings(bad)})") from None
+        loosest = Sampling(max_new_tokens=max(s.max_new_tokens for s in settings),
+                           temperature=max(s.temperature for s in settings), top_p=max(s.top_p for s in settings))
         return replace(self, tasks=tasks), loosest
 
     def check(self, api: str, trace: bool, count: int) -> None:
@@ -95,20 +93,20 @@ class CaptureTaskSet(TaskSet):
         return list(self.tasks[:count]), list(self.arrivals_s[:count])
 
 
-def _settings(task: ReplayTask) -> tuple[Any, Any, Any]:
+def _settings(task: ReplayTask) -> Sampling:
+    """The settings a task is sent with, as the run records them; a capture's bad one named in one line."""
+    body = task.body
     if task.route == "native":
-        params = task.body.get("sampling_params") or {}
-        return params.get("max_new_tokens"), params.get("temperature"), params.get("top_p")
-    tokens = task.body.get("max_tokens", task.body.get("max_completion_tokens"))
-    return tokens, task.body.get("temperature"), task.body.get("top_p")
-
-
-def _valid(settings: tuple[Any, Any, Any]) -> bool:
+        body = body["sampling_params"]
+        values = {"max_new_tokens": body.get("max_new_tokens")}
+    else:
+        values = {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens"))}
     try:
-        Sampling(max_new_tokens=settings[0], temperature=settings[1], top_p=settings[2])
-    except (TypeError, ValidationError):
-        return False
-    return True
+        return Sampling(**values, temperature=body.get("temperature"), top_p=body.get("top_p"))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UserError(f"--tasks: capture record {task.seq}: {'.'.join(map(str, first['loc']))}: "
+                        f"{first['msg']}") from None
 
 
 def _with_defaults(task: ReplayTask, sampling: Sampling) -> ReplayTask:
@@ -122,15 +120,16 @@ def _with_defaults(task: ReplayTask, sampling: Sampling) -> ReplayTask:
         if "max_completion_tokens" in body:
             defaults.pop("max_tokens")
         body = {**defaults, **body}
-    return _task(task.id.rsplit("-", 1)[0], task.route, body, task.arrival_s)
+    return _task(task.seq, task.route, body, task.arrival_s)
 
 
-def _task(stem: str, route: sglang.Api, body: dict[str, Any], arrival_s: float) -> ReplayTask:
+def _task(seq: int, route: sglang.Api, body: dict[str, Any], arrival_s: float) -> ReplayTask:
+    """Its id is the record's number and a hash of the body it is sent with."""
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
     prompt_value = body.get(PROMPT_FIELDS[route], body.get("input_ids"))
     plain = isinstance(prompt_value, str)
-    return ReplayTask(id=f"{stem}-{digest}", prompt=prompt_value if plain else json.dumps(prompt_value),
-                      route=route, body=body, arrival_s=arrival_s)
+    return ReplayTask(id=f"c{seq:06d}-{digest}", prompt=prompt_value if plain else json.dumps(prompt_value),
+                      seq=seq, route=route, body=body, arrival_s=arrival_s)
 
 
 def _where(manifest: CaptureManifest, seq: int) -> str:
@@ -153,6 +152,8 @@ def _refusal(record: CaptureRecord) -> str | None:
         return "has no prompt (text or input_ids)"
     if record.route == "native" and isinstance(record.body.get("text"), list):
         return "is a batch (text is a list); a replayed request carries one prompt"
+    if record.route == "native" and not isinstance(record.body.get("sampling_params", {}), dict):
+        return "has a sampling_params that is not an object"
     if record.route == "chat" and not isinstance(record.body.get("messages"), list):
         return "has no messages"
     return None
@@ -175,6 +176,6 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
         mix = ", ".join(f"{count} to {sglang.ROUTES[route]}" for route, count in routes.items())
         raise UserError(f"--tasks: capture {directory} mixes routes ({mix}); a run replays one (--api)")
     arrived = sorted(records, key=lambda r: r.offset_s)  # an observer sees exchanges as they end, not begin
-    tasks: Sequence[ReplayTask] = [_task(f"c{r.seq:06d}", r.route, r.body, r.offset_s) for r in arrived]
+    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s) for r in arrived]
     return CaptureTaskSet(name=name, tasks=tuple(tasks), route=records[0].route,
                           arrivals_s=tuple(t.arrival_s for t in tasks))

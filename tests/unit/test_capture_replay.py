@@ -65,7 +65,8 @@ def test_each_task_keeps_its_settings_and_unset_ones_come_from_the_flags(tmp_pat
 
 def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path: Path) -> None:
     tasks, _ = load_capture_tasks(capture(tmp_path, [
-        ("/v1/chat/completions", chat("hi", max_completion_tokens=9, top_p=0.5, stream_options={"x": 1}), 0.0)])
+        ("/v1/chat/completions", chat("hi", max_completion_tokens=9, top_p=0.5, stream_options={"x": 1},
+                                      return_meta_info=True), 0.0)])
     ).for_run(FLAGS)
     task = tasks.tasks[0]
     assert isinstance(task, ReplayTask)
@@ -76,13 +77,22 @@ def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path
 
 
 def test_the_client_sends_a_replayed_task_as_captured() -> None:
-    task = ReplayTask(id="c0", prompt="p", route="native", body={"text": "p", "sampling_params": {"top_k": 5}})
+    task = ReplayTask(id="c0", prompt="p", route="native", body={"text": "p", "sampling_params": {"top_k": 5}, "rid": "x"})
     client = ArmClient("a", "http://127.0.0.1:9", "native", SamplingParams(), lambda _: None, t0=0.0,
                        request_timeout_s=1.0)
     try:
         assert client._body(task) == {"text": "p", "sampling_params": {"top_k": 5}, "stream": True}
     finally:
         client.close()
+
+
+def test_a_setting_out_of_range_refuses_naming_the_record(tmp_path: Path) -> None:
+    tasks = load_capture_tasks(capture(tmp_path, [("/v1/chat/completions", chat("b", temperature=-1), 0.0)]))
+    with pytest.raises(UserError, match="capture record 0: temperature: Input should be greater than or equal to 0"):
+        tasks.for_run(FLAGS)
+    bad = capture(tmp_path, [("/generate", {"text": "a", "sampling_params": "hot"}, 0.0)], "bad")
+    with pytest.raises(UserError, match="has a sampling_params that is not an object"):
+        load_capture_tasks(bad)
 
 
 def test_task_ids_and_the_set_hash_change_with_any_setting(tmp_path: Path) -> None:
