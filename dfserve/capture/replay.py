@@ -30,7 +30,7 @@ from dfserve import sglang
 from dfserve.capture.format import CaptureManifest, CaptureRecord
 from dfserve.capture.read import read_capture
 from dfserve.capture.redact import PROMPT_FIELDS
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.tasks import Task, TaskSet
 
@@ -82,11 +82,11 @@ class CaptureTaskSet(TaskSet):
     def check(self, api: str, trace: bool, count: int) -> None:
         """Refuse a run whose `--api` is not the capture's route, or a trace longer than the capture."""
         if api != self.route:
-            raise UserError(f"--api {api}: {self.name} holds {sglang.ROUTES[self.route]} requests; run with "
-                            f"--api {self.route}")
+            raise FieldError("api", f"{self.name} holds {sglang.ROUTES[self.route]} requests, so replays as "
+                             f"{self.route}, not {api}")
         if trace and count > len(self.tasks):
-            raise UserError(f"--num-requests, --warmup: a trace replays each of the capture's {len(self.tasks)} "
-                            f"requests once, in order; {count} asked for")
+            raise FieldError("num_requests", f"a trace replays each of the capture's {len(self.tasks)} requests once, "
+                             f"in order; {count} asked for ({{other}} included)", other="warmup")
 
     def trace(self, count: int) -> tuple[list[Task], list[float]]:
         """The first `count` requests in arrival order and their arrival offsets."""
@@ -105,8 +105,8 @@ def _settings(task: ReplayTask) -> Sampling:
         return Sampling(**values, temperature=body.get("temperature"), top_p=body.get("top_p"))
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise UserError(f"--tasks: capture record {task.seq}: {'.'.join(map(str, first['loc']))}: "
-                        f"{first['msg']}") from None
+        raise FieldError("tasks", f"capture record {task.seq}: {'.'.join(map(str, first['loc']))}: "
+                         f"{first['msg']}") from None
 
 
 def _with_defaults(task: ReplayTask, sampling: Sampling) -> ReplayTask:
@@ -165,16 +165,16 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
     manifest, records = read_capture(directory)
     name = f"{PREFIX}{directory.name}"
     if not records:
-        raise UserError(f"--tasks: capture {directory} holds no requests")
+        raise FieldError("tasks", f"capture {directory} holds no requests")
     for record in records:
         refusal = _refusal(record)
         if refusal is not None:
-            raise UserError(f"--tasks: capture {directory}: record {record.seq} ({_where(manifest, record.seq)}) "
-                            f"{refusal}")
+            raise FieldError("tasks", f"capture {directory}: record {record.seq} ({_where(manifest, record.seq)}) "
+                             f"{refusal}")
     routes = Counter(record.route for record in records)
     if len(routes) > 1:
         mix = ", ".join(f"{count} to {sglang.ROUTES[route]}" for route, count in routes.items())
-        raise UserError(f"--tasks: capture {directory} mixes routes ({mix}); a run replays one (--api)")
+        raise FieldError("tasks", f"capture {directory} mixes routes ({mix}); a run replays one route")
     arrived = sorted(records, key=lambda r: r.offset_s)  # an observer sees exchanges as they end, not begin
     tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s) for r in arrived]
     return CaptureTaskSet(name=name, tasks=tuple(tasks), route=records[0].route,

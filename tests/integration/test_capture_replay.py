@@ -185,8 +185,8 @@ def test_a_chat_capture_replays_with_its_own_settings(captures: Path, tmp_path: 
 
 @pytest.mark.parametrize(("capture", "extra", "message"), [
     ("hashed", (), "record 0 (segment-000001.jsonl:1) cannot be replayed: its user text was hashed (redact: hash)"),
-    ("mixed", (), "mixes routes (1 to /generate, 1 to /v1/chat/completions); a run replays one (--api)"),
-    ("chat", ("--api", "native"), "--api native: capture:chat holds /v1/chat/completions requests; run with --api chat"),
+    ("mixed", (), "mixes routes (1 to /generate, 1 to /v1/chat/completions); a run replays one route"),
+    ("chat", ("--api", "native"), "capture:chat holds /v1/chat/completions requests, so replays as chat, not native"),
 ])
 def test_a_capture_that_cannot_be_replayed_refuses_in_one_line(captures: Path, tmp_path: Path, capture: str,
                                                                extra: tuple[str, ...], message: str) -> None:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from dfserve.capture.format import CapturePolicy
 from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.records import RequestRecord
@@ -88,10 +88,11 @@ def test_the_client_sends_a_replayed_task_as_captured() -> None:
 
 def test_a_setting_out_of_range_refuses_naming_the_record(tmp_path: Path) -> None:
     tasks = load_capture_tasks(capture(tmp_path, [("/v1/chat/completions", chat("b", temperature=-1), 0.0)]))
-    with pytest.raises(UserError, match="capture record 0: temperature: Input should be greater than or equal to 0"):
+    with pytest.raises(FieldError, match=r"^tasks: capture record 0: temperature: Input should be greater than or "
+                       r"equal to 0"):
         tasks.for_run(FLAGS)
     bad = capture(tmp_path, [("/generate", {"text": "a", "sampling_params": "hot"}, 0.0)], "bad")
-    with pytest.raises(UserError, match="has a sampling_params that is not an object"):
+    with pytest.raises(FieldError, match="has a sampling_params that is not an object"):
         load_capture_tasks(bad)
 
 
@@ -104,7 +105,7 @@ def test_task_ids_and_the_set_hash_change_with_any_setting(tmp_path: Path) -> No
 
 def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) -> None:
     spec = capture(tmp_path, [("/generate", native("a"), 0.0)], redact="hash")
-    with pytest.raises(UserError, match=r"record 0 \(segment-000001.jsonl:1\) cannot be replayed: its user text was "
+    with pytest.raises(FieldError, match=r"record 0 \(segment-000001.jsonl:1\) cannot be replayed: its user text was "
                        r"hashed \(redact: hash\)") as caught:
         load_capture_tasks(spec)
     assert "\n" not in str(caught.value)
@@ -112,25 +113,26 @@ def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) 
 
 def test_a_dropped_prompt_refuses(tmp_path: Path) -> None:
     spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
-    with pytest.raises(UserError, match=r"its prompt was dropped \(redact: drop messages\)"):
+    with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
         load_capture_tasks(spec)
 
 
 def test_mixed_routes_and_completions_refuse(tmp_path: Path) -> None:
     mixed = capture(tmp_path, [("/generate", native("a"), 0.0), ("/v1/chat/completions", chat("b"), 1.0)], "mixed")
-    with pytest.raises(UserError, match=r"mixes routes \(1 to /generate, 1 to /v1/chat/completions\); a run "
-                       r"replays one"):
+    with pytest.raises(FieldError, match=r"^tasks: capture .* mixes routes \(1 to /generate, 1 to "
+                       r"/v1/chat/completions\); a run replays one route$"):
         load_capture_tasks(mixed)
     completions = capture(tmp_path, [("/v1/completions", {"prompt": "a"}, 0.0)], "completions")
-    with pytest.raises(UserError, match=r"record 0 .* is a /v1/completions request; the load tester replays"):
+    with pytest.raises(FieldError, match=r"record 0 .* is a /v1/completions request; the load tester replays"):
         load_capture_tasks(completions)
 
 
 def test_a_run_must_use_the_captures_route_and_a_trace_fits_the_capture(tmp_path: Path) -> None:
     tasks = load_capture_tasks(capture(tmp_path, [("/generate", native("a"), 0.0), ("/generate", native("b"), 1.0)]))
-    with pytest.raises(UserError, match=r"--api chat: .* holds /generate requests; run with --api native"):
+    with pytest.raises(FieldError, match=r"^api: .* holds /generate requests, so replays as native, not chat$"):
         tasks.check("chat", trace=False, count=2)
-    with pytest.raises(UserError, match="replays each of the capture's 2 requests once, in order; 3 asked for"):
+    with pytest.raises(FieldError, match=r"^num_requests: a trace replays each of the capture's 2 requests once, "
+                       r"in order; 3 asked for \(warmup included\)$"):
         tasks.check("native", trace=True, count=3)
     tasks.check("native", trace=False, count=300)  # other arrivals repeat the set, as for any task set
     order, arrivals = tasks.trace(2)
