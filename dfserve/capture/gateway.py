@@ -77,7 +77,10 @@ class CaptureObserver:
         except ValidationError as exc:
             first = exc.errors()[0]
             raise FieldError(".".join(["capture", *map(str, first["loc"])]), first["msg"]) from None
-        return cls(CaptureWriter.open(policy))
+        try:
+            return cls(CaptureWriter.open(policy))
+        except FieldError as exc:
+            raise FieldError(f"capture.{exc.field}", exc.message) from None
 
     def observe(self, exchanged: FinishedExchange) -> None:
         item = captured(exchanged, self._wall(), self._clock())

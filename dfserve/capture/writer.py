@@ -108,7 +108,8 @@ class _Segment:
 
 
 class CaptureWriter:
-    """Writes one capture folder; `observe` from the event loop, everything else on the writer's thread."""
+    """Writes one capture folder; `observe` from one thread (the gateway's observer, or an event loop), everything
+    else on the writer's own thread."""
 
     def __init__(self, policy: CapturePolicy, *, clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time) -> None:
@@ -132,16 +133,16 @@ class CaptureWriter:
     @classmethod
     def open(cls, policy: CapturePolicy, **clocks: Any) -> CaptureWriter:
         """Create the capture folder (it must not exist: a capture is never appended to) and start writing."""
+        writer = cls(policy, **clocks)
         try:
             policy.dir.parent.mkdir(parents=True, exist_ok=True)
             policy.dir.mkdir(0o700)
             os.chmod(policy.dir, 0o700)
+            writer._write_manifest(complete=False)
         except FileExistsError:
             raise FieldError("dir", f"{policy.dir} exists; a capture folder is never reused") from None
         except OSError as exc:
-            raise FieldError("dir", f"cannot create {policy.dir}: {exc.strerror}") from None
-        writer = cls(policy, **clocks)
-        writer._write_manifest(complete=False)
+            raise FieldError("dir", f"cannot write {policy.dir}: {exc.strerror or exc}") from None
         writer._thread.start()
         return writer
 
@@ -161,8 +162,9 @@ class CaptureWriter:
     def close(self) -> CaptureManifest:
         """Write what is queued, close the last segment and mark the capture complete (logged, not raised, when
         the manifest cannot be written: the capture then reads as incomplete)."""
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         try:
             return self._write_manifest(complete=True)
         except OSError as exc:

@@ -123,8 +123,9 @@ def test_files_are_0600_and_the_folder_0700_whatever_the_umask(tmp_path: Path) -
     assert modes == {MANIFEST: 0o600, "segment-000001.jsonl": 0o600}
 
 
-def test_a_capture_folder_is_never_reused(tmp_path: Path) -> None:
-    write(tmp_path, [NATIVE])
+def test_a_capture_folder_is_never_reused_and_closing_twice_is_harmless(tmp_path: Path) -> None:
+    writer = write(tmp_path, [NATIVE])
+    assert writer.close().complete
     with pytest.raises(FieldError, match=r"dir: .* exists"):
         CaptureWriter.open(policy(tmp_path))
 
@@ -307,3 +308,5 @@ def test_the_observers_options_are_the_policy_and_a_bad_one_names_its_field(tmp_
         CaptureObserver.from_options({"dir": str(tmp_path / "d"), "fraction": 2})
     with pytest.raises(FieldError, match=r"^capture\.max_segment: Extra inputs"):
         CaptureObserver.from_options({"dir": str(tmp_path / "d"), "max_segment": 2})
+    with pytest.raises(FieldError, match=r"^capture\.dir: .* exists; a capture folder is never reused"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "c")})
