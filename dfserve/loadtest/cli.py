@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dfserve.baselines import BaselineRegistry, promote_verdict
+from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign
@@ -92,7 +93,9 @@ def loadtest() -> None:
 @click.option("--api", type=click.Choice(["native", "chat"]), default="native", show_default=True,
               help="native /generate or streamed OpenAI chat; both give exact acceptance from SGLang 0.5.23 on "
                    "(chat through return_spec_tokens_details; estimated from older servers).")
-@click.option("--tasks", default="humaneval", show_default=True, help="'humaneval' or a JSONL file of {id, prompt|messages}.")
+@click.option("--tasks", default="humaneval", show_default=True,
+              help="'humaneval', a JSONL file of {id, prompt|messages}, or capture:DIR (captured requests, each with "
+                   "its own sampling settings).")
 @click.option("--num-requests", type=int, default=400, show_default=True, help="Measured requests per arm.")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Requests before them, left out of every figure.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True)
@@ -100,7 +103,10 @@ def loadtest() -> None:
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--concurrency", type=int, default=None, help="Closed loop: requests in flight per arm; open loop: a cap.")
 @click.option("--rate", type=float, default=None, help="Open loop: requests per second per arm.")
-@click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True)
+@click.option("--arrival", type=click.Choice(["poisson", "constant", "trace"]), default="poisson", show_default=True,
+              help="trace: the captured arrival times of --tasks capture:DIR, in order (no --rate).")
+@click.option("--speed", type=float, default=None, help="With --arrival trace: replay this many times faster "
+              "(default 1).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds task order and Poisson gaps.")
 @click.option("--duration", type=float, default=None, help="Stop sending new requests after this many seconds.")
 @click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds per request.")
@@ -129,25 +135,30 @@ def loadtest() -> None:
 @click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
-                seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
+                speed: float | None, seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
                 name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
                 pin_arms: bool, shard: str | None, headers: tuple[str, ...], api_key: str | None, quiet: bool,
                 until_decided: bool, gate: Path | None, look_every: int | None) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
-    if concurrency is None and rate is None:
+    trace = arrival == "trace"
+    if concurrency is None and rate is None and not trace:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
     try:
-        load = LoadShape(kind="closed" if rate is None else arrival, concurrency=concurrency, rate=rate, seed=seed)
+        load = LoadShape(kind=arrival if trace or rate is not None else "closed", concurrency=concurrency, rate=rate,
+                         speed=1.0 if trace and speed is None else speed, seed=seed)
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValidationError as exc:
         raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
     with flags_for(command_flags(run_command)):
+        task_set = load_tasks(tasks)
+        if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
+            task_set, sampling = task_set.for_run(sampling)
         plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
-                       task_set=load_tasks(tasks), num_requests=num_requests, warmup=warmup, sampling=sampling,
+                       task_set=task_set, num_requests=num_requests, warmup=warmup, sampling=sampling,
                        load=load, out=out, name=_name(name), duration_s=duration, request_timeout_s=request_timeout,
                        model=model, pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
                        shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
-        monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
+        monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], plan.sampling.temperature,
                                      len(plan.task_set.tasks), warmup) if plan.sequential else None)
     exporter = Exporter(route=api)
     if metrics_port is not None:
@@ -248,6 +259,8 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))
     _print_summary(config, summary)
+    for arm, fidelity in summary.schedule_fidelity.items():
+        click.echo(f"schedule fidelity, {arm}: {fidelity.describe()}")
     warning = read_lag_warning(summary)
     if warning is not None:
         click.echo(warning, err=True)

@@ -28,6 +28,7 @@ from itertools import compress
 from typing import Any
 
 from dfserve import sglang
+from dfserve.capture.replay import ReplayTask
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
@@ -305,6 +306,8 @@ class ArmClient:
         self.pool.close()
 
     def _body(self, task: Task) -> dict[str, Any]:
+        if isinstance(task, ReplayTask):
+            return task.request(self.model)
         if self.api == "native":
             return sglang.generate_body(task.as_text(), self.sampling, stream=True)
         return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.schedule import ScheduleFidelity, schedule_fidelity
 from dfserve.stamped_socket import ReadLag
 from dfserve.svg import svg_cdf, svg_histogram
 from dfserve.verdict import stats
@@ -96,6 +97,8 @@ class Summary(_Model):
     run_id: str
     interrupted: bool
     arms: tuple[ArmSummary, ...]
+    schedule_fidelity: dict[str, ScheduleFidelity] = Field(default_factory=dict, description="open loop, per arm: "
+                                                           "how late measured requests were sent against schedule")
 
 
 def _figure(interval: stats.Interval | None, n: int) -> Figure | None:
@@ -205,7 +208,11 @@ def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: 
               read_lag: Mapping[str, ReadLag]) -> Summary:
     arms = tuple(summarize_arm(arm.name, [r for r in records if r.arm == arm.name]).model_copy(
         update={"tester_read_lag": read_lag.get(arm.name)}) for arm in config.arms)
-    return Summary(run_id=config.run_id, interrupted=interrupted, arms=arms)
+    fidelity = {arm.name: schedule_fidelity([(r.scheduled_s, r.sent_s) for r in rec.measured_records(records)
+                                             if r.arm == arm.name and r.scheduled_s is not None
+                                             and r.sent_s is not None]) for arm in config.arms}
+    return Summary(run_id=config.run_id, interrupted=interrupted, arms=arms,
+                   schedule_fidelity={name: f for name, f in fidelity.items() if f is not None})
 
 
 READ_WITH_NEXT_WARNED = 0.01

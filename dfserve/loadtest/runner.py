@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from dfserve import sglang, stamped_socket
+from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import UserError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient
@@ -77,6 +78,10 @@ class RunPlan:
                             "judge the merged run with dfserve compare")
         if self.load.concurrency is not None:
             shard_concurrency(self.load.concurrency, self.shard)  # refuses a concurrency the shards cannot share
+        if isinstance(self.task_set, CaptureTaskSet):
+            self.task_set.check(self.api, self.load.kind == "trace", self.warmup + self.num_requests)
+        elif self.load.kind == "trace":
+            raise UserError("--arrival trace: replays captured arrival times; give --tasks capture:DIR")
 
 
 @dataclass
@@ -195,6 +200,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         return writer.stopped() or (halt is not None and halt())
 
     try:
+        provenance = Provenance.here()  # tens of ms the first time: before the clock starts, not in the schedule
         t0 = time.perf_counter()
         writer.begin(t0)
         clients = [
@@ -219,12 +225,15 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             shard=plan.shard,
             header_names=tuple(name for name, _ in plan.headers),
             t0_unix_s=time.time() - (time.perf_counter() - t0),
-            provenance=Provenance.here(),
+            provenance=provenance,
         )
         write_model(run_dir / "config.json", config)
-        order = plan.task_set.sequence(total, load.seed)
+        if isinstance(plan.task_set, CaptureTaskSet) and load.kind == "trace":
+            order, arrivals_s = plan.task_set.trace(total)
+            offsets = load.offsets(total, arrivals_s)
+        else:
+            order, offsets = plan.task_set.sequence(total, load.seed), load.offsets(total)
         deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
-        offsets = load.offsets(total)
         indices = shard_indices(total, plan.shard)
         concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)
         drive: asyncio.Future[Any]

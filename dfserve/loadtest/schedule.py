@@ -2,7 +2,8 @@
 
 Closed loop keeps `concurrency` requests in flight and has no offsets (the next request leaves when one finishes);
 open loop (Poisson or constant) fixes every request's offset from the start of the run in advance, optionally with a
-concurrency cap whose waiting time the runner records.
+concurrency cap whose waiting time the runner records; a trace replays a capture's recorded arrival offsets, scaled
+by `speed`. How late each request of an open loop went out against its offset is the schedule's fidelity.
 
     load = LoadShape(kind="poisson", rate=20.0, seed=1)
     offsets = load.offsets(200)   # the same list for every arm
@@ -11,11 +12,15 @@ concurrency cap whose waiting time the runner records.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ArrivalKind = Literal["closed", "poisson", "constant"]
+from dfserve.loadtest.stats import quantile
+
+ArrivalKind = Literal["closed", "poisson", "constant", "trace"]
 
 
 class LoadShape(BaseModel):
@@ -23,9 +28,11 @@ class LoadShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: ArrivalKind = Field(description="closed loop, or open loop with Poisson or evenly spaced arrivals")
+    kind: ArrivalKind = Field(description="closed loop, or open loop with Poisson, evenly spaced or captured "
+                              "(trace) arrivals")
     concurrency: int | None = Field(None, description="closed loop: requests in flight; open loop: optional cap")
     rate: float | None = Field(None, description="open loop: requests per second")
+    speed: float | None = Field(None, description="trace: how many times faster than captured (2.0: twice)")
     seed: int = Field(0, description="seeds the Poisson gaps and the task order")
 
     @model_validator(mode="after")
@@ -33,27 +40,42 @@ class LoadShape(BaseModel):
         if self.kind == "closed":
             if self.concurrency is None or self.concurrency < 1:
                 raise ValueError("closed loop needs --concurrency >= 1")
+        elif self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("--concurrency cap must be >= 1")
+        if self.kind in ("closed", "trace"):
             if self.rate is not None:
-                raise ValueError("closed loop takes no --rate")
-        else:
-            if self.rate is None or self.rate <= 0:
-                raise ValueError(f"{self.kind} arrivals need --rate > 0")
-            if self.concurrency is not None and self.concurrency < 1:
-                raise ValueError("--concurrency cap must be >= 1")
+                raise ValueError("closed loop takes no --rate" if self.kind == "closed"
+                                 else "trace arrivals take no --rate (the capture's arrival times set it)")
+        elif self.rate is None or self.rate <= 0:
+            raise ValueError(f"{self.kind} arrivals need --rate > 0")
+        if self.kind == "trace":
+            if self.speed is None or self.speed <= 0:
+                raise ValueError("trace arrivals need --speed > 0")
+        elif self.speed is not None:
+            raise ValueError("--speed: only with --arrival trace")
         return self
 
     def describe(self) -> str:
         """The load in words, as a report's reader wants it."""
         if self.kind == "closed":
             return f"closed loop, {self.concurrency} in flight per arm"
+        if self.kind == "trace":
+            cap = f", at most {self.concurrency} in flight" if self.concurrency is not None else ""
+            return f"captured arrival times at {self.speed:g}x speed{cap}"
         arrivals = "Poisson" if self.kind == "poisson" else "evenly spaced"
         cap = f", at most {self.concurrency} in flight" if self.concurrency is not None else ""
         return f"{arrivals} arrivals at {self.rate:g} req/s per arm{cap}, seed {self.seed}"
 
-    def offsets(self, count: int) -> list[float] | None:
-        """Seconds from the start of the run at which request i is due; None for closed loop."""
+    def offsets(self, count: int, trace_s: Sequence[float] = ()) -> list[float] | None:
+        """Seconds from the start of the run at which request i is due; None for closed loop. A trace needs the
+        captured arrival offsets (`trace_s`, one per request)."""
         if self.kind == "closed":
             return None
+        if self.kind == "trace":
+            assert self.speed is not None
+            if len(trace_s) < count:
+                raise ValueError(f"a trace of {count} requests needs as many arrival times, not {len(trace_s)}")
+            return trace_offsets(trace_s[:count], self.speed)
         assert self.rate is not None
         if self.kind == "constant":
             return [i / self.rate for i in range(count)]
@@ -69,3 +91,36 @@ def poisson_offsets(rate: float, count: int, rng: random.Random) -> list[float]:
         return [0.0] * count
     span = (count - 1) / rate
     return [0.0, *sorted(rng.uniform(0.0, span) for _ in range(count - 2)), span]
+
+
+def trace_offsets(arrivals_s: Sequence[float], speed: float) -> list[float]:
+    """Captured arrival offsets as a run's: the first at 0, every gap divided by `speed`. Arrivals must be in
+    order (a capture's are sorted by arrival when it is read)."""
+    if any(later < earlier for earlier, later in pairwise(arrivals_s)):
+        raise ValueError("trace arrival times are not in order")
+    start = arrivals_s[0] if arrivals_s else 0.0
+    return [(arrival - start) / speed for arrival in arrivals_s]
+
+
+class ScheduleFidelity(BaseModel):
+    """How late requests went out against their scheduled offsets (sent - scheduled, in ms; negative: early)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int
+    late_p50_ms: float
+    late_p99_ms: float
+    late_max_ms: float
+
+    def describe(self) -> str:
+        return (f"sent late by p50 {self.late_p50_ms:.2f} ms, p99 {self.late_p99_ms:.2f} ms, "
+                f"max {self.late_max_ms:.2f} ms (n={self.n})")
+
+
+def schedule_fidelity(sends: Sequence[tuple[float, float]]) -> ScheduleFidelity | None:
+    """The lateness of requests sent, from each one's (scheduled, actual) send time in seconds; None without any."""
+    late_ms = [(sent - due) * 1e3 for due, sent in sends]
+    p50, p99 = quantile(late_ms, 0.5), quantile(late_ms, 0.99)
+    if p50 is None or p99 is None:
+        return None
+    return ScheduleFidelity(n=len(late_ms), late_p50_ms=p50, late_p99_ms=p99, late_max_ms=max(late_ms))

@@ -1,0 +1,89 @@
+"""The redaction policy and what a record keeps of a request: pure functions, tested without a writer.
+
+`hash` replaces the user text (native `text` and `input_ids`, chat `messages[].content`, completions `prompt`)
+by the sha256 of its JSON, so equal prompts stay recognisable as equal while the text is gone; such a record says
+it cannot be replayed. `drop` removes named fields (dotted paths), and a record that lost its prompt that way
+cannot be replayed either.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from dfserve.capture.format import CREDENTIAL_HEADERS, CapturePolicy
+from dfserve.sglang import Api
+
+PROMPT_FIELDS: dict[str, str] = {"native": "text", "chat": "messages", "completions": "prompt"}
+"""The field that carries a request's prompt, per route (native may carry `input_ids` instead)."""
+
+OPENAI_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                   "stop_token_ids", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "n",
+                   "ignore_eos", "logit_bias", "min_tokens", "regex", "json_schema", "ebnf", "response_format")
+
+
+def text_hash(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def kept_headers(headers: Iterable[tuple[bytes | str, bytes | str]], drop: Iterable[str] = ()) -> \
+        tuple[tuple[str, str], ...]:
+    """Headers as sent (names lower-cased), less credentials, `drop` and Content-Length (the body may change)."""
+    refused = CREDENTIAL_HEADERS | {name.lower() for name in drop} | {"content-length"}
+    kept = []
+    for name, value in headers:
+        key = (name.decode("latin-1") if isinstance(name, bytes) else name).lower()
+        if key not in refused:
+            kept.append((key, value.decode("latin-1") if isinstance(value, bytes) else value))
+    return tuple(kept)
+
+
+def sampling_of(route: Api, body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings a body sets: native `sampling_params`, or the OpenAI body's top-level fields."""
+    if route == "native":
+        params = body.get("sampling_params")
+        return dict(params) if isinstance(params, dict) else {}
+    return {key: body[key] for key in OPENAI_SAMPLING if key in body}
+
+
+def _drop(body: dict[str, Any], path: str) -> bool:
+    *parents, leaf = path.split(".")
+    node: Any = body
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and leaf in node:
+        del node[leaf]
+        return True
+    return False
+
+
+def _hash_text(route: Api, body: dict[str, Any]) -> list[str]:
+    hashed = []
+    if route == "chat":
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            for message in messages:
+                if isinstance(message, dict) and "content" in message:
+                    message["content"] = text_hash(message["content"])
+            hashed.append("messages[].content")
+        return hashed
+    for key in ("text", "input_ids") if route == "native" else ("prompt",):
+        if key in body:
+            body[key] = text_hash(body[key])
+            hashed.append(key)
+    return hashed
+
+
+def redact(route: Api, body: dict[str, Any], policy: CapturePolicy) -> tuple[dict[str, Any], tuple[str, ...], bool]:
+    """The body as the policy keeps it, the fields it removed or hashed, and whether it can still be replayed."""
+    if policy.redact == "keep":
+        return body, (), True
+    kept = copy.deepcopy(body)
+    if policy.redact == "hash":
+        return kept, tuple(_hash_text(route, kept)), False
+    dropped = tuple(path for path in policy.drop_fields if _drop(kept, path))
+    prompt_gone = PROMPT_FIELDS[route] not in kept and not (route == "native" and "input_ids" in kept)
+    return kept, dropped, not prompt_gone

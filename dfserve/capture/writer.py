@@ -1,0 +1,294 @@
+"""`CaptureWriter`: the gateway hands it each request it saw (`observe`, cheap and never blocking); a thread of its
+own redacts, serializes and writes them into bounded segments.
+
+A capture must never fail or slow a client's request: `observe` only draws the sampling decision and queues;
+when the queue is full, or writing failed (ENOSPC, EACCES), or the capture reached its bound, the request is
+counted as dropped, and each kind of drop is logged once.
+
+The bound stops the capture rather than dropping the oldest segments: a capture is a window of traffic to replay,
+and its arrival offsets are measured from its start, so it stays one unbroken window from its first request; a
+reader never finds a segment deleted under it. To capture a later window, start a new capture folder.
+
+Files are created 0600 (set with fchmod, whatever the umask), the folder 0700.
+
+    writer = CaptureWriter.open(CapturePolicy(dir=Path("capture"), fraction=0.1))
+    writer.observe(Captured("/generate", body, headers, time.time(), time.perf_counter()))
+    writer.close()   # writes the last segment and marks the manifest complete
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dfserve.capture.format import (
+    MANIFEST,
+    CaptureCounts,
+    CaptureManifest,
+    CapturePolicy,
+    CaptureRecord,
+    SegmentInfo,
+    segment_name,
+)
+from dfserve.capture.redact import kept_headers, redact, sampling_of
+from dfserve.errors import FieldError
+from dfserve.sglang import ROUTES, Api
+
+log = logging.getLogger("dfserve.capture")
+
+ROUTE_OF: dict[str, Api] = {path: api for api, path in ROUTES.items()}  # type: ignore[misc]
+FILE_MODE = 0o600
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """One request as the gateway saw it: what an observer hands the writer."""
+
+    path: str
+    body: bytes
+    headers: Sequence[tuple[bytes | str, bytes | str]]
+    arrival_unix_s: float
+    arrival_perf_s: float
+    """`time.perf_counter()` at arrival: the replay's offsets come from this clock, not the wall clock."""
+
+
+def create_private(path: Path) -> int:
+    """A new file open for writing, mode 0600 whatever the umask; an existing file is an error."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Segment:
+    def __init__(self, directory: Path, number: int) -> None:
+        self.name = segment_name(number)
+        self.path = directory / self.name
+        self.fd = create_private(self.path)
+        self.records = 0
+        self.bytes = 0
+        self.digest = hashlib.sha256()
+
+    def append(self, line: bytes) -> None:
+        _write_all(self.fd, line)
+        self.records += 1
+        self.bytes += len(line)
+        self.digest.update(line)
+
+    def close(self) -> SegmentInfo:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        return SegmentInfo(name=self.name, records=self.records, bytes=self.bytes, sha256=self.digest.hexdigest())
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
+
+
+class CaptureWriter:
+    """Writes one capture folder; `observe` from one thread (the gateway's observer, or an event loop), everything
+    else on the writer's own thread."""
+
+    def __init__(self, policy: CapturePolicy, *, clock: Callable[[], float] = time.perf_counter,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.policy = policy
+        self._t0 = clock()
+        self._started_unix_s = wall()
+        self._rng = random.Random(policy.seed)
+        self._queue: queue.Queue[Captured | None] = queue.Queue(policy.queue_size)
+        self._observed = 0
+        self._sampled_out = 0
+        self._queue_full = 0
+        self._counts: dict[str, int] = dict.fromkeys(CaptureCounts.model_fields, 0)
+        self._segments: list[SegmentInfo] = []
+        self._segment: _Segment | None = None
+        self._stopped: str | None = None
+        self._stop_kind = ""
+        self._logged: set[str] = set()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="dfserve-capture", daemon=True)
+
+    @classmethod
+    def open(cls, policy: CapturePolicy, **clocks: Any) -> CaptureWriter:
+        """Create the capture folder (it must not exist: a capture is never appended to) and start writing."""
+        writer = cls(policy, **clocks)
+        try:
+            policy.dir.parent.mkdir(parents=True, exist_ok=True)
+            policy.dir.mkdir(0o700)
+            os.chmod(policy.dir, 0o700)
+            writer._write_manifest(complete=False)
+        except FileExistsError:
+            raise FieldError("dir", f"{policy.dir} exists; a capture folder is never reused") from None
+        except OSError as exc:
+            raise FieldError("dir", f"cannot write {policy.dir}: {exc.strerror or exc}") from None
+        writer._thread.start()
+        return writer
+
+    def observe(self, captured: Captured) -> None:
+        """Sample and queue one request; never blocks and never raises for the capture's own failures."""
+        self._observed += 1
+        if self._rng.random() >= self.policy.fraction:
+            self._sampled_out += 1
+            return
+        try:
+            self._queue.put_nowait(captured)
+        except queue.Full:
+            self._queue_full += 1
+            self._log_once("queue", f"capture {self.policy.dir}: the writer fell behind; requests are dropped "
+                           "(counted in the manifest as dropped_queue_full)")
+
+    def close(self) -> CaptureManifest:
+        """Write what is queued, close the last segment and mark the capture complete (logged, not raised, when
+        the manifest cannot be written: the capture then reads as incomplete)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        try:
+            return self._write_manifest(complete=True)
+        except OSError as exc:
+            self._log_once("manifest", f"capture {self.policy.dir}: cannot write {MANIFEST}: {exc.strerror or exc}")
+            return self._manifest(complete=False)
+
+    @property
+    def counts(self) -> CaptureCounts:
+        return CaptureCounts(**{**self._counts, "observed": self._observed, "sampled_out": self._sampled_out,
+                                "dropped_queue_full": self._queue_full})
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(message)
+
+    def _run(self) -> None:
+        while (captured := self._queue.get()) is not None:
+            if self._stopped is not None:
+                self._counts[self._stop_kind] += 1
+                continue
+            try:
+                line = self._line(captured)
+            except (ValueError, TypeError) as exc:  # a body pydantic cannot write back out: this request only
+                self._counts["unreadable"] += 1
+                self._log_once("unreadable", f"capture {self.policy.dir}: a request could not be recorded ({exc})")
+                continue
+            if line is not None:
+                self._append(line)
+        if self._segment is not None:
+            try:
+                self._close_segment()
+            except OSError as exc:
+                self._stop("dropped_write_error", f"cannot close a segment: {exc.strerror or exc}")
+
+    def _line(self, captured: Captured) -> bytes | None:
+        route = ROUTE_OF.get(captured.path)
+        if route is None:
+            self._counts["not_a_route"] += 1
+            return None
+        try:
+            body = json.loads(captured.body)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            self._counts["unreadable"] += 1
+            return None
+        kept, redacted, replayable = redact(route, body, self.policy)
+        record = CaptureRecord(
+            seq=self._seq, route=route, path=captured.path, arrival_unix_s=captured.arrival_unix_s,
+            offset_s=max(0.0, captured.arrival_perf_s - self._t0), sampling=sampling_of(route, body),
+            headers=kept_headers(captured.headers, self.policy.drop_headers), body=kept,
+            redaction=self.policy.redact, redacted=redacted,
+            replayable=replayable)
+        return (record.model_dump_json() + "\n").encode()
+
+    def _append(self, line: bytes) -> None:
+        limit = self.policy.segment_bytes
+        if len(line) > limit:
+            self._counts["dropped_too_large"] += 1
+            self._log_once("too_large", f"capture {self.policy.dir}: a request larger than a segment "
+                           f"({limit} bytes) was dropped (dropped_too_large)")
+            return
+        try:
+            if self._segment is not None and self._segment.bytes + len(line) > limit:
+                self._close_segment()
+                if len(self._segments) >= self.policy.max_segments:
+                    self._stop("dropped_over_bound", f"reached max_bytes {self.policy.max_bytes} in "
+                               f"{self.policy.max_segments} segments")
+                    self._counts["dropped_over_bound"] += 1
+                    return
+                self._write_manifest(complete=False)
+            if self._segment is None:
+                self._segment = _Segment(self.policy.dir, len(self._segments) + 1)
+            self._segment.append(line)
+            self._counts["written"] += 1
+            self._seq += 1
+        except OSError as exc:
+            self._counts["dropped_write_error"] += 1
+            self._salvage()
+            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
+
+    def _salvage(self) -> None:
+        """After a failed write, keep the open segment's whole lines (cut back to the last one) as a closed
+        segment; where even that fails, remove it and count its records as dropped."""
+        segment = self._segment
+        if segment is None:
+            return
+        try:
+            os.ftruncate(segment.fd, segment.bytes)
+            self._close_segment()
+        except OSError:
+            self._segment = None
+            segment.discard()
+            self._counts["written"] -= segment.records
+            self._counts["dropped_write_error"] += segment.records
+
+    def _close_segment(self) -> None:
+        assert self._segment is not None
+        segment, self._segment = self._segment, None
+        self._segments.append(segment.close())
+
+    def _stop(self, kind: str, reason: str) -> None:
+        self._stopped, self._stop_kind = reason, kind
+        self._log_once(kind, f"capture {self.policy.dir}: stopped, {reason}; later requests are dropped and "
+                       f"counted ({kind})")
+        with contextlib.suppress(OSError):
+            self._write_manifest(complete=False)
+
+    def _manifest(self, complete: bool) -> CaptureManifest:
+        return CaptureManifest(started_unix_s=self._started_unix_s, policy=self.policy,
+                               segments=tuple(self._segments), complete=complete, stopped=self._stopped,
+                               counts=self.counts)
+
+    def _write_manifest(self, complete: bool) -> CaptureManifest:
+        manifest = self._manifest(complete)
+        path = self.policy.dir / MANIFEST
+        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = create_private(tmp)
+        try:
+            _write_all(fd, manifest.model_dump_json(indent=2).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return manifest

@@ -1,0 +1,210 @@
+"""Capture then replay, over real sockets: clients send requests to a loopback server whose handler hands each one,
+shaped as the gateway's finished exchanges, to the capture observer; `dfserve loadtest run --tasks capture:DIR` replays them to the
+simulator on their captured schedule, and to a second capturing server, which shows the bodies arrive as captured."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dfserve.capture.format import CapturePolicy, CaptureRecord
+from dfserve.capture.gateway import CaptureObserver
+from dfserve.capture.read import read_capture
+from dfserve.capture.writer import CaptureWriter
+from dfserve.loadtest.records import read_records
+from dfserve.loadtest.schedule import trace_offsets
+from tests.integration.servers import LOOPBACK, dfserve_argv, sim_server
+
+pytestmark = pytest.mark.slow
+FLAGS = ("--max-new-tokens", "24", "--temperature", "0", "--top-p", "1")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The fields of the gateway's record of a finished exchange that capture reads."""
+
+    mirror: bool
+    method: str
+    path: str
+    headers: bytes
+    body: bytes
+    start_s: float
+
+
+@contextlib.contextmanager
+def capturing_server(policy: CapturePolicy) -> Iterator[str]:
+    """A loopback HTTP server that captures every POST and answers `{}`; the capture is closed when it stops."""
+    observer = CaptureObserver(CaptureWriter.open(policy))
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            arrived = time.perf_counter()
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            headers = b"".join(f"{name.lower()}: {value}\r\n".encode() for name, value in self.headers.items())
+            self._answer(200, b"{}")
+            observer.observe(Finished(False, "POST", self.path, headers, body, arrived))
+            observer.observe(Finished(True, "POST", self.path, headers, body, arrived))  # a shadow copy: not kept
+
+        def do_GET(self) -> None:
+            self._answer(404, b"")
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((LOOPBACK, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{LOOPBACK}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        observer.close()
+
+
+def send(url: str, requests: list[tuple[str, dict[str, Any]]], gap_s: float = 0.0) -> None:
+    with httpx.Client(base_url=url, trust_env=False) as client:
+        for number, (path, body) in enumerate(requests):
+            assert client.post(path, json=body, headers={"Authorization": "Bearer secret",
+                                                         "X-Team": "infra"}).status_code == 200
+            time.sleep(gap_s * (1 + number % 3))
+
+
+def native(number: int) -> dict[str, Any]:
+    settings = [{"temperature": 0.0, "max_new_tokens": 16}, {"temperature": 0.7, "top_p": 0.9}, {}][number % 3]
+    return {"text": f"def task_{number}(xs):\n    return sorted(xs)", "sampling_params": settings, "stream": False,
+            "rid": f"client-{number}"}
+
+
+def chat(number: int) -> dict[str, Any]:
+    settings = [{"temperature": 0.0, "max_tokens": 12}, {"top_p": 0.5}][number % 2]
+    return {"model": "their-model", "messages": [{"role": "user", "content": f"write task {number}"}], **settings}
+
+
+def loadtest(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dfserve_argv("loadtest", "run", "--out", str(out), "--quiet", *args), capture_output=True,
+                          text=True, timeout=120)
+
+
+def by_prompt(records: list[CaptureRecord], key: Any) -> dict[str, dict[str, Any]]:
+    return {key(r.body): r.body for r in records}
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("captures")
+    with capturing_server(CapturePolicy(dir=root / "native")) as url:
+        send(url, [("/generate", native(i)) for i in range(12)], gap_s=0.04)
+    with capturing_server(CapturePolicy(dir=root / "chat")) as url:
+        send(url, [("/v1/chat/completions", chat(i)) for i in range(6)])
+    with capturing_server(CapturePolicy(dir=root / "hashed", redact="hash")) as url:
+        send(url, [("/generate", native(i)) for i in range(2)])
+    with capturing_server(CapturePolicy(dir=root / "mixed")) as url:
+        send(url, [("/generate", native(0)), ("/v1/chat/completions", chat(0))])
+    return root
+
+
+def test_captured_requests_keep_body_and_settings_but_never_credentials(captures: Path) -> None:
+    manifest, records = read_capture(captures / "native")
+    assert manifest.complete and manifest.counts.written == 12
+    assert [r.body for r in records] == [native(i) for i in range(12)]
+    assert records[1].sampling == {"temperature": 0.7, "top_p": 0.9}
+    headers = dict(records[0].headers)
+    assert headers["x-team"] == "infra" and "authorization" not in headers
+    offsets = [r.offset_s for r in records]
+    assert offsets == sorted(offsets) and offsets[-1] - offsets[0] >= 0.04 * 20
+
+
+def test_a_trace_replay_sends_the_captured_tasks_on_the_captured_schedule(captures: Path, tmp_path: Path) -> None:
+    _, captured = read_capture(captures / "native")
+    with sim_server() as url:
+        result = loadtest(tmp_path, "--arm", f"sim={url}", "--tasks", f"capture:{captures / 'native'}", "--arrival",
+                          "trace", "--speed", "4", "--num-requests", "10", "--warmup", "2", "--name", "replay", *FLAGS)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "replay"
+    records = sorted(read_records(run / "requests.jsonl"), key=lambda r: r.index)
+    assert [r.task_id.split("-")[0] for r in records] == [f"c{i:06d}" for i in range(12)]
+    assert all(r.ok for r in records)
+    assert [r.scheduled_s for r in records] == pytest.approx(trace_offsets([r.offset_s for r in captured], 4.0))
+    fidelity = json.loads((run / "summary.json").read_text())["schedule_fidelity"]["sim"]
+    assert fidelity["n"] == 10 and fidelity["late_max_ms"] >= fidelity["late_p99_ms"] >= fidelity["late_p50_ms"]
+    assert "schedule fidelity, sim: sent late by p50" in result.stdout
+    config = json.loads((run / "config.json").read_text())
+    assert config["load"]["kind"] == "trace" and config["load"]["speed"] == 4.0
+    assert config["sampling"] == {"max_new_tokens": 24, "temperature": 0.7, "top_p": 1.0}  # the loosest replayed
+
+
+def test_the_replayed_bodies_are_the_captured_ones(captures: Path, tmp_path: Path) -> None:
+    """Captured again on the way in: what arrives is what was captured, streamed, less the client's rid, with the
+    run's flags only where the request set nothing."""
+    with capturing_server(CapturePolicy(dir=tmp_path / "again")) as url:
+        result = loadtest(tmp_path, "--arm", f"rec={url}", "--tasks", f"capture:{captures / 'native'}", "--arrival",
+                          "trace", "--speed", "8", "--num-requests", "12", "--warmup", "0", "--max-error-rate", "1",
+                          *FLAGS)
+    assert result.returncode == 0, result.stderr
+    expected = {}
+    for i in range(12):
+        body = {**native(i), "stream": True}
+        body.pop("rid")
+        body["sampling_params"] = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, **body["sampling_params"]}
+        expected[body["text"]] = body
+    assert by_prompt(read_capture(tmp_path / "again")[1], lambda b: b["text"]) == expected
+
+
+def test_a_chat_capture_replays_with_its_own_settings(captures: Path, tmp_path: Path) -> None:
+    with capturing_server(CapturePolicy(dir=tmp_path / "again")) as url:
+        result = loadtest(tmp_path, "--arm", f"rec={url}", "--api", "chat", "--tasks", f"capture:{captures / 'chat'}",
+                          "--rate", "100", "--num-requests", "6", "--warmup", "0", "--max-error-rate", "1", *FLAGS)
+    assert result.returncode == 0, result.stderr
+    expected = {}
+    for i in range(6):
+        body = {"max_tokens": 24, "temperature": 0.0, "top_p": 1.0, **chat(i), "model": "default", "stream": True,
+                "return_spec_tokens_details": True, "stream_options": {"include_usage": True}}
+        expected[body["messages"][0]["content"]] = body
+    assert by_prompt(read_capture(tmp_path / "again")[1], lambda b: b["messages"][0]["content"]) == expected
+
+
+@pytest.mark.parametrize(("capture", "extra", "message"), [
+    ("hashed", (), "record 0 (segment-000001.jsonl:1) cannot be replayed: its user text was hashed (redact: hash)"),
+    ("mixed", (), "mixes routes (1 to /generate, 1 to /v1/chat/completions); a run replays one route"),
+    ("chat", ("--api", "native"), "capture:chat holds /v1/chat/completions requests, so replays as chat, not native"),
+])
+def test_a_capture_that_cannot_be_replayed_refuses_in_one_line(captures: Path, tmp_path: Path, capture: str,
+                                                               extra: tuple[str, ...], message: str) -> None:
+    result = loadtest(tmp_path, "--arm", "a=http://127.0.0.1:9", "--tasks", f"capture:{captures / capture}",
+                      "--rate", "10", *extra)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # refused before any run folder was made
+
+
+def test_a_truncated_capture_refuses(captures: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in (captures / "native").iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    segment = copy / "segment-000001.jsonl"
+    segment.write_bytes(segment.read_bytes()[:-40])
+    result = loadtest(tmp_path / "runs", "--arm", "a=http://127.0.0.1:9", "--tasks", f"capture:{copy}", "--rate", "1")
+    assert result.returncode == 2, result.stderr
+    assert "segment-000001.jsonl: 11 lines in" in result.stderr and "says 12 in" in result.stderr
+    assert "(truncated or edited)" in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,312 @@
+"""Capture without sockets: the redaction policy, the writer's files, modes, bounds and drops, and the reader that
+refuses an incomplete or tampered capture."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dfserve.capture import writer as writer_module
+from dfserve.capture.format import MANIFEST, CapturePolicy, CaptureRecord
+from dfserve.capture.gateway import CaptureObserver
+from dfserve.capture.read import read_capture
+from dfserve.capture.redact import kept_headers, redact, sampling_of, text_hash
+from dfserve.capture.writer import Captured, CaptureWriter
+from dfserve.errors import FieldError, UserError
+
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}],
+        "temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "user": "alice", "stream": True}
+NATIVE = {"text": "def f():", "sampling_params": {"temperature": 0, "max_new_tokens": 32, "seed": 3}, "stream": True}
+
+
+def policy(tmp_path: Path, **fields: object) -> CapturePolicy:
+    return CapturePolicy(dir=tmp_path / "capture", **fields)  # type: ignore[arg-type]
+
+
+def captured(body: dict[str, object], path: str = "/generate", at: float = 0.0) -> Captured:
+    return Captured(path, json.dumps(body).encode(), [(b"authorization", b"Bearer k"), (b"cookie", b"s=1"),
+                                                      (b"x-api-key", b"k"), (b"proxy-authorization", b"p"),
+                                                      (b"content-length", b"9"), (b"x-team", b"infra"),
+                                                      (b"user-agent", b"t")], 1.7e9 + at, at)
+
+
+def write(tmp_path: Path, bodies: list[dict[str, object]], **fields: object) -> CaptureWriter:
+    writer = CaptureWriter.open(policy(tmp_path, **fields), clock=lambda: 0.0)
+    for i, body in enumerate(bodies):
+        writer.observe(captured(body, at=i * 0.5))
+    writer.close()
+    return writer
+
+
+# --- redaction policy ---------------------------------------------------------------------------------------------
+
+def test_credentials_never_kept_and_configured_headers_dropped() -> None:
+    headers = captured(NATIVE).headers
+    assert kept_headers(headers) == (("x-team", "infra"), ("user-agent", "t"))
+    assert kept_headers(headers, ["X-Team"]) == (("user-agent", "t"),)
+
+
+def test_sampling_is_read_where_each_route_sets_it() -> None:
+    assert sampling_of("native", NATIVE) == {"temperature": 0, "max_new_tokens": 32, "seed": 3}
+    assert sampling_of("chat", CHAT) == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64}
+
+
+def test_keep_is_the_body_untouched(tmp_path: Path) -> None:
+    assert redact("chat", CHAT, policy(tmp_path)) == (CHAT, (), True)
+
+
+def test_hash_replaces_every_message_text_and_says_it_cannot_replay(tmp_path: Path) -> None:
+    body, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="hash"))
+    assert [m["content"] for m in body["messages"]] == [text_hash("be brief"), text_hash("sort a list")]
+    assert "sort a list" not in json.dumps(body)
+    assert (fields, replayable) == (("messages[].content",), False)
+    assert body["temperature"] == 0.7 and CHAT["messages"][1]["content"] == "sort a list"  # type: ignore[index]
+    native, fields, _ = redact("native", {**NATIVE, "input_ids": [1, 2]}, policy(tmp_path, redact="hash"))
+    assert native["text"] == text_hash("def f():") and native["input_ids"] == text_hash([1, 2])
+    assert fields == ("text", "input_ids")
+
+
+def test_drop_removes_named_fields_and_a_dropped_prompt_cannot_replay(tmp_path: Path) -> None:
+    body, fields, replayable = redact("native", NATIVE, policy(tmp_path, redact="drop",
+                                                               drop_fields=("sampling_params.seed", "absent")))
+    assert body["sampling_params"] == {"temperature": 0, "max_new_tokens": 32}
+    assert (fields, replayable) == (("sampling_params.seed",), True)
+    _, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="drop", drop_fields=("user", "messages")))
+    assert (fields, replayable) == (("user", "messages"), False)
+
+
+@pytest.mark.parametrize(("fields", "message"), [({"redact": "drop"}, "needs drop_fields"),
+                                                 ({"drop_fields": ("user",)}, "only with redact: drop"),
+                                                 ({"fraction": 0.0}, "greater than 0")])
+def test_policy_refuses_what_it_cannot_mean(tmp_path: Path, fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy(tmp_path, **fields)
+
+
+# --- the writer ---------------------------------------------------------------------------------------------------
+
+def test_records_hold_route_body_arrival_settings_and_headers(tmp_path: Path) -> None:
+    writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 10.0, wall=lambda: 1.7e9)
+    writer.observe(captured(NATIVE, at=10.25))
+    writer.observe(captured(CHAT, "/v1/chat/completions", at=11.0))
+    writer.observe(captured(NATIVE, "/health", at=11.5))
+    writer.observe(Captured("/generate", b"not json", [], 0.0, 12.0))
+    manifest = writer.close()
+    _, records = read_capture(tmp_path / "capture")
+    assert [(r.seq, r.route, r.offset_s, r.body) for r in records] == [(0, "native", 0.25, NATIVE),
+                                                                      (1, "chat", 1.0, CHAT)]
+    assert records[0].arrival_unix_s == 1.7e9 + 10.25 and records[0].sampling == NATIVE["sampling_params"]
+    assert records[1].headers == (("x-team", "infra"), ("user-agent", "t"))
+    assert "Bearer" not in (tmp_path / "capture" / manifest.segments[0].name).read_text()
+    assert (manifest.complete, manifest.counts.written, manifest.counts.not_a_route, manifest.counts.unreadable) == (
+        True, 2, 1, 1)
+
+
+def test_files_are_0600_and_the_folder_0700_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o277)  # would leave new files read-only to their owner
+    try:
+        write(tmp_path, [NATIVE, NATIVE])
+    finally:
+        os.umask(previous)
+    folder = tmp_path / "capture"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert modes == {MANIFEST: 0o600, "segment-000001.jsonl": 0o600}
+
+
+def test_a_capture_folder_is_never_reused_and_closing_twice_is_harmless(tmp_path: Path) -> None:
+    writer = write(tmp_path, [NATIVE])
+    assert writer.close().complete
+    with pytest.raises(FieldError, match=r"dir: .* exists"):
+        CaptureWriter.open(policy(tmp_path))
+
+
+def test_sampling_is_deterministic_for_a_seed_and_near_the_fraction(tmp_path: Path) -> None:
+    def kept(seed: int, name: str) -> list[str]:
+        writer = CaptureWriter.open(CapturePolicy(dir=tmp_path / name, fraction=0.25, seed=seed))
+        for i in range(400):
+            writer.observe(captured({"text": str(i)}))
+        manifest = writer.close()
+        assert manifest.counts.sampled_out + manifest.counts.written == 400
+        return [r.body["text"] for r in read_capture(tmp_path / name)[1]]
+
+    first, again, other = kept(1, "a"), kept(1, "b"), kept(2, "c")
+    assert first == again and first != other
+    assert 60 <= len(first) <= 140
+
+
+def test_rotation_bounds_segments_and_bytes_and_then_stops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    body = {"text": "x" * 900}
+    with caplog.at_level(logging.WARNING, "dfserve.capture"):
+        writer = write(tmp_path, [body] * 40, max_bytes=3 * 4096, max_segments=3)
+    manifest = writer.close()
+    folder = tmp_path / "capture"
+    segments = sorted(folder.glob("segment-*"))
+    assert len(segments) == len(manifest.segments) == 3
+    assert all(p.stat().st_size <= 4096 for p in segments)
+    assert sum(p.stat().st_size for p in segments) <= 3 * 4096
+    counts = manifest.counts
+    assert counts.written == sum(s.records for s in manifest.segments) and counts.written < 40
+    assert counts.written + counts.dropped_over_bound == 40
+    assert manifest.stopped is not None and "max_bytes" in manifest.stopped
+    assert [r.seq for r in read_capture(folder)[1]] == list(range(counts.written))
+    assert len([r for r in caplog.records if "stopped" in r.getMessage()]) == 1
+
+
+def test_a_record_larger_than_a_segment_is_dropped_and_counted(tmp_path: Path) -> None:
+    manifest = write(tmp_path, [{"text": "x" * 5000}, NATIVE], max_bytes=4096, max_segments=1).close()
+    assert (manifest.counts.dropped_too_large, manifest.counts.written) == (1, 1)
+
+
+def test_a_failing_disk_never_raises_into_observe_and_is_logged_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real_append = writer_module._Segment.append
+    calls = 0
+
+    def full_after_two(segment: writer_module._Segment, line: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 2:
+            os.write(segment.fd, line[:10])  # a torn line, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(segment, line)
+
+    monkeypatch.setattr(writer_module._Segment, "append", full_after_two)
+    writer = CaptureWriter.open(policy(tmp_path))
+    with caplog.at_level(logging.WARNING, "dfserve.capture"):
+        for _ in range(6):
+            writer.observe(captured(NATIVE))
+        manifest = writer.close()
+    assert (manifest.counts.written, manifest.counts.dropped_write_error) == (2, 4)
+    assert manifest.stopped is not None and "No space left" in manifest.stopped
+    assert len(read_capture(tmp_path / "capture")[1]) == 2  # the lines before the failure are kept, whole
+    assert len([r for r in caplog.records if "No space left" in r.getMessage()]) == 1
+
+
+def test_a_full_queue_drops_without_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    release = threading.Event()
+    real_line = CaptureWriter._line
+
+    def slow_line(self: CaptureWriter, item: Captured) -> bytes | None:
+        release.wait(10)
+        return real_line(self, item)
+
+    monkeypatch.setattr(CaptureWriter, "_line", slow_line)
+    writer = CaptureWriter.open(policy(tmp_path, queue_size=2))
+    with caplog.at_level(logging.WARNING, "dfserve.capture"):
+        started = time.perf_counter()
+        for _ in range(20):
+            writer.observe(captured(NATIVE))
+        elapsed = time.perf_counter() - started
+        release.set()
+        manifest = writer.close()
+    assert elapsed < 5  # the worker held every write for up to 10 s; observe waited for none of them
+    assert manifest.counts.dropped_queue_full >= 17
+    assert manifest.counts.written + manifest.counts.dropped_queue_full == 20
+    assert len([r for r in caplog.records if "fell behind" in r.getMessage()]) == 1
+
+
+# --- the reader ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def two_segments(tmp_path: Path) -> Path:
+    write(tmp_path, [{"text": "x" * 900}] * 6, max_bytes=2 * 4096, max_segments=2)
+    return tmp_path / "capture"
+
+
+def test_an_intact_capture_reads_back(two_segments: Path) -> None:
+    manifest, records = read_capture(two_segments)
+    assert len(manifest.segments) == 2 and len(records) == 6
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: data.rindex(b"\n", 0, len(data) - 1) + 1])
+
+
+def _edit(path: Path) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"x', b'"y', 1))
+
+
+def _add(path: Path) -> None:
+    (path.parent / "segment-000009.jsonl").write_bytes(path.read_bytes())
+
+
+@pytest.mark.parametrize(("tamper", "message"), [
+    (_truncate, r"segment-000001.jsonl: 2 lines in \d+ bytes, manifest.json says 3 .*truncated"),
+    (_edit, "segment-000001.jsonl: sha256 differs"),
+    (_add, "segment-000009.jsonl is not in manifest.json"),
+    (Path.unlink, "segment-000001.jsonl: No such file"),
+])
+def test_a_truncated_edited_added_or_missing_segment_is_refused(two_segments: Path, tamper: object,
+                                                                message: str) -> None:
+    tamper(two_segments / "segment-000001.jsonl")  # type: ignore[operator]
+    with pytest.raises(UserError, match=message):
+        read_capture(two_segments)
+
+
+def test_an_unclosed_capture_is_refused(tmp_path: Path) -> None:
+    writer = CaptureWriter.open(policy(tmp_path))
+    try:
+        with pytest.raises(UserError, match="not complete"):
+            read_capture(tmp_path / "capture")
+    finally:
+        writer.close()
+
+
+def test_a_record_line_is_checked_against_the_format() -> None:
+    with pytest.raises(ValueError, match="extra"):
+        CaptureRecord.model_validate({"seq": 0, "route": "native", "path": "/generate", "arrival_unix_s": 0,
+                                      "offset_s": 0, "sampling": {}, "headers": [], "body": {}, "redaction": "keep",
+                                      "replayable": True, "surprise": 1})
+
+
+# --- the gateway's observer ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finished:
+    mirror: bool
+    method: str
+    path: str
+    headers: bytes
+    body: bytes
+    start_s: float
+
+
+def test_the_observer_keeps_client_requests_with_their_arrival_and_not_mirrors(tmp_path: Path) -> None:
+    observer = CaptureObserver(CaptureWriter.open(policy(tmp_path), clock=lambda: 40.0), wall=lambda: 1000.0,
+                               clock=lambda: 50.0)
+    lines = b"authorization: Bearer k\r\nx-team: infra\r\ncontent-type: application/json\r\n"
+    body = json.dumps(NATIVE).encode()
+    observer.observe(Finished(False, "POST", "/generate", lines, body, 48.5))
+    observer.observe(Finished(True, "POST", "/generate", lines, body, 48.5))
+    observer.observe(Finished(False, "GET", "/generate", lines, b"", 49.0))
+    observer.close()
+    manifest, records = read_capture(tmp_path / "capture")
+    assert manifest.complete and len(records) == 1
+    record = records[0]
+    assert (record.offset_s, record.arrival_unix_s) == (8.5, 998.5)
+    assert record.headers == (("x-team", "infra"), ("content-type", "application/json"))
+
+
+def test_the_observers_options_are_the_policy_and_a_bad_one_names_its_field(tmp_path: Path) -> None:
+    observer = CaptureObserver.from_options({"dir": str(tmp_path / "c"), "fraction": 0.5, "redact": "hash",
+                                             "max_bytes": 1 << 20, "max_segments": 4})
+    observer.close()
+    assert read_capture(tmp_path / "c")[0].policy.redact == "hash"
+    with pytest.raises(FieldError, match=r"^capture\.fraction: Input should be less than or equal to 1"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "d"), "fraction": 2})
+    with pytest.raises(FieldError, match=r"^capture\.max_segment: Extra inputs"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "d"), "max_segment": 2})
+    with pytest.raises(FieldError, match=r"^capture\.dir: .* exists; a capture folder is never reused"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "c")})

@@ -1,0 +1,194 @@
+"""A capture as a task set, and the trace schedule: pure, no sockets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from dfserve.capture.format import CapturePolicy
+from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
+from dfserve.capture.writer import Captured, CaptureWriter
+from dfserve.errors import FieldError
+from dfserve.loadtest.client import ArmClient
+from dfserve.loadtest.config import Sampling
+from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.report import summarize
+from dfserve.loadtest.schedule import LoadShape, schedule_fidelity, trace_offsets
+from dfserve.sglang import SamplingParams
+from dfserve.tasks import load_tasks
+from tests.synthetic import run_config
+
+FLAGS = Sampling(max_new_tokens=128, temperature=0.0, top_p=1.0)
+
+
+def capture(tmp_path: Path, requests: list[tuple[str, dict[str, object], float]], name: str = "capture",
+            **fields: object) -> str:
+    writer = CaptureWriter.open(CapturePolicy(dir=tmp_path / name, **fields), clock=lambda: 100.0)  # type: ignore[arg-type]
+    for path, body, at in requests:
+        writer.observe(Captured(path, json.dumps(body).encode(), [], 0.0, 100.0 + at))
+    writer.close()
+    return f"capture:{tmp_path / name}"
+
+
+def native(text: str, **params: object) -> dict[str, object]:
+    return {"text": text, "sampling_params": params, "stream": False, "rid": "r-" + text}
+
+
+def chat(content: str, **fields: object) -> dict[str, object]:
+    return {"model": "client-model", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def test_a_capture_is_a_task_set_in_arrival_order_through_load_tasks(tmp_path: Path) -> None:
+    spec = capture(tmp_path, [("/generate", native("b", temperature=0.5), 2.0),
+                              ("/generate", native("a", max_new_tokens=7), 1.0)])
+    tasks = load_tasks(spec)
+    assert isinstance(tasks, CaptureTaskSet) and tasks.route == "native"
+    assert [t.prompt for t in tasks.tasks] == ["a", "b"]  # the observer saw "b" end first; "a" arrived first
+    assert tasks.arrivals_s == (1.0, 2.0)
+    assert [t.id.split("-")[0] for t in tasks.tasks] == ["c000001", "c000000"]
+
+
+def test_each_task_keeps_its_settings_and_unset_ones_come_from_the_flags(tmp_path: Path) -> None:
+    tasks, recorded = load_capture_tasks(capture(tmp_path, [
+        ("/generate", native("a", max_new_tokens=7, temperature=0.5, seed=3), 0.0),
+        ("/generate", native("b"), 1.0)])).for_run(FLAGS)
+    first, second = tasks.tasks
+    assert isinstance(first, ReplayTask) and isinstance(second, ReplayTask)
+    assert first.request("m") == {"text": "a", "stream": True,
+                                  "sampling_params": {"max_new_tokens": 7, "temperature": 0.5, "top_p": 1.0, "seed": 3}}
+    assert second.request("m")["sampling_params"] == {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0}
+    assert recorded == Sampling(max_new_tokens=128, temperature=0.5, top_p=1.0)  # the loosest: not judged lossless
+
+
+def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path: Path) -> None:
+    tasks, _ = load_capture_tasks(capture(tmp_path, [
+        ("/v1/chat/completions", chat("hi", max_completion_tokens=9, top_p=0.5, stream_options={"x": 1},
+                                      return_meta_info=True), 0.0)])
+    ).for_run(FLAGS)
+    task = tasks.tasks[0]
+    assert isinstance(task, ReplayTask)
+    assert task.request("served") == {"model": "served", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_completion_tokens": 9, "top_p": 0.5, "temperature": 0.0, "stream": True,
+                                      "stream_options": {"x": 1, "include_usage": True},
+                                      "return_spec_tokens_details": True}
+
+
+def test_the_client_sends_a_replayed_task_as_captured() -> None:
+    task = ReplayTask(id="c0", prompt="p", route="native", body={"text": "p", "sampling_params": {"top_k": 5}, "rid": "x"})
+    client = ArmClient("a", "http://127.0.0.1:9", "native", SamplingParams(), lambda _: None, t0=0.0,
+                       request_timeout_s=1.0)
+    try:
+        assert client._body(task) == {"text": "p", "sampling_params": {"top_k": 5}, "stream": True}
+    finally:
+        client.close()
+
+
+def test_a_setting_out_of_range_refuses_naming_the_record(tmp_path: Path) -> None:
+    tasks = load_capture_tasks(capture(tmp_path, [("/v1/chat/completions", chat("b", temperature=-1), 0.0)]))
+    with pytest.raises(FieldError, match=r"^tasks: capture record 0: temperature: Input should be greater than or "
+                       r"equal to 0"):
+        tasks.for_run(FLAGS)
+    bad = capture(tmp_path, [("/generate", {"text": "a", "sampling_params": "hot"}, 0.0)], "bad")
+    with pytest.raises(FieldError, match="has a sampling_params that is not an object"):
+        load_capture_tasks(bad)
+
+
+def test_task_ids_and_the_set_hash_change_with_any_setting(tmp_path: Path) -> None:
+    cold = load_capture_tasks(capture(tmp_path, [("/generate", native("a", temperature=0.0), 0.0)], "cold"))
+    warm = load_capture_tasks(capture(tmp_path, [("/generate", native("a", temperature=0.1), 0.0)], "warm"))
+    assert cold.tasks[0].id != warm.tasks[0].id and cold.sha256 != warm.sha256
+    assert cold.for_run(FLAGS)[0].sha256 != cold.for_run(FLAGS.model_copy(update={"top_p": 0.9}))[0].sha256
+
+
+def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) -> None:
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0)], redact="hash")
+    with pytest.raises(FieldError, match=r"record 0 \(segment-000001.jsonl:1\) cannot be replayed: its user text was "
+                       r"hashed \(redact: hash\)") as caught:
+        load_capture_tasks(spec)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_dropped_prompt_refuses(tmp_path: Path) -> None:
+    spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
+    with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
+        load_capture_tasks(spec)
+
+
+def test_mixed_routes_and_completions_refuse(tmp_path: Path) -> None:
+    mixed = capture(tmp_path, [("/generate", native("a"), 0.0), ("/v1/chat/completions", chat("b"), 1.0)], "mixed")
+    with pytest.raises(FieldError, match=r"^tasks: capture .* mixes routes \(1 to /generate, 1 to "
+                       r"/v1/chat/completions\); a run replays one route$"):
+        load_capture_tasks(mixed)
+    completions = capture(tmp_path, [("/v1/completions", {"prompt": "a"}, 0.0)], "completions")
+    with pytest.raises(FieldError, match=r"record 0 .* is a /v1/completions request; the load tester replays"):
+        load_capture_tasks(completions)
+
+
+def test_a_run_must_use_the_captures_route_and_a_trace_fits_the_capture(tmp_path: Path) -> None:
+    tasks = load_capture_tasks(capture(tmp_path, [("/generate", native("a"), 0.0), ("/generate", native("b"), 1.0)]))
+    with pytest.raises(FieldError, match=r"^api: .* holds /generate requests, so replays as native, not chat$"):
+        tasks.check("chat", trace=False, count=2)
+    with pytest.raises(FieldError, match=r"^num_requests: a trace replays each of the capture's 2 requests once, "
+                       r"in order; 3 asked for \(warmup included\)$"):
+        tasks.check("native", trace=True, count=3)
+    tasks.check("native", trace=False, count=300)  # other arrivals repeat the set, as for any task set
+    order, arrivals = tasks.trace(2)
+    assert [t.prompt for t in order] == ["a", "b"] and arrivals == [0.0, 1.0]
+
+
+# --- the trace schedule and its fidelity ---------------------------------------------------------------------------
+
+def test_trace_offsets_start_at_zero_and_divide_gaps_by_speed() -> None:
+    assert trace_offsets([5.0, 5.5, 9.0], 1.0) == [0.0, 0.5, 4.0]
+    assert trace_offsets([5.0, 5.5, 9.0], 2.0) == [0.0, 0.25, 2.0]
+    assert trace_offsets([5.0, 5.5, 9.0], 0.5) == [0.0, 1.0, 8.0]
+    with pytest.raises(ValueError, match="not in order"):
+        trace_offsets([1.0, 0.5], 1.0)
+
+
+def test_a_trace_load_shape_takes_its_offsets_from_the_capture() -> None:
+    load = LoadShape(kind="trace", speed=4.0)
+    assert load.offsets(2, [3.0, 7.0, 11.0]) == [0.0, 1.0]
+    assert load.describe() == "captured arrival times at 4x speed"
+    with pytest.raises(ValueError, match="needs as many arrival times"):
+        load.offsets(3, [0.0])
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kind": "trace"}, "need --speed > 0"), ({"kind": "trace", "speed": 0}, "need --speed > 0"),
+    ({"kind": "trace", "speed": 1, "rate": 2}, "trace arrivals take no --rate"),
+    ({"kind": "poisson", "rate": 2, "speed": 2}, "--speed: only with --arrival trace"),
+    ({"kind": "trace", "speed": 1, "concurrency": 0}, "cap must be >= 1"),
+])
+def test_trace_load_shape_refuses(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        LoadShape(**fields)  # type: ignore[arg-type]
+
+
+def test_fidelity_is_lateness_of_each_send_in_ms() -> None:
+    sends = [(float(i), i + late / 1e3) for i, late in enumerate([1.0] * 98 + [5.0, 40.0])]
+    fidelity = schedule_fidelity(sends)
+    assert fidelity is not None
+    assert (fidelity.n, fidelity.late_p50_ms, fidelity.late_p99_ms, fidelity.late_max_ms) == pytest.approx(
+        (100, 1.0, 5.0, 40.0))
+    early = schedule_fidelity([(1.0, 0.999)])
+    assert early is not None and early.late_max_ms == pytest.approx(-1.0)
+    assert schedule_fidelity([]) is None
+
+
+def test_the_summary_reports_fidelity_per_arm_from_measured_records() -> None:
+    def record(arm: str, index: int, late_s: float, warmup: bool = False) -> RequestRecord:
+        return RequestRecord(arm=arm, index=index, task_id="t", warmup=warmup, scheduled_s=index, dispatched_s=index,
+                             sent_s=index + late_s, end_s=index + 1.0)
+
+    records = [record("zlab", 0, 5.0, warmup=True), record("zlab", 1, 0.002), record("zlab", 2, 0.004),
+               record("inhouse", 1, 0.010)]
+    fidelity = summarize(run_config("r"), records, False, {}).schedule_fidelity
+    assert set(fidelity) == {"zlab", "inhouse"}
+    assert (fidelity["zlab"].n, fidelity["zlab"].late_max_ms) == (2, pytest.approx(4.0))
+    assert fidelity["inhouse"].late_p50_ms == pytest.approx(10.0)
+    closed = [r.model_copy(update={"scheduled_s": None}) for r in records]
+    assert summarize(run_config("r"), closed, False, {}).schedule_fidelity == {}
