@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dfserve.loadtest.stats import quantile
+from dfserve.verdict.stats import quantile
 
 ArrivalKind = Literal["closed", "poisson", "constant", "trace"]
 
