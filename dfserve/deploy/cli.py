@@ -196,7 +196,7 @@ def status_command(name: str, root: Path) -> None:
     click.echo(f"{name}: {state}")
     click.echo(f"  engine: {record.spec.engine}{' (simulated)' if record.simulated else ''}, version {record.engine_version}")
     click.echo(f"  url: {record.spec.base_url}  pid: {record.pid}")
-    click.echo(f"  drafter: {record.spec.drafter.label} ({record.spec.drafter.model_path}), sha256 {record.drafter_sha256}")
+    click.echo(f"  drafter: {record.spec.drafter.label} ({record.spec.drafter.model_path}), {record.spec.drafter.identity}")
     click.echo(f"  served model name: {record.spec.served_model_name}")
     click.echo(f"  started: {record.started_at}, healthy after {record.startup_s:.1f} s")
     if state == "exited":

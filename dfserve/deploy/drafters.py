@@ -168,7 +168,7 @@ def resolve_drafter(
         return Drafter("zlab", "zlab", repo, arch.block_size, None, repo, "zlab")
     path = Path(drafter).expanduser()
     if not path.exists():
-        raise FieldError("drafter", f"{drafter} is not 'zlab', 'baseline', a checkpoint file or a model folder")
+        raise FieldError("drafter", f"{drafter} does not exist (nor is it 'zlab', 'baseline' or {SIMULATED_PREFIX}PROFILE)")
     if path.is_dir():
         arch = _verify_folder(path, target)
         digest = folder_sha256(path, hashes)

@@ -47,6 +47,15 @@ class DrafterRef(_Strict):
     source: str | None
     sim_profile: str
 
+    @property
+    def identity(self) -> str:
+        """What identifies the deployed bytes: their content hash, or why there is none."""
+        if self.sha256:
+            return f"sha256 {self.sha256}"
+        if self.kind == "zlab":
+            return f"no content hash: z-lab's release, which SGLang loads from the Hugging Face hub as {self.model_path}"
+        return "no content hash: a simulator profile, no weights"
+
 
 class SimSettings(_Strict):
     profile: str = Field(description="Simulator acceptance profile: zlab, inhouse, none or a JSON file.")

@@ -102,7 +102,7 @@ def test_library_errors_name_the_field_and_the_cli_names_its_flag(
     with pytest.raises(FieldError, match=r"^target: no config\.json for Qwen/Qwen3-8B: .*; pass target_config FILE$"):
         resolve_target("Qwen/Qwen3-8B", PROFILE, None)
     cases = [
-        (["--drafter", str(tmp_path / "nope.pt")], f"dfserve: error: --drafter: {tmp_path / 'nope.pt'} is not 'zlab'"),
+        (["--drafter", str(tmp_path / "nope.pt")], f"dfserve: error: --drafter: {tmp_path / 'nope.pt'} does not exist (nor is it 'zlab', 'baseline' or sim:PROFILE)"),
         (["--drafter", "zlab", "--target", "Qwen/Qwen3-8B"], "; pass --target-config FILE"),
         (["--drafter", "zlab", "--target-config", str(tmp_path / "none.json")], f"--target-config: {tmp_path / 'none.json'} not found"),
     ]
