@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dfserve import metrics as names
 from dfserve import sglang as proto
-from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -147,7 +146,7 @@ def test_streamed_chat_ends_with_its_chunk_times_in_a_comment_sse_clients_skip(z
 
 def test_sim_times_comment_round_trips_and_rejects_a_broken_one() -> None:
     times = proto.SimStreamTimes((1.5, 2.25), (1.0, 2.0), 0.125)
-    events = b'data: {"choices":[]}\n\n' + engine.sim_times_comment(times) + proto.SSE_DONE
+    events = b'data: {"choices":[]}\n\n' + proto.sim_times_comment(times) + proto.SSE_DONE
     assert proto.parse_sim_times_comment(events) == times
     assert proto.parse_sim_times_comment(b'data: {"choices":[]}\n\n' + proto.SSE_DONE) is None
     with pytest.raises(ProtocolError, match="sim times"):

@@ -1,4 +1,4 @@
-"""The simulator's side of SGLang's protocol (`dfserve.deploy.sim.protocol`): its builders round-trip through the
+"""The engine side of SGLang's protocol (`dfserve.sglang.server`): its builders round-trip through the
 parsers every client uses (`dfserve.sglang`), and it refuses bad requests as SGLang does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dfserve import sglang as proto
-from dfserve.deploy.sim import protocol as engine
+from dfserve.sglang import server as engine
 
 # --- builders (engine side) round-trip through the parsers (client side) ------------------------------------
 

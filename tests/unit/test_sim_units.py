@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 
 from dfserve import sglang as proto
 from dfserve.cli import main
-from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -26,10 +25,12 @@ from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest
 from dfserve.deploy.sim.faults import FaultConfig, FaultPlan
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile
+from dfserve.deploy.sim.stamps import StampedStreamEncoder
 from dfserve.deploy.sim.telemetry import DECODE_LOG_INTERVAL, RoundRecord, Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
 from dfserve.errors import UserError
 from dfserve.sglang import FinishReason
+from dfserve.sglang import server as engine
 
 
 @pytest.fixture(scope="module")
@@ -285,10 +286,10 @@ def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() 
     event = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], meta))
     sent = [1764505000.123456, 1764505000.2]
     expected = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
-    encoder = engine.NativeStreamEncoder(incremental=False)
+    encoder = StampedStreamEncoder(incremental=False)
     encoder.encode_sent_times(sent[:1])  # ahead of time, as the sim does while it computes a step
     assert encoder.with_sent_times(event, sent) == expected
-    assert engine.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
+    assert StampedStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
     with pytest.raises(ValueError, match="meta_info"):
         encoder.with_sent_times(event + proto.SSE_DONE, sent)
 

@@ -1,6 +1,6 @@
 """The simulator's HTTP face: SGLang's routes on Starlette, streaming written straight to the ASGI channel.
 
-Every body comes from a builder in `dfserve.deploy.sim.protocol`, so field names live in one module. A stream sends one chunk per
+Every body comes from a builder in `dfserve.sglang.server`, so field names live in one place. A stream sends one chunk per
 step of the engine; a client that disconnects is noticed by a watcher on the ASGI `receive` channel and its slot is
 freed at the next step.
 """
@@ -26,7 +26,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dfserve import __version__, sglang
-from dfserve.deploy.sim import protocol as proto
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
 from dfserve.deploy.sim.faults import (
@@ -39,8 +38,10 @@ from dfserve.deploy.sim.faults import (
 )
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile
+from dfserve.deploy.sim.stamps import StampedStreamEncoder
 from dfserve.deploy.sim.telemetry import Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
+from dfserve.sglang import server as proto
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -76,7 +77,7 @@ class SimResponse(Response):
         self._encoded = 0
         self._shown_text = 0
         self._shown_ids = 0
-        self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
+        self._native = StampedStreamEncoder(ctx.config.incremental_streaming_output)
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk, faults.abort_after_chunk,
                               faults.backlog_after_chunk} - {None}
         self._stamp_final = request.stream and ctx.config.record_chunk_times
@@ -165,7 +166,7 @@ class SimResponse(Response):
         if self.request.api == "native":
             return self._native.with_sent_times(payload, self.sent_unix) + sglang.SSE_DONE
         times = sglang.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
-        return payload[: -len(sglang.SSE_DONE)] + proto.sim_times_comment(times) + sglang.SSE_DONE
+        return payload[: -len(sglang.SSE_DONE)] + sglang.sim_times_comment(times) + sglang.SSE_DONE
 
     def _encode(self, update: Update) -> bytes:
         return self._chunk(update)
