@@ -217,6 +217,15 @@ def test_bad_input_gets_a_400_with_a_message(zlab: str, route: str, body: bytes,
     assert message in proto.parse_error_message(response.content)
 
 
+def test_lone_surrogates_are_refused_with_400s_and_leave_the_engine_serving(zlab: str) -> None:
+    for _ in range(3):
+        response = httpx.post(f"{zlab}/generate", content=rb'{"text": "\ud800", "stream": true}', timeout=10)
+        assert response.status_code == 400
+        assert response.json()["type"] == "Bad Request"
+        assert "no low surrogate in string" in proto.parse_error_message(response.content)
+    assert httpx.get(f"{zlab}/health_generate", timeout=10).status_code == 200
+
+
 @pytest.mark.parametrize("params", [{"max_new_tokens": -1}, {"max_new_tokens": 1_000_000}])
 def test_a_streamed_native_request_the_engine_refuses_gets_the_error_in_band(zlab: str, params: dict[str, int]) -> None:
     """SGLang 0.5.23 has already answered 200 when its tokenizer manager refuses a streamed /generate (bad sampling

@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,7 @@ from dfserve.deploy.sim.acceptance import (
     prompt_difficulty,
     request_accept_length_moments,
 )
+from dfserve.deploy.sim.app import build_app
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest
 from dfserve.deploy.sim.faults import FaultConfig, FaultPlan
@@ -320,3 +322,22 @@ def test_sim_command_turns_bad_flags_into_one_line(argv: list[str], message: str
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("dfserve: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_huge_prompt_is_counted_off_the_event_loop_while_health_checks_answer(vocabulary: Vocabulary) -> None:
+    rng = random.Random(29)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    prompt = " ".join("".join(rng.choices(letters, k=rng.randint(3, 9))) for _ in range(60_000))
+    app = build_app(SimConfig(port=0, profile="zlab", context_length=4096), load_profile("zlab"), vocabulary)
+
+    async def scenario() -> tuple[int, bool, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as client:
+            huge = asyncio.create_task(client.post("/generate", json={"text": prompt}))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            health = await client.get("/health")
+            return health.status_code, huge.done(), await huge
+
+    health, huge_done_first, answer = asyncio.run(scenario())
+    assert (health, huge_done_first) == (200, False)
+    assert answer.status_code == 400 and "longer than the model's context length (4096 tokens)" in answer.text

@@ -4,6 +4,7 @@ SGLang words them, with the stage that decides the answer's shape."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -84,14 +85,46 @@ _TOKEN_SHAPING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                   "repetition_penalty", "sampling_seed", "seed", "n")
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_ESCAPES = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)")
+
+
+def _json_invalid(detail: str, pos: int) -> RequestError:
+    return RequestError(f"[{{'type': 'json_invalid', 'loc': ('body', {pos}), 'msg': 'JSON decode error', "
+                        f"'input': {{}}, 'ctx': {{'error': '{detail}'}}}}]")
+
+
+def _lone_surrogate(text: str) -> RequestError | None:
+    """SGLang reads bodies with orjson, which refuses an escaped surrogate that is not one half of a pair (Python's
+    json takes it, and the tokenizer then fails); the error is orjson's, at the escape's character offset."""
+    if _SURROGATE.search(text) is None:
+        return None
+    pending = None
+    for escape in _ESCAPES.finditer(text):
+        code = int(escape.group(1), 16) if escape.group(1) else None
+        if pending is not None:
+            if code is None or pending.end() != escape.start():
+                return _json_invalid("no low surrogate in string", pending.start())
+            if not 0xDC00 <= code <= 0xDFFF:
+                return _json_invalid("invalid low surrogate in string", pending.start())
+            pending = None
+        elif code is not None and 0xD800 <= code <= 0xDBFF:
+            pending = escape
+        elif code is not None and 0xDC00 <= code <= 0xDFFF:
+            return _json_invalid("invalid high surrogate in string", escape.start())
+    return None if pending is None else _json_invalid("no low surrogate in string", pending.start())
+
+
 def _request_json(body: bytes) -> dict[str, Any]:
-    """The body as FastAPI reads it; what it refuses is answered as a `RequestValidationError` is."""
+    """The body as SGLang's FastAPI app reads it (with orjson); what it refuses is answered as a
+    `RequestValidationError` is."""
     try:
-        data = json.loads(body)
+        text = body.decode()
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        detail = getattr(exc, "msg", str(exc))
-        raise RequestError(f"[{{'type': 'json_invalid', 'loc': ('body', {getattr(exc, 'pos', 0)}), "
-                           f"'msg': 'JSON decode error', 'input': {{}}, 'ctx': {{'error': '{detail}'}}}}]") from None
+        raise _json_invalid(getattr(exc, "msg", str(exc)), getattr(exc, "pos", 0)) from None
+    if (refused := _lone_surrogate(text)) is not None:
+        raise refused
     if not isinstance(data, dict):
         raise RequestError("[{'type': 'model_attributes_type', 'loc': ('body',), "
                            "'msg': 'Input should be a valid dictionary or object to extract fields from'}]")
