@@ -17,10 +17,11 @@ from pathlib import Path
 import click
 
 from dfserve.deploy import k8s
+from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.drafters import Drafter, resolve_drafter, resolve_target
 from dfserve.deploy.engines import EngineKind, engine_kind, engine_names
 from dfserve.deploy.profiles import load_profile
-from dfserve.deploy.spec import DeploymentSpec, build_spec
+from dfserve.deploy.spec import build_spec
 from dfserve.deploy.supervise import running, start, status, stop
 from dfserve.errors import FieldError, UserError, command_flags, flags_for
 from dfserve.listen import ensure_free

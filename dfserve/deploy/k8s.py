@@ -26,10 +26,11 @@ from typing import Any
 
 import yaml
 
+from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.drafters import Drafter, resolve_drafter, resolve_target
 from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.profiles import load_profile
-from dfserve.deploy.spec import DeploymentSpec, build_spec
+from dfserve.deploy.spec import build_spec
 from dfserve.errors import FieldError, UserError
 
 DEFAULT_IMAGE = "lmsysorg/sglang:v0.5.23"

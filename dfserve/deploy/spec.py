@@ -1,8 +1,5 @@
-"""DeploymentSpec: one typed description of a deployment, rendered to every form it takes.
-
-The spec names its engine kind (``deploy.engines``); that entry renders it as a command (started by
-``deploy.supervise``) or as a Kubernetes container (placed in a pod by ``deploy.k8s``), so the forms cannot drift
-apart::
+"""Building a `DeploymentSpec` (``deploy.deployment``): profile values, then flag overrides, then pass-through
+arguments, checked against the engine kind it names::
 
     spec = build_spec(profile, target, drafter, engine="sglang", port=30000)
     engine_kind(spec.engine).argv(spec, "python3")  # [..., "--speculative-algorithm", "DFLASH", ...]
@@ -11,11 +8,12 @@ apart::
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from dfserve.deploy.drafters import SIMULATED_PREFIX, Drafter, DrafterKind, Target
+from dfserve.deploy.deployment import DeploymentSpec, DrafterRef, SimSettings
+from dfserve.deploy.drafters import SIMULATED_PREFIX, Drafter, Target
 from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.profiles import HostProfile, SGLangSettings
 from dfserve.errors import FieldError, UserError, describe_invalid_flag
@@ -30,65 +28,6 @@ SPEC_FLAGS = (
     "--host", "--port",
 )
 """Flags the spec sets itself; passing one through `--sglang-arg` would silently fight it (argparse: last wins)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DrafterRef(_Strict):
-    """The resolved drafter as deployed: its label, what SGLang loads, and the content it came from."""
-
-    label: str
-    kind: DrafterKind
-    model_path: str
-    block_size: int = Field(ge=2)
-    sha256: str | None
-    source: str | None
-    sim_profile: str
-
-    @property
-    def identity(self) -> str:
-        """What identifies the deployed bytes: their content hash, or why there is none."""
-        if self.sha256:
-            return f"sha256 {self.sha256}"
-        if self.kind == "zlab":
-            return f"no content hash: z-lab's release, which SGLang loads from the Hugging Face hub as {self.model_path}"
-        return "no content hash: a simulator profile, no weights"
-
-
-class SimSettings(_Strict):
-    profile: str = Field(description="Simulator acceptance profile: zlab, inhouse, none or a JSON file.")
-    time_scale: float = Field(gt=0)
-    seed: int
-
-
-class DeploymentSpec(_Strict):
-    schema_version: Literal[1] = 1
-    name: str
-    profile: str
-    engine: str = Field(description="A registered engine kind (`deploy.engines`).")
-    host: str
-    port: int = Field(ge=0, le=65535, description="0 until a start takes a free port and says which.")
-    target: str
-    target_config_source: str
-    drafter: DrafterRef
-    sglang: SGLangSettings = Field(description="The profile's settings with `overrides` applied.")
-    overrides: dict[str, Any] = Field(description="Settings given as flags, over the profile's.")
-    served_model_name: str
-    env: dict[str, str]
-    extra_sglang_args: list[str]
-    sim: SimSettings
-
-    @field_validator("engine")
-    @classmethod
-    def _registered(cls, engine: str) -> str:
-        engine_kind(engine)
-        return engine
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 def check_passthrough(args: list[str]) -> None:
@@ -119,7 +58,8 @@ def build_spec(
     seed: int = 0,
 ) -> DeploymentSpec:
     """Profile values, then flag overrides (`overrides` holds only flags the user gave), then pass-through args."""
-    if drafter.kind == "simulated" and not engine_kind(engine).simulated:
+    kind = engine_kind(engine)
+    if drafter.kind == "simulated" and not kind.simulated:
         raise FieldError("drafter", f"{SIMULATED_PREFIX}{drafter.source}: exists only as a simulator profile, so it runs "
                          f"only on a simulated engine, not {{other}} {engine}", other="engine")
     name = name or default_name(profile, drafter, engine)

@@ -22,9 +22,9 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from dfserve import __version__
+from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.ports import hold_port
-from dfserve.deploy.spec import DeploymentSpec
 from dfserve.errors import FieldError, UserError
 from dfserve.runs import create_run_dir, utc_now_iso, write_model
 from dfserve.sglang import parse_server_info

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 from dfserve.errors import FieldError
 
 if TYPE_CHECKING:
-    from dfserve.deploy.spec import DeploymentSpec
+    from dfserve.deploy.deployment import DeploymentSpec
 
 _Kind = TypeVar("_Kind", bound="type[EngineKind]")
 

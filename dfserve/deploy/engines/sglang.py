@@ -18,7 +18,7 @@ from dfserve.deploy.engines.base import Container, EngineKind
 from dfserve.errors import FieldError
 
 if TYPE_CHECKING:
-    from dfserve.deploy.spec import DeploymentSpec
+    from dfserve.deploy.deployment import DeploymentSpec
 
 CHECK_SCRIPT = Path(__file__).parents[1] / "sglang_check.py"
 """Run by path under SGLang's interpreter, which need not have dfserve installed."""

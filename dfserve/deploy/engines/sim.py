@@ -12,7 +12,7 @@ from dfserve.deploy.engines.base import Container, EngineKind
 from dfserve.errors import FieldError, UserError
 
 if TYPE_CHECKING:
-    from dfserve.deploy.spec import DeploymentSpec
+    from dfserve.deploy.deployment import DeploymentSpec
 
 
 def sim_argv(spec: DeploymentSpec, python: str = sys.executable) -> list[str]:
