@@ -106,7 +106,7 @@ def test_the_simulators_check_uses_its_own_parser(tmp_path: Path) -> None:
     bad = deploy("--drafter", "zlab", "--engine", "sim", "--check", "--sim-profile", str(tmp_path / "gone.json"),
                  python="/nonexistent/python", root=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        f"dfserve: error: --check: the simulator rejects the argv: --profile: {tmp_path / 'gone.json'}: no such file")
+        f"dfserve: error: --sim-profile: {tmp_path / 'gone.json'}: no such file")
     assert list(tmp_path.iterdir()) == []
 
 

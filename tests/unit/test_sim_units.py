@@ -30,7 +30,7 @@ from dfserve.deploy.sim.profiles import DrafterProfile, load_profile
 from dfserve.deploy.sim.stamps import StampedStreamEncoder
 from dfserve.deploy.sim.telemetry import DECODE_LOG_INTERVAL, RoundRecord, Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.sglang import FinishReason
 from dfserve.sglang import server as engine
 
@@ -81,7 +81,7 @@ def test_profiles_load_from_json_and_bad_files_name_the_problem(tmp_path: Path) 
 def test_a_shorter_block_keeps_the_leading_positions() -> None:
     short = zlab().with_block_size(8)
     assert short.block_size == 8 and short.conditional_accept == zlab().conditional_accept[:7]
-    with pytest.raises(UserError, match="--block-size"):
+    with pytest.raises(FieldError, match=r"^block_size: 32 is outside 2\.\.16"):
         zlab().with_block_size(32)
 
 
@@ -201,7 +201,7 @@ def test_lossy_outputs_differ_at_about_the_configured_rate(vocabulary: Vocabular
     differs = sum(text(clean, p) != text(lossy, p) for p in prompts)
     assert 70 <= differs <= 130  # Binomial(400, 0.25): mean 100, sd 8.7
     assert differs == sum(lossy.is_lossy(p, "") for p in prompts)
-    with pytest.raises(UserError, match="--lossy-fraction"):
+    with pytest.raises(FieldError, match=r"^lossy_fraction: 1\.5 is outside \[0, 1\]$"):
         TextModel(vocabulary, lossy_fraction=1.5)
 
 

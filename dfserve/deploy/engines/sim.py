@@ -45,9 +45,11 @@ class Simulator(EngineKind):
         from dfserve.deploy.sim.profiles import load_profile
 
         try:
-            context = sim.make_context("sim", sim_argv(spec)[4:])
-            build_config(**context.params)
             load_profile(spec.sim.profile)
+        except FieldError as exc:
+            raise FieldError("sim_profile", exc.message) from None
+        try:
+            build_config(**sim.make_context("sim", sim_argv(spec)[4:]).params)
         except (click.UsageError, UserError) as exc:
             raise FieldError("check", f"the simulator rejects the argv: {exc}") from None
         return f"the simulator accepts it: profile {spec.sim.profile}, block {spec.drafter.block_size}"

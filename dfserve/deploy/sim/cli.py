@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.faults import FaultConfig
-from dfserve.errors import UserError, describe_invalid_flag
+from dfserve.errors import UserError, command_flags, describe_invalid_flag, flags_for
 
 
 def build_config(**values: object) -> SimConfig:
@@ -54,4 +54,5 @@ def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
     from dfserve.deploy.sim.server import run
 
-    run(build_config(**values))
+    with flags_for(command_flags(sim)):
+        run(build_config(**values))

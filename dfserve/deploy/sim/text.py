@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.sglang import FinishReason
 
 # Candidate output pieces; those that are not a single Qwen3 token are dropped when the vocabulary loads.
@@ -102,7 +102,7 @@ class TextModel:
 
     def __init__(self, vocabulary: Vocabulary, lossy_fraction: float = 0.0, median_tokens: int = 180) -> None:
         if not 0.0 <= lossy_fraction <= 1.0:
-            raise UserError(f"--lossy-fraction: {lossy_fraction} is outside [0, 1]")
+            raise FieldError("lossy_fraction", f"{lossy_fraction} is outside [0, 1]")
         self.vocabulary = vocabulary
         self.lossy_fraction = lossy_fraction
         self.median_tokens = median_tokens
