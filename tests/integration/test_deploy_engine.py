@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dfserve.deploy.ports import hold_port
 from dfserve.deploy.supervise import _spawn, _terminate, process_start_ticks
+from dfserve.errors import FieldError
 from tests.fixtures.deploy.synth import (
     STANDIN,
     TINY_DRAFTER_CONFIG,
@@ -226,6 +228,17 @@ def test_sim_engine_uses_the_same_supervision_and_takes_a_free_port(tmp_path: Pa
         assert "healthy" in run(root, "status", "pro6000-zlab-sim").stdout
     finally:
         assert "graceful" in run(root, "stop", "pro6000-zlab-sim").stdout
+
+
+def test_a_held_port_takes_an_engine_that_reuses_addresses_and_no_other_binder() -> None:
+    with hold_port(LOOPBACK, 0) as port, socket.socket() as other, socket.socket() as engine:
+        with pytest.raises(OSError):
+            other.bind((LOOPBACK, port))
+        engine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        engine.bind((LOOPBACK, port))
+        engine.listen()
+        with pytest.raises(FieldError, match=rf"^port: {LOOPBACK}:{port} is already in use"), hold_port(LOOPBACK, port):
+            pass
 
 
 def test_stop_forces_a_process_that_ignores_sigterm(tmp_path: Path) -> None:

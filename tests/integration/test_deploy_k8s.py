@@ -128,3 +128,5 @@ def test_emit_refuses_to_overwrite_and_the_simulator(tmp_path: Path) -> None:
     assert again.returncode == 2 and "already exist" in again.stderr
     sim = deploy(tmp_path / "root", "--drafter", "zlab", "--engine", "sim", "--emit", "k8s")
     assert sim.returncode == 2 and "--engine: sim runs on this machine only and has no Kubernetes form" in sim.stderr
+    free = deploy(tmp_path / "root", "--drafter", "zlab", "--emit", "k8s", "--port", "0")
+    assert free.returncode == 2 and "--port: a Service needs a fixed port" in free.stderr
