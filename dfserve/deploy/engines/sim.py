@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import click
 
 from dfserve.deploy.engines.base import Container, EngineKind
+from dfserve.deploy.sim.cli import build_config, sim
+from dfserve.deploy.sim.profiles import load_profile
 from dfserve.errors import FieldError, UserError
 
 if TYPE_CHECKING:
@@ -17,8 +19,12 @@ if TYPE_CHECKING:
 
 def sim_argv(spec: DeploymentSpec, python: str = sys.executable) -> list[str]:
     """The simulated engine serving the same target, drafter, name and limits as the SGLang form."""
+    return [python, "-m", "dfserve", "sim", *sim_args(spec)]
+
+
+def sim_args(spec: DeploymentSpec) -> list[str]:
+    """What follows `dfserve sim`."""
     return [
-        python, "-m", "dfserve", "sim",
         "--host", spec.host, "--port", str(spec.port),
         "--profile", spec.sim.profile,
         "--time-scale", str(spec.sim.time_scale),
@@ -41,15 +47,12 @@ class Simulator(EngineKind):
         return sim_argv(spec)
 
     def check(self, spec: DeploymentSpec, python: str) -> str:
-        from dfserve.deploy.sim.cli import build_config, sim
-        from dfserve.deploy.sim.profiles import load_profile
-
         try:
             load_profile(spec.sim.profile)
         except FieldError as exc:
             raise FieldError("sim_profile", exc.message) from None
         try:
-            build_config(**sim.make_context("sim", sim_argv(spec)[4:]).params)
+            build_config(**sim.make_context("sim", sim_args(spec)).params)
         except (click.UsageError, UserError) as exc:
             raise FieldError("check", f"the simulator rejects the argv: {exc}") from None
         return f"the simulator accepts it: profile {spec.sim.profile}, block {spec.drafter.block_size}"
