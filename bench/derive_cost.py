@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 from bench.results import write_section  # noqa: E402
 from bench.sync_server import chat_chunk, native_chunk, sse  # noqa: E402
 from dfserve import sglang  # noqa: E402
-from dfserve.deploy.sim import protocol as engine  # noqa: E402
 from dfserve.loadtest.client import Finished, Sent, derive  # noqa: E402
+from dfserve.sglang import server as engine  # noqa: E402
 
 SECTION = "loadtest_derive_cost"
 CHUNKS = 64

@@ -17,19 +17,13 @@ from pathlib import Path
 import click
 
 from dfserve.deploy import k8s
+from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.drafters import Drafter, resolve_drafter, resolve_target
+from dfserve.deploy.engines import EngineKind, engine_kind, engine_names
 from dfserve.deploy.profiles import load_profile
-from dfserve.deploy.sglang_engine import (
-    check_with_sglang,
-    launch_argv,
-    launch_env,
-    running,
-    start,
-    status,
-    stop,
-)
-from dfserve.deploy.spec import DeploymentSpec, build_spec
-from dfserve.errors import UserError, command_flags, flags_for
+from dfserve.deploy.spec import build_spec
+from dfserve.deploy.supervise import running, start, status, stop
+from dfserve.errors import FieldError, UserError, command_flags, flags_for
 from dfserve.listen import ensure_free
 from dfserve.runs import link_input
 
@@ -43,17 +37,19 @@ def _root_option(f):
     )(f)
 
 
-def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
-    env = launch_env(spec) if spec.engine == "sglang" else {}
+def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
+    env = kind.env(spec)
     prefix = ["env", *(f"{key}={value}" for key, value in sorted(env.items()))] if env else []
     click.echo(f"# {spec.name}: engine {spec.engine}, drafter {spec.drafter.label}, target {spec.target}", err=True)
-    click.echo(shlex.join([*prefix, *argv]))
+    if spec.port == 0:
+        click.echo("# --port 0: a start picks a free port and puts it in place of 0", err=True)
+    click.echo(shlex.join([*prefix, *kind.argv(spec, python)]))
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
 @click.option("--drafter", help="zlab, a checkpoint (.pt/.safetensors), a Hugging Face DFlash folder, baseline, or "
               "sim:PROFILE (a drafter that exists only as a simulator profile; --engine sim).")
-@click.option("--engine", type=click.Choice(["sglang", "sim"]), default="sglang")
+@click.option("--engine", type=click.Choice(engine_names()), default="sglang")
 @click.option("--profile", "profile_name", default="pro6000", help="Host profile name or YAML file.")
 @click.option("--target", help="Target model id or local folder (default: the profile's).")
 @click.option("--target-config", type=click.Path(path_type=Path), help="The target's config.json, if not beside it.")
@@ -62,7 +58,7 @@ def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
               help="Baseline registry folder, for --drafter baseline.")
 @click.option("--name", help="Deployment name (default: PROFILE-DRAFTER).")
 @click.option("--host", default="127.0.0.1")
-@click.option("--port", type=int, default=30000, help="Listen port; 0 (--engine sim only) takes a free one.")
+@click.option("--port", type=int, default=30000, help="Listen port; 0 takes a free one (the record and `deploy status` say which).")
 @_root_option
 @click.option("--tp-size", type=int, help="Overrides the profile's value.")
 @click.option("--mem-fraction-static", type=float, help="Overrides the profile's value.")
@@ -77,7 +73,8 @@ def _print_command(spec: DeploymentSpec, argv: list[str]) -> None:
 @click.option("--time-scale", type=float, default=1.0, help="Simulator time scale.")
 @click.option("--seed", type=int, default=0, help="Simulator seed.")
 @click.option("--dry-run", is_flag=True, help="Print the exact command and environment, start nothing.")
-@click.option("--check", is_flag=True, help="Validate the argv with SGLang's own parser and DFLASH rules.")
+@click.option("--check", is_flag=True, help="Validate the argv with the engine's own parser (SGLang: and its DFLASH "
+              "rules); starts nothing.")
 @click.option("--emit", type=click.Choice(["k8s"]), help="Write Kubernetes objects instead of starting an engine.")
 @click.option("--out", type=click.Path(path_type=Path), help="Folder for --emit output (default: stdout).")
 @click.option("--image", default=k8s.DEFAULT_IMAGE, help="Container image for --emit k8s.")
@@ -109,7 +106,7 @@ def run_deploy(
 ) -> None:
     profile = load_profile(profile_name)
     resolved_target = resolve_target(target, profile, target_config)
-    starts_engine = not dry_run and emit is None
+    starts_engine = not (dry_run or check) and emit is None
     if starts_engine:
         ensure_free(host, port)
     resolved = resolve_drafter(drafter, profile, resolved_target, root / "drafters", drafter_config, registry)
@@ -117,20 +114,13 @@ def run_deploy(
         done = "converted" if resolved.converted else "already converted"
         click.echo(f"# {resolved.source}: {done} to {resolved.model_path} (sha256 {resolved.sha256})", err=True)
     spec = build_spec(
-        profile, resolved_target, resolved, engine=engine, port=port, host=host, name=name,  # type: ignore[arg-type]
+        profile, resolved_target, resolved, engine=engine, port=port, host=host, name=name,
         overrides=dict(overrides), sglang_args=list(sglang_args), sim_profile=sim_profile, time_scale=time_scale,
         seed=seed,
     )
+    kind = engine_kind(spec.engine)
     if check:
-        result = check_with_sglang(spec, sglang_python)
-        if not result.ok:
-            raise UserError(f"--check: SGLang {result.version} rejects the argv: " + "; ".join(result.problems))
-        click.echo(
-            f"# check: SGLang {result.version} accepts it: DFLASH, "
-            f"block {result.resolved['speculative_num_draft_tokens']}, "
-            f"draft attention {result.resolved['speculative_draft_attention_backend']}",
-            err=True,
-        )
+        click.echo(f"# check: {kind.check(spec, sglang_python)}", err=True)
     if emit == "k8s":
         pod = k8s.Pod(model_cache=model_cache or root, image=image, namespace=namespace,
                       node_selector=_node_selector(node_selector), startup_s=health_timeout)
@@ -140,11 +130,10 @@ def run_deploy(
         for path in k8s.write(objects, out):
             click.echo(str(path))
         return
-    argv = launch_argv(spec, sglang_python)
     if dry_run:
-        _print_command(spec, argv)
-        return
-    _start(spec, resolved, argv, root / spec.name, health_timeout)
+        _print_command(spec, kind, sglang_python)
+    if starts_engine:
+        _start(spec, resolved, sglang_python, root / spec.name, health_timeout)
 
 
 def _node_selector(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -152,14 +141,14 @@ def _node_selector(pairs: tuple[str, ...]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise UserError(f"--node-selector: {pair!r} is not KEY=VALUE")
+            raise FieldError("node_selector", f"{pair!r} is not KEY=VALUE")
         selector[key] = value
     return selector
 
 
-def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_dir: Path, health_timeout: float) -> None:
+def _start(spec: DeploymentSpec, drafter: Drafter, python: str, deployment_dir: Path, health_timeout: float) -> None:
     if running(deployment_dir) is not None:
-        raise UserError(f"--name: deployment {spec.name} is running; `dfserve deploy stop {spec.name}` first")
+        raise FieldError("name", f"deployment {spec.name} is running; `dfserve deploy stop {spec.name}` first")
     created = not deployment_dir.exists()
     deployment_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -170,7 +159,7 @@ def _start(spec: DeploymentSpec, drafter: Drafter, argv: list[str], deployment_d
         if created:
             deployment_dir.rmdir()
         raise
-    record = start(spec, argv, deployment_dir, health_timeout_s=health_timeout)
+    record = start(spec, python, deployment_dir, health_timeout_s=health_timeout)
     click.echo(
         f"{spec.name}: healthy at {record.spec.base_url} after {record.startup_s:.1f} s "
         f"(pid {record.pid}, served as {spec.served_model_name}"
@@ -196,7 +185,7 @@ def status_command(name: str, root: Path) -> None:
     click.echo(f"{name}: {state}")
     click.echo(f"  engine: {record.spec.engine}{' (simulated)' if record.simulated else ''}, version {record.engine_version}")
     click.echo(f"  url: {record.spec.base_url}  pid: {record.pid}")
-    click.echo(f"  drafter: {record.spec.drafter.label} ({record.spec.drafter.model_path}), sha256 {record.drafter_sha256}")
+    click.echo(f"  drafter: {record.spec.drafter.label} ({record.spec.drafter.model_path}), {record.spec.drafter.identity}")
     click.echo(f"  served model name: {record.spec.served_model_name}")
     click.echo(f"  started: {record.started_at}, healthy after {record.startup_s:.1f} s")
     if state == "exited":

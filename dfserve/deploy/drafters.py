@@ -32,7 +32,7 @@ from dfserve.deploy.assets import (
 )
 from dfserve.deploy.hashes import folder_sha256
 from dfserve.deploy.profiles import HostProfile
-from dfserve.errors import FieldError, UserError
+from dfserve.errors import FieldError
 
 
 def hf_cache_dir() -> Path:
@@ -141,8 +141,8 @@ def simulated_drafter(profile_name: str) -> Drafter:
 
     try:
         sim = load_sim_profile(profile_name)
-    except UserError as exc:
-        raise FieldError("drafter", f"{SIMULATED_PREFIX}{profile_name}: {exc}") from None
+    except FieldError as exc:
+        raise FieldError("drafter", f"{SIMULATED_PREFIX}{profile_name}: {exc.message}") from None
     if sim is None:
         raise FieldError("drafter", f"{SIMULATED_PREFIX}{profile_name} names no drafter (that profile means no speculation)")
     label = f"sim-{Path(profile_name).stem}"
@@ -168,7 +168,7 @@ def resolve_drafter(
         return Drafter("zlab", "zlab", repo, arch.block_size, None, repo, "zlab")
     path = Path(drafter).expanduser()
     if not path.exists():
-        raise FieldError("drafter", f"{drafter} is not 'zlab', 'baseline', a checkpoint file or a model folder")
+        raise FieldError("drafter", f"{drafter} does not exist (nor is it 'zlab', 'baseline' or {SIMULATED_PREFIX}PROFILE)")
     if path.is_dir():
         arch = _verify_folder(path, target)
         digest = folder_sha256(path, hashes)

@@ -4,8 +4,8 @@ Service in front of it, admitted by a namespace that enforces the `restricted` P
 The pod reads weights from the model-cache volume (k8s/base: a PersistentVolumeClaim mounted at /models, the
 Hugging Face cache under /models/hf). Hub ids pass through unchanged; a local folder (a converted drafter, a target
 folder) must lie under the local folder whose contents that volume holds (`Pod.model_cache`, `--model-cache`) and
-becomes the same relative path under /models. The container's argv is `server_args(spec)` with only the host and
-those paths changed::
+becomes the same relative path under /models. The container is the engine kind's (`EngineKind.container`: for
+SGLang, its server arguments with only the host and those paths changed); the pod around it is this module's::
 
     objects = render(spec, Pod(model_cache=Path("deployments")))
     write(objects, Path("k8s-out"))
@@ -26,10 +26,12 @@ from typing import Any
 
 import yaml
 
+from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.drafters import Drafter, resolve_drafter, resolve_target
+from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.profiles import load_profile
-from dfserve.deploy.spec import DeploymentSpec, build_spec, server_args
-from dfserve.errors import UserError
+from dfserve.deploy.spec import build_spec
+from dfserve.errors import FieldError, UserError
 
 DEFAULT_IMAGE = "lmsysorg/sglang:v0.5.23"
 POD_HOST = "0.0.0.0"
@@ -91,8 +93,8 @@ def staged_folders(spec: DeploymentSpec, pod: Pod) -> dict[str, str]:
         if not path.startswith("/"):
             continue
         if not Path(path).is_relative_to(cache):
-            raise UserError(
-                f"--model-cache: {path} is not under {cache}; the pod sees local folders only on the "
+            raise FieldError(
+                "model_cache", f"{path} is not under {cache}; the pod sees local folders only on the "
                 f"{MODEL_CACHE_CLAIM} volume, so copy it there and name the folder holding it")
         staged[path] = str(PurePosixPath(MODELS_MOUNT) / Path(path).relative_to(cache).as_posix())
     return staged
@@ -111,8 +113,8 @@ def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
 
 def render(spec: DeploymentSpec, pod: Pod) -> list[dict[str, Any]]:
     """A Deployment and a Service for the spec."""
-    if spec.engine != "sglang":
-        raise UserError("--emit k8s: renders the sglang engine only; drop --engine sim")
+    if spec.port == 0:
+        raise FieldError("port", "a Service needs a fixed port; 0 (a free one) exists only for a start on this machine")
     staged = staged_folders(spec, pod)
     in_pod = spec.model_copy(update={
         "target": staged.get(spec.target, spec.target),
@@ -122,11 +124,12 @@ def render(spec: DeploymentSpec, pod: Pod) -> list[dict[str, Any]]:
     if pod.namespace:
         meta["namespace"] = pod.namespace
     gpus = str(spec.sglang.tp_size)
+    engine = engine_kind(spec.engine).container(in_pod, POD_HOST)
     container: dict[str, Any] = {
-        "name": "sglang",
+        "name": engine.name,
         "image": pod.image,
-        "command": ["python3", "-m", "sglang.launch_server"],
-        "args": server_args(in_pod, host=POD_HOST),
+        "command": engine.command,
+        "args": engine.args,
         "env": container_env(spec),
         "ports": [{"containerPort": spec.port, "name": "http", "protocol": "TCP"}],
         "resources": {
@@ -222,7 +225,7 @@ def write(objects: list[dict[str, Any]], out: Path | None, header: str = "", rep
         return []
     paths = [out / f"{obj['kind'].lower()}.yaml" for obj in objects]
     if not replace and (existing := [str(p) for p in paths if p.exists()]):
-        raise UserError(f"--out: {', '.join(existing)} already exist; choose an empty folder")
+        raise FieldError("out", f"{', '.join(existing)} already exist; choose an empty folder")
     out.mkdir(parents=True, exist_ok=True)
     for obj, path in zip(objects, paths, strict=True):
         path.write_text(header + to_yaml([obj]), encoding="utf-8")

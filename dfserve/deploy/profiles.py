@@ -31,7 +31,7 @@ class ModelFacts(_Strict):
 
 
 class SGLangSettings(_Strict):
-    """Server arguments a profile fixes; each maps to one SGLang flag (see ``deploy.sglang_engine``)."""
+    """Server arguments a profile fixes; each maps to one SGLang flag (see ``deploy.engines.sglang``)."""
 
     tp_size: int = Field(ge=1)
     mem_fraction_static: float = Field(gt=0, lt=1)

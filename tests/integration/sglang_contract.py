@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+import orjson
 from sglang.api.v1 import api_types
 from sglang.srt.entrypoints.api_contract import generate_contract_error
 from sglang.srt.entrypoints.openai import protocol
@@ -49,6 +50,18 @@ def contract_error(body: dict[str, Any]) -> Any:
     return {"error": generate_contract_error(body["request"])}
 
 
+def json_invalid(body: dict[str, Any]) -> Any:
+    """A body SGLang reads with orjson and refuses: the answer names orjson's error and its offset, as FastAPI's
+    `json_invalid` error, in SGLang's `ErrorResponse`."""
+    try:
+        orjson.loads(body["request"].encode())
+    except orjson.JSONDecodeError as exc:
+        error = (f"[{{'type': 'json_invalid', 'loc': ('body', {exc.pos}), 'msg': 'JSON decode error', 'input': {{}}, "
+                 f"'ctx': {{'error': '{exc.msg}'}}}}]")
+        return dumped(protocol.ErrorResponse, {"message": error, "type": "Bad Request", "code": 400})
+    raise AssertionError("orjson reads the request")
+
+
 def openai_request(model: Any) -> Any:
     return lambda body: json.loads(model.model_validate(body).model_dump_json(exclude_unset=True))
 
@@ -64,6 +77,7 @@ CHECKS = {
     "native_stream_error": native_error,
     "native_error": lambda body: {"error": {"message": body["error"]["message"]}},
     "contract_error": contract_error,
+    "json_invalid": json_invalid,
     "chat": lambda body: dumped(protocol.ChatCompletionResponse, body),
     "chat_chunk": chat_chunk,
     "chat_stream_response": lambda body: dumped(protocol.ChatCompletionStreamResponse, body),
@@ -87,7 +101,7 @@ def main() -> None:
         except Exception as exc:
             problems.append({"kind": item["kind"], "body": body, "refused": f"{type(exc).__name__}: {exc}"})
             continue
-        got = {k: v for k, v in body.items() if k != "request"} if item["kind"] == "contract_error" else body
+        got = {k: v for k, v in body.items() if k != "request"} if "request" in body else body
         if want != got:
             problems.append({"kind": item["kind"], "body": got, "sglang": want})
     json.dump(problems, sys.stdout)

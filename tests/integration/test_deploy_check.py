@@ -92,6 +92,24 @@ def test_sglang_rejections_are_one_line(sglang_python: str, tmp_path: Path, extr
     assert message in lines[0]
 
 
+def test_check_starts_nothing(sglang_python: str, tmp_path: Path) -> None:
+    done = deploy("--drafter", "zlab", "--check", "--health-timeout", "20", python=sglang_python, root=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "SGLang 0.5.23 accepts it" in done.stderr and done.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_simulators_check_uses_its_own_parser(tmp_path: Path) -> None:
+    done = deploy("--drafter", "zlab", "--engine", "sim", "--check", python="/nonexistent/python", root=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "the simulator accepts it: profile zlab, block 16" in done.stderr and done.stdout == ""
+    bad = deploy("--drafter", "zlab", "--engine", "sim", "--check", "--sim-profile", str(tmp_path / "gone.json"),
+                 python="/nonexistent/python", root=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"dfserve: error: --sim-profile: {tmp_path / 'gone.json'}: no such file")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_without_sglang_says_so(tmp_path: Path) -> None:
     done = deploy("--drafter", "zlab", "--dry-run", "--check", python="/nonexistent/python", root=tmp_path)
     assert done.returncode == 2

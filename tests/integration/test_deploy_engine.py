@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dfserve.deploy.sglang_engine import _spawn, _terminate, process_start_ticks
+from dfserve.deploy.ports import hold_port
+from dfserve.deploy.supervise import _spawn, _terminate, process_start_ticks
+from dfserve.errors import FieldError
 from tests.fixtures.deploy.synth import (
     STANDIN,
     TINY_DRAFTER_CONFIG,
@@ -85,6 +87,41 @@ def test_sglang_engine_with_standin_start_status_stop(tmp_path: Path) -> None:
     assert not alive(record["pid"], record["process_start_ticks"])
     assert run(root, "status", "pro6000-zlab").stdout.startswith("pro6000-zlab: stopped")
     assert run(root, "stop", "pro6000-zlab").stdout.startswith("pro6000-zlab: already stopped (graceful)")
+
+
+PROBE = """
+import socket, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with socket.socket() as sock:
+    try:
+        sock.bind(("127.0.0.1", port))
+        print("free")
+    except OSError:
+        print("held")
+"""
+
+
+def test_sglang_engine_on_port_0_gets_a_free_port_held_until_it_serves(tmp_path: Path) -> None:
+    root, trace, probe = tmp_path / "root", tmp_path / "trace.json", tmp_path / "probe"
+    (tmp_path / "probe.py").write_text(PROBE)
+    python = launcher(tmp_path, f'"{sys.executable}" "{tmp_path / "probe.py"}" "$@" > "{probe}"; '
+                                f'exec "{sys.executable}" "{STANDIN}" "$@"')
+    done = run(root, "--drafter", "zlab", "--port", "0", "--sglang-python", python, "--health-timeout", "60",
+               env={"DFSERVE_STANDIN_TRACE": str(trace)})
+    assert done.returncode == 0, done.stderr
+    try:
+        record = record_of(root, "pro6000-zlab")
+        port = record["spec"]["port"]
+        argv = json.loads(trace.read_text())["argv"]
+        assert port != 0 and argv[argv.index("--port") + 1] == str(port) and probe.read_text() == "held\n"
+        assert f"healthy at http://{LOOPBACK}:{port} " in done.stdout
+        assert httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=5).status_code == 200
+        status = run(root, "status", "pro6000-zlab")
+        assert f"url: http://{LOOPBACK}:{port}  pid: {record['pid']}" in status.stdout
+        assert ("no content hash: z-lab's release, which SGLang loads from the Hugging Face hub as "
+                "z-lab/Qwen3.6-27B-DFlash") in status.stdout and "None" not in status.stdout
+    finally:
+        assert "graceful" in run(root, "stop", "pro6000-zlab").stdout
 
 
 def test_inhouse_checkpoint_is_staged_by_hard_link_once_and_converted_once(tmp_path: Path) -> None:
@@ -191,6 +228,17 @@ def test_sim_engine_uses_the_same_supervision_and_takes_a_free_port(tmp_path: Pa
         assert "healthy" in run(root, "status", "pro6000-zlab-sim").stdout
     finally:
         assert "graceful" in run(root, "stop", "pro6000-zlab-sim").stdout
+
+
+def test_a_held_port_takes_an_engine_that_reuses_addresses_and_no_other_binder() -> None:
+    with hold_port(LOOPBACK, 0) as port, socket.socket() as other, socket.socket() as engine:
+        with pytest.raises(OSError):
+            other.bind((LOOPBACK, port))
+        engine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        engine.bind((LOOPBACK, port))
+        engine.listen()
+        with pytest.raises(FieldError, match=rf"^port: {LOOPBACK}:{port} is already in use"), hold_port(LOOPBACK, port):
+            pass
 
 
 def test_stop_forces_a_process_that_ignores_sigterm(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from dfserve.deploy.drafters import Drafter, resolve_target
 from dfserve.deploy.k8s import Pod, render
 from dfserve.deploy.profiles import load_profile
 from dfserve.deploy.spec import build_spec
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from tests.fixtures.deploy.synth import TINY_DRAFTER_CONFIG, TINY_TARGET, tiny_state_dict, write_checkpoint
 from tests.integration.servers import dfserve_argv
 from tests.integration.test_k8s import restricted_violations
@@ -102,7 +102,7 @@ def test_local_folder_outside_the_model_cache_is_refused(tmp_path: Path) -> None
     profile = load_profile("pro6000")
     drafter = Drafter("local", "folder", str(tmp_path / "cache" / "drafters" / "local"), 16, None, None, "inhouse")
     spec = build_spec(profile, resolve_target(None, profile, None), drafter, engine="sglang", port=30000)
-    with pytest.raises(UserError, match=re.escape(f"--model-cache: {tmp_path}/cache/drafters/local is not under {tmp_path}/other")):
+    with pytest.raises(FieldError, match=re.escape(f"model_cache: {tmp_path}/cache/drafters/local is not under {tmp_path}/other")):
         render(spec, Pod(model_cache=tmp_path / "other"))
     deployment, _ = render(spec, Pod(model_cache=tmp_path / "cache"))
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -127,4 +127,6 @@ def test_emit_refuses_to_overwrite_and_the_simulator(tmp_path: Path) -> None:
     again = deploy(tmp_path / "root", "--drafter", "zlab", "--emit", "k8s", "--out", str(out))
     assert again.returncode == 2 and "already exist" in again.stderr
     sim = deploy(tmp_path / "root", "--drafter", "zlab", "--engine", "sim", "--emit", "k8s")
-    assert sim.returncode == 2 and "renders the sglang engine only" in sim.stderr
+    assert sim.returncode == 2 and "--engine: sim runs on this machine only and has no Kubernetes form" in sim.stderr
+    free = deploy(tmp_path / "root", "--drafter", "zlab", "--emit", "k8s", "--port", "0")
+    assert free.returncode == 2 and "--port: a Service needs a fixed port" in free.stderr

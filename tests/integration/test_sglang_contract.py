@@ -76,6 +76,10 @@ def collect(base: str, aborting: str) -> list[dict[str, Any]]:
     for path, content in (("/generate", b"{not json"), ("/v1/chat/completions", b'{"model": "m"}'),
                           ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": 0}')):
         items.append({"kind": "error_response", "body": httpx.post(f"{base}{path}", content=content).json()})
+    for path, text in (("/generate", r'{"text": "\ud800"}'), ("/generate", r'{"text": "a\udc00", "stream": true}'),
+                       ("/v1/chat/completions", r'{"model": "m", "messages": [{"role": "user", "content": "\ud800\u0041"}]}')):
+        answer = httpx.post(f"{base}{path}", content=text.encode()).json()
+        items.append({"kind": "json_invalid", "body": {**answer, "request": text}})
     items.append({"kind": "models", "body": httpx.get(f"{base}/v1/models").json()})
     return items
 
@@ -89,7 +93,7 @@ def bodies() -> list[dict[str, Any]]:
 def test_every_simulated_shape_is_what_sglangs_own_models_write(bodies: list[dict[str, Any]]) -> None:
     kinds = {item["kind"] for item in bodies}
     assert kinds >= {"native", "native_stream_error", "native_error", "contract_error", "chat", "chat_chunk",
-                     "chat_stream_response", "completion", "completion_chunk", "error_response",
+                     "chat_stream_response", "completion", "completion_chunk", "error_response", "json_invalid",
                      "stream_error_response", "models", "generate_request", "chat_request", "completion_request"}
     assert sglang_problems(bodies) == []
 

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dfserve import metrics as names
 from dfserve import sglang as proto
-from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -147,7 +146,7 @@ def test_streamed_chat_ends_with_its_chunk_times_in_a_comment_sse_clients_skip(z
 
 def test_sim_times_comment_round_trips_and_rejects_a_broken_one() -> None:
     times = proto.SimStreamTimes((1.5, 2.25), (1.0, 2.0), 0.125)
-    events = b'data: {"choices":[]}\n\n' + engine.sim_times_comment(times) + proto.SSE_DONE
+    events = b'data: {"choices":[]}\n\n' + proto.sim_times_comment(times) + proto.SSE_DONE
     assert proto.parse_sim_times_comment(events) == times
     assert proto.parse_sim_times_comment(b'data: {"choices":[]}\n\n' + proto.SSE_DONE) is None
     with pytest.raises(ProtocolError, match="sim times"):
@@ -216,6 +215,15 @@ def test_bad_input_gets_a_400_with_a_message(zlab: str, route: str, body: bytes,
     response = httpx.post(f"{zlab}{route}", content=body, timeout=10)
     assert response.status_code == 400
     assert message in proto.parse_error_message(response.content)
+
+
+def test_lone_surrogates_are_refused_with_400s_and_leave_the_engine_serving(zlab: str) -> None:
+    for _ in range(3):
+        response = httpx.post(f"{zlab}/generate", content=rb'{"text": "\ud800", "stream": true}', timeout=10)
+        assert response.status_code == 400
+        assert response.json()["type"] == "Bad Request"
+        assert "no low surrogate in string" in proto.parse_error_message(response.content)
+    assert httpx.get(f"{zlab}/health_generate", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("params", [{"max_new_tokens": -1}, {"max_new_tokens": 1_000_000}])

@@ -12,8 +12,10 @@ import pytest
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.deploy.assets import expected_tensors, verify_drafter_config
 from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
+from dfserve.deploy.engines.sglang import server_args
+from dfserve.deploy.engines.sim import sim_argv
 from dfserve.deploy.profiles import load_profile, profile_names
-from dfserve.deploy.spec import build_spec, server_args, sim_argv
+from dfserve.deploy.spec import build_spec
 from dfserve.errors import FieldError, UserError
 from tests.fixtures.deploy.synth import TINY_TARGET, tiny_config
 
@@ -102,7 +104,7 @@ def test_library_errors_name_the_field_and_the_cli_names_its_flag(
     with pytest.raises(FieldError, match=r"^target: no config\.json for Qwen/Qwen3-8B: .*; pass target_config FILE$"):
         resolve_target("Qwen/Qwen3-8B", PROFILE, None)
     cases = [
-        (["--drafter", str(tmp_path / "nope.pt")], f"dfserve: error: --drafter: {tmp_path / 'nope.pt'} is not 'zlab'"),
+        (["--drafter", str(tmp_path / "nope.pt")], f"dfserve: error: --drafter: {tmp_path / 'nope.pt'} does not exist (nor is it 'zlab', 'baseline' or sim:PROFILE)"),
         (["--drafter", "zlab", "--target", "Qwen/Qwen3-8B"], "; pass --target-config FILE"),
         (["--drafter", "zlab", "--target-config", str(tmp_path / "none.json")], f"--target-config: {tmp_path / 'none.json'} not found"),
     ]
@@ -152,13 +154,13 @@ def test_spec_renders_dflash_argv_from_profile_and_flags() -> None:
 
 
 def test_spec_refuses_conflicting_and_invalid_flags() -> None:
-    with pytest.raises(UserError, match="--sglang-arg --tp-size: set by the deployment spec"):
+    with pytest.raises(FieldError, match=r"^sglang_args: --tp-size: set by the deployment spec"):
         zlab_spec(sglang_args=["--tp-size=2"])
     with pytest.raises(UserError, match="--mem-fraction-static"):
         zlab_spec(overrides={"mem_fraction_static": 1.5})
     with pytest.raises(UserError, match="--draft-attention-backend"):
         zlab_spec(overrides={"draft_attention_backend": "trtllm_mha"})
-    with pytest.raises(UserError, match="--name"):
+    with pytest.raises(FieldError, match=r"^name: 'Bad_Name' must be lowercase"):
         zlab_spec(name="Bad_Name")
 
 
@@ -206,7 +208,7 @@ def test_a_simulated_drafter_runs_only_on_the_simulator_under_a_simulated_identi
     with pytest.raises(UserError, match="drafter: sim:nope"):
         simulated_drafter("nope")
     target = resolve_target(None, PROFILE, None)
-    with pytest.raises(UserError, match="only with --engine sim"):
+    with pytest.raises(FieldError, match=r"^drafter: sim:inhouse: exists only as a simulator profile, so it runs only on a simulated engine, not engine sglang$"):
         build_spec(PROFILE, target, drafter, engine="sglang", port=30000)
     spec = build_spec(PROFILE, target, drafter, engine="sim", port=30000)
     assert flag(sim_argv(spec), "--draft-model-path") == "dfserve-sim/inhouse"

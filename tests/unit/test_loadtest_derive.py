@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from dfserve import sglang
-from dfserve.deploy.sim import protocol as engine
 from dfserve.loadtest.client import Finished, Sent, derive
+from dfserve.sglang import server as engine
 from tests import FIXTURES
 
 HEAD = engine.ResponseHead("5f1d2c0a9b8e4f7aa1b2c3d4e5f60718", 1764460000, "Qwen/Qwen3.6-27B")
@@ -39,7 +39,7 @@ def native(text: str, tokens: int, final: bool = False) -> bytes:
 
 
 ERROR = engine.openai_error_event("retracted", "SERVICE_UNAVAILABLE", 503)
-SIM_TIMES = engine.sim_times_comment(sglang.SimStreamTimes((1.0, 2.0), (0.5, 1.5), 0.01))
+SIM_TIMES = sglang.sim_times_comment(sglang.SimStreamTimes((1.0, 2.0), (0.5, 1.5), 0.01))
 STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
     "chat": ("chat", chat("", first=True) + b"".join(chat(f" tok{i}") for i in range(40))
              + chat(None, finish=True) + chat_end(41)),

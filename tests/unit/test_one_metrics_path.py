@@ -9,12 +9,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dfserve import sglang
 from dfserve._relay import EventRelay
-from dfserve.deploy.sim import protocol as engine
 from dfserve.gateway import relay
 from dfserve.gateway.relay import Exchange, NativeStream, OpenAIStream, StreamKind, meter
 from dfserve.loadtest.client import Sent, build_record, read_stream
 from dfserve.loadtest.exporter import outcome
 from dfserve.metrics import ITL_BUCKETS_S, DfserveMetrics, observe
+from dfserve.sglang import server as engine
 
 T0 = 100.0
 HEAD = engine.ResponseHead("r", 1, "m")

@@ -1,4 +1,4 @@
-"""The simulator's side of SGLang's protocol (`dfserve.deploy.sim.protocol`): its builders round-trip through the
+"""The engine side of SGLang's protocol (`dfserve.sglang.server`): its builders round-trip through the
 parsers every client uses (`dfserve.sglang`), and it refuses bad requests as SGLang does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dfserve import sglang as proto
-from dfserve.deploy.sim import protocol as engine
+from dfserve.sglang import server as engine
 
 # --- builders (engine side) round-trip through the parsers (client side) ------------------------------------
 
@@ -117,6 +117,35 @@ def test_engine_side_parsing_refuses_bad_requests(parse: Any, body: bytes, messa
     with pytest.raises(engine.RequestError, match=message) as refused:
         parse(body)
     assert refused.value.stage == stage
+
+
+@pytest.mark.parametrize(
+    ("body", "error", "pos"),
+    [
+        (rb'{"text": "\ud800"}', "no low surrogate in string", 10),
+        (rb'{"text": "\uD800x"}', "no low surrogate in string", 10),
+        (rb'{"text": "\ud800\u0041"}', "invalid low surrogate in string", 10),
+        (rb'{"text": "a\udc00b"}', "invalid high surrogate in string", 11),
+        ('{"text": "é\\ud800"}'.encode(), "no low surrogate in string", 11),
+    ],
+)
+def test_a_lone_surrogate_is_refused_as_sglangs_orjson_refuses_it(body: bytes, error: str, pos: int) -> None:
+    with pytest.raises(engine.RequestError) as refused:
+        engine.parse_generate_request(body)
+    assert refused.value.stage == "body"
+    assert str(refused.value) == (f"[{{'type': 'json_invalid', 'loc': ('body', {pos}), 'msg': 'JSON decode error', "
+                                  f"'input': {{}}, 'ctx': {{'error': '{error}'}}}}]")
+    answer = engine.error_answer("native", refused.value, stream=True)
+    assert (answer.status, answer.stream) == (400, False)
+    assert json.loads(answer.body) == {"object": "error", "message": str(refused.value), "type": "Bad Request",
+                                       "param": None, "code": 400}
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text() -> None:
+    assert engine.parse_generate_request(rb'{"text": "\ud83d\ude00"}').prompt == "\N{GRINNING FACE}"
+    assert engine.parse_generate_request(rb'{"text": "\\ud800"}').prompt == "\\ud800"
+    with pytest.raises(engine.RequestError, match="no low surrogate in string"):
+        engine.parse_chat_request(rb'{"messages": [{"role": "user", "content": "\ud800"}]}')
 
 
 def test_values_are_checked_after_parsing_as_sglang_verifies_them() -> None:

@@ -7,13 +7,13 @@ import json
 import random
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from dfserve import sglang as proto
 from dfserve.cli import main
-from dfserve.deploy.sim import protocol as engine
 from dfserve.deploy.sim.acceptance import (
     RoundModel,
     confidence_interval,
@@ -21,15 +21,18 @@ from dfserve.deploy.sim.acceptance import (
     prompt_difficulty,
     request_accept_length_moments,
 )
+from dfserve.deploy.sim.app import build_app
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest
 from dfserve.deploy.sim.faults import FaultConfig, FaultPlan
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile, load_profile
+from dfserve.deploy.sim.stamps import StampedStreamEncoder
 from dfserve.deploy.sim.telemetry import DECODE_LOG_INTERVAL, RoundRecord, Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.sglang import FinishReason
+from dfserve.sglang import server as engine
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_profiles_load_from_json_and_bad_files_name_the_problem(tmp_path: Path) 
 def test_a_shorter_block_keeps_the_leading_positions() -> None:
     short = zlab().with_block_size(8)
     assert short.block_size == 8 and short.conditional_accept == zlab().conditional_accept[:7]
-    with pytest.raises(UserError, match="--block-size"):
+    with pytest.raises(FieldError, match=r"^block_size: 32 is outside 2\.\.16"):
         zlab().with_block_size(32)
 
 
@@ -198,7 +201,7 @@ def test_lossy_outputs_differ_at_about_the_configured_rate(vocabulary: Vocabular
     differs = sum(text(clean, p) != text(lossy, p) for p in prompts)
     assert 70 <= differs <= 130  # Binomial(400, 0.25): mean 100, sd 8.7
     assert differs == sum(lossy.is_lossy(p, "") for p in prompts)
-    with pytest.raises(UserError, match="--lossy-fraction"):
+    with pytest.raises(FieldError, match=r"^lossy_fraction: 1\.5 is outside \[0, 1\]$"):
         TextModel(vocabulary, lossy_fraction=1.5)
 
 
@@ -285,10 +288,10 @@ def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() 
     event = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], meta))
     sent = [1764505000.123456, 1764505000.2]
     expected = engine.sse_event(engine.generate_response_body(' "é"', [1, 2], {**meta, proto.SIM_CHUNK_SENT_KEY: sent}))
-    encoder = engine.NativeStreamEncoder(incremental=False)
+    encoder = StampedStreamEncoder(incremental=False)
     encoder.encode_sent_times(sent[:1])  # ahead of time, as the sim does while it computes a step
     assert encoder.with_sent_times(event, sent) == expected
-    assert engine.NativeStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
+    assert StampedStreamEncoder(incremental=False).with_sent_times(event, sent) == expected
     with pytest.raises(ValueError, match="meta_info"):
         encoder.with_sent_times(event + proto.SSE_DONE, sent)
 
@@ -319,3 +322,22 @@ def test_sim_command_turns_bad_flags_into_one_line(argv: list[str], message: str
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("dfserve: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_huge_prompt_is_counted_off_the_event_loop_while_health_checks_answer(vocabulary: Vocabulary) -> None:
+    rng = random.Random(29)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    prompt = " ".join("".join(rng.choices(letters, k=rng.randint(3, 9))) for _ in range(60_000))
+    app = build_app(SimConfig(port=0, profile="zlab", context_length=4096), load_profile("zlab"), vocabulary)
+
+    async def scenario() -> tuple[int, bool, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as client:
+            huge = asyncio.create_task(client.post("/generate", json={"text": prompt}))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            health = await client.get("/health")
+            return health.status_code, huge.done(), await huge
+
+    health, huge_done_first, answer = asyncio.run(scenario())
+    assert (health, huge_done_first) == (200, False)
+    assert answer.status_code == 400 and "longer than the model's context length (4096 tokens)" in answer.text

@@ -1,6 +1,6 @@
 """The simulator's HTTP face: SGLang's routes on Starlette, streaming written straight to the ASGI channel.
 
-Every body comes from a builder in `dfserve.deploy.sim.protocol`, so field names live in one module. A stream sends one chunk per
+Every body comes from a builder in `dfserve.sglang.server`, so field names live in one place. A stream sends one chunk per
 step of the engine; a client that disconnects is noticed by a watcher on the ASGI `receive` channel and its slot is
 freed at the next step.
 """
@@ -12,7 +12,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -26,7 +26,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dfserve import __version__, sglang
-from dfserve.deploy.sim import protocol as proto
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.engine import Engine, EngineSettings, SimRequest, Update
 from dfserve.deploy.sim.faults import (
@@ -39,11 +38,16 @@ from dfserve.deploy.sim.faults import (
 )
 from dfserve.deploy.sim.latency import LatencyModel, LatencyParams
 from dfserve.deploy.sim.profiles import DrafterProfile
+from dfserve.deploy.sim.stamps import StampedStreamEncoder
 from dfserve.deploy.sim.telemetry import Telemetry
 from dfserve.deploy.sim.text import Limits, TextModel, Vocabulary, render_chat
+from dfserve.sglang import server as proto
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+INLINE_PROMPT_CHARS = 32768
+"""Prompts up to this length are counted on the event loop (a few ms at most); a longer one in a thread, so that one
+huge prompt (seconds to tokenize) holds up neither other requests nor the health checks."""
 
 
 @dataclass
@@ -76,7 +80,7 @@ class SimResponse(Response):
         self._encoded = 0
         self._shown_text = 0
         self._shown_ids = 0
-        self._native = proto.NativeStreamEncoder(ctx.config.incremental_streaming_output)
+        self._native = StampedStreamEncoder(ctx.config.incremental_streaming_output)
         self._fault_chunks = {faults.stall_after_chunk, faults.disconnect_after_chunk, faults.abort_after_chunk,
                               faults.backlog_after_chunk} - {None}
         self._stamp_final = request.stream and ctx.config.record_chunk_times
@@ -165,7 +169,7 @@ class SimResponse(Response):
         if self.request.api == "native":
             return self._native.with_sent_times(payload, self.sent_unix) + sglang.SSE_DONE
         times = sglang.SimStreamTimes(tuple(self.sent_unix), tuple(self.due_unix), self.sim.queue_time_s)
-        return payload[: -len(sglang.SSE_DONE)] + proto.sim_times_comment(times) + sglang.SSE_DONE
+        return payload[: -len(sglang.SSE_DONE)] + sglang.sim_times_comment(times) + sglang.SSE_DONE
 
     def _encode(self, update: Update) -> bytes:
         return self._chunk(update)
@@ -308,21 +312,23 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
     text_model = TextModel(vocabulary, config.lossy_fraction)
     ctx = Context(config=config, engine=engine, created=int(time.time()))
 
-    def prompt_of(request: proto.EngineRequest) -> tuple[str, int]:
-        if request.messages is not None:
-            prompt = render_chat(list(request.messages))
-            return prompt, vocabulary.count(prompt)
+    async def count(prompt: str) -> int:
+        if len(prompt) <= INLINE_PROMPT_CHARS:
+            return vocabulary.count(prompt)
+        return await asyncio.to_thread(vocabulary.count_releasing_gil, prompt)
+
+    async def prompt_of(request: proto.EngineRequest) -> tuple[str, int]:
         if request.input_ids is not None:
             return " ".join(map(str, request.input_ids)), len(request.input_ids)
-        prompt = request.prompt or ""
-        return prompt, vocabulary.count(prompt)
+        prompt = render_chat(list(request.messages)) if request.messages is not None else request.prompt or ""
+        return prompt, await count(prompt)
 
-    def start(request: proto.EngineRequest) -> Response:
+    async def start(request: proto.EngineRequest) -> Response:
         """Validate as SGLang's tokenizer manager does (context length, then sampling parameters), then submit."""
         draw = faults.draw()
         if draw.error:
             return _answer(proto.failure_answer(request.api, "Simulated engine error (--error-rate).", 500))
-        prompt, prompt_tokens = prompt_of(request)
+        prompt, prompt_tokens = await prompt_of(request)
         try:
             refused = proto.context_error(config.context_length, prompt_tokens, request.max_new_tokens)
             if refused is not None:
@@ -410,7 +416,8 @@ class GenerationRoutes:
     per verify round those microseconds are the lateness budget. The API key is checked here, for every route.
     """
 
-    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Response], api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, start: Callable[[proto.EngineRequest], Awaitable[Response]],
+                 api_key: str | None) -> None:
         self.app = app
         self.start = start
         self.api_key = api_key
@@ -439,7 +446,7 @@ class GenerationRoutes:
         except proto.RequestError as exc:
             response = _answer(proto.error_answer(api, exc, _asks_stream(body)))
         else:
-            response = self.start(request)
+            response = await self.start(request)
         await response(scope, receive, send)
 
 

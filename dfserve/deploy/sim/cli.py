@@ -7,10 +7,10 @@ from pydantic import ValidationError
 
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.faults import FaultConfig
-from dfserve.errors import UserError, describe_invalid_flag
+from dfserve.errors import UserError, command_flags, describe_invalid_flag, flags_for
 
 
-def _config(**values: object) -> SimConfig:
+def build_config(**values: object) -> SimConfig:
     fault_keys = ("error_rate", "stall_fraction", "stall_s", "disconnect_fraction", "abort_fraction",
                   "backlog_fraction")
     faults = {k: values.pop(k) for k in fault_keys}
@@ -54,4 +54,5 @@ def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""
     from dfserve.deploy.sim.server import run
 
-    run(_config(**values))
+    with flags_for(command_flags(sim)):
+        run(build_config(**values))

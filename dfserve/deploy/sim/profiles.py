@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import UserError, describe_invalid
+from dfserve.errors import FieldError, describe_invalid
 
 BUILTIN_DIR = Path(__file__).with_name("profiles")
 NONE = "none"
@@ -58,8 +58,8 @@ class DrafterProfile(BaseModel):
         if block_size == self.block_size:
             return self
         if not 2 <= block_size <= self.block_size:
-            raise UserError(
-                f"--block-size: {block_size} is outside 2..{self.block_size} (profile {self.name!r} "
+            raise FieldError(
+                "block_size", f"{block_size} is outside 2..{self.block_size} (profile {self.name!r} "
                 f"describes {self.block_size} positions)"
             )
         return self.model_copy(
@@ -73,14 +73,14 @@ def load_profile(name_or_path: str) -> DrafterProfile | None:
         return None
     path = BUILTIN_DIR / f"{name_or_path}.json" if name_or_path in BUILTINS else Path(name_or_path)
     if not path.suffix == ".json":
-        raise UserError(f"--profile: {name_or_path!r} is neither one of {', '.join(BUILTINS)} nor a .json file")
+        raise FieldError("profile", f"{name_or_path!r} is neither one of {', '.join(BUILTINS)} nor a .json file")
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"--profile: {path}: no such file") from None
+        raise FieldError("profile", f"{path}: no such file") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"--profile: {path}: invalid JSON ({exc})") from None
+        raise FieldError("profile", f"{path}: invalid JSON ({exc})") from None
     try:
         return DrafterProfile.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe_invalid(exc, f"--profile: {path}")) from None
+        raise FieldError("profile", describe_invalid(exc, str(path))) from None

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.sglang import FinishReason
 
 # Candidate output pieces; those that are not a single Qwen3 token are dropped when the vocabulary loads.
@@ -67,7 +67,12 @@ class Vocabulary:
         return cls(pieces=tuple(pieces), eos_id=eos_id, _tokenizer=tokenizer)
 
     def count(self, text: str) -> int:
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)  # type: ignore[attr-defined]
+        return len(self._tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+    def count_releasing_gil(self, text: str) -> int:
+        """`count` for a thread: the tokenizer's batch call releases the GIL while it works (its single call holds
+        it), so the event loop goes on serving meanwhile."""
+        return len(self._tokenizer.encode_batch([text], add_special_tokens=False)[0])  # type: ignore[attr-defined]
 
 
 def render_chat(messages: list[tuple[str, str]]) -> str:
@@ -97,7 +102,7 @@ class TextModel:
 
     def __init__(self, vocabulary: Vocabulary, lossy_fraction: float = 0.0, median_tokens: int = 180) -> None:
         if not 0.0 <= lossy_fraction <= 1.0:
-            raise UserError(f"--lossy-fraction: {lossy_fraction} is outside [0, 1]")
+            raise FieldError("lossy_fraction", f"{lossy_fraction} is outside [0, 1]")
         self.vocabulary = vocabulary
         self.lossy_fraction = lossy_fraction
         self.median_tokens = median_tokens

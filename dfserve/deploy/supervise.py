@@ -1,22 +1,19 @@
-"""Running an engine for a spec: SGLang's argv, its validation by SGLang's own parser, and process supervision.
+"""Starting, watching and stopping the engine of a spec, whatever its kind (`deploy.engines`).
 
-One supervisor serves both engines: SGLang (`python -m sglang.launch_server ...`) and the simulator. It starts the
-engine in its own session with its log in the deployment folder, waits for `/health_generate`, and writes a
-`DeploymentRecord` (spec, resolved `/server_info`, `/model_info`, drafter hash, times). `status` and `stop` work from
-that record alone, in a later process::
+The engine runs in its own session with its log in the deployment folder; the start holds its port until it
+answers `ready_path`, then writes a `DeploymentRecord` (spec with the port served on, resolved `/server_info`,
+`/model_info`, drafter hash, times). `status` and `stop` work from that record alone, in a later process::
 
-    record = start(spec, launch_argv(spec, "python3"), deployment_dir, health_timeout_s=1800)
+    record = start(spec, "python3", deployment_dir, health_timeout_s=1800)
     stop(deployment_dir)
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -25,63 +22,17 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from dfserve import __version__
-from dfserve.deploy.spec import DeploymentSpec, server_args, sim_argv
-from dfserve.errors import UserError
-from dfserve.listen import wait_listening
+from dfserve.deploy.deployment import DeploymentSpec
+from dfserve.deploy.engines import engine_kind
+from dfserve.deploy.ports import hold_port
+from dfserve.errors import FieldError, UserError
 from dfserve.runs import create_run_dir, utc_now_iso, write_model
 from dfserve.sglang import parse_server_info
 
-CHECK_SCRIPT = Path(__file__).with_name("sglang_check.py")
 LOG_NAME = "engine.log"
 RECORD_NAME = "record.json"
 STOPPED_NAME = "stopped.json"
 LOG_LINES_SHOWN = 5
-
-
-def launch_argv(spec: DeploymentSpec, python: str) -> list[str]:
-    """The command for the spec's engine; `python` is SGLang's interpreter (or a stand-in with the same CLI)."""
-    if spec.engine == "sim":
-        return sim_argv(spec)
-    return [python, "-m", "sglang.launch_server", *server_args(spec)]
-
-
-def launch_env(spec: DeploymentSpec) -> dict[str, str]:
-    """Variables added to the engine's environment (SGLang's; the simulator ignores them)."""
-    return dict(spec.env)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# --check
-
-
-class CheckResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ok: bool
-    version: str
-    problems: list[str]
-    resolved: dict[str, Any]
-
-
-def check_with_sglang(spec: DeploymentSpec, python: str, timeout_s: float = 120.0) -> CheckResult:
-    """Run `dfserve/deploy/sglang_check.py` under SGLang's interpreter on the spec's server arguments."""
-    if shutil.which(python) is None:
-        raise UserError(f"--sglang-python: {python} not found; --check needs the interpreter SGLang is installed in")
-    request = json.dumps({"argv": server_args(spec)})
-    try:
-        done = subprocess.run(
-            [python, str(CHECK_SCRIPT)], input=request, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise UserError(f"--check: SGLang's parser did not answer within {timeout_s:.0f} s") from None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("DFSERVE-SGLANG-CHECK ")]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"--check: SGLang's parser could not run under {python} (exit {done.returncode}): {last}")
-    return CheckResult.model_validate_json(lines[-1].removeprefix("DFSERVE-SGLANG-CHECK "))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Supervision
 
 
 class LaunchRecord(BaseModel):
@@ -151,7 +102,7 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> int:
     """
     executable = shutil.which(argv[0])
     if executable is None:
-        raise UserError(f"engine command {argv[0]!r} not found")
+        raise FieldError("sglang_python", f"engine command {argv[0]!r} not found")
     actions = [
         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
         (os.POSIX_SPAWN_OPEN, 1, str(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
@@ -199,40 +150,42 @@ def _terminate(pid: int, grace_s: float, ticks: int | None) -> bool:
 
 
 def start(
-    spec: DeploymentSpec, argv: list[str], deployment_dir: Path, *, health_timeout_s: float, grace_s: float = 10.0
+    spec: DeploymentSpec, python: str, deployment_dir: Path, *, health_timeout_s: float, grace_s: float = 10.0
 ) -> DeploymentRecord:
-    """Start the engine, wait until `/health_generate` answers 200, record what it reports; stop it on failure."""
+    """Start the spec's engine on its port (a free one for port 0, held until the engine answers), wait until its
+    `ready_path` answers 200, record what it reports; stop it on failure. `python` is SGLang's interpreter."""
+    kind = engine_kind(spec.engine)
     start_dir = create_run_dir(deployment_dir, prefix="start")
     log = start_dir / LOG_NAME
-    env = launch_env(spec)
-    write_model(start_dir / "launch.json", LaunchRecord(spec=spec, argv=argv, env=env))
-    started = time.monotonic()
-    started_at = utc_now_iso()
-    pid = _spawn(argv, env, log)
-    ticks = process_start_ticks(pid) or 0
-    if spec.port == 0:
-        spec = spec.model_copy(update={"port": _announced_port(pid, log, health_timeout_s, grace_s, ticks)})
-    url = f"{spec.base_url}/health_generate"
-    with httpx.Client() as client:
-        while True:
-            code = _exited(pid)
-            if code is not None:
-                raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
-            if time.monotonic() - started > health_timeout_s:
+    with hold_port(spec.host, spec.port) as port:
+        spec = spec.model_copy(update={"port": port})
+        argv, env = kind.argv(spec, python), kind.env(spec)
+        write_model(start_dir / "launch.json", LaunchRecord(spec=spec, argv=argv, env=env))
+        started = time.monotonic()
+        started_at = utc_now_iso()
+        pid = _spawn(argv, env, log)
+        ticks = process_start_ticks(pid) or 0
+        url = f"{spec.base_url}{kind.ready_path}"
+        with httpx.Client() as client:
+            while True:
+                code = _exited(pid)
+                if code is not None:
+                    raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
+                if time.monotonic() - started > health_timeout_s:
+                    _terminate(pid, grace_s, ticks)
+                    raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url, timeout=5.0).status_code == 200:
+                        break
+                time.sleep(0.1)
+            healthy_at = utc_now_iso()
+            startup_s = time.monotonic() - started
+            try:
+                server_info = _get_json(client, f"{spec.base_url}/server_info")
+                model_info = _get_json(client, f"{spec.base_url}/model_info")
+            except (httpx.HTTPError, ValueError) as exc:
                 _terminate(pid, grace_s, ticks)
-                raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url, timeout=5.0).status_code == 200:
-                    break
-            time.sleep(0.1)
-        healthy_at = utc_now_iso()
-        startup_s = time.monotonic() - started
-        try:
-            server_info = _get_json(client, f"{spec.base_url}/server_info")
-            model_info = _get_json(client, f"{spec.base_url}/model_info")
-        except (httpx.HTTPError, ValueError) as exc:
-            _terminate(pid, grace_s, ticks)
-            raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
+                raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
     info = parse_server_info(server_info)
     record = DeploymentRecord(
         spec=spec, argv=argv, env=env, pid=pid, process_start_ticks=ticks, log=str(log), started_at=started_at,
@@ -242,16 +195,6 @@ def start(
     )
     write_model(start_dir / RECORD_NAME, record)
     return record
-
-
-def _announced_port(pid: int, log: Path, timeout_s: float, grace_s: float, ticks: int) -> int:
-    """The port a simulated engine started with `--port 0` says it got (`dfserve.listen.announce`)."""
-    try:
-        url = wait_listening(log, lambda: _exited(pid), timeout_s)
-    except RuntimeError as exc:
-        _terminate(pid, grace_s, ticks)
-        raise UserError(f"engine {exc}; last log lines: {tail(log)}") from None
-    return int(url.rsplit(":", 1)[1])
 
 
 def latest_start(deployment_dir: Path) -> Path:
@@ -282,7 +225,8 @@ def status(deployment_dir: Path) -> tuple[DeploymentRecord, State]:
     if not is_alive(record):
         return record, "exited"
     try:
-        healthy = httpx.get(f"{record.spec.base_url}/health", timeout=5.0).status_code == 200
+        alive = f"{record.spec.base_url}{engine_kind(record.spec.engine).alive_path}"
+        healthy = httpx.get(alive, timeout=5.0).status_code == 200
     except httpx.HTTPError:
         healthy = False
     return record, "healthy" if healthy else "unhealthy"

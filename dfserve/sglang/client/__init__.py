@@ -1,0 +1,1 @@
+"""The client half of SGLang's protocol; its names are re-exported by `dfserve.sglang`."""

@@ -1,0 +1,174 @@
+"""SGLang's per-request `meta_info`, typed: finish reasons, speculative-decoding fields, and the in-band error an
+abort with a status is."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dfserve.errors import ProtocolError
+from dfserve.sglang.client.acceptance import accept_length
+from dfserve.sglang.simulated import SIM_CHUNK_DUE_KEY, SIM_CHUNK_SENT_KEY, SIM_MARKER_KEY
+from dfserve.sglang.wire import float_field, int_field, times_field
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`.
+
+    An abort by the scheduler also carries `status_code` and `err_type` (``FINISH_ABORT.to_json`` in
+    ``managers/schedule_batch.py``): one with a status of 400 or more is an error that SGLang reports in band in a
+    native stream, as the stream's last chunk (``TokenizerManager._handle_abort_finish_reason``)."""
+
+    kind: str
+    matched: str | int | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @property
+    def error(self) -> StreamError | None:
+        """The in-band error this finish reason is, if it is one: an abort with a status code of 400 or more."""
+        if self.kind != "abort" or self.status_code is None or self.status_code < 400:
+            return None
+        return StreamError(self.message or "Aborted", code=self.status_code, kind=self.err_type)
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """An error SGLang reports inside a 200 stream: an error event (native `{"error": {"message", "type", "code",
+    "retryable"}}`; OpenAI routes `{"error": {"object": "error", "message", "type", "param", "code"}}`), or a native
+    final chunk whose abort carries a status (`FinishReason.error`)."""
+
+    message: str
+    code: int | None = None
+    """The HTTP status SGLang would have answered (400 for validation, 503 for a retraction without backup, ...)."""
+    kind: str | None = None
+    retryable: bool | None = None
+
+
+def stream_error(obj: dict[str, Any]) -> StreamError | None:
+    error = obj.get("error")
+    if isinstance(error, str):
+        return StreamError(error)
+    if not isinstance(error, dict):
+        if obj.get("object") != "error":
+            return None
+        error = obj
+    message, code, kind, retryable = (error.get(k) for k in ("message", "code", "type", "retryable"))
+    return StreamError(
+        message=message if isinstance(message, str) else json.dumps(error),
+        code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        kind=kind if isinstance(kind, str) else None,
+        retryable=retryable if isinstance(retryable, bool) else None,
+    )
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative-decoding fields of a finished request: its native `meta_info`, or the OpenAI routes'
+    `sglext.spec_tokens_details` (the same names). SGLang sends them only when the request ran at least one verify
+    round (``TokenizerManager._calculate_spec_decoding_metrics``), so `verify_ct` is positive."""
+
+    verify_ct: int
+    num_correct_drafts: int | None = None
+    num_proposed_drafts: int | None = None
+    accept_rate: float | None = None
+    correct_drafts_histogram: tuple[int, ...] | None = None
+    accept_length: float | None = None
+    """SGLang's own `spec_accept_length`: completion tokens over verify rounds."""
+
+
+@dataclass(frozen=True)
+class MetaInfo:
+    """SGLang's per-request `meta_info`, typed. Spec fields and `e2e_latency` exist only once finished."""
+
+    id: str | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    e2e_latency_s: float | None = None
+    queue_time_s: float | None = None
+    weight_version: str | None = None
+    spec: SpecStats | None = None
+    simulated: bool = False
+    sim_chunk_sent_unix_s: tuple[float, ...] | None = None
+    sim_chunk_due_unix_s: tuple[float, ...] | None = None
+
+    @property
+    def accept_length(self) -> float | None:
+        """Tokens per verify round (bonus included); None when the server ran without speculation."""
+        if self.spec is None:
+            return None
+        return accept_length(self.completion_tokens, self.spec.verify_ct)
+
+
+def parse_finish_reason(raw: Any) -> FinishReason | None:
+    """Native finish_reason is a dict; OpenAI's is a plain string. Both map to one type."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        return FinishReason(kind=raw)
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise ProtocolError(f"finish_reason: expected an object with a 'type', got {raw!r}")
+    length = raw.get("length")
+    message = raw.get("message")
+    status = raw.get("status_code")
+    err_type = raw.get("err_type")
+    return FinishReason(
+        kind=raw["type"],
+        matched=raw.get("matched"),
+        length=length if isinstance(length, int) else None,
+        message=message if isinstance(message, str) else None,
+        status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
+        err_type=err_type if isinstance(err_type, str) else None,
+    )
+
+
+def parse_spec(meta: dict[str, Any], where: str = "meta_info") -> SpecStats | None:
+    """Spec fields, old and new names alike; None without a verify round (SGLang then sends none)."""
+    if not meta.get("spec_verify_ct"):
+        return None
+    verify_ct = int_field(meta, "spec_verify_ct", where=where)
+    correct = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
+    proposed = meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts"))
+    histogram = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
+    if histogram is not None and not (
+        isinstance(histogram, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in histogram)
+    ):
+        raise ProtocolError(f"{where}.spec_correct_drafts_histogram: expected a list of integers, got {histogram!r}")
+    return SpecStats(
+        verify_ct=verify_ct,
+        num_correct_drafts=correct if isinstance(correct, int) else None,
+        num_proposed_drafts=proposed if isinstance(proposed, int) else None,
+        accept_rate=float_field(meta, "spec_accept_rate", where),
+        correct_drafts_histogram=tuple(histogram) if histogram is not None else None,
+        accept_length=float_field(meta, "spec_accept_length", where),
+    )
+
+
+def parse_meta_info(meta: Any) -> MetaInfo:
+    """Type one `meta_info` object, old and new spec field names alike."""
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"meta_info: expected an object, got {type(meta).__name__}")
+    sent = meta.get(SIM_CHUNK_SENT_KEY)
+    due = meta.get(SIM_CHUNK_DUE_KEY)
+    raw_id = meta.get("id")
+    weight_version = meta.get("weight_version")
+    return MetaInfo(
+        id=str(raw_id) if raw_id is not None else None,
+        finish_reason=parse_finish_reason(meta.get("finish_reason")),
+        prompt_tokens=int_field(meta, "prompt_tokens"),
+        completion_tokens=int_field(meta, "completion_tokens"),
+        cached_tokens=int_field(meta, "cached_tokens", 0),
+        e2e_latency_s=float_field(meta, "e2e_latency"),
+        queue_time_s=float_field(meta, "queue_time"),
+        weight_version=str(weight_version) if weight_version is not None else None,
+        spec=parse_spec(meta),
+        simulated=bool(meta.get(SIM_MARKER_KEY, False)),
+        sim_chunk_sent_unix_s=times_field(sent, SIM_CHUNK_SENT_KEY),
+        sim_chunk_due_unix_s=times_field(due, SIM_CHUNK_DUE_KEY),
+    )

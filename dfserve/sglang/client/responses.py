@@ -1,0 +1,208 @@
+"""Whole (non-streamed) answers: native `/generate`, OpenAI chat and completions, error bodies, `/server_info`
+and `/v1/models`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dfserve.errors import ProtocolError
+from dfserve.sglang.client.meta import (
+    FinishReason,
+    MetaInfo,
+    SpecStats,
+    parse_finish_reason,
+    parse_meta_info,
+    parse_spec,
+)
+from dfserve.sglang.simulated import SIM_MARKER_KEY
+from dfserve.sglang.wire import decode_json, int_field, json_bytes
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One prompt's answer from native `/generate`."""
+
+    text: str
+    meta: MetaInfo
+    output_ids: tuple[int, ...] | None = None
+
+
+def parse_generate_response(body: bytes | str | Any) -> list[GenerateResult]:
+    """Native `/generate` answers an object for one prompt and a list for a batch; both come back as a list."""
+    data = decode_json(body, "/generate response")
+    items = data if isinstance(data, list) else [data]
+    results = []
+    for item in items:
+        if not isinstance(item, dict) or "meta_info" not in item:
+            raise ProtocolError("/generate response: expected an object with 'text' and 'meta_info'")
+        text = item.get("text", "")
+        if not isinstance(text, str):
+            raise ProtocolError(f"/generate response: 'text' must be a string, got {type(text).__name__}")
+        ids = item.get("output_ids")
+        results.append(
+            GenerateResult(
+                text=text,
+                meta=parse_meta_info(item["meta_info"]),
+                output_ids=tuple(ids) if isinstance(ids, list) else None,
+            )
+        )
+    return results
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def parse_usage(raw: Any) -> Usage | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"usage: expected an object, got {raw!r}")
+    return Usage(prompt_tokens=int_field(raw, "prompt_tokens", 0), completion_tokens=int_field(raw, "completion_tokens", 0))
+
+
+@dataclass(frozen=True)
+class OpenAIResult:
+    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`, `spec` only with
+    `return_spec_tokens_details` (and a verify round)."""
+
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    meta: MetaInfo | None
+    spec: SpecStats | None = None
+
+    @property
+    def acceptance(self) -> tuple[int, SpecStats] | None:
+        """Completion tokens and spec fields, from `meta_info` or `sglext`, whichever came; None without either."""
+        if self.meta is not None and self.meta.spec is not None:
+            return self.meta.completion_tokens, self.meta.spec
+        tokens = spec_completion_tokens(self.spec, self.usage)
+        return (tokens, self.spec) if tokens is not None and self.spec is not None else None
+
+
+def parse_sglext_spec(sglext: Any) -> SpecStats | None:
+    """`sglext.spec_tokens_details`: one object, or a list with one per choice (n > 1; the first is read)."""
+    if sglext is None:
+        return None
+    if not isinstance(sglext, dict):
+        raise ProtocolError(f"sglext: expected an object, got {sglext!r}")
+    details = sglext.get("spec_tokens_details")
+    if isinstance(details, list):
+        details = details[0] if details else None
+    if details is None:
+        return None
+    if not isinstance(details, dict):
+        raise ProtocolError(f"sglext.spec_tokens_details: expected an object, got {details!r}")
+    return parse_spec(details, "sglext.spec_tokens_details")
+
+
+def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int | None:
+    """The completion tokens behind `sglext.spec_tokens_details` (which does not carry them): the usage's, else
+    SGLang's own accept length times the rounds it divided by."""
+    if spec is None:
+        return None
+    if usage is not None:
+        return usage.completion_tokens
+    return round(spec.accept_length * spec.verify_ct) if spec.accept_length is not None else None
+
+
+def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
+    """A whole `/v1/chat/completions` or `/v1/completions` response (first choice)."""
+    data = decode_json(body, "OpenAI response")
+    if not isinstance(data, dict):
+        raise ProtocolError("OpenAI response: expected an object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ProtocolError("OpenAI response: expected a non-empty 'choices' list")
+    choice = choices[0]
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    meta = choice.get("meta_info")
+    return OpenAIResult(
+        text=text if isinstance(text, str) else "",
+        finish_reason=parse_finish_reason(choice.get("finish_reason")),
+        usage=parse_usage(data.get("usage")),
+        meta=parse_meta_info(meta) if meta is not None else None,
+        spec=parse_sglext_spec(data.get("sglext")),
+    )
+
+
+def strip_spec_details(body: bytes) -> bytes:
+    """Remove `sglext.spec_tokens_details` from an OpenAI response (asked upstream by a proxy, not by the client),
+    and `sglext` with it when nothing else is left in it."""
+    data = decode_json(body, "OpenAI response")
+    sglext = data.get("sglext") if isinstance(data, dict) else None
+    if isinstance(sglext, dict):
+        sglext.pop("spec_tokens_details", None)
+        if not sglext:
+            del data["sglext"]
+    return json_bytes(data)
+
+
+def parse_error_message(body: bytes | str) -> str:
+    """The human-readable message of an SGLang/OpenAI error body, or the raw text when it has none."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:500]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+        if isinstance(data.get("message"), str):
+            return data["message"]
+    return text.strip()[:500]
+
+
+def error_body(message: str, kind: str, code: int) -> bytes:
+    """An OpenAI-style error object, `{"error": {"message", "type", "param", "code"}}`, as SGLang's clients read it."""
+    return json_bytes({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def stream_error_events(message: str, kind: str, code: int) -> bytes:
+    """The well-formed end of a stream that failed after its first byte: an error event, then `[DONE]`."""
+    return b"data: " + error_body(message, kind, code) + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The `/server_info` fields that shape a run's numbers (the whole document is recorded verbatim beside it)."""
+
+    model_path: str | None
+    speculative_algorithm: str | None
+    draft_model_path: str | None
+    max_running_requests: int | None
+    version: str | None
+    simulated: bool
+
+
+def parse_server_info(info: dict[str, Any]) -> ServerInfo:
+    def text(key: str) -> str | None:
+        value = info.get(key)
+        return str(value) if value is not None else None
+
+    running = info.get("max_running_requests")
+    return ServerInfo(
+        model_path=text("model_path"),
+        speculative_algorithm=text("speculative_algorithm"),
+        draft_model_path=text("speculative_draft_model_path"),
+        max_running_requests=running if isinstance(running, int) and not isinstance(running, bool) else None,
+        version=text("version"),
+        simulated=bool(info.get(SIM_MARKER_KEY, False)),
+    )
+
+
+def first_model_id(models: Any) -> str | None:
+    """The first `id` of a `GET /v1/models` list: the name an OpenAI body must carry."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return str(data[0]["id"])
+    return None

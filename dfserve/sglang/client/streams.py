@@ -1,0 +1,280 @@
+"""Streamed answers as server-sent events: the decoder, the byte-level token marks a relay reads as a stream
+passes, the content chunks a load tester reads without decoding them, and the in-band errors and ends of a stream."""
+
+from __future__ import annotations
+
+import json
+import operator
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, islice, repeat
+
+from dfserve.errors import ProtocolError
+from dfserve.relay_core import read_marks
+from dfserve.sglang.client.meta import (
+    FinishReason,
+    MetaInfo,
+    SpecStats,
+    StreamError,
+    parse_finish_reason,
+    parse_meta_info,
+    stream_error,
+)
+from dfserve.sglang.client.responses import Usage, parse_sglext_spec, parse_usage
+from dfserve.sglang.wire import DONE, event_json
+
+
+class SSEDecoder:
+    """Incremental server-sent-events decoder: feed it bytes as they arrive, get each event's `data`.
+
+    Handles events split across reads, `\\r\\n` line endings, comment lines (keep-alives such as `: ping`),
+    multi-line data, and fields other than `data`. Returns the `[DONE]` sentinel as the string `DONE`.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buffer += chunk
+        events: list[str] = []
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline < 0:
+                return events
+            line = self._buffer[:newline]
+            self._buffer = self._buffer[newline + 1 :]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:
+                if self._data:
+                    events.append("\n".join(self._data))
+                    self._data = []
+                continue
+            if line.startswith(b":"):
+                continue
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                self._data.append(value.removeprefix(b" ").decode("utf-8", "replace"))
+
+    @property
+    def pending(self) -> bool:
+        """True when bytes of an unfinished event remain (a stream cut mid-event)."""
+        return bool(self._buffer.strip()) or bool(self._data)
+
+
+def plain_events(pieces: Sequence[bytes]) -> tuple[list[str], list[int]] | None:
+    """The `data` of every whole event of a body read in `pieces`, and the index of the piece that completed each,
+    as `SSEDecoder` fed the same pieces gives them, when the body is framed as SGLang frames it: every event one
+    `data: ` line or one comment line, each ended by a blank line, LF only. None for any other framing (CRLF,
+    multi-line data, other fields), which `SSEDecoder` reads. One split of the whole body instead of a pass per
+    line: raw newlines occur only in the framing, since JSON escapes them inside strings."""
+    body = b"".join(pieces)
+    if b"\r" in body:
+        return None
+    lines = body[: body.rfind(b"\n\n") + 2].split(b"\n")  # the bytes after the last blank line are no event yet
+    lines.pop()
+    events = lines[::2]
+    comments = not all(map(bytes.startswith, events, repeat(b"data: ")))
+    if any(lines[1::2]) or (comments and not all(map(bytes.startswith, events, repeat((b"data: ", b":"))))):
+        return None
+    ends = list(map(operator.add, accumulate(map(len, events)), range(2, 2 * len(events) + 2, 2)))
+    piece_ends = list(accumulate(map(len, pieces)))
+    if ends == piece_ends[: len(ends)]:  # one event a piece, as a server's writes usually arrive
+        owners = list(range(len(ends)))
+    else:  # the piece that holds an event's last byte
+        owners = list(map(bisect_left, repeat(piece_ends), ends))
+    if comments:
+        kept = [(event, owner) for event, owner in zip(events, owners, strict=True) if not event.startswith(b":")]
+        events, owners = [event for event, _ in kept], [owner for _, owner in kept]
+    return [event[6:].decode("utf-8", "replace") for event in events], owners
+
+
+@dataclass(frozen=True)
+class TokenMarks:
+    """JSON keys whose values show a stream's output. `cumulative`: the integer after the last key is a running
+    total (native `meta_info` repeats the request's counts in every event); else each key with a non-empty string
+    value is one chunk of text (OpenAI deltas)."""
+
+    keys: tuple[bytes, ...]
+    cumulative: bool
+
+    def read(self, events: bytes) -> int | None:
+        """The last running total in `events` (None if none), or the chunks of text counted in them."""
+        return read_marks(events, self.keys, self.cumulative)
+
+
+NATIVE_TOKENS = TokenMarks((b'"completion_tokens":',), cumulative=True)
+
+
+CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":'), cumulative=False)
+
+
+_SPEC_VERIFY_CT = TokenMarks((b'"spec_verify_ct":',), cumulative=True)
+
+
+def last_spec_verify_ct(events: bytes) -> int | None:
+    """The cumulative `spec_verify_ct` of the last native event in `events` that has one; None where speculative
+    decoding is off (SGLang then leaves the key out)."""
+    return _SPEC_VERIFY_CT.read(events)
+
+
+_IN_BAND_ERROR = (b'"error":', b'"status_code":')
+"""Keys that occur in a stream's events only where it reports an error in band: an error event, or (native) a final
+chunk whose abort carries a status. JSON escapes quotes inside strings, so generated text cannot contain them."""
+
+
+def native_stream_error(events: bytes) -> StreamError | None:
+    """The in-band error a native stream ended with, read from its last events; None when it ended well.
+
+    SGLang 0.5.23 answers a streamed `/generate` that fails validation with HTTP 200, then
+    `data: {"error": {"message", "type", "code", "retryable"}}`, then `data: [DONE]` (``http_server.generate_request``,
+    ``stream_results``); an abort with a status after the stream started is its last chunk, whose `finish_reason`
+    carries the status (``TokenizerManager._handle_abort_finish_reason``). Two byte searches settle the usual case
+    without decoding JSON.
+    """
+    if not any(key in events for key in _IN_BAND_ERROR):
+        return None
+    for data in reversed(SSEDecoder().feed(events)):
+        if data == DONE:
+            continue
+        event = parse_native_event(data)
+        if isinstance(event, StreamError):
+            return event
+        return event.meta.finish_reason.error if event.meta.finish_reason is not None else None
+    return None
+
+
+@dataclass(frozen=True)
+class OpenAIStreamEnd:
+    """What the last events of a chat/completions stream show: an in-band error, the usage chunk, the spec details."""
+
+    error: StreamError | None = None
+    usage: Usage | None = None
+    spec: SpecStats | None = None
+
+
+_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":')
+
+
+def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
+    """Read a chat/completions stream's last events; only those that may carry an error, usage or `sglext` are
+    decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
+    (``OpenAIServingChat._generate_chat_stream``)."""
+    error, usage, spec = None, None, None
+    for data in SSEDecoder().feed(events):
+        if data == DONE or not any(key in data for key in _OPENAI_END_KEYS):
+            continue
+        event = parse_openai_event(data)
+        if isinstance(event, StreamError):
+            error = event
+            continue
+        usage = event.usage or usage
+        spec = event.spec or spec
+    return OpenAIStreamEnd(error, usage, spec)
+
+
+@dataclass(frozen=True)
+class NativeChunk:
+    """One streamed `/generate` event: text (cumulative unless incremental output is on) and cumulative counts."""
+
+    text: str
+    meta: MetaInfo
+
+
+def parse_native_event(data: str) -> NativeChunk | StreamError:
+    obj = event_json(data, "/generate stream")
+    error = stream_error(obj)
+    if error is not None:
+        return error
+    if "meta_info" not in obj:
+        raise ProtocolError("/generate stream: event without 'meta_info'")
+    text = obj.get("text", "")
+    return NativeChunk(text=text if isinstance(text, str) else "", meta=parse_meta_info(obj["meta_info"]))
+
+
+@dataclass(frozen=True)
+class OpenAIChunk:
+    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage or spec details
+    (`sglext`) if present."""
+
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    has_choice: bool
+    spec: SpecStats | None = None
+
+
+def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
+    obj = event_json(data, "OpenAI stream")
+    error = stream_error(obj)
+    if error is not None:
+        return error
+    choices = obj.get("choices") or []
+    text = ""
+    finish = None
+    if choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        delta = choice.get("delta")
+        content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        text = content if isinstance(content, str) else ""
+        finish = parse_finish_reason(choice.get("finish_reason"))
+    return OpenAIChunk(text=text, finish_reason=finish, usage=parse_usage(obj.get("usage")), has_choice=bool(choices),
+                       spec=parse_sglext_spec(obj.get("sglext")))
+
+
+def _once(data: str, key: str) -> int:
+    """Where the value of `key` starts when it occurs once in `data`; -1 when it does not occur or more often."""
+    at = data.find(key)
+    return at + len(key) if at >= 0 and data.find(key, at + 1) < 0 else -1
+
+
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+"""How json.loads reads a string from its opening quote on (in C): its value and where it ends; typeshed omits it."""
+
+
+@dataclass(slots=True)
+class ChunkTemplate:
+    """Reads the delta text of OpenAI chunk events without decoding them: an event that is an earlier chunk
+    (decoded whole, carrying nothing but its delta text) with another content string decodes to that chunk with
+    this content, so only the string is decoded. A stream's content chunks differ only in their content, so one
+    chunk decoded whole serves the rest; any other event (the role chunk, the finish reason, usage, spec fields,
+    an error) does not fit and is decoded whole by `parse_openai_event`."""
+
+    prefix: str = ""
+    """The template up to its content string's opening quote; empty until `learn` found one."""
+    suffix: str = ""
+    """The template from its content string's closing quote on, the quote left out."""
+
+    def read(self, events: Sequence[str], start: int) -> list[str]:
+        """The delta texts of the events from `start` on that fit the template, up to the first that does not (to be
+        decoded whole)."""
+        prefix, suffix, at, scan = self.prefix, self.suffix, len(self.prefix), _scanstring
+        texts: list[str] = []
+        if not prefix:
+            return texts
+        for data in islice(events, start, None):
+            if not data.startswith(prefix):
+                break
+            try:
+                text, end = scan(data, at)
+            except json.JSONDecodeError:
+                break
+            if end + len(suffix) != len(data) or not data.endswith(suffix):
+                break
+            texts.append(text)
+        return texts
+
+    def learn(self, data: str, event: OpenAIChunk) -> None:
+        """Take `data`, decoded whole as `event`, as the template when it carries nothing but a delta text: then
+        that text is the string value of its only `"content"` key (a delta's; a completion's `text` is not read)."""
+        if (not event.text or event.finish_reason is not None or event.usage is not None or event.spec is not None
+                or '"text":' in data):
+            return
+        at = _once(data, '"content":')
+        if at < 0 or not data.startswith('"', at):
+            return
+        text, end = _scanstring(data, at + 1)
+        if text == event.text:
+            self.prefix, self.suffix = data[: at + 1], data[end:]

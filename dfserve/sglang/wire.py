@@ -1,0 +1,65 @@
+"""What both sides of SGLang's protocol share: compact JSON as SGLang sends it, the SSE end marker, and JSON
+decoding that fails as a `ProtocolError` naming what was read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dfserve.errors import ProtocolError
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact UTF-8 JSON, as SGLang sends it."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+DONE = "[DONE]"
+
+
+def decode_json(body: bytes | str | Any, what: str) -> Any:
+    if not isinstance(body, bytes | str):
+        return body
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"{what}: invalid JSON ({exc})") from None
+
+
+def event_json(data: str, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"{what}: invalid JSON in SSE data ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: SSE data is not an object")
+    return obj
+
+
+def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        if value is None and default is not None:
+            return default
+        raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
+    return value
+
+
+def times_field(value: Any, key: str) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
+        raise ProtocolError(f"meta_info.{key}: expected a list of numbers, got {value!r}")
+    return tuple(float(x) for x in value)
+
+
+def float_field(obj: dict[str, Any], key: str, where: str = "meta_info") -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{where}.{key}: expected a number, got {value!r}")
+    return float(value)
