@@ -30,9 +30,9 @@ EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 NEEDS = ("torch", "transformers", "safetensors", "dflash")
 
 
-def _require_packages() -> None:
+def require_packages(command: str = "dfserve eval") -> None:
     if missing := [name for name in NEEDS if importlib.util.find_spec(name) is None]:
-        raise UserError(f"dfserve eval needs {', '.join(missing)}: pip install 'dfserve[eval]'")
+        raise UserError(f"{command} needs {', '.join(missing)}: pip install 'dfserve[eval]'")
 
 
 def _drafter(value: str) -> tuple[str | None, str]:
@@ -102,7 +102,7 @@ def eval_group() -> None:
 @click.pass_context
 def run_command(ctx: click.Context, **opts: Any) -> None:
     """Score drafters on cached target features of coding tasks, as online greedy decoding would."""
-    _require_packages()
+    require_packages()
     from dfserve.deploy.profiles import load_profile
     from dfserve.eval.runner import EvalPlan, run_eval
     from dfserve.loadtest.tasks import load_tasks
