@@ -95,7 +95,8 @@ def eval_group() -> None:
 @click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"),
               help="Baseline registry folder: --drafter baseline, and where offline τ is recorded.")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
-              help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
+              help="A YAML gate file, e.g. `rules: [{metric: tau_vanilla, max_worse: 0.02}]` (the default; metrics "
+                   "tau_vanilla, tau_ddtreeN).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"))
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--quiet", is_flag=True, help="No progress.")
@@ -184,7 +185,8 @@ def _label(config: EvalConfig, wanted: str | None, flag: str, default_index: int
 @click.option("--baseline", default=None, help="Baseline drafter label (default: RUN's first drafter).")
 @click.option("--candidate", default=None, help="Candidate drafter label (default: the second drafter / RUN2's first).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML rules [{metric: tau_vanilla|tau_ddtreeN, max_worse}].")
+              help="A YAML gate file, e.g. `rules: [{metric: tau_ddtree4, max_worse: 0.02}]` (metrics tau_vanilla, "
+                   "tau_ddtreeN; default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict folder goes (default: "
               "beside RUN).")
 def compare_command(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,

@@ -118,7 +118,8 @@ def loadtest() -> None:
               help="Stop sending once the gate is decided on always-valid intervals, looked at after every batch of "
                    "pairs; --num-requests is then the maximum. Two arms: baseline, candidate.")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="With --until-decided: the YAML rules to decide (default: the default gate).")
+              help="With --until-decided: the gate file to decide, as for compare, e.g. "
+                   "`rules: [{metric: accept_length, max_worse: 0.02}]` (default: the default gate).")
 @click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
@@ -290,7 +291,9 @@ def _pick_arms(runs: list[tuple[Path, RunConfig]], baseline: str | None, candida
 @click.option("--baseline", default=None, help="Baseline arm (default: the first arm / RUN's arm).")
 @click.option("--candidate", default=None, help="Candidate arm (default: the second arm / RUN2's arm).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML rules: [{metric, max_worse | at_least}]; defaults shown in the verdict.")
+              help="A YAML gate file, a top-level `rules:` list, e.g. `rules: [{metric: accept_length, max_worse: "
+                   "0.02}, {metric: lossless_fraction, at_least: 0.99}]` (at_least for lossless_fraction, max_worse "
+                   "for the others); the defaults are shown in the verdict.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict directory goes "
               "(default: beside RUN).")
 @click.option("--force", is_flag=True, help="Compare runs that differ in tasks, sampling or load; stamped in the verdict.")
