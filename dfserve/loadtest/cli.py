@@ -28,7 +28,7 @@ from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
 from dfserve.loadtest.merge import merge, read_shard
-from dfserve.loadtest.progress import Progress
+from dfserve.loadtest.progress import Progress, compact_table, terminal_width, wrapped
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary, over_error_rate, read_lag_warning, render_html, summarize
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
@@ -145,8 +145,9 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
-    progress = Progress([n for n, _ in plan.arms], len(shard_indices(num_requests + warmup, plan.shard)),
-                        Console(stderr=True, quiet=quiet), monitor)
+    indices = shard_indices(num_requests + warmup, plan.shard)
+    progress = Progress([n for n, _ in plan.arms], sum(i >= warmup for i in indices), Console(stderr=True, quiet=quiet),
+                        monitor, warmup=sum(i < warmup for i in indices), duration_s=duration)
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
@@ -189,10 +190,12 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
         click.echo(f"until decided: no look yet ({monitor.pairs} pairs, a look every {monitor.design.look_every})")
         return
     why = {"decided": "decided", "task_set": "undecided, limited by the task set", None: "undecided at the end"}
-    click.echo(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
-               f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the verdict.")
+    width = terminal_width()
+    click.echo(wrapped(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
+                       f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the "
+                       "verdict.", width))
     for rule in look.rules:
-        click.echo(f"  {rule.status:<14} {rule.metric}: {rule.detail}")
+        click.echo(wrapped(f"  {rule.status:<14} {rule.metric}: {rule.detail}", width, indent=17))
 
 
 
@@ -222,7 +225,7 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
     _print_summary(config, summary)
     warning = read_lag_warning(summary)
     if warning is not None:
-        click.echo(warning, err=True)
+        click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     click.echo(f"run: {run_dir}")
     return summary
 
@@ -248,14 +251,14 @@ async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | N
 
 
 def _print_summary(config: RunConfig, summary: Summary) -> None:
-    table = Table(title=f"run {config.run_id}" + (" (SIMULATED engines)" if any(a.simulated for a in config.arms) else ""))
-    for column in ("arm", "ok/all", "errors", "τ [95% CI]", "TTFT p50/p99 ms", "TPOT p50/p95 ms", "out tok/s"):
-        table.add_column(column)
+    table = compact_table(f"run {config.run_id}" + (" (SIMULATED engines)" if any(a.simulated for a in config.arms) else ""),
+                          {"arm": False, "ok/all": True, "errors": False, "τ [95% CI]": True, "TTFT ms\np50/p99": True,
+                           "TPOT ms\np50/p95": True, "out\ntok/s": True})
     for a in summary.arms:
         tau = (f"{a.accept_length.estimate:.2f} [{a.accept_length.low:.2f}, {a.accept_length.high:.2f}]"
                f"{'' if a.acceptance == 'exact' else ' est.'}" if a.accept_length else "unknown")
-        ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f} / {a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
-        tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f} / {a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
+        ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f}/{a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
+        tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f}/{a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
         errors = ", ".join(f"{k}={v}" for k, v in a.errors.items()) or "0"
         rate = f"{a.output_tokens_per_s:.0f}" if a.output_tokens_per_s else "-"
         table.add_row(a.arm, f"{a.succeeded}/{a.requests}", errors, tau, ttft, tpot, rate)
