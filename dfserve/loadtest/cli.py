@@ -12,8 +12,9 @@ import asyncio
 import gc
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 import uvloop
@@ -45,10 +46,33 @@ EXIT_TOO_MANY_ERRORS = 4
 
 
 def _arm(value: str) -> tuple[str, str]:
+    """`NAME=URL` of a server's root: under a path such as `/v1` (an OpenAI client's base URL) every request would
+    miss (`/v1/v1/chat/completions`), while the probes, which a router may not answer, would not say so."""
     name, sep, url = value.partition("=")
     if not sep or not name or not is_base_url(url):
         raise UserError(f"--arm: {value!r} is not NAME=http://HOST:PORT")
+    parts = urlsplit(url)
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise UserError(f"--arm {name}: {url} is not a server's root; give {parts.scheme}://{parts.netloc} (dfserve "
+                        "adds /generate, /v1/chat/completions and the rest itself)")
     return name, url
+
+
+def same_server_warning(arms: Sequence[tuple[str, str]], pin_arms: bool) -> str | None:
+    """Two arms at one URL without --pin-arms get the same traffic (behind a dfserve gateway, the same split): the
+    run then compares one mix with itself. Warned, not refused: the same server twice is also an A/A test."""
+    if pin_arms:
+        return None
+    by_server: dict[tuple[str, str, int | None], list[str]] = {}
+    for name, url in arms:
+        parts = urlsplit(url)
+        by_server.setdefault((parts.scheme, parts.hostname or "", parts.port), []).append(name)
+    shared = [names for names in by_server.values() if len(names) > 1]
+    if not shared:
+        return None
+    return ("warning: " + "; ".join(f"arms {', '.join(names)}" for names in shared) + " share one URL without "
+            "--pin-arms, so they get the same traffic and compare it with itself; behind a dfserve gateway, add "
+            "--pin-arms to measure each gateway arm")
 
 
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -142,6 +166,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                    shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
     monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], temperature,
                                  len(plan.task_set.tasks), warmup) if plan.sequential else None)
+    if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
+        click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
