@@ -227,6 +227,8 @@ def _offline(out: Path, cache: Path) -> None:
         "--cache", str(cache / "eval-cache"), "--drafter-store", str(cache / "drafters"),
         "--registry", str(out.resolve() / "demo"), "--out", str(run.parent), "--name", run.name,
     ))
+    if evaluation.returncode == 130:
+        raise click.exceptions.Exit(130)
     if evaluation.returncode != 0:
         raise UserError(f"the evaluation failed (exit {evaluation.returncode})")
     click.echo("")

@@ -236,12 +236,17 @@ def build_demo(cache: Path) -> DemoModels:
     partial = cache / f".{folder.name}.{os.getpid()}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     staged = DemoModels.at(partial, built=True)
-    with torch_threads(1), _no_progress_bars():
-        qwen3_target(staged.target)
-        data = distillation_data(staged.target)
-        save_drafter(distil(new_drafter(staged.target, seed=3), data, steps=DISTILLED_STEPS), staged.distilled)
-        save_drafter(distil(new_drafter(staged.target, seed=3), data, steps=UNDERTRAINED_STEPS), staged.undertrained)
-    write_tasks(staged.tasks, DEMO_TASKS)
+    try:
+        with torch_threads(1), _no_progress_bars():
+            qwen3_target(staged.target)
+            data = distillation_data(staged.target)
+            save_drafter(distil(new_drafter(staged.target, seed=3), data, steps=DISTILLED_STEPS), staged.distilled)
+            save_drafter(distil(new_drafter(staged.target, seed=3), data, steps=UNDERTRAINED_STEPS),
+                         staged.undertrained)
+        write_tasks(staged.tasks, DEMO_TASKS)
+    except BaseException:  # Ctrl-C included: no half-built folder is left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         partial.rename(folder)
     except OSError:  # another process finished the same build first: its folder is as good as this one

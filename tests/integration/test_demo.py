@@ -200,3 +200,17 @@ def test_demo_refuses_options_of_the_other_mode(args: list[str], message: str, t
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_interrupted_model_build_leaves_no_folder_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dfserve.eval import tiny
+
+    def interrupted(folder: Path, seed: int = 0) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "qwen3_target", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.build_demo(tmp_path)
+    assert list(tmp_path.iterdir()) == []
