@@ -21,12 +21,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 
 from dfserve.errors import UserError
 from dfserve.listen import wait_healthy, wait_listening
 from dfserve.runs import new_run_id
+from dfserve.terminal import terminal_width, wrapped
 
 LOOPBACK = "127.0.0.1"
 HEALTHY_AT = re.compile(r": healthy at (http://\S+) after")
@@ -42,8 +44,9 @@ def _dfserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "dfserve", *args]
 
 
-def _say(message: str) -> None:
-    click.secho(message, fg="cyan", bold=True)
+def _say(message: str, **style: Any) -> None:
+    """One of the demo's own lines, broken between words on a terminal."""
+    click.secho(wrapped(message, terminal_width()), **(style or {"fg": "cyan", "bold": True}))
 
 
 class Stack:
@@ -163,7 +166,7 @@ def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max
     out.mkdir(parents=True, exist_ok=True)
     stack = Stack(out.resolve() / "demo")
     stack.root.mkdir(exist_ok=True)
-    click.secho("dfserve demo: every engine here is SIMULATED (dfserve sim); no GPU, no model weights.", fg="yellow")
+    _say("dfserve demo: every engine here is SIMULATED (dfserve sim); no GPU, no model weights.", fg="yellow")
     with _terminated_by_signals():
         try:
             _say("1/4 deploy: two simulated Qwen3.6-27B engines, z-lab drafter (baseline) and in-house (candidate)")
@@ -186,11 +189,13 @@ def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max
             if verdict.returncode not in (0, 1, 3):
                 raise UserError(f"compare failed (exit {verdict.returncode})")
             click.echo("")
-            click.echo(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)")
+            click.echo(wrapped(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)", terminal_width(),
+                               indent=13))
             click.echo(f"report:      {run / 'report.html'}")
-            click.echo(f"metrics:     {gateway}/metrics (gateway, per arm); "
-                       + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()))
-            click.secho("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
+            click.echo(wrapped(f"metrics:     {gateway}/metrics (gateway, per arm); "
+                               + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()),
+                               terminal_width(), indent=13))
+            _say("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
             if keep_running:
                 _print_scrape_config(gateway, upstreams)
                 click.echo("The stack stays up; press Ctrl-C to stop it.")
@@ -210,8 +215,8 @@ def _offline(out: Path, cache: Path) -> None:
     require_packages("dfserve demo --offline")
     from dfserve.eval.tiny import DEMO_TASKS, build_demo
 
-    click.secho("dfserve demo --offline: tiny REAL models on this CPU (a random-weight Qwen3 target and DFlash "
-                "drafters distilled from it); no GPU, no downloaded weights.", fg="yellow")
+    _say("dfserve demo --offline: tiny REAL models on this CPU (a random-weight Qwen3 target and DFlash drafters "
+         "distilled from it); no GPU, no downloaded weights.", fg="yellow")
     _say("1/2 models: a tiny target, a well-distilled drafter (baseline) and an undertrained one (candidate)")
     started = time.monotonic()
     models = build_demo(cache)
@@ -224,7 +229,7 @@ def _offline(out: Path, cache: Path) -> None:
         "eval", "run", "--target", str(models.target), "--drafter", f"distilled={models.distilled}",
         "--drafter", f"undertrained={models.undertrained}", "--tasks", str(models.tasks),
         "--num-tasks", str(DEMO_TASKS), "--max-new-tokens", "40", "--ddtree-budgets", "2,4", "--threads", "1",
-        "--cache", str(cache / "eval-cache"), "--drafter-store", str(cache / "drafters"),
+        "--cache", str(models.folder / "eval-cache"), "--drafter-store", str(cache / "drafters"),
         "--registry", str(out.resolve() / "demo"), "--out", str(run.parent), "--name", run.name,
     ))
     if evaluation.returncode == 130:
@@ -232,10 +237,10 @@ def _offline(out: Path, cache: Path) -> None:
     if evaluation.returncode != 0:
         raise UserError(f"the evaluation failed (exit {evaluation.returncode})")
     click.echo("")
-    click.echo(f"run folder:  {run}  (config.json, anchors.jsonl, summary.json)")
+    click.echo(wrapped(f"run folder:  {run}  (config.json, anchors.jsonl, summary.json)", terminal_width(), indent=13))
     click.echo(f"report:      {run / 'report.html'}")
-    click.secho("These models are tiny and random: the numbers show offline evaluation working, not a drafter's "
-                "quality.", fg="yellow")
+    _say("These models are tiny and random: the numbers show offline evaluation working, not a drafter's quality.",
+         fg="yellow")
 
 
 def _print_scrape_config(gateway: str, upstreams: dict[str, str]) -> None:

@@ -29,7 +29,7 @@ from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, read_
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import comparability, judge, load_gate
 from dfserve.loadtest.merge import merge, read_shard
-from dfserve.loadtest.progress import Progress, compact_table, terminal_width, wrapped
+from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary, over_error_rate, read_lag_warning, render_html, summarize
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
@@ -40,6 +40,7 @@ from dfserve.loadtest.tasks import load_tasks
 from dfserve.loadtest.verdict import FILENAME, Verdict, arm_ref, read_verdict
 from dfserve.runs import Provenance, create_run_dir, new_run_id, write_atomic, write_model
 from dfserve.stamped_socket import ReadLag
+from dfserve.terminal import compact_table, terminal_width, wrapped
 
 EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 EXIT_TOO_MANY_ERRORS = 4

@@ -167,7 +167,7 @@ def test_offline_demo_evaluates_tiny_models_from_its_cache(tmp_path: Path) -> No
     assert sorted(p.name for p in run.iterdir()) == ["anchors.jsonl", "config.json", "report.html", "summary.json"]
     config = json.loads((run / "config.json").read_text())
     assert [d["label"] for d in config["drafters"]] == ["distilled", "undertrained"]
-    assert Path(config["features"]["path"]).is_relative_to(cache)
+    assert Path(config["features"]["path"]).is_relative_to(models.folder)
     summary = json.loads((run / "summary.json").read_text())
     tau = {d["drafter"]: d["methods"][0]["tau"]["estimate"] for d in summary["drafters"]}
     assert tau["distilled"] > 1.3 and tau["undertrained"] < 1.1

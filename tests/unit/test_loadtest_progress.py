@@ -12,10 +12,11 @@ from rich.console import Console
 
 from dfserve.loadtest import cli
 from dfserve.loadtest.judge import DEFAULT_GATE, Gate, Rule
-from dfserve.loadtest.progress import Progress, duration, wrapped
+from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import summarize
 from dfserve.loadtest.sequential import SequentialDesign, SequentialMonitor
+from dfserve.terminal import duration, wrapped
 from tests.synthetic import run_config, synthetic
 
 WIDTH = 80
