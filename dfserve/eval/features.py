@@ -126,8 +126,8 @@ def check_built_for(folder: Path, target_sha256: str, target: str) -> None:
 def open_features(folder: Path, key: FeatureKey) -> FeatureStore:
     """A cache folder built under exactly `key`; any other is refused with what differs."""
     build = _read_build(folder)
-    if build.key != key:
-        raise _refused(folder, _differences(build.key, key))
+    if differences := _differences(build.key, key):  # the same target's content at another path is the same target
+        raise _refused(folder, differences)
     if missing := [i for i in range(len(build.tasks)) if not (folder / _task_file(i)).is_file()]:
         raise FieldError("features", f"{folder}: task files {missing[:5]} are missing; the cache is damaged")
     return FeatureStore(folder, build)
