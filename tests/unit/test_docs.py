@@ -120,7 +120,7 @@ def test_the_readme_gate_said_to_be_the_defaults_is_the_defaults(tmp_path: Path)
 
 
 def test_make_python_as_the_readme_documents_it_makes_the_venv(tmp_path: Path) -> None:
-    (python,) = re.findall(r"`make demo PYTHON=(\S+)`", (REPO / "README.md").read_text())
+    (python,) = re.findall(r"`make\s+demo\s+PYTHON=([^`\s]+)`", (REPO / "README.md").read_text())
     venv = tmp_path / "venv"
     plan = subprocess.run(["make", "-n", "-C", str(REPO), "demo", f"PYTHON={python}", f"VENV={venv}"],
                           capture_output=True, text=True, check=True).stdout.splitlines()
