@@ -20,7 +20,7 @@ DOCS = ("README.md", "dfserve/gateway/README.md", "k8s/README.md", "dashboards/R
 GATES = {"gate.yaml": DEFAULT_GATE, "eval-gate.yaml": DEFAULT_EVAL_GATE}
 """The file name a README gate block opens with (`# gate.yaml ...`) -> the default of the gate it is read as."""
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
-INLINE = re.compile(r"`(dfserve [^`]+)`")
+INLINE = re.compile(r"`(dfserve\s[^`]+)`")
 
 
 def code_blocks(text: str, language: str | None = None) -> list[str]:
@@ -34,7 +34,7 @@ def commands(doc: str) -> list[str]:
     for block in code_blocks(text):
         joined = re.sub(r"\\\n\s*", " ", block)
         found += [line.split("#")[0].strip() for line in joined.splitlines() if line.startswith("dfserve ")]
-    return found + INLINE.findall(FENCE.sub("", text))
+    return found + [" ".join(span.split()) for span in INLINE.findall(FENCE.sub("", text))]
 
 
 def command_of(words: list[str]) -> tuple[click.Command, list[str]]:
