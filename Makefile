@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 # SGLang's own parser for `dfserve deploy --check`, in a venv of its own (see $(SGLANG_STAMP) below).
 SGLANG_VERSION := 0.5.23
 SGLANG_VENV ?= .venv-sglang
@@ -10,12 +11,18 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
 .PHONY: demo test lint sanitize system-deps
 
-$(STAMP): pyproject.toml setup.py $(wildcard dfserve/relay_c/*) requirements/ci.txt
+# The demo's venv: dfserve and its pinned runtime dependencies only (requirements/demo.txt), no torch.
+$(DEMO_STAMP): pyproject.toml setup.py $(wildcard dfserve/relay_c/*) requirements/demo.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements/ci.txt
+	$(BIN)/python -m pip install -q -r requirements/demo.txt
 	# Builds the relay's C extension (dfserve/relay_c/) in place: needs gcc and the Python headers.
 	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(DEMO_STAMP)
+
+# The rest of CI's list on top, in the same venv: after `make demo`, `make test` installs only what the demo lacked.
+$(STAMP): $(DEMO_STAMP) requirements/ci.txt
+	$(BIN)/python -m pip install -q -r requirements/ci.txt
 	touch $(STAMP)
 
 # sglang without its GPU dependencies plus the few packages its parser imports; torch and the rest come from
@@ -25,10 +32,11 @@ $(SGLANG_STAMP): $(STAMP) requirements/sglang-check.txt
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
 		> "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/dfserve-venv.pth"
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
-	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements/sglang-check.txt
+	@echo "$(SGLANG_VENV): sglang's own pins are left unmet on purpose (no GPU kernels; torch from $(VENV)), so pip's warnings about them are silenced"
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-warn-conflicts -r requirements/sglang-check.txt
 	touch $(SGLANG_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/dfserve demo
 
 lint: $(STAMP)

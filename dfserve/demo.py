@@ -1,9 +1,13 @@
 """`dfserve demo`: the main job end to end on simulated engines, with the real commands a user would run.
 
-It deploys two simulated engines with `dfserve deploy --engine sim` (baseline: the z-lab drafter's profile;
+Online (the default), it deploys two simulated engines with `dfserve deploy --engine sim` (baseline: the z-lab drafter's profile;
 candidate: the in-house profile), puts `dfserve gateway` in front of them, runs a paired A/B `dfserve loadtest run`
 of HumanEval tasks through the gateway (each request pinned to its arm by the gateway's arm header), and prints
 `dfserve compare`'s table and verdict. Every process it started is stopped on the way out, on Ctrl-C and on error.
+
+With `--offline` it builds tiny real models once (`dfserve.eval.tiny`: a random-weight Qwen3 target, a DFlash
+drafter distilled from it and the same drafter undertrained) and runs `dfserve eval run` on them: offline
+evaluation, its table and its verdict, on a CPU, in about a minute the first time.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 
 from dfserve.errors import UserError
 from dfserve.listen import wait_healthy, wait_listening
+from dfserve.runs import new_run_id
+from dfserve.terminal import terminal_width, wrapped
 
 LOOPBACK = "127.0.0.1"
 HEALTHY_AT = re.compile(r": healthy at (http://\S+) after")
@@ -29,14 +36,17 @@ HEALTHY_AT = re.compile(r": healthy at (http://\S+) after")
 ARMS = (("baseline", "zlab"), ("candidate", "sim:inhouse"))
 """(arm name, drafter): the z-lab drafter is the baseline; the candidate is the simulator's undertrained in-house
 profile, deployed under a simulated identity so that no record mistakes it for a real checkpoint."""
+ONLINE_ONLY = ("num_requests", "concurrency", "max_new_tokens", "time_scale", "seed", "keep_running")
+"""Options of the simulated A/B run that `--offline` has no use for (refused there, never ignored)."""
 
 
 def _dfserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "dfserve", *args]
 
 
-def _say(message: str) -> None:
-    click.secho(message, fg="cyan", bold=True)
+def _say(message: str, **style: Any) -> None:
+    """One of the demo's own lines, broken between words on a terminal."""
+    click.secho(wrapped(message, terminal_width()), **(style or {"fg": "cyan", "bold": True}))
 
 
 class Stack:
@@ -114,6 +124,10 @@ def _newest_run(out: Path, before: set[Path]) -> Path:
     return created[0]
 
 
+def _default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfserve"
+
+
 @click.command()
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"), show_default=True,
               help="Where the run and verdict directories go (never overwritten).")
@@ -121,18 +135,38 @@ def _newest_run(out: Path, before: set[Path]) -> Path:
 @click.option("--concurrency", type=int, default=16, show_default=True, help="Requests in flight per arm.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
-              help="Simulated time runs this much faster than the modelled Pro6000 (1 = real time).")
+              help="Multiplies the modelled Pro6000's latencies: 1 = real time, 0.2 = five times faster, "
+                   "2 = twice as slow.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--keep-running", is_flag=True, help="Leave the stack up after the verdict until Ctrl-C.")
-def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, time_scale: float, seed: int,
-         keep_running: bool) -> None:
-    """Run a whole A/B judgement on simulated engines, end to end. All numbers are SIMULATED."""
+@click.option("--offline", is_flag=True,
+              help="Offline evaluation instead: tiny real models (built once, cached), `dfserve eval run` on a "
+                   "well-distilled and an undertrained drafter, and its verdict. Needs the eval extra: "
+                   "pip install 'dfserve[eval]'.")
+@click.option("--cache", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="With --offline: where the tiny models and their feature cache are kept  "
+                   "[default: $XDG_CACHE_HOME/dfserve or ~/.cache/dfserve].")
+@click.pass_context
+def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max_new_tokens: int, time_scale: float,
+         seed: int, keep_running: bool, offline: bool, cache: Path | None) -> None:
+    """Run a whole A/B judgement on simulated engines, end to end. All numbers are SIMULATED.
+
+    With --offline: offline evaluation on tiny real models, on this CPU (about a minute the first time)."""
+    if offline:
+        given = [f"--{name.replace('_', '-')}" for name in ONLINE_ONLY
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UserError(f"{', '.join(given)}: not an option of --offline (it runs `dfserve eval`, no load test)")
+        _offline(out, cache or _default_cache())
+        return
+    if cache is not None:
+        raise UserError("--cache: only --offline keeps models; the simulated demo has none")
     if num_requests < 1 or concurrency < 1 or max_new_tokens < 1:
         raise UserError("--num-requests, --concurrency and --max-new-tokens must be at least 1")
     out.mkdir(parents=True, exist_ok=True)
     stack = Stack(out.resolve() / "demo")
     stack.root.mkdir(exist_ok=True)
-    click.secho("dfserve demo: every engine here is SIMULATED (dfserve sim); no GPU, no model weights.", fg="yellow")
+    _say("dfserve demo: every engine here is SIMULATED (dfserve sim); no GPU, no model weights.", fg="yellow")
     with _terminated_by_signals():
         try:
             _say("1/4 deploy: two simulated Qwen3.6-27B engines, z-lab drafter (baseline) and in-house (candidate)")
@@ -155,11 +189,13 @@ def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, ti
             if verdict.returncode not in (0, 1, 3):
                 raise UserError(f"compare failed (exit {verdict.returncode})")
             click.echo("")
-            click.echo(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)")
+            click.echo(wrapped(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)", terminal_width(),
+                               indent=13))
             click.echo(f"report:      {run / 'report.html'}")
-            click.echo(f"metrics:     {gateway}/metrics (gateway, per arm); "
-                       + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()))
-            click.secho("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
+            click.echo(wrapped(f"metrics:     {gateway}/metrics (gateway, per arm); "
+                               + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()),
+                               terminal_width(), indent=13))
+            _say("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
             if keep_running:
                 _print_scrape_config(gateway, upstreams)
                 click.echo("The stack stays up; press Ctrl-C to stop it.")
@@ -170,6 +206,41 @@ def demo(out: Path, num_requests: int, concurrency: int, max_new_tokens: int, ti
             raise click.exceptions.Exit(130) from None
         finally:
             stack.stop()
+
+
+def _offline(out: Path, cache: Path) -> None:
+    """Tiny models from the cache (built the first time), then `dfserve eval run` on them, as a user would run it."""
+    from dfserve.eval.cli import require_packages
+
+    require_packages("dfserve demo --offline")
+    from dfserve.eval.tiny import DEMO_TASKS, build_demo
+
+    _say("dfserve demo --offline: tiny REAL models on this CPU (a random-weight Qwen3 target and DFlash drafters "
+         "distilled from it); no GPU, no downloaded weights.", fg="yellow")
+    _say("1/2 models: a tiny target, a well-distilled drafter (baseline) and an undertrained one (candidate)")
+    started = time.monotonic()
+    models = build_demo(cache)
+    click.echo(f"{'built' if models.built else 'reused'}: {models.folder}"
+               + (f" ({time.monotonic() - started:.0f} s; reused next time)" if models.built else ""))
+    _say(f"2/2 eval: dfserve eval run on {DEMO_TASKS} HumanEval prompts, the undertrained drafter judged against "
+         "the distilled one")
+    run = out.resolve() / new_run_id("eval")
+    evaluation = subprocess.run(_dfserve(
+        "eval", "run", "--target", str(models.target), "--drafter", f"distilled={models.distilled}",
+        "--drafter", f"undertrained={models.undertrained}", "--tasks", str(models.tasks),
+        "--num-tasks", str(DEMO_TASKS), "--max-new-tokens", "40", "--ddtree-budgets", "2,4", "--threads", "1",
+        "--cache", str(models.folder / "eval-cache"), "--drafter-store", str(cache / "drafters"),
+        "--registry", str(out.resolve() / "demo"), "--out", str(run.parent), "--name", run.name,
+    ))
+    if evaluation.returncode == 130:
+        raise click.exceptions.Exit(130)
+    if evaluation.returncode != 0:
+        raise UserError(f"the evaluation failed (exit {evaluation.returncode})")
+    click.echo("")
+    click.echo(wrapped(f"run folder:  {run}  (config.json, anchors.jsonl, summary.json)", terminal_width(), indent=13))
+    click.echo(f"report:      {run / 'report.html'}")
+    _say("These models are tiny and random: the numbers show offline evaluation working, not a drafter's quality.",
+         fg="yellow")
 
 
 def _print_scrape_config(gateway: str, upstreams: dict[str, str]) -> None:

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 NEEDS = ("torch", "transformers", "safetensors", "dflash")
 
 
-def _require_packages() -> None:
+def require_packages(command: str = "dfserve eval") -> None:
     if missing := [name for name in NEEDS if importlib.util.find_spec(name) is None]:
-        raise UserError(f"dfserve eval needs {', '.join(missing)}: pip install 'dfserve[eval]'")
+        raise UserError(f"{command} needs {', '.join(missing)}: pip install 'dfserve[eval]'")
 
 
 def _drafter(value: str) -> tuple[str | None, str]:
@@ -97,7 +97,8 @@ def eval_group() -> None:
 @click.option("--registry", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"),
               help="Baseline registry folder: --drafter baseline, and where offline τ is recorded.")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
-              help="YAML gate: rules: [{metric: tau_vanilla|tau_ddtreeN, max_worse}] (default: tau_vanilla, 0.02).")
+              help="A YAML gate file, e.g. `rules: [{metric: tau_vanilla, max_worse: 0.02}]` (the default; metrics "
+                   "tau_vanilla, tau_ddtreeN).")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"))
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--shard", default=None, metavar="I/N",
@@ -107,7 +108,7 @@ def eval_group() -> None:
 @click.pass_context
 def run_command(ctx: click.Context, **opts: Any) -> None:
     """Score drafters on cached target features of coding tasks, as online greedy decoding would."""
-    _require_packages()
+    require_packages()
     from dfserve.eval.runner import run_eval
 
     console = Console(stderr=True, quiet=opts["quiet"])
@@ -181,7 +182,8 @@ def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
 @click.option("--baseline", default=None, help="Baseline drafter label (default: RUN's first drafter).")
 @click.option("--candidate", default=None, help="Candidate drafter label (default: the second drafter / RUN2's first).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML gate: rules: [{metric: tau_vanilla|tau_ddtreeN, max_worse}].")
+              help="A YAML gate file, e.g. `rules: [{metric: tau_ddtree4, max_worse: 0.02}]` (metrics tau_vanilla, "
+                   "tau_ddtreeN; default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict folder goes (default: "
               "beside RUN).")
 def compare_command(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,
@@ -229,7 +231,7 @@ def watch_command(ctx: click.Context, checkpoints: Path, baseline: str, out: Pat
     reach it (trend.json, report.html). The checkpoint folder is only read."""
     import os
 
-    _require_packages()
+    require_packages()
     from dfserve.eval.watch import WatchPlan, watch
 
     if out.resolve().is_relative_to(checkpoints.resolve()):

@@ -179,8 +179,8 @@ def open_features(folder: Path, key: FeatureKey) -> FeatureStore:
     """A cache folder built under exactly `key` whose files still hold what was written; any other is refused with
     what differs."""
     build = _read_build(folder)
-    if build.key != key:
-        raise _refused(folder, _differences(build.key, key))
+    if differences := _differences(build.key, key):  # the same target's content at another path is the same target
+        raise _refused(folder, differences)
     verify(folder, build)
     return FeatureStore(folder, build)
 

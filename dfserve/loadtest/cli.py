@@ -12,14 +12,14 @@ import asyncio
 import gc
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 import uvloop
 from pydantic import ValidationError
 from rich.console import Console
-from rich.table import Table
 
 from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
@@ -40,6 +40,7 @@ from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, wri
 from dfserve.shard import parse_shard, shard_indices
 from dfserve.stamped_socket import ReadLag
 from dfserve.tasks import load_tasks
+from dfserve.terminal import compact_table, terminal_width, wrapped
 from dfserve.verdict.printer import print_verdict
 from dfserve.verdict.verdict import EXIT, Verdict, read_verdict, verdict_file
 
@@ -53,10 +54,33 @@ def _name(name: str | None) -> str | None:
 
 
 def _arm(value: str) -> tuple[str, str]:
+    """`NAME=URL` of a server's root: under a path such as `/v1` (an OpenAI client's base URL) every request would
+    miss (`/v1/v1/chat/completions`), while the probes, which a router may not answer, would not say so."""
     name, sep, url = value.partition("=")
     if not sep or not name or not is_base_url(url):
         raise UserError(f"--arm: {value!r} is not NAME=http://HOST:PORT")
+    parts = urlsplit(url)
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise UserError(f"--arm {name}: {url} is not a server's root; give {parts.scheme}://{parts.netloc} (dfserve "
+                        "adds /generate, /v1/chat/completions and the rest itself)")
     return name, url
+
+
+def same_server_warning(arms: Sequence[tuple[str, str]], pin_arms: bool) -> str | None:
+    """Two arms at one URL without --pin-arms get the same traffic (behind a dfserve gateway, the same split): the
+    run then compares one mix with itself. Warned, not refused: the same server twice is also an A/A test."""
+    if pin_arms:
+        return None
+    by_server: dict[tuple[str, str, int | None], list[str]] = {}
+    for name, url in arms:
+        parts = urlsplit(url)
+        by_server.setdefault((parts.scheme, parts.hostname or "", parts.port), []).append(name)
+    shared = [names for names in by_server.values() if len(names) > 1]
+    if not shared:
+        return None
+    return ("warning: " + "; ".join(f"arms {', '.join(names)}" for names in shared) + " share one URL without "
+            "--pin-arms, so they get the same traffic and compare it with itself; behind a dfserve gateway, add "
+            "--pin-arms to measure each gateway arm")
 
 
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -131,7 +155,8 @@ def loadtest() -> None:
               help="Stop sending once the gate is decided on always-valid intervals, looked at after every batch of "
                    "pairs; --num-requests is then the maximum. Two arms: baseline, candidate.")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="With --until-decided: the YAML rules to decide (default: the default gate).")
+              help="With --until-decided: the gate file to decide, as for compare, e.g. "
+                   "`rules: [{metric: accept_length, max_worse: 0.02}]` (default: the default gate).")
 @click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
@@ -160,11 +185,14 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                        shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
         monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], plan.sampling.temperature,
                                      len(plan.task_set.tasks), warmup) if plan.sequential else None)
+    if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
+        click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=api)
     if metrics_port is not None:
         click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
-    progress = Progress([n for n, _ in plan.arms], len(shard_indices(num_requests + warmup, plan.shard)),
-                        Console(stderr=True, quiet=quiet), monitor)
+    indices = shard_indices(num_requests + warmup, plan.shard)
+    progress = Progress([n for n, _ in plan.arms], sum(i >= warmup for i in indices), Console(stderr=True, quiet=quiet),
+                        monitor, warmup=sum(i < warmup for i in indices), duration_s=duration)
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
@@ -221,10 +249,12 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
         click.echo(f"until decided: no look yet ({monitor.pairs} pairs, a look every {monitor.design.look_every})")
         return
     why = {"decided": "decided", "task_set": "undecided, limited by the task set", None: "undecided at the end"}
-    click.echo(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
-               f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the verdict.")
+    width = terminal_width()
+    click.echo(wrapped(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
+                       f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the "
+                       "verdict.", width))
     for rule in look.rules:
-        click.echo(f"  {rule.status:<14} {rule.metric}: {rule.detail}")
+        click.echo(wrapped(f"  {rule.status:<14} {rule.metric}: {rule.detail}", width, indent=17))
 
 
 
@@ -263,7 +293,7 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
         click.echo(f"schedule fidelity, {arm}: {fidelity.describe()}")
     warning = read_lag_warning(summary)
     if warning is not None:
-        click.echo(warning, err=True)
+        click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     click.echo(f"run: {run_dir}")
     return summary
 
@@ -289,14 +319,14 @@ async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | N
 
 
 def _print_summary(config: RunConfig, summary: Summary) -> None:
-    table = Table(title=f"run {config.run_id}" + (" (SIMULATED engines)" if any(a.simulated for a in config.arms) else ""))
-    for column in ("arm", "ok/all", "errors", "τ [95% CI]", "TTFT p50/p99 ms", "TPOT p50/p95 ms", "out tok/s"):
-        table.add_column(column)
+    table = compact_table(f"run {config.run_id}" + (" (SIMULATED engines)" if any(a.simulated for a in config.arms) else ""),
+                          {"arm": False, "ok/all": True, "errors": False, "τ [95% CI]": True, "TTFT ms\np50/p99": True,
+                           "TPOT ms\np50/p95": True, "out\ntok/s": True})
     for a in summary.arms:
         tau = (f"{a.accept_length.estimate:.2f} [{a.accept_length.low:.2f}, {a.accept_length.high:.2f}]"
                f"{'' if a.acceptance == 'exact' else ' est.'}" if a.accept_length else "unknown")
-        ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f} / {a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
-        tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f} / {a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
+        ttft = f"{a.ttft_s.p50.estimate * 1e3:.1f}/{a.ttft_s.p99.estimate * 1e3:.1f}" if a.ttft_s else "-"
+        tpot = f"{a.tpot_s.p50.estimate * 1e3:.2f}/{a.tpot_s.p95.estimate * 1e3:.2f}" if a.tpot_s else "-"
         errors = (", ".join(f"{k}={v}" for k, v in a.errors.items()) or "0") + (
             f", {a.cancelled} cancelled" if a.cancelled else "")
         rate = f"{a.output_tokens_per_s:.0f}" if a.output_tokens_per_s else "-"
@@ -310,7 +340,9 @@ def _print_summary(config: RunConfig, summary: Summary) -> None:
 @click.option("--baseline", default=None, help="Baseline arm (default: the first arm / RUN's arm).")
 @click.option("--candidate", default=None, help="Candidate arm (default: the second arm / RUN2's arm).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="YAML gate: rules: [{metric, max_worse | at_least}]; defaults shown in the verdict.")
+              help="A YAML gate file, a top-level `rules:` list, e.g. `rules: [{metric: accept_length, max_worse: "
+                   "0.02}, {metric: lossless_fraction, at_least: 0.99}]` (at_least for lossless_fraction, max_worse "
+                   "for the others); the defaults are shown in the verdict.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict directory goes "
               "(default: beside RUN).")
 @click.option("--force", is_flag=True, help="Compare runs that differ in tasks, sampling or load, or a run that is "

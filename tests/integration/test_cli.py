@@ -53,6 +53,8 @@ BAD_INVOCATIONS = {
     "infinite gateway weight": (["gateway", "--port", "0", "--arm", "a=inf@http://127.0.0.1:9"],
                                 "--arm: weight: Input should be a finite number"),
     "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
+    "loadtest arm under a path": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9/v1", "--concurrency", "1"],
+                                  "--arm a: http://127.0.0.1:9/v1 is not a server's root; give http://127.0.0.1:9 "),
 }
 
 
@@ -69,3 +71,20 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(case: str, tmp_path
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("dfserve: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert expected in result.stderr
+
+
+def test_two_arms_at_one_url_without_pin_arms_are_warned_about_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: the run stops at its probes, after the warning
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    arms = ["--arm", f"baseline={url}", "--arm", f"candidate={url}/"]
+    common = ["loadtest", "run", *arms, "--concurrency", "1", "--num-requests", "1", "--out", str(tmp_path)]
+    warned = run(*common)
+    assert warned.returncode == 2
+    warning, error = warned.stderr.splitlines()
+    assert warning == ("warning: arms baseline, candidate share one URL without --pin-arms, so they get the same "
+                       "traffic and compare it with itself; behind a dfserve gateway, add --pin-arms to measure each "
+                       "gateway arm")
+    assert error.startswith("dfserve: error: --arm baseline=")
+    pinned = run(*common, "--pin-arms")
+    assert pinned.returncode == 2 and "warning" not in pinned.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -147,3 +148,69 @@ def test_demo_refuses_nonsense_counts(flag: str, tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "must be at least 1" in result.stderr
+
+
+@pytest.mark.heavy
+def test_offline_demo_evaluates_tiny_models_from_its_cache(tmp_path: Path) -> None:
+    from dfserve.eval.tiny import build_demo
+
+    cache, out = tmp_path / "cache", tmp_path / "runs"
+    models = build_demo(cache)
+    assert models.built and build_demo(cache) == dataclasses.replace(models, built=False)
+    result = subprocess.run([sys.executable, "-m", "dfserve", "demo", "--offline", "--cache", str(cache),
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"reused: {models.folder}" in result.stdout
+    assert "undertrained vs distilled: FAIL" in result.stdout
+    run = Path(re.search(r"run folder:\s+(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert run.parent == out.resolve() and run.name.startswith("eval-")
+    assert sorted(p.name for p in run.iterdir()) == ["anchors.jsonl", "config.json", "report.html", "summary.json"]
+    config = json.loads((run / "config.json").read_text())
+    assert [d["label"] for d in config["drafters"]] == ["distilled", "undertrained"]
+    assert Path(config["features"]["path"]).is_relative_to(models.folder)
+    summary = json.loads((run / "summary.json").read_text())
+    tau = {d["drafter"]: d["methods"][0]["tau"]["estimate"] for d in summary["drafters"]}
+    assert tau["distilled"] > 1.3 and tau["undertrained"] < 1.1
+    (judgement,) = summary["judgements"]
+    assert (judgement["baseline"], judgement["candidate"], judgement["verdict"]) == ("distilled", "undertrained", "FAIL")
+
+
+def test_offline_demo_without_the_eval_extra_says_how_to_install_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from dfserve.cli import main
+
+    monkeypatch.setitem(sys.modules, "dflash", None)  # find_spec answers None: not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--offline", "--cache", str(tmp_path), "--out", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("dfserve: error: dfserve demo --offline needs dflash: "
+                                       "pip install 'dfserve[eval]'\n")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--offline", "--num-requests", "8"], "--num-requests: not an option of --offline"),
+    (["--offline", "--keep-running"], "--keep-running: not an option of --offline"),
+    (["--cache", "somewhere"], "--cache: only --offline keeps models"),
+])
+def test_demo_refuses_options_of_the_other_mode(args: list[str], message: str, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "dfserve", "demo", "--out", str(tmp_path / "runs"), *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_interrupted_model_build_leaves_no_folder_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dfserve.eval import tiny
+
+    def interrupted(folder: Path, seed: int = 0) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "qwen3_target", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.build_demo(tmp_path)
+    assert list(tmp_path.iterdir()) == []

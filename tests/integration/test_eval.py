@@ -234,6 +234,21 @@ def test_a_second_checkpoint_reuses_the_features_and_compares_across_runs(
                              "--baseline", "long", "--candidate", "again", "--out", world.root / "verdicts2")
     assert status == 1 and "again vs long: FAIL" in out
 
+
+def test_the_same_target_at_another_path_reuses_its_features(first_run: FirstRun, world: World,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The cache is keyed by the target's content: a copy elsewhere (another cache folder of a hub, a moved
+    checkout) is the same target."""
+    moved = world.root / "moved" / "qwen3"
+    shutil.copytree(world.target, moved)
+    with models.one_thread():
+        status, _, err = run_cli(capsys, *eval_args(world, "moved", f"short={world.short}", target=moved))
+    assert status == 0, err
+    first = json.loads((first_run.run_dir / "config.json").read_text())
+    config = json.loads((world.root / "runs" / "moved" / "config.json").read_text())
+    assert config["features"]["reused"] is True and config["features"]["key"] == first["features"]["key"]
+    assert "target features" not in err
+
     status, _, err = run_cli(capsys, *eval_args(world, "other", f"again={world.short_checkpoint}",
                                                 **{"max-new-tokens": MAX_NEW // 2}))
     assert status == 0, err

@@ -201,4 +201,4 @@ def test_the_live_view_shows_each_rule_interval_and_the_requests_to_a_decision()
     assert "gate at look 4: 64 pairs over 64 tasks" in text
     assert "accept_length" in text and "error_rate" in text and "more requests" in text
     error_rule = next(r for r in m.latest.rules if r.metric == "error_rate")  # type: ignore[union-attr]
-    assert f"{error_rule.estimate:+.4f} [{error_rule.low:+.4f}, {error_rule.high:+.4f}]" in text
+    assert f"{error_rule.estimate:+.3f} [{error_rule.low:+.3f}, {error_rule.high:+.3f}]" in text
