@@ -40,10 +40,11 @@ def test_unknown_command_is_a_usage_error() -> None:
 
 
 BAD_INVOCATIONS = {
-    "deploy port out of range": (["deploy", "--drafter", "zlab", "--port", "0", "--dry-run"], "--port:"),
+    "deploy port out of range": (["deploy", "--drafter", "zlab", "--port", "65536", "--dry-run"], "--port:"),
     "sim time scale": (["deploy", "--drafter", "zlab", "--engine", "sim", "--time-scale", "0", "--dry-run"],
                        "--time-scale:"),
-    "simulated drafter on sglang": (["deploy", "--drafter", "sim:inhouse", "--dry-run"], "only with --engine sim"),
+    "simulated drafter on sglang": (["deploy", "--drafter", "sim:inhouse", "--dry-run"],
+                                    "runs only on a simulated engine"),
     "unwritable output folder": (["dashboards", "--out", "/proc/no-such-dir"], "/proc/no-such-dir"),
     "broken gateway yaml": (["gateway", "--config", "{bad_yaml}"], "invalid YAML at line 2"),
     "gateway port taken": (["gateway", "--port", "{taken}", "--arm", "a=1@http://127.0.0.1:9"], "already in use"),
