@@ -1,9 +1,9 @@
 """The fixed-n design: every metric with a paired bootstrap interval over tasks, every rule decided on it.
 
 Intervals come from one bootstrap over the tasks the pairs share, so task difficulty cancels out of every
-difference; each metric's statistic is its kind's (`kinds.py`). A `max_worse` rule is PASS when its whole 95% interval is on the good side of the limit, FAIL when the
-whole interval is on the bad side, and INCONCLUSIVE otherwise, with the number of distinct tasks that would shrink
-the interval enough.
+difference; each metric's statistic is its kind's (`kinds.py`). A `max_worse` rule is PASS when its whole 95%
+interval is on the good side of the limit, FAIL when the whole interval is on the bad side, and INCONCLUSIVE
+otherwise, with the number of distinct tasks that would shrink the interval enough.
 
     outcome = FixedN().judge(pairs, metrics, gate)
 """
