@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError, flags_for
 from dfserve.listen import wait_healthy, wait_listening
 from dfserve.runs import new_run_id
 from dfserve.terminal import terminal_width, wrapped
@@ -120,7 +120,7 @@ def _terminated_by_signals() -> Iterator[None]:
 def _newest_run(out: Path, before: set[Path]) -> Path:
     created = [p for p in out.iterdir() if p.is_dir() and p not in before and p.name.startswith("run-")]
     if len(created) != 1:
-        raise UserError(f"--out: expected one new run directory in {out}, found {len(created)}")
+        raise FieldError("out", f"expected one new run directory in {out}, found {len(created)}")
     return created[0]
 
 
@@ -183,7 +183,8 @@ def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max
             ))
             if loadtest.returncode != 0:
                 raise UserError(f"the load test failed (exit {loadtest.returncode})")
-            run = _newest_run(out, before)
+            with flags_for({"out": "--out"}):
+                run = _newest_run(out, before)
             _say("4/4 compare: candidate vs baseline, paired by task, with the default gate")
             verdict = subprocess.run(_dfserve("compare", str(run), "--baseline", "baseline", "--candidate", "candidate"))
             if verdict.returncode not in (0, 1, 3):

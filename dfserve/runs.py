@@ -64,7 +64,7 @@ def create_run_dir(out: Path, name: str | None = None, prefix: str = "run") -> P
     try:
         path.mkdir()
     except FileExistsError:
-        raise UserError(f"--name: run directory {path} already exists; runs are never overwritten") from None
+        raise FieldError("name", f"run directory {path} already exists; runs are never overwritten") from None
     return path
 
 

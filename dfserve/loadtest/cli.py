@@ -174,7 +174,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     except ValidationError as exc:
         raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
-    with flags_for(command_flags(run_command)):
+    flags = command_flags(run_command) | {"duration_s": "--duration", "sequential": "--until-decided"}
+    with flags_for(flags):
         task_set = load_tasks(tasks)
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             task_set, sampling = task_set.for_run(sampling)
@@ -189,14 +190,15 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=api)
     if metrics_port is not None:
-        click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
+        with flags_for(flags):
+            click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)
     indices = shard_indices(num_requests + warmup, plan.shard)
     progress = Progress([n for n, _ in plan.arms], sum(i >= warmup for i in indices), Console(stderr=True, quiet=quiet),
                         monitor, warmup=sum(i < warmup for i in indices), duration_s=duration)
     gc.collect()
     gc.freeze()  # keep full collections off the imported heap: their pauses would show up as latency
     try:
-        with progress, flags_for(command_flags(run_command)):
+        with progress, flags_for(flags):
             observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
     finally:
@@ -207,7 +209,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     if monitor:
         _print_sequential(monitor)
     if pushgateway:
-        exporter.push(pushgateway, outcome.config.run_id)
+        with flags_for(flags):
+            exporter.push(pushgateway, outcome.config.run_id)
     if outcome.interrupted:
         click.echo("interrupted: partial run kept", err=True)
         sys.exit(130)
@@ -272,7 +275,8 @@ def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, 
     merged = merge([read_shard(path) for path in shards], _name(name) or new_run_id(), force)
     for lost in merged.incomplete:
         click.echo(f"forced: {lost}", err=True)
-    run_dir = create_run_dir(out or shards[0].parent, merged.config.run_id)
+    with flags_for({"name": "--name"}):
+        run_dir = create_run_dir(out or shards[0].parent, merged.config.run_id)
     write_model(run_dir / "config.json", merged.config)
     write_atomic(run_dir / "requests.jsonl", "".join(r.model_dump_json() + "\n" for r in merged.records))
     _finish_run(run_dir, merged.config, merged.records, merged.interrupted, merged.read_lag)

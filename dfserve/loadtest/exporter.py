@@ -12,7 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord
 from dfserve.metrics import Binned, DfserveMetrics, Outcome, observe
@@ -50,7 +50,7 @@ class Exporter:
         try:
             server, _ = start_http_server(port, addr=LOOPBACK, registry=self.registry)
         except OSError as exc:
-            raise UserError(f"--metrics-port: cannot listen on {LOOPBACK}:{port} ({exc.strerror})") from None
+            raise FieldError("metrics_port", f"cannot listen on {LOOPBACK}:{port} ({exc.strerror})") from None
         self._server = server
         return f"http://{LOOPBACK}:{server.server_port}"
 
@@ -64,4 +64,4 @@ class Exporter:
         try:
             push_to_gateway(url, job=PUSH_JOB, registry=self.registry, grouping_key={"run_id": run_id}, timeout=10)
         except OSError as exc:
-            raise UserError(f"--pushgateway: push to {url} failed ({exc})") from None
+            raise FieldError("pushgateway", f"push to {url} failed ({exc})") from None

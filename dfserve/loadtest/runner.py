@@ -23,7 +23,7 @@ import httpx
 
 from dfserve import sglang, stamped_socket
 from dfserve.capture.replay import CaptureTaskSet
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
@@ -64,24 +64,24 @@ class RunPlan:
     def __post_init__(self) -> None:
         names = [name for name, _ in self.arms]
         if not names:
-            raise UserError("--arm: give at least one NAME=URL")
+            raise FieldError("arms", "give at least one NAME=URL")
         if len(set(names)) != len(names):
-            raise UserError("--arm: arm names must be unique")
+            raise FieldError("arms", "arm names must be unique")
         if self.warmup < 0:
-            raise UserError("--warmup: must be >= 0")
+            raise FieldError("warmup", "must be >= 0")
         if self.duration_s is not None and self.duration_s <= 0:
-            raise UserError("--duration: must be > 0")
+            raise FieldError("duration_s", "must be > 0")
         if self.sequential is not None and len(names) != 2:
-            raise UserError("--until-decided: give exactly two arms, the baseline then the candidate")
+            raise FieldError("sequential", "give exactly two arms, the baseline then the candidate")
         if self.sequential is not None and self.shard is not None:
-            raise UserError("--until-decided, --shard: a shard sees part of the pairs and cannot decide the gate; "
-                            "judge the merged run with dfserve compare")
+            raise FieldError("sequential", "a shard ({other}) sees part of the pairs and cannot decide the gate; "
+                             "judge the merged run with dfserve compare", other="shard")
         if self.load.concurrency is not None:
             shard_concurrency(self.load.concurrency, self.shard)  # refuses a concurrency the shards cannot share
         if isinstance(self.task_set, CaptureTaskSet):
             self.task_set.check(self.api, self.load.kind == "trace", self.warmup + self.num_requests)
         elif self.load.kind == "trace":
-            raise UserError("--arrival trace: replays captured arrival times; give --tasks capture:DIR")
+            raise FieldError("arrival", "trace replays captured arrival times; give {other} capture:DIR", other="tasks")
 
 
 @dataclass
@@ -122,7 +122,7 @@ async def probe_arm(
         if model is None and api == "chat":
             model = sglang.first_model_id(await _get_json(http, base + "/v1/models", headers))
     except httpx.HTTPError as exc:
-        raise UserError(f"--arm {name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
+        raise FieldError("arms", f"{name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
     server = sglang.parse_server_info(server_info) if isinstance(server_info, dict) else None
     return ArmInfo(
         name=name,

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dfserve.errors import FieldError, describe_invalid, describe_yaml
+from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec
 
 G = TypeVar("G", bound="Gate")
@@ -85,6 +86,6 @@ def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
         if spec is None:
             raise FieldError("gate", f"rules.{number}.metric: unknown metric {rule.metric!r} "
                              f"(known: {', '.join(metrics)})")
-        wanted = "at_least" if spec.kind == "identical" else "max_worse"
+        wanted = kind_of(spec).limit
         if getattr(rule, wanted) is None:
             raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{wanted}' only")

@@ -28,19 +28,19 @@ class Unit(Protocol):
 
 
 U = TypeVar("U", bound=Unit)
-MetricKind = Literal["ratio", "quantile", "error_rate", "identical"]
 
 
 @dataclass(frozen=True)
 class MetricSpec(Generic[U]):
-    """How one metric is read from units: `ratio` (Σ numerator / Σ denominator over finished units), `quantile` of
-    one value per unit (`value`) or of many (`samples`), `error_rate` (units not ok), `identical` (the share of
-    finished pairs whose `output` agrees; gated by `at_least`, every other kind by `max_worse`).
+    """How one metric is read from units; `kind` names an entry of `kinds.KINDS`: `ratio` (Σ numerator /
+    Σ denominator over finished units), `quantile` of one value per unit (`value`) or of many (`samples`),
+    `error_rate` (units not ok), `identical` (the share of finished pairs whose `output` agrees; gated by
+    `at_least`, every other kind by `max_worse`).
     `fixed_by_task`: when the units are deterministic, a repeated task repeats this metric's value, so only
     distinct tasks add evidence."""
 
     label: str
-    kind: MetricKind
+    kind: str
     higher_is_better: bool = False
     q: float = 0.5
     unit: Literal["", "s"] = ""

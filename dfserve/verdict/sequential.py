@@ -44,9 +44,10 @@ from dfserve.errors import FieldError
 from dfserve.verdict.design import Outcome, SequentialDesign, SequentialReport
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules
+from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec, Pairs, U, check_same_task
 from dfserve.verdict.results import RuleResult, RuleStatus, Status, fold
-from dfserve.verdict.tracks import Track, track_for
+from dfserve.verdict.tracks import Track
 
 StopReason = Literal["decided", "task_set"]
 
@@ -132,7 +133,8 @@ class Monitor(Generic[U]):
         self.specs = [metrics[rule.metric] for rule in design.gate.rules]
         self.deterministic = deterministic
         self.task_count = task_count
-        self.tracks = [track_for(rule, spec, task_count) for rule, spec in zip(design.gate.rules, self.specs, strict=True)]
+        self.tracks = [kind_of(spec).track(spec, rule.limit, task_count)
+                       for rule, spec in zip(design.gate.rules, self.specs, strict=True)]
         self.pairs = 0
         self.latest: Look | None = None
         self.decision: Look | None = None
@@ -202,7 +204,7 @@ class Monitor(Generic[U]):
     def _rule(self, index: int, rule: Rule, spec: MetricSpec[U], track: Track[U]) -> RuleState:
         alpha = self.design.alpha
         limit = rule.limit
-        identical = spec.kind == "identical"
+        identical = rule.at_least is not None
         if identical and not self.deterministic:
             return RuleState(rule.metric, limit, "NOT_APPLICABLE", "temperature > 0: outputs may differ by design")
         per_task = self.deterministic and spec.fixed_by_task
@@ -239,7 +241,7 @@ class Monitor(Generic[U]):
 
             estimate = sign * reading.change
             low, high = self._narrowed(index, track, *in_terms(reading.low, reading.high))
-            unit = " (relative)" if spec.kind != "error_rate" else ""
+            unit = " (relative)" if kind_of(spec).relative else ""
             detail = (f"worse by {estimate:+.4f}{unit}, always-valid interval [{low:+.4f}, {high:+.4f}], "
                       f"limit {limit:.4f}")
 

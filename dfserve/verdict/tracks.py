@@ -1,5 +1,6 @@
 """Per-rule tracks of the sequential design: each metric kind's running sums, and its always-valid interval read
-off them at a look (`confseq`). Which interval each kind gets, and what it assumes, is told in `sequential.py`."""
+off them at a look (`confseq`). Which interval each kind gets, and what it assumes, is told in `sequential.py`;
+which track a kind gets, in `kinds.py`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from dfserve.verdict import confseq, stats
-from dfserve.verdict.gate import Rule
 from dfserve.verdict.pairs import MetricSpec, U
 
 SCALE_FLOOR = 0.01
@@ -50,14 +50,14 @@ class _SeenTasks:
         return len(self.seen)
 
 
-class _RatioTrack(_SeenTasks, Generic[U]):
+class RatioTrack(_SeenTasks, Generic[U]):
     """Σ numerator / Σ denominator per arm, summed per task as pairs arrive; the change is read on the log scale,
-    where the normal mixture applies."""
+    where the normal mixture applies, with the rule's limit (at least `SCALE_FLOOR`) as the mixture's scale."""
 
-    def __init__(self, spec: MetricSpec[U], scale: float, task_count: int) -> None:
+    def __init__(self, spec: MetricSpec[U], limit: float, task_count: int) -> None:
         assert spec.numerator is not None and spec.denominator is not None
         self.numerator, self.denominator = spec.numerator, spec.denominator
-        self.scale = scale
+        self.scale = max(limit, SCALE_FLOOR)
         self.sums = np.zeros((4, max(1, task_count)))  # per task: baseline num, den; candidate num, den
         super().__init__()
 
@@ -86,7 +86,7 @@ class _RatioTrack(_SeenTasks, Generic[U]):
         return Reading(math.expm1(log_change), low, high, interval_at)
 
 
-class _QuantileTrack(_SeenTasks, Generic[U]):
+class QuantileTrack(_SeenTasks, Generic[U]):
     """The q-quantile of one value per request in each arm, from lists kept sorted as pairs arrive; the relative
     change is bounded by both arms' sequences."""
 
@@ -135,7 +135,7 @@ class _QuantileTrack(_SeenTasks, Generic[U]):
         return Reading(value_c / value_b - 1, low, high, interval_at)
 
 
-class _ErrorTrack(_SeenTasks, Generic[U]):
+class ErrorTrack(_SeenTasks, Generic[U]):
     """Failed requests per arm; the change in rate (absolute) bounded by both arms' beta-binomial sequences."""
 
     def __init__(self) -> None:
@@ -163,7 +163,7 @@ class _ErrorTrack(_SeenTasks, Generic[U]):
         return Reading((errors_c - errors_b) / n, low, high, interval_at)
 
 
-class _LosslessTrack(Generic[U]):
+class LosslessTrack(Generic[U]):
     """Distinct tasks whose outputs were identical in every finished pair; the fraction, not a change."""
 
     def __init__(self, spec: MetricSpec[U]) -> None:
@@ -195,14 +195,3 @@ class _LosslessTrack(Generic[U]):
 
         low, high = interval_at(1.0)
         return Reading(same / n, low, high, interval_at)
-
-
-def track_for(rule: Rule, spec: MetricSpec[U], task_count: int) -> Track[U]:
-    """The track of a rule's metric; a ratio's mixture scale is the rule's limit (at least `SCALE_FLOOR`)."""
-    if spec.kind == "identical":
-        return _LosslessTrack(spec)
-    if spec.kind == "error_rate":
-        return _ErrorTrack()
-    if spec.kind == "ratio":
-        return _RatioTrack(spec, max(rule.limit, SCALE_FLOOR), task_count)
-    return _QuantileTrack(spec)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from dfserve import metrics
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.loadtest.exporter import Exporter
 from tests.integration.servers import refusing_port, url_of
 from tests.synthetic import synthetic
@@ -34,7 +34,7 @@ def test_records_become_per_arm_families_and_are_served_on_loopback() -> None:
     try:
         body = httpx.get(f"{url}/metrics").text
         assert f'{metrics.SPEC_VERIFY_ROUNDS}_total{{arm="zlab",route="/generate"}}' in body
-        with pytest.raises(UserError, match="--metrics-port"):
+        with pytest.raises(FieldError, match=r"^metrics_port: cannot listen on 127\.0\.0\.1:"):
             Exporter(route="/generate").serve(int(url.rsplit(":", 1)[1]))
     finally:
         exporter.close()
@@ -102,5 +102,5 @@ def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:
     method, path, body = received[0]
     assert method == "PUT" and path == "/metrics/job/dfserve_loadtest/run_id/run-7"
     assert f"{metrics.OUTPUT_TOKENS}_total".encode() in body
-    with refusing_port() as sock, pytest.raises(UserError, match="--pushgateway"):
+    with refusing_port() as sock, pytest.raises(FieldError, match=r"^pushgateway: push to "):
         Exporter(route="/generate").push(url_of(sock), "run-8")

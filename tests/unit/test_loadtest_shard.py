@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, UserError
 from dfserve.loadtest.merge import ShardRun, check_shards, merge
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
@@ -21,7 +21,7 @@ def test_parse_shard() -> None:
     assert parse_shard("2/3") == Shard(index=2, count=3)
     assert str(parse_shard("0/1")) == "0/1"
     for bad in ("3/3", "1", "a/3", "-1/3", "1/0", "1/3/4"):
-        with pytest.raises(UserError, match=r"^--shard: "):
+        with pytest.raises(FieldError, match=r"^shard: "):
             parse_shard(bad)
 
 
@@ -37,8 +37,9 @@ def test_shards_cover_the_schedule_exactly_once(total: int, count: int) -> None:
 def test_concurrency_is_divided_between_shards(concurrency: int, count: int) -> None:
     parts = [shard_concurrency(concurrency, Shard(index=i, count=count)) for i in range(count)]
     assert sum(parts) == concurrency and min(parts) >= 1 and max(parts) - min(parts) <= 1
-    with pytest.raises(UserError, match=r"^--concurrency: 2 cannot be divided between 3 shards"):
+    with pytest.raises(FieldError, match=r"^concurrency: 2 cannot be divided between 3 shards") as refused:
         shard_concurrency(2, Shard(index=0, count=3))
+    assert refused.value.render({"concurrency": "--concurrency"}).startswith("--concurrency: 2 cannot be divided")
 
 
 def shard_runs(count: int, total: int = 12) -> list[ShardRun]:
