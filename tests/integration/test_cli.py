@@ -86,6 +86,6 @@ def test_two_arms_at_one_url_without_pin_arms_are_warned_about_in_one_line(tmp_p
     assert warning == ("warning: arms baseline, candidate share one URL without --pin-arms, so they get the same "
                        "traffic and compare it with itself; behind a dfserve gateway, add --pin-arms to measure each "
                        "gateway arm")
-    assert error.startswith("dfserve: error: --arm baseline=")
+    assert error.startswith("dfserve: error: --arm: baseline=")
     pinned = run(*common, "--pin-arms")
     assert pinned.returncode == 2 and "warning" not in pinned.stderr
