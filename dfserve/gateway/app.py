@@ -279,6 +279,7 @@ class GatewayApp:
                 await self._relay(opened, exchange, reply, strip_spec)
         except asyncio.CancelledError:
             if not reply.disconnected:
+                exchange.error = "cancelled"  # the gateway's stop: not an answer, whatever came of it so far
                 raise
             exchange.error = "client_disconnect"
         finally:

@@ -61,8 +61,8 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
     if error is None:
         return "http_status" if status is not None and status >= 400 else None
-    if error == "client_disconnect":
-        return "cancelled"  # the client left: not the arm's failure, and not a pair
+    if error in ("client_disconnect", "cancelled"):
+        return "cancelled"  # the client left, or the gateway stopped: not the arm's failure, and not a pair
     if error == "stream_error":
         return "stream_error"
     if "timeout" in error or error == "client_stalled":
