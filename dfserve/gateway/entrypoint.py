@@ -39,7 +39,8 @@ def assemble(config: GatewayConfig, observers: Mapping[str, Observer] | None = N
         gateway.observers.add("capture", CaptureObserver.of_policy(config.capture),
                               queue_size=config.capture.queue_size)
     if config.shadow is not None:
-        gateway.observers.add("shadow", ShadowRecorder(config.shadow, config.routing.primary or ""), queue_size=config.shadow.queue_size)
+        gateway.observers.add("shadow", ShadowRecorder(config.shadow, config.routing.primary or "", {
+            name: arm.replicas[0] for name, arm in config.routing.arms.items() if arm.replicas}), queue_size=config.shadow.queue_size)
     for index, entry in enumerate(config.observers):
         observer = build(entry.kind, entry.options, f"observers.{index}.kind")
         gateway.observers.add(entry.kind, observer, queue_size=entry.queue_size)

@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.gateway.observers import Exchanged
@@ -34,6 +36,14 @@ from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.records import shadow_record
 
 log = logging.getLogger("dfserve.gateway")
+
+
+class ShadowArm(BaseModel):
+    """One arm as its first replica described itself when the folder was opened (SGLang's `/server_info`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    url: str
+    server_info: dict[str, Any] | None = Field(description="verbatim; None when it could not be read")
 
 
 class ShadowRunConfig(BaseModel):
@@ -47,15 +57,36 @@ class ShadowRunConfig(BaseModel):
     primary: str = Field(description="the arm whose answers clients got: the baseline")
     secondary: str | None = Field(description="the noise-floor arm, running the baseline's drafter")
     sequence: int = Field(description="this folder's place among the recorder's folders, from 0")
+    arms: dict[str, ShadowArm] = Field(default_factory=dict, description="the engines behind each arm: their "
+                                       "target and drafter name the verdict's sides")
     t0_unix_s: float = Field(description="wall clock at the folder's time zero; record times are offsets from it")
     provenance: Provenance
 
 
+SERVER_INFO_TIMEOUT_S = 2.0
+
+
+def server_info(url: str) -> dict[str, Any] | None:
+    """A replica's `/server_info`, or None (said in the log) when it cannot be had: the verdict then names the arm
+    only."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/server_info", timeout=SERVER_INFO_TIMEOUT_S)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("shadow records: %s/server_info could not be read (%s); the verdict will not name its drafter",
+                    url, exc)
+        return None
+    return info if isinstance(info, dict) else None
+
+
 class _Folder:
-    def __init__(self, policy: ShadowPolicy, primary: str, sequence: int) -> None:
+    def __init__(self, policy: ShadowPolicy, primary: str, sequence: int, arms: Mapping[str, str]) -> None:
         self.path = create_run_dir(policy.dir, prefix="shadow")
         self.t0_perf_s = time.perf_counter()
-        self.config = ShadowRunConfig(run_id=self.path.name, primary=primary, secondary=policy.secondary, sequence=sequence,
+        self.config = ShadowRunConfig(run_id=self.path.name, primary=primary, secondary=policy.secondary,
+                                      sequence=sequence, arms={name: ShadowArm(url=url, server_info=server_info(url))
+                                                               for name, url in arms.items()},
                                       t0_unix_s=time.time(), provenance=Provenance.here())
         write_model(self.path / "config.json", self.config)
         self.appender = JsonlAppender(self.path / "requests.jsonl")
@@ -79,8 +110,10 @@ class _Folder:
 class ShadowRecorder:
     """A gateway observer (`observe`, `close`) writing shadow record folders under `policy.dir`."""
 
-    def __init__(self, policy: ShadowPolicy, primary: str) -> None:
+    def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None) -> None:
+        """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened."""
         self.policy = policy
+        self.arms = dict(arms or {})
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
         self._held: OrderedDict[int, Exchanged] = OrderedDict()
@@ -92,7 +125,7 @@ class ShadowRecorder:
                       self.policy.max_folders, self.policy.dir)
             return None
         self.folders += 1
-        return _Folder(self.policy, primary, self.folders - 1)
+        return _Folder(self.policy, primary, self.folders - 1, self.arms)
 
     def observe(self, exchanged: Exchanged) -> None:
         rid = exchanged.request_id

@@ -9,7 +9,8 @@ judgement of primary against secondary is the noise floor, written beside the ve
 printed beside it: a difference no larger than the floor is the host's or the engine's, not the drafter's.
 
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
-Refused unless forced (then stamped): a folder still being written (no summary.json) or whose records do not
+Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
+be asked (`/server_info` unrecorded), a folder still being written (no summary.json) or whose records do not
 match its summary.
 """
 
@@ -27,6 +28,7 @@ from dfserve.loadtest.judge import LOSSLESS, METRICS
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary
 from dfserve.runs import Provenance, read_model, write_model
+from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.recorder import ShadowRunConfig
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
@@ -117,9 +119,30 @@ def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], ca
     return arms[0]
 
 
+def _server(config: ShadowRunConfig, arm: str) -> ServerInfo | None:
+    info = config.arms.get(arm)
+    return parse_server_info(info.server_info) if info is not None and info.server_info is not None else None
+
+
 def _side(config: ShadowRunConfig, path: Path, arm: str) -> Side:
-    return Side(run_id=config.run_id, run_dir=str(path.resolve()), name=arm, target="unknown",
-                drafter=f"unknown (shadow arm {arm})")
+    """The arm as its engine described itself; `unknown` where the gateway could not read its `/server_info`."""
+    server = _server(config, arm)
+    info = config.arms.get(arm)
+    return Side(run_id=config.run_id, run_dir=str(path.resolve()), name=arm, url=info.url if info else None,
+                target=server.model_path if server and server.model_path else "unknown",
+                drafter=(server.draft_model_path or "none") if server else f"unknown (shadow arm {arm})")
+
+
+def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
+    """What differs between two arms' engines beyond the drafter; an arm whose engine is unknown is one."""
+    servers = [_server(config, arm) for arm in (base, cand)]
+    if servers[0] is None or servers[1] is None:
+        unknown = [arm for arm, server in zip((base, cand), servers, strict=True) if server is None]
+        return [f"arm {arm}: its /server_info was not recorded, so its target and drafter are unknown"
+                for arm in unknown]
+    return [f"server {field}: {getattr(servers[0], field)} vs {getattr(servers[1], field)}"
+            for field in ("model_path", "max_running_requests")
+            if getattr(servers[0], field) != getattr(servers[1], field)]
 
 
 def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:
@@ -130,6 +153,9 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     config = read_model(path / "config.json", ShadowRunConfig, f"{path}: not a shadow record folder")
     records = list(read_records(path / "requests.jsonl"))
     cand = pick_candidate(config, records, candidate)
+    differ = mismatches(config, config.primary, cand)
+    if differ and not force:
+        raise Untrusted("arms are not comparable (" + "; ".join(differ) + ")")
     missing = incomplete(path, config, records)
     if missing and not force:
         raise Untrusted("not the whole record: " + "; ".join(missing))
@@ -141,7 +167,8 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
         floor = NoiseFloor(secondary=config.secondary, judgement=FixedN().judge(floor_pairs, METRICS, rules).judgement)
         notes += [n for n in floor_notes if n not in notes]
     verdict = Verdict(source="loadtest", verdict=judgement.verdict, baseline=_side(config, path, config.primary),
-                      candidate=_side(config, path, cand), forced=bool(missing), incomplete=missing,
+                      candidate=_side(config, path, cand), forced=bool(differ or missing), mismatches=differ,
+                      incomplete=missing,
                       judgement=judgement, gate=rules, provenance=Provenance.here())
     file = write_verdict(verdict, out or path.parent)
     if floor is not None:

@@ -102,7 +102,8 @@ def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
     assert NO_HASH not in judged.stdout
     verdict_file = next((tmp_path / "verdicts").glob("*/verdict.json"))
     verdict = json.loads(verdict_file.read_text())
-    assert verdict["verdict"] == "FAIL" and verdict["judgement"]["pairs"] == REQUESTS
+    assert verdict["verdict"] == "FAIL" and verdict["judgement"]["pairs"] == REQUESTS and not verdict["forced"]
+    assert verdict["baseline"]["drafter"] != verdict["candidate"]["drafter"]  # as each engine's /server_info says
     accept = next(r for r in verdict["judgement"]["rules"] if r["metric"] == "accept_length")
     assert accept["status"] == "FAIL"
     lossless = verdict["judgement"]["lossless"]

@@ -13,6 +13,7 @@ from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.records import read_records
 from dfserve.metrics import Outcome
+from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.records import error_kind, output_text, request_temperature, shadow_record
@@ -90,8 +91,22 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     assert len(list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))) == 4
 
 
+ENGINES = {"zlab": "http://engine-a", "inhouse": "http://engine-b", "zlab2": "http://engine-c"}
+DRAFTERS = {"http://engine-a": "z-lab/dflash", "http://engine-b": "inhouse-0001", "http://engine-c": "z-lab/dflash"}
+
+
+@pytest.fixture(autouse=True)
+def engines(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
+    """What each arm's engine says of itself (`/server_info`), without a server."""
+    infos: dict[str, dict[str, object]] = {url: {"model_path": "Qwen/Qwen3-8B", "max_running_requests": 64,
+                                                 "speculative_draft_model_path": drafter}
+                                           for url, drafter in DRAFTERS.items()}
+    monkeypatch.setattr(recorder_module, "server_info", lambda url: infos.get(url))
+    return infos
+
+
 def _recording(tmp_path: Path, exchanges: list[Exchanged], secondary: str | None = None) -> ShadowRecorder:
-    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary=secondary), "zlab")
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary=secondary), "zlab", ENGINES)
     for e in exchanges:
         recorder.observe(e)
     return recorder
@@ -113,6 +128,8 @@ def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: P
     judged = compare_shadow(_record(tmp_path, traffic, secondary="zlab2"), None, None, False, tmp_path / "v")
     assert judged.verdict.verdict == "FAIL" and judged.verdict.judgement.pairs == 30
     assert judged.verdict.candidate.name == "inhouse" and judged.verdict.baseline.name == "zlab"
+    assert (judged.verdict.baseline.drafter, judged.verdict.candidate.drafter) == ("z-lab/dflash", "inhouse-0001")
+    assert judged.verdict.candidate.target == "Qwen/Qwen3-8B" and not judged.verdict.forced
     assert judged.noise_floor is not None and judged.noise_floor.judgement.candidate == "zlab2"
     assert judged.noise_floor.judgement.verdict != "FAIL"
     assert (judged.path.parent / "noise-floor.json").exists()
@@ -155,6 +172,19 @@ def test_refusals(tmp_path: Path) -> None:
         compare_shadow(folder, None, None, False, tmp_path / "v")
     with pytest.raises(UserError, match="recorded 2 times"):
         compare_shadow(folder, None, None, True, tmp_path / "v")
+
+
+def test_arms_whose_engines_differ_or_are_unknown_are_refused_unless_forced(
+        tmp_path: Path, engines: dict[str, dict[str, object]]) -> None:
+    engines["http://engine-b"]["model_path"] = "Qwen/Qwen3-4B"
+    folder = _record(tmp_path / "a", _traffic(10, 4))
+    with pytest.raises(Untrusted, match="server model_path: Qwen/Qwen3-8B vs Qwen/Qwen3-4B"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
+    assert forced.forced and forced.mismatches == ["server model_path: Qwen/Qwen3-8B vs Qwen/Qwen3-4B"]
+    del engines["http://engine-b"]
+    with pytest.raises(Untrusted, match="arm inhouse: its /server_info was not recorded"):
+        compare_shadow(_record(tmp_path / "b", _traffic(10, 4)), None, None, False, tmp_path / "v")
 
 
 def test_shadow_config_needs_shadow_mode_and_a_mirrored_secondary() -> None:
