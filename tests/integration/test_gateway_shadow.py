@@ -19,7 +19,7 @@ import yaml
 from dfserve.capture.read import read_capture
 from dfserve.loadtest.records import read_records
 from dfserve.shadow.verdict import NO_HASH
-from tests.integration.servers import dfserve_argv, gateway_server, sim_server
+from tests.integration.servers import dfserve_argv, gateway_server, refusing_port, sim_server, url_of
 
 pytestmark = pytest.mark.slow
 
@@ -111,3 +111,22 @@ def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
     floor = json.loads((verdict_file.parent / "noise-floor.json").read_text())["judgement"]
     assert floor["candidate"] == "baseline2" and floor["lossless"]["identical"] == REQUESTS
     assert next(r for r in floor["rules"] if r["metric"] == "accept_length")["status"] != "FAIL"
+
+
+def test_a_retried_request_is_captured_once(tmp_path: Path) -> None:
+    """The gateway tries another replica of the arm within one exchange, so capture sees each request once."""
+    with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "scrape": {"enabled": False}, "health": {"interval_s": 60, "eject_after_failures": 1000},
+            "arms": {"baseline": {"weight": 1, "replicas": [url_of(dead), engine]}}}))
+        bodies = [{"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 4}} for i in range(12)]
+        with gateway_server(config, "--capture", str(tmp_path / "capture")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for body in bodies:
+                assert client.post("/generate", json=body).status_code == 200
+            retried = sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+                          if line.startswith("dfserve_upstream_errors_total{") and 'kind="connect"' in line)
+    assert retried > 0  # some requests went to the dead replica first and were retried on the engine
+    manifest, captured = read_capture(tmp_path / "capture")
+    assert manifest.complete and [c.body for c in captured] == bodies
