@@ -16,6 +16,7 @@ match its summary.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,8 +59,12 @@ class NoiseFloor(BaseModel):
 
 
 def is_shadow_folder(path: Path) -> bool:
-    config = path / "config.json"
-    return config.exists() and '"kind":"shadow-run"' in config.read_text(encoding="utf-8").replace(" ", "")
+    """A folder whose config.json says it holds shadow records (anything else is left to the load test's reader)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("kind") == "shadow-run"
 
 
 @dataclass(frozen=True)

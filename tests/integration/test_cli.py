@@ -53,6 +53,12 @@ BAD_INVOCATIONS = {
     "infinite gateway weight": (["gateway", "--port", "0", "--arm", "a=inf@http://127.0.0.1:9"],
                                 "--arm: weight: Input should be a finite number"),
     "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
+    "shadow records without shadow mode": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:9",
+                                            "--record", "/tmp/dfserve-never-written"], "need mode: shadow"),
+    "secondary that is the primary": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
+                                       "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
+                                       "--record", "/tmp/dfserve-never-written", "--secondary", "a"],
+                                      "shadow.secondary: 'a' is not a mirrored arm"),
 }
 
 
