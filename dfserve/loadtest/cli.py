@@ -23,7 +23,7 @@ from rich.table import Table
 
 from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
-from dfserve.errors import FieldError, Untrusted, UserError, command_flags, flags_for
+from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign
 from dfserve.loadtest.exporter import Exporter
@@ -37,11 +37,12 @@ from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
-from dfserve.shadow.verdict import compare_shadow, is_shadow_folder
+from dfserve.shadow.cli import compare_shadow_folder
+from dfserve.shadow.verdict import is_shadow_folder
 from dfserve.shard import parse_shard, shard_indices
 from dfserve.stamped_socket import ReadLag
 from dfserve.tasks import load_tasks
-from dfserve.verdict.printer import metrics_table, print_verdict
+from dfserve.verdict.printer import print_verdict
 from dfserve.verdict.verdict import EXIT, Verdict, read_verdict, verdict_file
 
 EXIT_TOO_MANY_ERRORS = 4
@@ -324,7 +325,7 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     was interrupted, killed or lost records."""
     paths = [run] if run2 is None else [run, run2]
     if run2 is None and is_shadow_folder(run):
-        _compare_shadow(run, baseline, candidate, gate, force, out)
+        compare_shadow_folder(run, baseline, candidate, gate, force, out, command_flags(compare))
     try:
         with flags_for(command_flags(compare)):
             verdict, path = compare_runs(paths, baseline, candidate, gate, force, out)
@@ -334,29 +335,6 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     _print_offline(verdict, BaselineRegistry(run.parent))
     click.echo(f"verdict: {path}")
     sys.exit(EXIT[verdict.verdict])
-
-
-def _compare_shadow(run: Path, baseline: str | None, candidate: str | None, gate: Path | None, force: bool,
-                    out: Path | None) -> None:
-    """A shadow record folder: its primary is the baseline; the noise floor printed beside the verdict."""
-    try:
-        with flags_for(command_flags(compare)):
-            if baseline is not None:
-                raise FieldError("baseline", "a shadow folder's baseline is its primary arm; name only {other}",
-                                 other="candidate")
-            judged = compare_shadow(run, candidate, gate, force, out)
-    except Untrusted as exc:
-        raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
-    console = Console()
-    print_verdict(console, judged.verdict)
-    if judged.noise_floor is not None:
-        floor = judged.noise_floor.judgement
-        console.print(metrics_table(floor, f"noise floor: {floor.baseline} vs {floor.candidate} (same drafter)"))
-        click.echo(f"noise floor {floor.baseline} vs {floor.candidate}: {floor.verdict} under the same gate")
-    for note in judged.notes:
-        click.echo(note)
-    click.echo(f"verdict: {judged.path}")
-    sys.exit(EXIT[judged.verdict.verdict])
 
 
 def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:

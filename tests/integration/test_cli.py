@@ -50,15 +50,15 @@ BAD_INVOCATIONS = {
     "sim port taken": (["sim", "--port", "{taken}"], "already in use"),
     "duplicate gateway arms": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:9",
                                 "--arm", "a=2@http://127.0.0.1:9"], "its own name"),
-    "infinite gateway weight": (["gateway", "--port", "0", "--arm", "a=inf@http://127.0.0.1:9"],
-                                "--arm: weight: Input should be a finite number"),
-    "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
     "shadow records without shadow mode": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:9",
                                             "--record", "/tmp/dfserve-never-written"], "need mode: shadow"),
     "secondary that is the primary": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
                                        "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
                                        "--record", "/tmp/dfserve-never-written", "--secondary", "a"],
                                       "shadow.secondary: 'a' is not a mirrored arm"),
+    "infinite gateway weight": (["gateway", "--port", "0", "--arm", "a=inf@http://127.0.0.1:9"],
+                                "--arm: weight: Input should be a finite number"),
+    "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
 }
 
 
