@@ -634,6 +634,19 @@ def main() -> None:
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log",
                                                cpus=proxy_cpus))
             endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
+        for path in ("gateway-shadow", "gateway-recorded"):
+            if path in paths:
+                # shadow mode mirroring every request to a second arm on the same engine; -recorded adds the
+                # observers that write (capture and shadow records), so the two differ only by them
+                port = free_port()
+                argv = [str(ROOT / ".venv" / "bin" / "dfserve"), "gateway", "--host", LOOPBACK, "--port", str(port),
+                        "--mode", "shadow", "--primary", "a", "--arm", f"a=1@{sim_url}", "--arm", f"b=1@{sim_url}",
+                        "--scrape-interval", "15"]
+                if path == "gateway-recorded":
+                    argv += ["--record", str(logs / "shadow"), "--capture", str(logs / "capture")]
+                pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / f"{path}.log",
+                                                   cpus=proxy_cpus))
+                endpoints[path] = (f"http://{LOOPBACK}:{port}", {}, pgid)
         if args.before:
             port = free_port()
             imported_from = f"import sys; sys.path.insert(0, {str(args.before)!r}); from dfserve.cli import main; main()"

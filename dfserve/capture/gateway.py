@@ -6,6 +6,10 @@ the client's request (not its shadow mirrors, which are copies of it) with the t
 `perf_counter` stamp of the request having been read (the replay's offsets), and the wall clock derived from it
 (provenance). It reads only the fields it names (`FinishedExchange`), so the gateway's own record type fits it.
 
+It is the gateway's observer kind `capture` (the config's `capture:` block, `--capture DIR`, or an entry of
+`observers:` with these options). A request the gateway retried on another replica is still one exchange, so it is
+captured once.
+
     observer = CaptureObserver.from_options({"dir": "/var/lib/dfserve/capture", "fraction": 0.1})
     observer.observe(exchanged)   # from the gateway's observer thread
     observer.close()              # the gateway stops: the last segment is closed, the manifest marked complete
@@ -22,6 +26,7 @@ from pydantic import ValidationError
 from dfserve.capture.format import CapturePolicy
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError
+from dfserve.gateway.observers import register
 
 
 class FinishedExchange(Protocol):
@@ -70,6 +75,13 @@ class CaptureObserver:
         self._clock = clock
 
     @classmethod
+    def of_policy(cls, policy: CapturePolicy) -> CaptureObserver:
+        try:
+            return cls(CaptureWriter.open(policy))
+        except FieldError as exc:
+            raise FieldError(f"capture.{exc.field}", exc.message) from None
+
+    @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> CaptureObserver:
         """From the gateway config's `capture:` block (`CapturePolicy`'s fields); `FieldError` naming the field."""
         try:
@@ -77,10 +89,7 @@ class CaptureObserver:
         except ValidationError as exc:
             first = exc.errors()[0]
             raise FieldError(".".join(["capture", *map(str, first["loc"])]), first["msg"]) from None
-        try:
-            return cls(CaptureWriter.open(policy))
-        except FieldError as exc:
-            raise FieldError(f"capture.{exc.field}", exc.message) from None
+        return cls.of_policy(policy)
 
     def observe(self, exchanged: FinishedExchange) -> None:
         item = captured(exchanged, self._wall(), self._clock())
@@ -89,3 +98,6 @@ class CaptureObserver:
 
     def close(self) -> None:
         self.writer.close()
+
+
+register("capture")(CaptureObserver.from_options)

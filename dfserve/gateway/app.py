@@ -279,6 +279,7 @@ class GatewayApp:
                 await self._relay(opened, exchange, reply, strip_spec)
         except asyncio.CancelledError:
             if not reply.disconnected:
+                exchange.error = "cancelled"  # the gateway's stop: not an answer, whatever came of it so far
                 raise
             exchange.error = "client_disconnect"
         finally:
@@ -289,7 +290,7 @@ class GatewayApp:
             in_flight.dec()
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
-                outcome(exchange), exchange.unparsed))
+                outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response
@@ -310,6 +311,7 @@ class GatewayApp:
             send_error(reply, 502, f"upstream replica failed mid-response ({type(exc).__name__})", "upstream_error",
                        [(ARM_HEADER, arm.encode())])
             return
+        exchange.answer = payload
         if response.status == 200 and exchange.route in PROXIED.values():
             try:
                 exchange.acceptance = measure_whole(exchange.route, payload)

@@ -42,6 +42,12 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
 @click.option("--seed", type=int, help="Seed of the weighted split.")
 @click.option("--health-interval", type=float, help="Seconds between active health checks [2].")
 @click.option("--scrape-interval", type=float, help="Seconds between replica /metrics scrapes [15].")
+@click.option("--capture", "capture_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Capture clients' requests into this new folder, for replay (the config's capture: block).")
+@click.option("--record", "record_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="shadow mode: write each mirrored request's answers from every arm into record folders here, "
+              "for dfserve compare (the config's shadow: block).")
+@click.option("--secondary", help="shadow mode with --record: the arm running the baseline's drafter (noise floor).")
 @click.option("--watch-interval", type=float,
               help="Check --config this often and apply its routing when it changes; the admin API turns read-only.")
 def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
@@ -49,7 +55,8 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
     keys = {"host": "host", "port": "port", "mode": "routing.mode", "primary": "routing.primary",
             "shed": "routing.shed", "admin_host": "admin.host", "admin_port": "admin.port", "seed": "seed",
             "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s",
-            "watch_interval": "watch_interval_s"}
+            "watch_interval": "watch_interval_s", "capture_dir": "capture.dir", "record_dir": "shadow.dir",
+            "secondary": "shadow.secondary"}
     overrides = {keys[name]: value for name, value in flags.items() if value is not None}
     if arms:
         parsed = [parse_arm_flag(text) for text in arms]

@@ -23,7 +23,9 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dfserve.capture.format import CapturePolicy
 from dfserve.errors import FieldError, UserError, describe_invalid, describe_yaml
+from dfserve.shadow.policy import ShadowPolicy
 
 Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
@@ -166,6 +168,21 @@ class GatewayConfig(_Model):
     watch_interval_s: float | None = Field(None, gt=0, description="Check the config file this often and apply "
                                            "its routing when it changes (`gateway.watch`); the admin API is then "
                                            "read-only. None: the file is read at start and on SIGHUP.")
+    capture: CapturePolicy | None = Field(None, description="Capture clients' requests for replay "
+                                          "(`dfserve.capture`); None: no capture.")
+    shadow: ShadowPolicy | None = Field(None, description="shadow mode: record every mirrored request's answers "
+                                        "from each arm, paired by request, for `dfserve compare`.")
+
+    @model_validator(mode="after")
+    def _shadow(self) -> GatewayConfig:
+        if self.shadow is not None:
+            if self.routing.mode != "shadow":
+                raise ValueError("shadow: records are of mirrored requests; they need mode: shadow")
+            secondary = self.shadow.secondary
+            if secondary is not None and (secondary not in self.routing.arms or secondary == self.routing.primary):
+                raise ValueError(f"shadow.secondary: {secondary!r} is not a mirrored arm "
+                                 f"(arms: {', '.join(sorted(self.routing.arms))}, primary {self.routing.primary})")
+        return self
 
     def admin_token(self, environ: dict[str, str] | None = None) -> str | None:
         """The admin bearer token, read from the environment so it never sits in a config file."""

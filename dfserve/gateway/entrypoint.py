@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from dfserve.capture.gateway import CaptureObserver
 from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, MAX_ADMIN_CONNECTIONS, AdminApp
 from dfserve.gateway.app import Gateway, GatewayApp
 from dfserve.gateway.config import GatewayConfig
@@ -24,14 +25,22 @@ from dfserve.gateway.server import Server, ServerLimits
 from dfserve.gateway.watch import ConfigWatcher, reload_routing
 from dfserve.listen import announce, bind, raise_open_files_limit
 from dfserve.metrics import REFUSAL_REASONS
+from dfserve.shadow.recorder import ShadowRecorder
 
 log = logging.getLogger("dfserve.gateway")
 
 
 def assemble(config: GatewayConfig, observers: Mapping[str, Observer] | None = None) -> Gateway:
-    """The gateway's live state with its observers: metrics, each of `config.observers` (named by kind), then
-    `observers` (named by key); a kind that is not registered is refused naming its field."""
+    """The gateway's live state with its observers: metrics, the capture and the shadow records where configured,
+    each of `config.observers` (named by kind), then `observers` (named by key); a kind that is not registered is
+    refused naming its field."""
     gateway = Gateway(config)
+    if config.capture is not None:
+        gateway.observers.add("capture", CaptureObserver.of_policy(config.capture),
+                              queue_size=config.capture.queue_size)
+    if config.shadow is not None:
+        gateway.observers.add("shadow", ShadowRecorder(config.shadow, config.routing.primary or "", {
+            name: arm.replicas[0] for name, arm in config.routing.arms.items() if arm.replicas}), queue_size=config.shadow.queue_size)
     for index, entry in enumerate(config.observers):
         observer = build(entry.kind, entry.options, f"observers.{index}.kind")
         gateway.observers.add(entry.kind, observer, queue_size=entry.queue_size)

@@ -94,6 +94,9 @@ class Exchange:
     error_code: int | None = None
     """The status an in-band error event carried (`error` is then `stream_error`; `status` stays 200)."""
     unparsed: str | None = None
+    answer: bytes = b""
+    """A whole body as the replica sent it, or a stream's last events (`Exchanged.answer`)."""
+    streamed: bool = False
 
 
 class StreamKind(Protocol):
@@ -182,8 +185,9 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
             message = f"upstream replica failed mid-stream ({type(failure).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
+    exchange.answer, exchange.streamed = relay.stripped + relay.tail, True
     try:
-        exchange.acceptance, in_band = kind.read_end(relay.tokens, relay.stripped + relay.tail)
+        exchange.acceptance, in_band = kind.read_end(relay.tokens, exchange.answer)
     except ProtocolError as exc:
         exchange.unparsed = str(exc)
     else:

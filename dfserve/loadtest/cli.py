@@ -37,6 +37,8 @@ from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
+from dfserve.shadow.cli import compare_shadow_folder
+from dfserve.shadow.verdict import is_shadow_folder
 from dfserve.shard import parse_shard, shard_indices
 from dfserve.stamped_socket import ReadLag
 from dfserve.tasks import load_tasks
@@ -358,6 +360,8 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     Refused: a run against itself; unless --force (then stamped in the verdict): runs that differ, and a run that
     was interrupted, killed or lost records."""
     paths = [run] if run2 is None else [run, run2]
+    if run2 is None and is_shadow_folder(run):
+        compare_shadow_folder(run, baseline, candidate, gate, force, out, command_flags(compare))
     try:
         with flags_for(command_flags(compare)):
             verdict, path = compare_runs(paths, baseline, candidate, gate, force, out)

@@ -53,6 +53,8 @@ class RequestRecord(BaseModel):
     acceptance: Acceptance = "unknown"
     finish_reason: str | None = None
     output_sha256: str | None = None
+    temperature: float | None = Field(None, description="the request's own sampling temperature (a shadow run's "
+                                      "live requests); None: the run's `sampling`")
     http_status: int | None = None
     error_kind: ErrorKind | None = None
     error_message: str | None = None

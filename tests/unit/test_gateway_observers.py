@@ -160,8 +160,8 @@ def test_observers_are_registered_by_config(tmp_path: Path, recorder_kind: list[
 
 
 def test_an_unknown_kind_is_refused_naming_its_field(tmp_path: Path, recorder_kind: list[Recorder]) -> None:
-    path = write(tmp_path, [{"kind": "test_recorder", "options": {"label": "x"}}, {"kind": "capture"}])
-    with pytest.raises(FieldError, match=r"observers\.1\.kind: no observer kind 'capture' \(known: .*test_recorder"):
+    path = write(tmp_path, [{"kind": "test_recorder", "options": {"label": "x"}}, {"kind": "no_such_kind"}])
+    with pytest.raises(FieldError, match=r"observers\.1\.kind: no observer kind 'no_such_kind' \(known: capture, .*test_recorder"):
         assemble(load_config(path, {}))
     with pytest.raises(ValueError, match="registered twice"):
         observers.register("test_recorder")(lambda options: Recorder())

@@ -1,0 +1,174 @@
+"""The gateway's shadow records: an observer that writes each mirrored request's answers into record folders in the
+load tester's format (config.json, requests.jsonl of `RequestRecord`s, summary.json once the folder is complete).
+
+A folder holds up to `records_per_folder` records or `folder_bytes` of them; then it is closed (its summary
+written: complete, and judgeable by `dfserve compare` while recording goes on) and the next one is opened. At most
+`max_folders` are written: then recording stops, logged once, rather than deleting a folder a verdict may be
+reading. Records land in the folder open when their exchange finished, so a request in flight across a rotation
+has its arms in two folders and pairs in neither.
+
+Only requests that were mirrored are recorded: a primary's record is held until its first mirror's arrives (or
+written with it if the mirror finished first), and one whose request was not mirrored is let go when the held
+count passes `max_pending`, oldest first.
+
+    gateway:
+      mode: shadow
+      shadow: {dir: /var/lib/dfserve/shadow, secondary: baseline-2}
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from dfserve.gateway.observers import Exchanged
+from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.report import Summary, summarize_arm
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
+from dfserve.shadow.policy import ShadowPolicy
+from dfserve.shadow.records import shadow_record
+
+log = logging.getLogger("dfserve.gateway")
+
+
+class ShadowArm(BaseModel):
+    """One arm as its first replica described itself when the folder was opened (SGLang's `/server_info`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    url: str
+    server_info: dict[str, Any] | None = Field(description="verbatim; None when it could not be read")
+
+
+class ShadowRunConfig(BaseModel):
+    """config.json of a shadow record folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    kind: Literal["shadow-run"] = "shadow-run"
+    run_id: str
+    primary: str = Field(description="the arm whose answers clients got: the baseline")
+    secondary: str | None = Field(description="the noise-floor arm, running the baseline's drafter")
+    sequence: int = Field(description="this folder's place among the recorder's folders, from 0")
+    arms: dict[str, ShadowArm] = Field(default_factory=dict, description="the engines behind each arm: their "
+                                       "target and drafter name the verdict's sides")
+    t0_unix_s: float = Field(description="wall clock at the folder's time zero; record times are offsets from it")
+    provenance: Provenance
+
+
+SERVER_INFO_TIMEOUT_S = 2.0
+
+
+def server_info(url: str) -> dict[str, Any] | None:
+    """A replica's `/server_info`, or None (said in the log) when it cannot be had: the verdict then names the arm
+    only."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/server_info", timeout=SERVER_INFO_TIMEOUT_S)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("shadow records: %s/server_info could not be read (%s); the verdict will not name its drafter",
+                    url, exc)
+        return None
+    return info if isinstance(info, dict) else None
+
+
+class _Folder:
+    def __init__(self, policy: ShadowPolicy, primary: str, sequence: int, arms: Mapping[str, str]) -> None:
+        self.path = create_run_dir(policy.dir, prefix="shadow")
+        self.t0_perf_s = time.perf_counter()
+        self.config = ShadowRunConfig(run_id=self.path.name, primary=primary, secondary=policy.secondary,
+                                      sequence=sequence, arms={name: ShadowArm(url=url, server_info=server_info(url))
+                                                               for name, url in arms.items()},
+                                      t0_unix_s=time.time(), provenance=Provenance.here())
+        write_model(self.path / "config.json", self.config)
+        self.appender = JsonlAppender(self.path / "requests.jsonl")
+        self.records: list[RequestRecord] = []
+        self.bytes = 0
+
+    def write(self, record: RequestRecord) -> None:
+        line = record.model_dump_json() + "\n"
+        self.appender.write_lines((line,))
+        self.records.append(record)
+        self.bytes += len(line)
+
+    def close(self) -> None:
+        self.appender.close()
+        arms = dict.fromkeys(r.arm for r in self.records)
+        summary = Summary(run_id=self.config.run_id, interrupted=False,
+                          arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms))
+        write_model(self.path / "summary.json", summary)
+
+
+class ShadowRecorder:
+    """A gateway observer (`observe`, `close`) writing shadow record folders under `policy.dir`."""
+
+    def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None) -> None:
+        """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened."""
+        self.policy = policy
+        self.arms = dict(arms or {})
+        self.folders = 0
+        self._folder: _Folder | None = self._open(primary)
+        self._held: OrderedDict[int, Exchanged] = OrderedDict()
+        self._mirrored: OrderedDict[int, None] = OrderedDict()
+
+    def _open(self, primary: str) -> _Folder | None:
+        if self.folders >= self.policy.max_folders:
+            log.error("shadow.max_folders: %d record folders written under %s; recording stops",
+                      self.policy.max_folders, self.policy.dir)
+            return None
+        self.folders += 1
+        return _Folder(self.policy, primary, self.folders - 1, self.arms)
+
+    def observe(self, exchanged: Exchanged) -> None:
+        rid = exchanged.request_id
+        folder = self._folder
+        if not exchanged.mirror and folder is not None and exchanged.outcome.arm != folder.config.primary:
+            self._rotate(exchanged.outcome.arm)  # the routing changed: a folder has one baseline
+        if not exchanged.mirror:
+            if rid in self._mirrored:
+                self._write(exchanged)
+            else:
+                self._held[rid] = exchanged
+                while len(self._held) > self.policy.max_pending:
+                    self._held.popitem(last=False)
+            return
+        primary = self._held.pop(rid, None)
+        if primary is not None:
+            self._write(primary)
+        else:
+            self._mirrored[rid] = None
+            while len(self._mirrored) > self.policy.max_pending:
+                self._mirrored.popitem(last=False)
+        self._write(exchanged)
+
+    def _write(self, exchanged: Exchanged) -> None:
+        folder = self._folder
+        if folder is None:
+            return
+        folder.write(shadow_record(exchanged, folder.t0_perf_s))
+        if len(folder.records) >= self.policy.records_per_folder or folder.bytes >= self.policy.folder_bytes:
+            self._rotate(folder.config.primary)
+
+    def _rotate(self, primary: str) -> None:
+        if self._folder is not None:
+            self._folder.close()
+            self._folder = self._open(primary)
+
+    def close(self) -> None:
+        if self._folder is not None:
+            self._folder.close()
+            self._folder = None
+
+
+def complete(path: Path) -> bool:
+    """A record folder whose summary is written: closed, nothing more will be added."""
+    return (path / "summary.json").exists()
+

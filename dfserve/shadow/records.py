@@ -1,0 +1,96 @@
+"""One gateway exchange as the load tester's `RequestRecord`: pure, so the mapping is tested without a gateway.
+
+A shadow run pairs by request, not by task: a record's `index` is the gateway's `request_id` (shared by a client's
+request and its mirrors), and its `task_id` the hash of the client's body, so that identical requests are one
+cluster (and, greedy, must give identical outputs). Times are seconds from the record folder's time zero on the
+gateway's `perf_counter` clock. Acceptance is kept only where SGLang reported it exactly; the gateway sees no
+chunk times (its relay bins the gaps in C), so ITL and TPOT are not in a shadow record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from dfserve import sglang
+from dfserve.errors import ProtocolError
+from dfserve.gateway.observers import Exchanged
+from dfserve.loadtest.records import ErrorKind, RequestRecord
+
+GREEDY_DEFAULT_TEMPERATURE = 1.0
+"""What a request that sets no temperature samples at (OpenAI's and SGLang's default): never taken for greedy."""
+
+
+def request_temperature(route: str, body: bytes) -> float:
+    """The temperature the client asked for (`sampling_params.temperature` natively, `temperature` otherwise)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return GREEDY_DEFAULT_TEMPERATURE
+    if not isinstance(data, dict):
+        return GREEDY_DEFAULT_TEMPERATURE
+    where: Any = data.get("sampling_params") if route == "native" else data
+    value = where.get("temperature") if isinstance(where, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else GREEDY_DEFAULT_TEMPERATURE
+
+
+def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
+    """The answer's output text where the gateway holds all of it: a whole body, or a native stream's last event
+    (SGLang repeats the whole output in each); None for an OpenAI stream (the gateway keeps only its end)."""
+    try:
+        if not streamed:
+            if route == "native":
+                return "\x00".join(r.text for r in sglang.parse_generate_response(answer))
+            return sglang.parse_openai_response(answer).text
+        if route != "native":
+            return None
+        decoder = sglang.SSEDecoder()
+        events = decoder.feed(answer)
+        for data in reversed(events):
+            if data.strip() == "[DONE]":
+                continue
+            chunk = sglang.parse_native_event(data)
+            return chunk.text if isinstance(chunk, sglang.NativeChunk) else None
+    except ProtocolError:
+        return None
+    return None
+
+
+def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
+    """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
+    if error is None:
+        return "http_status" if status is not None and status >= 400 else None
+    if error in ("client_disconnect", "cancelled"):
+        return "cancelled"  # the client left, or the gateway stopped: not the arm's failure, and not a pair
+    if error == "stream_error":
+        return "stream_error"
+    if "timeout" in error or error == "client_stalled":
+        return "timeout"
+    if "connect" in error:
+        return "connect"
+    if error.startswith("http_") or error == "overloaded":
+        return "http_status"
+    if error == "stream_cut":
+        return "disconnect"
+    return "protocol"
+
+
+def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
+    """The record of one arm's answer to one request."""
+    o = exchanged.outcome
+    start = exchanged.start_s - t0_perf_s
+    kind = error_kind(o.error, o.status)
+    exact = o.measure == "exact" and o.verify_rounds is not None
+    text = output_text(o.route, exchanged.answer, exchanged.streamed) if kind is None else None
+    return RequestRecord(
+        arm=o.arm, index=exchanged.request_id, task_id=hashlib.sha256(exchanged.body).hexdigest()[:16],
+        dispatched_s=start, sent_s=start,
+        first_token_s=start + o.ttft_s if o.ttft_s is not None else None,
+        end_s=start + o.e2e_s if o.e2e_s is not None else None,
+        completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
+        acceptance="exact" if exact else "unknown",
+        output_sha256=hashlib.sha256(text.encode()).hexdigest() if text is not None else None,
+        http_status=o.status or None, error_kind=kind, error_message=o.error if kind is not None else None,
+        temperature=request_temperature(o.route, exchanged.body),
+    )

@@ -1,0 +1,181 @@
+"""`dfserve compare` on a shadow record folder: live requests as the source of pairs, paired by request.
+
+The gate, the metrics and the decision are the load test's (`loadtest.judge.METRICS`, `verdict.fixed.FixedN`):
+only the pairing differs. Each pair is one live request answered by the primary (the baseline: what clients got)
+and mirrored to the candidate; identical requests are one cluster. Losslessness applies where every paired request
+was greedy (temperature 0) and both answers' outputs were held by the gateway; otherwise it is reported as not
+applicable, with the reason said. With a secondary arm (the baseline's drafter again, on another engine) the same
+judgement of primary against secondary is the noise floor, written beside the verdict (`noise-floor.json`) and
+printed beside it: a difference no larger than the floor is the host's or the engine's, not the drafter's.
+
+Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
+Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
+be asked (`/server_info` unrecorded), a folder still being written (no summary.json) or whose records do not
+match its summary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from dfserve.errors import FieldError, Untrusted, UserError
+from dfserve.loadtest.judge import LOSSLESS, METRICS
+from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.report import Summary
+from dfserve.runs import Provenance, read_model, write_model
+from dfserve.sglang import ServerInfo, parse_server_info
+from dfserve.shadow.recorder import ShadowRunConfig
+from dfserve.verdict.fixed import FixedN
+from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
+from dfserve.verdict.pairs import Pairs
+from dfserve.verdict.results import Judgement
+from dfserve.verdict.verdict import Side, Verdict, write_verdict
+
+DEFAULT_GATE = Gate(rules=(
+    Rule(metric="accept_length", max_worse=0.02),
+    Rule(metric="e2e_p95", max_worse=0.05),
+    Rule(metric="error_rate", max_worse=0.01),
+    Rule(metric=LOSSLESS, at_least=0.99),
+))
+"""The load test's default gate with E2E p95 for TPOT p95: the gateway sees no chunk times, so no TPOT."""
+NOISE_FLOOR = "noise-floor.json"
+NO_HASH = ("losslessness not applicable: some greedy answers were OpenAI streams, whose output the gateway does "
+           "not hold (send them unstreamed or natively to have it checked)")
+
+
+class NoiseFloor(BaseModel):
+    """primary against secondary: the same judgement where the drafters are the same."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str = "shadow-noise-floor"
+    secondary: str
+    judgement: Judgement
+
+
+def is_shadow_folder(path: Path) -> bool:
+    """A folder whose config.json says it holds shadow records (anything else is left to the load test's reader)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("kind") == "shadow-run"
+
+
+@dataclass(frozen=True)
+class ShadowJudged:
+    verdict: Verdict
+    path: Path
+    noise_floor: NoiseFloor | None
+    notes: list[str]
+
+
+def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRecord]) -> list[str]:
+    """Why a folder's records are not its whole record; empty when they are."""
+    summary_file = path / "summary.json"
+    if not summary_file.exists():
+        return [f"shadow folder {config.run_id} has no summary.json: it is still being recorded, or the gateway "
+                "was killed"]
+    summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
+    held = Counter(r.arm for r in records)
+    problems = [f"shadow folder {config.run_id} arm {arm.arm}: requests.jsonl holds {held[arm.arm]} records, "
+                f"summary.json counts {arm.requests}" for arm in summary.arms if held[arm.arm] != arm.requests]
+    problems += [f"shadow folder {config.run_id}: arm {arm} has records but no summary"
+                 for arm in held if arm not in {a.arm for a in summary.arms}]
+    return problems
+
+
+def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tuple[Pairs[RequestRecord], list[str]]:
+    """`base` and `cand`'s records paired by request; losslessness applies only on greedy requests whose outputs
+    both sides hold. A request recorded twice for one arm is refused."""
+    sides: dict[str, list[RequestRecord]] = {base: [], cand: []}
+    for r in records:
+        if r.arm in sides and not r.cancelled:
+            sides[r.arm].append(r)
+    for arm, held in sides.items():
+        twice = [i for i, n in Counter(r.index for r in held).items() if n > 1]
+        if twice:
+            raise UserError(f"arm {arm}: request {twice[0]} is recorded {Counter(r.index for r in held)[twice[0]]} "
+                            "times; a shadow folder is never judged with duplicated records")
+    by_index = {r.index: r for r in sides[cand]}
+    paired = [(b, by_index[b.index]) for b in sides[base] if b.index in by_index]
+    greedy = all(b.temperature == 0 and c.temperature == 0 for b, c in paired)
+    hashed = all(b.output_sha256 is not None and c.output_sha256 is not None for b, c in paired if b.ok and c.ok)
+    pairs = Pairs.match((base, cand), ((r.index, r.task_id, r) for r in sides[base]),
+                        ((r.index, r.task_id, r) for r in sides[cand]), deterministic=greedy and hashed)
+    if not len(pairs):
+        raise UserError(f"no request was answered by both {base} and {cand}: nothing to compare")
+    return pairs, [NO_HASH] if greedy and not hashed else []
+
+
+def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], candidate: str | None) -> str:
+    arms = [a for a in dict.fromkeys(r.arm for r in records) if a not in (config.primary, config.secondary)]
+    if candidate is not None:
+        if candidate == config.primary:
+            raise FieldError("candidate", f"{candidate} is the primary: a side is never judged against itself")
+        return candidate
+    if len(arms) != 1:
+        raise FieldError("candidate", f"the folder has mirrored arms {arms}; name the one to judge")
+    return arms[0]
+
+
+def _server(config: ShadowRunConfig, arm: str) -> ServerInfo | None:
+    info = config.arms.get(arm)
+    return parse_server_info(info.server_info) if info is not None and info.server_info is not None else None
+
+
+def _side(config: ShadowRunConfig, path: Path, arm: str) -> Side:
+    """The arm as its engine described itself; `unknown` where the gateway could not read its `/server_info`."""
+    server = _server(config, arm)
+    info = config.arms.get(arm)
+    return Side(run_id=config.run_id, run_dir=str(path.resolve()), name=arm, url=info.url if info else None,
+                target=server.model_path if server and server.model_path else "unknown",
+                drafter=(server.draft_model_path or "none") if server else f"unknown (shadow arm {arm})")
+
+
+def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
+    """What differs between two arms' engines beyond the drafter; an arm whose engine is unknown is one."""
+    servers = [_server(config, arm) for arm in (base, cand)]
+    if servers[0] is None or servers[1] is None:
+        unknown = [arm for arm, server in zip((base, cand), servers, strict=True) if server is None]
+        return [f"arm {arm}: its /server_info was not recorded, so its target and drafter are unknown"
+                for arm in unknown]
+    return [f"server {field}: {getattr(servers[0], field)} vs {getattr(servers[1], field)}"
+            for field in ("model_path", "max_running_requests")
+            if getattr(servers[0], field) != getattr(servers[1], field)]
+
+
+def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:
+    """Judge a shadow folder's candidate arm against its primary (and its secondary, as the noise floor); write the
+    verdict into a new folder under `out` (default: beside the folder)."""
+    rules = read_gate(gate, DEFAULT_GATE)
+    check_rules(rules, METRICS)
+    config = read_model(path / "config.json", ShadowRunConfig, f"{path}: not a shadow record folder")
+    records = list(read_records(path / "requests.jsonl"))
+    cand = pick_candidate(config, records, candidate)
+    differ = mismatches(config, config.primary, cand)
+    if differ and not force:
+        raise Untrusted("arms are not comparable (" + "; ".join(differ) + ")")
+    missing = incomplete(path, config, records)
+    if missing and not force:
+        raise Untrusted("not the whole record: " + "; ".join(missing))
+    pairs, notes = request_pairs(records, config.primary, cand)
+    judgement = FixedN().judge(pairs, METRICS, rules).judgement
+    floor = None
+    if config.secondary is not None:
+        floor_pairs, floor_notes = request_pairs(records, config.primary, config.secondary)
+        floor = NoiseFloor(secondary=config.secondary, judgement=FixedN().judge(floor_pairs, METRICS, rules).judgement)
+        notes += [n for n in floor_notes if n not in notes]
+    verdict = Verdict(source="loadtest", verdict=judgement.verdict, baseline=_side(config, path, config.primary),
+                      candidate=_side(config, path, cand), forced=bool(differ or missing), mismatches=differ,
+                      incomplete=missing,
+                      judgement=judgement, gate=rules, provenance=Provenance.here())
+    file = write_verdict(verdict, out or path.parent)
+    if floor is not None:
+        write_model(file.parent / NOISE_FLOOR, floor)
+    return ShadowJudged(verdict, file, floor, notes)

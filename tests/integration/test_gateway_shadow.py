@@ -1,0 +1,132 @@
+"""Shadow records and capture through a real `dfserve gateway` in front of simulated engines: clients' chat and
+native requests are recorded once per arm, paired by request; `dfserve compare` judges the folder (FAIL for the
+undertrained drafter), with the noise floor of a secondary arm; greedy outputs are identical; the capture holds
+each client request once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from dfserve.capture.read import read_capture
+from dfserve.loadtest.records import read_records
+from dfserve.shadow.verdict import NO_HASH
+from tests.integration.servers import dfserve_argv, gateway_server, refusing_port, sim_server, url_of
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 24
+
+
+def _bodies() -> list[tuple[str, dict[str, Any]]]:
+    """Chat and native, whole and streamed (OpenAI streams only where losslessness is not being checked), greedy;
+    each prompt twice, so identical requests are one cluster."""
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    for i in range(REQUESTS):
+        prompt = f"def task_{i % (REQUESTS // 2)}(x):"
+        if i % 2:
+            bodies.append(("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": prompt}],
+                                                    "max_tokens": 24, "temperature": 0}))
+        else:
+            bodies.append(("/generate", {"text": prompt, "stream": i % 4 == 0,
+                                         "sampling_params": {"max_new_tokens": 24, "temperature": 0}}))
+    return bodies
+
+
+def _wait_for_mirrors(client: httpx.Client, count: int) -> None:
+    """Mirrors finish after the client's answer; the gateway is stopped once all of them have."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = client.get("/metrics").text
+        done = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("dfserve_shadow_requests_total{"))
+        if done >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"mirrors did not finish: {done} of {count}")
+
+
+def _compare(folder: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dfserve_argv("compare", str(folder), "--out", str(out)), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate, \
+            sim_server("zlab", 0.02, 1) as secondary:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
+                     "candidate": {"weight": 1, "replicas": [candidate]},
+                     "baseline2": {"weight": 1, "replicas": [secondary]}}}))
+        answers: list[tuple[str, int, bytes]] = []
+        with gateway_server(config, "--record", str(tmp_path / "shadow"), "--secondary", "baseline2",
+                            "--capture", str(tmp_path / "capture")) as url, httpx.Client(base_url=url,
+                                                                                       timeout=60) as client:
+            for path, body in _bodies():
+                response = client.post(path, json=body)
+                assert response.status_code == 200, response.text
+                answers.append((path, response.status_code, response.content))
+            _wait_for_mirrors(client, 2 * REQUESTS)
+    folders = sorted((tmp_path / "shadow").iterdir())
+    assert len(folders) == 1 and (folders[0] / "summary.json").exists()
+    records = list(read_records(folders[0] / "requests.jsonl"))
+    by_arm: dict[str, list[Any]] = {}
+    for r in records:
+        by_arm.setdefault(r.arm, []).append(r)
+    assert sorted(by_arm) == ["baseline", "baseline2", "candidate"]
+    indexes = {arm: sorted(r.index for r in rs) for arm, rs in by_arm.items()}
+    assert len(indexes["baseline"]) == REQUESTS and indexes["baseline"] == indexes["candidate"] == indexes["baseline2"]
+    primary_records = sorted(by_arm["baseline"], key=lambda r: r.index)
+    for record, (path, _, content) in zip(primary_records, answers, strict=True):
+        assert record.ok and record.acceptance == "exact" and record.temperature == 0
+        if path == "/v1/chat/completions":
+            text = json.loads(content)["choices"][0]["message"]["content"]
+            assert record.output_sha256 == hashlib.sha256(text.encode()).hexdigest()
+    manifest, captured = read_capture(tmp_path / "capture")
+    assert manifest.complete
+    assert [(c.path, c.body) for c in captured] == _bodies()  # each client request once, its mirrors not
+
+    judged = _compare(folders[0], tmp_path / "verdicts")
+    assert judged.returncode == 1, judged.stdout + judged.stderr
+    assert "noise floor baseline vs baseline2" in judged.stdout
+    assert NO_HASH not in judged.stdout
+    verdict_file = next((tmp_path / "verdicts").glob("*/verdict.json"))
+    verdict = json.loads(verdict_file.read_text())
+    assert verdict["verdict"] == "FAIL" and verdict["judgement"]["pairs"] == REQUESTS and not verdict["forced"]
+    assert verdict["baseline"]["drafter"] != verdict["candidate"]["drafter"]  # as each engine's /server_info says
+    accept = next(r for r in verdict["judgement"]["rules"] if r["metric"] == "accept_length")
+    assert accept["status"] == "FAIL"
+    lossless = verdict["judgement"]["lossless"]
+    assert lossless["applicable"] and lossless["identical"] == REQUESTS
+    floor = json.loads((verdict_file.parent / "noise-floor.json").read_text())["judgement"]
+    assert floor["candidate"] == "baseline2" and floor["lossless"]["identical"] == REQUESTS
+    assert next(r for r in floor["rules"] if r["metric"] == "accept_length")["status"] != "FAIL"
+
+
+def test_a_retried_request_is_captured_once(tmp_path: Path) -> None:
+    """The gateway tries another replica of the arm within one exchange, so capture sees each request once."""
+    with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "scrape": {"enabled": False}, "health": {"interval_s": 60, "eject_after_failures": 1000},
+            "arms": {"baseline": {"weight": 1, "replicas": [url_of(dead), engine]}}}))
+        bodies = [{"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 4}} for i in range(12)]
+        with gateway_server(config, "--capture", str(tmp_path / "capture")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for body in bodies:
+                assert client.post("/generate", json=body).status_code == 200
+            retried = sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+                          if line.startswith("dfserve_upstream_errors_total{") and 'kind="connect"' in line)
+    assert retried > 0  # some requests went to the dead replica first and were retried on the engine
+    manifest, captured = read_capture(tmp_path / "capture")
+    assert manifest.complete and [c.body for c in captured] == bodies
