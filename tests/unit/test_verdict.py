@@ -96,12 +96,3 @@ def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
     exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
     grid = stats.clustered_quantiles(weights, values, owners, 0.95)
     assert np.abs(grid - exact).max() < 0.02 * exact.mean()
-
-
-def test_the_readmes_example_gate_loads(tmp_path: Path) -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    example = readme.split("```yaml\nrules:", 1)[1].split("```", 1)[0]
-    path = tmp_path / "gate.yaml"
-    path.write_text("rules:" + example)
-    gate = load_gate(path)
-    assert [r.metric for r in gate.rules] == ["accept_length", "error_rate", "lossless_fraction"]
