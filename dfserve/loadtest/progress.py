@@ -1,5 +1,8 @@
 """Live view of a run: per arm, requests done, errors, output tokens/s and acceptance so far (rich); for a sequential
-run also each gate rule's always-valid interval at the latest look and the requests projected to decide it."""
+run also each gate rule's always-valid interval at the latest look and the requests projected to decide it.
+
+A request the tester cancelled at its stop (Ctrl-C) is counted apart, as the summary and the verdict count it: it
+was not answered, and it is no error of the arm."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from dfserve.verdict.sequential import Look, RuleState, units_to_decide
 class ArmTally:
     done: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    cancelled: int = 0
     tokens: int = 0
     rounds: int = 0
     accepted_tokens: int = 0
@@ -41,6 +45,9 @@ class Progress:
 
     def observe(self, r: RequestRecord) -> None:
         tally = self.tallies[r.arm]
+        if r.cancelled:
+            tally.cancelled += 1
+            return
         tally.done += 1
         if r.error_kind is not None:
             tally.errors[r.error_kind] += 1
@@ -62,7 +69,8 @@ class Progress:
         for arm, t in self.tallies.items():
             errors = ", ".join(f"{k}={v}" for k, v in sorted(t.errors.items())) or "0"
             tau = f"{t.accepted_tokens / t.rounds:.2f}" if t.rounds else "-"
-            table.add_row(arm, f"{t.done}/{self.total}", errors, f"{t.tokens / elapsed:.0f}", tau)
+            cancelled = f" ({t.cancelled} cancelled)" if t.cancelled else ""
+            table.add_row(arm, f"{t.done}/{self.total}{cancelled}", errors, f"{t.tokens / elapsed:.0f}", tau)
         return table
 
     def _rules_table(self) -> Table | None:

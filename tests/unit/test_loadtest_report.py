@@ -165,3 +165,15 @@ def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:
     assert "zlab" in text and "10/10" in text and "http_status=10" in text
     zlab = progress.tallies["zlab"]
     assert zlab.tokens == 320 and zlab.rounds > 0 and 6 < zlab.accepted_tokens / zlab.rounds < 11
+
+
+def test_live_progress_counts_cancelled_requests_apart_from_errors() -> None:
+    out = io.StringIO()
+    records = synthetic("zlab", 4, 8.0, seed=1, tokens=32)
+    records[3] = records[3].model_copy(update={"error_kind": "cancelled", "http_status": None})
+    with Progress(["zlab"], 4, Console(file=out, force_terminal=True, width=100)) as progress:
+        for r in records:
+            progress.observe(r)
+    tally = progress.tallies["zlab"]
+    assert tally.done == 3 and tally.cancelled == 1 and not tally.errors
+    assert "3/4 (1 cancelled)" in out.getvalue() and "cancelled=" not in out.getvalue()
