@@ -225,14 +225,14 @@ def svg_forest(title: str, rows: Sequence[tuple[str, float, float, float]], xlab
              f'{html.escape(xlabel)}</text>']
     for i in range(5):
         value = low + (high - low) * i / 4
-        parts.append(f'<text x="{px(value):.1f}" y="{bottom + 15}" font-size="10" text-anchor="middle">'
-                     f'{_tick(value)}</text>')
-    for i, (label, estimate, lo, hi) in enumerate(rows):
+        label = f"{value:.0f}" if high - low > 8 else _tick(value)
+        parts.append(f'<text x="{px(value):.1f}" y="{bottom + 15}" font-size="10" text-anchor="middle">{label}</text>')
+    for i, (name, estimate, lo, hi) in enumerate(rows):
         y = top + row_h * i + row_h / 2
-        parts.append(f'<text x="{label_w - 8}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{html.escape(label)}'
+        parts.append(f'<text x="{label_w - 8}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{html.escape(name)}'
                      f'</text><line x1="{px(lo):.1f}" y1="{y:.1f}" x2="{px(hi):.1f}" y2="{y:.1f}" stroke="{COLOURS[0]}" '
                      f'stroke-width="2"/><circle cx="{px(estimate):.1f}" cy="{y:.1f}" r="4" fill="{COLOURS[0]}">'
-                     f'<title>{html.escape(label)}: {estimate:+.2f} [{lo:+.2f}, {hi:+.2f}]</title></circle>')
+                     f'<title>{html.escape(name)}: {estimate:+.2f} [{lo:+.2f}, {hi:+.2f}]</title></circle>')
     return "".join(parts) + "</svg>"
 
 
@@ -241,7 +241,7 @@ PAGE_STYLE = (
     "td,th{padding:3px 8px;text-align:left;vertical-align:top}th{background:#f0f0f0}"
     "table{border-collapse:collapse;margin:0.5em 0}tr:nth-child(even) td{background:#f7f7f7}"
     ".scroll{overflow-x:auto;max-width:100%}.scroll td,.scroll th{white-space:nowrap}"
-    "svg{max-width:100%;height:auto}.plots svg{margin:0 0.5em 1em 0}"
+    "svg{max-width:100%;height:auto}td svg{max-width:none}.plots svg{margin:0 0.5em 1em 0}"
 )
 """The style every report.html shares: readable on a phone (tables scroll sideways in their `.scroll` wrapper,
 figures shrink to the page's width) and on a laptop."""
@@ -254,7 +254,7 @@ def page(title: str, body: str, style: str = "") -> str:
             f"<style>{PAGE_STYLE}{style}</style></head><body>{body}</body></html>")
 
 
-def table(rows: Sequence[str], wrap: bool = False) -> str:
-    """Table rows in a wrapper that scrolls sideways when the table is wider than the page; cells keep to one line
-    unless `wrap` (for prose)."""
-    return f"<div class='scroll{'' if wrap else ' nowrap'}'><table>{''.join(rows)}</table></div>"
+def table(rows: Sequence[str]) -> str:
+    """Table rows in a wrapper that scrolls sideways when the table is wider than the page (cells keep to one
+    line: a figure broken over lines is harder to read than one scrolled to)."""
+    return f"<div class='scroll'><table>{''.join(rows)}</table></div>"

@@ -78,7 +78,8 @@ def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement
 def _rules(verdict: Verdict) -> str:
     j = verdict.judgement
     gate = {r.metric: r for r in verdict.gate.rules}
-    rows = [_row(["status", "rule", "limit", "interval", "interval against the limit", "detail"], head=True)]
+    rows = [_row(["status", "rule", "limit", "interval", "interval against the limit"], head=True)]
+    details = []
     for rule in j.rules:
         gate_rule = gate.get(rule.metric)
         at_least = gate_rule is not None and gate_rule.at_least is not None
@@ -90,18 +91,18 @@ def _rules(verdict: Verdict) -> str:
         needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
                   f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
         rows.append(_row([_status(rule.status), _e(rule.metric), _e(limit),
-                          _e(f"[{interval[0]:+.4f}, {interval[1]:+.4f}]") if interval is not None else "-", bar,
-                          _e(rule.detail + needed)]))
+                          _e(f"[{interval[0]:+.4f}, {interval[1]:+.4f}]") if interval is not None else "-", bar]))
+        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: {_e(rule.detail + needed)}</li>")
     return ("<h2>Rules</h2><p>Each rule passes when its whole 95% interval is on the good side of its limit, fails "
             "when all of it is on the bad side, and is inconclusive when it straddles the limit (the dashed line).</p>"
-            + table(rows, wrap=True))
+            + table(rows) + f"<ul>{''.join(details)}</ul>")
 
 
 def _metrics(verdict: Verdict) -> str:
     j = verdict.judgement
     header = "change [95% CI" + (", fixed-n]" if verdict.sequential is not None else "]")
     rows = [_row(["metric", "baseline", "candidate", header, "n"], head=True)]
-    rows += [_row([_e(m.label), _e(_value(m, m.baseline)), _e(_value(m, m.candidate)), _e(_change(m)), _e(_n(m))])
+    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(_value(m, m.baseline)), _e(_value(m, m.candidate)), _e(_change(m)), _e(_n(m))])
              for m in j.metrics]
     return ("<h2>Metrics</h2><p>Change: the candidate against the baseline, relative (%) for ratios and quantiles, in "
             "points for rates; n is the number of samples on each side.</p>" + table(rows))
@@ -149,7 +150,7 @@ def _provenance(verdict: Verdict) -> str:
 
 
 def _plot(j: Judgement) -> str:
-    rows = [(f"{m.label} ({'%' if m.relative else 'pts'})", m.change * 100, (m.change_low or 0) * 100,
+    rows = [(f"{m.metric} ({'%' if m.relative else 'pts'})", m.change * 100, (m.change_low or 0) * 100,
              (m.change_high or 0) * 100) for m in j.metrics if m.change is not None]
     return ("<h2>Changes</h2><div class='plots'>"
             + svg_forest("change of each metric, candidate vs baseline, with its 95% interval", rows,
@@ -169,7 +170,7 @@ def render_verdict_html(verdict: Verdict) -> str:
         f"<p>Verdict of a {kind}</p>"
         + "".join(f"<span class='stamp'>{_e(s)}</span>" for s in stamps)
         + f"<p class='verdict' style='color:{_COLOUR[verdict.verdict]}'>{_e(verdict.verdict)}</p>"
-        + f"<p><strong>{_e(j.candidate)}</strong> (candidate) against <strong>{_e(j.baseline)}</strong> (baseline), "
+        + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
         f"{_e(units)}.{_e(needed)}</p>"
         + "".join(f"<p class='why'><strong>{_e(w)}</strong></p>" for w in why)
         + _rules(verdict) + _metrics(verdict) + _lossless(j.lossless) + _plot(j) + _provenance(verdict)

@@ -73,7 +73,7 @@ def test_the_metrics_table_has_baseline_candidate_and_the_change_with_its_interv
     assert "<th>metric</th><th>baseline</th><th>candidate</th><th>change [95% CI]</th><th>n</th>" in metrics_part
     accept = next(m for m in verdict.judgement.metrics if m.metric == "accept_length")
     assert accept.change is not None and accept.change_low is not None and accept.change_high is not None
-    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", metrics_part) if accept.label in r)
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", metrics_part) if f">{accept.metric}</span>" in r)
     change = f"{accept.change * 100:+.1f}% [{accept.change_low * 100:+.1f}, {accept.change_high * 100:+.1f}]"
     assert f"<td>{accept.baseline:.4g}</td><td>{accept.candidate:.4g}</td><td>{change} (higher is better)</td>" in row
     assert row.endswith(f"<td>{accept.n_baseline}</td>")
