@@ -175,10 +175,9 @@ def svg_xy(title: str, xlabel: str, ylabel: str, series: Sequence[Series], hline
     return "".join(parts) + "</svg>"
 
 
-def svg_interval(low: float, high: float, limit: float, bad_above: bool, label: str, limit_text: str) -> str:
-    """A small bar: the interval [low, high] against a limit (a dashed line), on a scale that holds both and 0;
-    `bad_above` says which side of the limit fails (how much worse: above; a fraction that must be reached: below).
-    Green when the whole interval is on the good side, red when it is on the bad side, grey when it straddles."""
+def svg_interval(low: float, high: float, limit: float, colour: str, label: str, limit_text: str) -> str:
+    """A small bar: the interval [low, high] in `colour` against a limit (a dashed line), on a scale that holds
+    both and 0."""
     width, height, margin = 240, 34, 10
     low, high = min(low, high), max(low, high)
     left, right = min(0.0, low, limit), max(0.0, high, limit)
@@ -188,9 +187,6 @@ def svg_interval(low: float, high: float, limit: float, bad_above: bool, label: 
     def px(v: float) -> float:
         return margin + (v - left) / (right - left) * (width - 2 * margin)
 
-    good = high <= limit if bad_above else low >= limit
-    bad = low > limit if bad_above else high < limit
-    colour = "#2ca02c" if good else "#d62728" if bad else "#888"
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{html.escape(label)}"><title>{html.escape(label)}</title>'
             f'<line x1="{margin}" y1="14" x2="{width - margin}" y2="14" stroke="#ccc"/>'

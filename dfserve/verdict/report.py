@@ -75,6 +75,10 @@ def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement
     return low, high
 
 
+def _interval(interval: tuple[float, float], fraction: bool) -> str:
+    return f"[{interval[0]:.4f}, {interval[1]:.4f}]" if fraction else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+
+
 def _rules(verdict: Verdict) -> str:
     j = verdict.judgement
     gate = {r.metric: r for r in verdict.gate.rules}
@@ -85,16 +89,17 @@ def _rules(verdict: Verdict) -> str:
         at_least = gate_rule is not None and gate_rule.at_least is not None
         limit = f"identical fraction ≥ {rule.limit:.4g}" if at_least else f"worse by ≤ {rule.limit:.4g}"
         interval = rule_interval(rule, gate_rule, j)
-        bar = (svg_interval(interval[0], interval[1], rule.limit, not at_least,
+        bar = (svg_interval(interval[0], interval[1], rule.limit, _COLOUR[rule.status],
                             f"{rule.metric}: interval [{interval[0]:.4g}, {interval[1]:.4g}], limit {rule.limit:.4g}",
                             f"{rule.limit:.4g}") if interval is not None else "")
         needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
                   f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
         rows.append(_row([_status(rule.status), _e(rule.metric), _e(limit),
-                          _e(f"[{interval[0]:+.4f}, {interval[1]:+.4f}]") if interval is not None else "-", bar]))
+                          _e(_interval(interval, at_least)) if interval is not None else "-", bar]))
         details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: {_e(rule.detail + needed)}</li>")
-    return ("<h2>Rules</h2><p>Each rule passes when its whole 95% interval is on the good side of its limit, fails "
-            "when all of it is on the bad side, and is inconclusive when it straddles the limit (the dashed line).</p>"
+    return ("<h2>Rules</h2><p>Each rule's 95% interval against its limit (the dashed line), coloured by the rule's "
+            "status: how much worse the candidate may be, or the fraction of identical outputs it must reach. How each "
+            "was decided is listed below the table.</p>"
             + table(rows) + f"<ul>{''.join(details)}</ul>")
 
 

@@ -59,8 +59,12 @@ def test_each_rule_shows_its_status_interval_and_limit_with_a_bar() -> None:
     for rule, row in zip(verdict.judgement.rules, rows, strict=True):
         assert f">{rule.status}</span>" in row and f"<td>{rule.metric}</td>" in row
         interval = rule_interval(rule, gate[rule.metric], verdict.judgement)
-        assert interval is not None and f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" in row
-        assert f"limit {rule.limit:.4g}</text>" in row and "<svg" in row
+        assert interval is not None
+        shown = (f"[{interval[0]:.4f}, {interval[1]:.4f}]" if gate[rule.metric].at_least is not None
+                 else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
+        assert shown in row and f"limit {rule.limit:.4g}</text>" in row
+        colour = {"PASS": "#1e7b34", "FAIL": "#b3261e"}[rule.status]  # the bar says what the rule decided
+        assert f'height="12" fill="{colour}"/>' in row
     accept = next(r for r in verdict.judgement.rules if r.metric == "accept_length")
     low, _ = rule_interval(accept, gate["accept_length"], verdict.judgement) or (0.0, 0.0)
     assert accept.status == "FAIL" and low > accept.limit  # a third fewer tokens per round: surely worse
