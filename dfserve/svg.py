@@ -237,7 +237,8 @@ PAGE_STYLE = (
     "td,th{padding:3px 8px;text-align:left;vertical-align:top}th{background:#f0f0f0}"
     "table{border-collapse:collapse;margin:0.5em 0}tr:nth-child(even) td{background:#f7f7f7}"
     ".scroll{overflow-x:auto;max-width:100%}.scroll td,.scroll th{white-space:nowrap}"
-    "svg{max-width:100%;height:auto}td svg{max-width:none}.plots svg{margin:0 0.5em 1em 0}"
+    "h1,h2,h3,p,li{overflow-wrap:anywhere}svg{max-width:100%;height:auto}td svg{max-width:none}"
+    ".plots svg{margin:0 0.5em 1em 0}"
 )
 """The style every report.html shares: readable on a phone (tables scroll sideways in their `.scroll` wrapper,
 figures shrink to the page's width) and on a laptop."""
