@@ -49,8 +49,8 @@ def _change(m: MetricResult) -> str:
         return "no data"
     if m.change is None:
         return "baseline is 0"
-    scale, unit = (100, "%") if m.relative else (100, " pts")
-    return (f"{m.change * scale:+.1f}{unit} [{(m.change_low or 0) * scale:+.1f}, {(m.change_high or 0) * scale:+.1f}]"
+    unit = "%" if m.relative else " pts"
+    return (f"{m.change * 100:+.1f}{unit} [{(m.change_low or 0) * 100:+.1f}, {(m.change_high or 0) * 100:+.1f}]"
             + (" (higher is better)" if m.higher_is_better else " (lower is better)"))
 
 
@@ -107,8 +107,8 @@ def _metrics(verdict: Verdict) -> str:
     j = verdict.judgement
     header = "change [95% CI" + (", fixed-n]" if verdict.sequential is not None else "]")
     rows = [_row(["metric", "baseline", "candidate", header, "n"], head=True)]
-    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(_value(m, m.baseline)), _e(_value(m, m.candidate)), _e(_change(m)), _e(_n(m))])
-             for m in j.metrics]
+    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(_value(m, m.baseline)),
+                   _e(_value(m, m.candidate)), _e(_change(m)), _e(_n(m))]) for m in j.metrics]
     return ("<h2>Metrics</h2><p>Change: the candidate against the baseline, relative (%) for ratios and quantiles, in "
             "points for rates; n is the number of samples on each side.</p>" + table(rows))
 
@@ -116,7 +116,8 @@ def _metrics(verdict: Verdict) -> str:
 def _lossless(loss: Lossless | None) -> str:
     if loss is None:
         return ""
-    interval = f" (95% interval [{loss.low:.4f}, {loss.high:.4f}])" if loss.low is not None and loss.high is not None else ""
+    interval = (f" (95% interval [{loss.low:.4f}, {loss.high:.4f}])"
+                if loss.low is not None and loss.high is not None else "")
     fraction = f"{loss.fraction:.4f}" if loss.fraction is not None else "n/a"
     note = "" if loss.applicable else " Temperature > 0: outputs may differ by design, so this is not judged."
     differing = ("<p>Differing tasks: " + ", ".join(f"<code>{_e(t)}</code>" for t in loss.differing_tasks) + "</p>"
