@@ -170,10 +170,10 @@ def render_verdict_html(verdict: Verdict) -> str:
     why = ([f"Forced comparison of runs that differ: {'; '.join(verdict.mismatches)}"] if verdict.mismatches else []) + (
         [f"Forced verdict on incomplete data: {'; '.join(verdict.incomplete)}"] if verdict.incomplete else [])
     units = f"{j.tasks} paired tasks" if j.pairs == j.tasks else f"{j.pairs} pairs over {j.tasks} tasks"
-    kind = "load test" if verdict.source == "loadtest" else "offline evaluation"
+    kind = "a load test" if verdict.source == "loadtest" else "an offline evaluation"
     needed = f" About {j.tasks_needed} distinct tasks would decide it." if j.tasks_needed else ""
     body = (
-        f"<p>Verdict of a {kind}</p>"
+        f"<p>Verdict of {kind}</p>"
         + "".join(f"<span class='stamp'>{_e(s)}</span>" for s in stamps)
         + f"<p class='verdict' style='color:{_COLOUR[verdict.verdict]}'>{_e(verdict.verdict)}</p>"
         + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
