@@ -24,6 +24,7 @@ from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
 from dfserve.verdict.gate import read_gate
 from dfserve.verdict.printer import print_judgement
+from dfserve.verdict.report import REPORT
 from dfserve.verdict.verdict import EXIT
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def compare_command(run: Path, run2: Path | None, baseline: str | None, candidat
         verdict, path = compare_eval_runs(run, run2, baseline, candidate, gate, out)
     print_judgement(Console(), verdict.judgement)
     click.echo(f"verdict: {path}")
+    click.echo(f"report:  {path.parent / REPORT}")
     sys.exit(EXIT[verdict.verdict])
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from dfserve.eval.records import EvalConfig, EvalSummary
-from dfserve.svg import svg_histogram, svg_lines
+from dfserve.svg import page, svg_histogram, svg_lines, table
 from dfserve.verdict.results import Judgement
 
 
@@ -23,30 +23,29 @@ def _judgement(j: Judgement) -> str:
         for m in j.metrics)
     rules = "".join(f"<li>{html.escape(r.status)} {html.escape(r.metric)}: {html.escape(r.detail)}</li>" for r in j.rules)
     return (f"<h3>{html.escape(j.candidate)} vs {html.escape(j.baseline)}: {html.escape(j.verdict)} "
-            f"({j.tasks} paired tasks)</h3><table>{_row('', ['baseline', 'candidate', 'change [95% CI]'])}{rows}"
-            f"</table><ul>{rules}</ul>")
+            f"({j.tasks} paired tasks)</h3>{table([_row('', ['baseline', 'candidate', 'change [95% CI]']), rows])}"
+            f"<ul>{rules}</ul>")
 
 
 def render_html(config: EvalConfig, summary: EvalSummary) -> str:
     names = [d.drafter for d in summary.drafters]
     methods = config.methods()
-    table = ["<table>" + _row("", names)]
+    rows = [_row("", names)]
     for method in methods:
         figures = [d.method(method) for d in summary.drafters]
-        table.append(_row(f"τ {method} [95% CI]", [
+        rows.append(_row(f"τ {method} [95% CI]", [
             f"{m.tau.estimate:.3f} [{m.tau.low:.3f}, {m.tau.high:.3f}], {m.rounds} rounds" for m in figures]))
-        table.append(_row(f"accepted drafts {method}", [f"{m.accepted_drafts:.3f}" for m in figures]))
-    table.append(_row("τ vanilla as SGLang counts", [f"{d.method('vanilla').tau_as_sglang:.3f}" for d in summary.drafters]))
-    table.append(_row("anchors scored", [str(d.anchors) for d in summary.drafters]))
-    table.append("</table>")
+        rows.append(_row(f"accepted drafts {method}", [f"{m.accepted_drafts:.3f}" for m in figures]))
+    rows.append(_row("τ vanilla as SGLang counts", [f"{d.method('vanilla').tau_as_sglang:.3f}" for d in summary.drafters]))
+    rows.append(_row("anchors scored", [str(d.anchors) for d in summary.drafters]))
     health = config.features.health
     warning = f"<p><strong>Warning: {html.escape(health.warning)}</strong></p>" if health.warning else ""
-    curves = svg_lines("accuracy per block position", {
+    curves = svg_lines("draft accuracy per block position", {
         **{d.drafter: [None, *d.positions.accuracy] for d in summary.drafters},
         **{f"{d.drafter} | earlier matched": [None, *d.positions.accuracy_after_hits] for d in summary.drafters},
-    }, "block position")
-    histograms = [svg_histogram(f"τ per round, {m}", {d.drafter: d.method(m).histogram for d in summary.drafters})
-                  for m in methods]
+    }, "block position (1: first drafted token)", "accuracy (share of anchors)")
+    histograms = [svg_histogram(f"tokens accepted per verify round, {m}",
+                                {d.drafter: d.method(m).histogram for d in summary.drafters}) for m in methods]
     settings = (
         f"target {config.target.model} (sha256 {config.target.sha256[:12]}), {len(config.tasks.tasks)} tasks of "
         f"{config.tasks.name}, max_new_tokens {config.max_new_tokens}, prompts {config.prompt.format}"
@@ -54,14 +53,12 @@ def render_html(config: EvalConfig, summary: EvalSummary) -> str:
         f"{config.features.key}{' (reused)' if config.features.reused else ''}, dtype {config.dtype}. Intervals are 95%, "
         "resampling tasks."
     )
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(config.run_id)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
-        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+    body = (
         f"<h1>Offline evaluation {html.escape(config.run_id)}</h1>"
         + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
         + f"<p>{html.escape(settings)}</p>{warning}<p>Health: the target's own greedy choice matches the reference at "
         f"{health.agree}/{health.positions} positions ({health.fraction:.4f}).</p>"
-        + "".join(table) + "".join(_judgement(j) for j in summary.judgements)
-        + "<div>" + curves + "".join(histograms) + "</div></body></html>"
+        + table(rows) + "".join(_judgement(j) for j in summary.judgements)
+        + "<div class='plots'>" + curves + "".join(histograms) + "</div>"
     )
+    return page(config.run_id, body)

@@ -22,6 +22,7 @@ from dfserve.runs import Provenance, read_jsonl, read_model
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import MetricSpec, Pairs
+from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
 
@@ -100,7 +101,7 @@ class EvalRun:
 def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candidate: str | None,
                       gate: Path | None, out: Path | None) -> tuple[Verdict, Path]:
     """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused), and
-    write the offline verdict into a new folder under `out` (default: beside `run`)."""
+    write the offline verdict and its report.html into a new folder under `out` (default: beside `run`)."""
     rules = read_gate(gate, DEFAULT_EVAL_GATE)
     base = EvalRun.load(run)
     cand = EvalRun.load(run2) if run2 is not None else base
@@ -120,4 +121,6 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
     verdict = Verdict(source="eval", verdict=judgement.verdict, baseline=base.side(base_label),
                       candidate=cand.side(cand_label), forced=False, features=base.config.features.key,
                       judgement=judgement, gate=rules, provenance=Provenance.here())
-    return verdict, write_verdict(verdict, out or run.parent)
+    file = write_verdict(verdict, out or run.parent)
+    write_verdict_report(verdict, file.parent)
+    return verdict, file

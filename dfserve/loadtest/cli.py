@@ -44,6 +44,7 @@ from dfserve.stamped_socket import ReadLag
 from dfserve.tasks import load_tasks
 from dfserve.terminal import compact_table, terminal_width, wrapped
 from dfserve.verdict.printer import print_verdict
+from dfserve.verdict.report import REPORT
 from dfserve.verdict.verdict import EXIT, Verdict, read_verdict, verdict_file
 
 EXIT_TOO_MANY_ERRORS = 4
@@ -370,6 +371,7 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     print_verdict(Console(), verdict)
     _print_offline(verdict, BaselineRegistry(run.parent))
     click.echo(f"verdict: {path}")
+    click.echo(f"report:  {path.parent / REPORT}")
     sys.exit(EXIT[verdict.verdict])
 
 

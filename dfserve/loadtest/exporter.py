@@ -3,7 +3,8 @@
 Families and names are `dfserve.metrics.DfserveMetrics`, the same the gateway exports, labelled by arm and route
 (`native`, `chat`), and each record goes through the same `dfserve.metrics.observe` as a relayed request, so one
 dashboard reads both and a series means the same from either. Warm-up requests are left out, as they are from the
-summary.
+summary, and so are requests the tester cancelled at its stop (Ctrl-C): the summary and the verdict count them as
+neither answers nor errors of the arm, and in `dfserve_requests_total` they would read as failures (499).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Exporter:
         self._server: WSGIServer | None = None
 
     def observe(self, r: RequestRecord) -> None:
-        if not r.warmup:
+        if not r.warmup and not r.cancelled:
             observe(self.metrics, outcome(r, self.route))
 
     def serve(self, port: int) -> str:

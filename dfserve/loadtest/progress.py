@@ -1,7 +1,10 @@
 """Live view of a run: per arm, measured requests done (warm-up apart), errors, output tokens/s and acceptance so
 far, and the time left where the end is known (rich, on a terminal); for a sequential run also each gate rule's
 always-valid interval at the latest look and the requests projected to decide it. Where the console is not a
-terminal (a pipe, `| tee`, a log file), one plain line every `plain_every_s` instead. Tables fit 80 columns."""
+terminal (a pipe, `| tee`, a log file), one plain line every `plain_every_s` instead. Tables fit 80 columns.
+
+A request the tester cancelled at its stop (Ctrl-C) is counted apart, as the summary and the verdict count it: it
+was not answered, and it is no error of the arm."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class ArmTally:
     warmup_done: int = 0
     done: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    cancelled: int = 0
     tokens: int = 0
     rounds: int = 0
     accepted_tokens: int = 0
@@ -56,6 +60,9 @@ class Progress:
         tally = self.tallies[r.arm]
         if r.warmup:
             tally.warmup_done += 1
+            return
+        if r.cancelled:
+            tally.cancelled += 1
             return
         tally.done += 1
         if r.error_kind is not None:
@@ -90,7 +97,8 @@ class Progress:
     def _count(self, t: ArmTally) -> str:
         if t.warmup_done < self.warmup and not t.done:
             return f"warm-up {t.warmup_done}/{self.warmup}"
-        return f"{t.done}/{self.measured}"
+        cancelled = f" ({t.cancelled} cancelled)" if t.cancelled else ""
+        return f"{t.done}/{self.measured}{cancelled}"
 
     def _render(self) -> Group:
         return Group(self._table(), *([rules] if (rules := self._rules_table()) is not None else []))

@@ -20,7 +20,7 @@ from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import ScheduleFidelity, schedule_fidelity
 from dfserve.stamped_socket import ReadLag
-from dfserve.svg import svg_cdf, svg_histogram
+from dfserve.svg import page, svg_cdf, svg_histogram, table
 from dfserve.verdict import stats
 
 
@@ -279,8 +279,8 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
     measured = [r for r in rec.measured_records(records) if r.ok]
     by_arm = {a.arm: [r for r in measured if r.arm == a.arm] for a in summary.arms}
     names = [a.arm for a in summary.arms]
-    table = [
-        "<table><tr><th></th>" + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>",
+    rows = [
+        "<tr><th></th>" + "".join(f"<th>{html.escape(n)}</th>" for n in names) + "</tr>",
         _row("requests (ok / all)", [f"{a.succeeded} / {a.requests}" for a in summary.arms]),
         _row("errors", [", ".join(f"{k}={v}" for k, v in a.errors.items()) or "none" for a in summary.arms]),
         _row("cancelled at the stop", [str(a.cancelled) for a in summary.arms]),
@@ -295,17 +295,17 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
                                ("ITL per chunk", "itl_per_chunk_s"), ("E2E", "e2e_s"))
           for q in ("p50", "p95", "p99")),
         _row("output tokens/s", [f"{a.output_tokens_per_s:.1f}" if a.output_tokens_per_s else "n/a" for a in summary.arms]),
-        "</table>",
     ]
-    plots = [svg_cdf(title, {n: _each(rs, f) for n, rs in by_arm.items()})
-             for title, f in (("TTFT", rec.ttft_s), ("TPOT", rec.tpot_s), ("E2E", rec.e2e_s))]
-    plots.insert(2, svg_cdf("ITL per token", {n: _flat(rs, rec.itl_per_token_s) for n, rs in by_arm.items()}))
-    plots.append(svg_histogram("tokens per verify round", {a.arm: a.round_tokens_histogram for a in summary.arms}))
+    plots = [svg_cdf(f"{name}: share of requests within x", {n: _each(rs, f) for n, rs in by_arm.items()},
+                     f"{name} (ms)", "fraction of requests ≤ x")
+             for name, f in (("TTFT", rec.ttft_s), ("TPOT", rec.tpot_s), ("E2E latency", rec.e2e_s))]
+    plots.insert(2, svg_cdf("ITL per token: share of token gaps within x",
+                            {n: _flat(rs, rec.itl_per_token_s) for n, rs in by_arm.items()},
+                            "gap between tokens (ms)", "fraction of gaps ≤ x"))
+    plots.append(svg_histogram("tokens accepted per verify round", {a.arm: a.round_tokens_histogram
+                                                                    for a in summary.arms}))
     simulated = any(a.simulated for a in summary.arms)
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(config.run_id)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
-        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+    body = (
         f"<h1>Run {html.escape(config.run_id)}</h1>"
         + ("<p><strong>SIMULATED engines: these figures come from dfserve's simulator, not a GPU.</strong></p>"
            if simulated else "")
@@ -313,5 +313,6 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
         + f"<p>tasks {html.escape(config.tasks.name)} ({config.tasks.sha256[:12]}), {config.num_requests} requests "
         f"+ {config.warmup} warm-up; {html.escape(config.load.describe())}; "
         f"{html.escape(config.sampling.describe())}. Intervals are 95%.</p>"
-        + "".join(table) + "<div>" + "".join(plots) + "</div></body></html>"
+        + table(rows) + "<div class='plots'>" + "".join(plots) + "</div>"
     )
+    return page(config.run_id, body)

@@ -1,5 +1,5 @@
 """`dfserve compare` as a library call: load the runs, refuse what must not be judged, pick the design, judge,
-write verdict.json.
+write verdict.json and its report.html.
 
 Refused always: a run judged against itself (one folder twice, or two folders of one run id). Refused unless
 forced, and then stamped in the verdict (`forced`, with `mismatches` and `incomplete`): runs that differ in what
@@ -27,6 +27,7 @@ from dfserve.sglang import parse_server_info
 from dfserve.shard import shard_indices
 from dfserve.verdict.design import Design
 from dfserve.verdict.fixed import FixedN
+from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
 
 
@@ -119,4 +120,6 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
                       candidate=cand.side(cand_arm), forced=bool(mismatches or missing), mismatches=mismatches,
                       incomplete=missing, judgement=outcome.judgement, gate=rules, provenance=Provenance.here(),
                       sequential=outcome.sequential)
-    return verdict, write_verdict(verdict, out or paths[0].parent)
+    file = write_verdict(verdict, out or paths[0].parent)
+    write_verdict_report(verdict, file.parent)
+    return verdict, file

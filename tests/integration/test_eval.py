@@ -151,7 +151,7 @@ def test_a_run_writes_config_records_summary_report_and_progress(first_run: Firs
         assert len(drafter["positions"]["accuracy"]) == models.BLOCK - 1
     report = (run_dir / "report.html").read_text()
     assert "accuracy per block position" in report and report.count("<polyline") == 4
-    assert "τ per round, vanilla" in report and "τ per round, ddtree4" in report
+    assert "tokens accepted per verify round, vanilla" in report and "per verify round, ddtree4" in report
     assert "left" in first_run.err and "scoring long (anchors)" in first_run.err  # progress with the time left
     assert "long vs short: PASS" in first_run.out
 

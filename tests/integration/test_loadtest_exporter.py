@@ -64,14 +64,26 @@ def test_failures_are_labelled_like_the_gateway_labels_them() -> None:
     failures = [
         ok.model_copy(update={"error_kind": "connect", "http_status": None}),
         ok.model_copy(update={"error_kind": "disconnect"}),
-        ok.model_copy(update={"error_kind": "cancelled"}),
         ok.model_copy(update={"error_kind": "http_status", "http_status": 429}),
     ]
     for r in failures:
         exporter.observe(r)
     found = {(s.labels["status"], s.labels["error"]) for family in exporter.registry.collect()
              if family.name == metrics.REQUESTS for s in family.samples if s.name.endswith("_total")}
-    assert found == {("error", "connect"), ("error", "disconnect"), ("499", "cancelled"), ("4xx", "http_status")}
+    assert found == {("error", "connect"), ("error", "disconnect"), ("4xx", "http_status")}
+
+
+def test_requests_the_tester_cancelled_are_not_exported() -> None:
+    """Cancelled at the tester's stop: no answer and no error of the arm, as the summary and the verdict count
+    them; exported as 499 they would raise the dashboards' error rate."""
+    exporter = Exporter(route="native")
+    records = synthetic("zlab", 4, 8.0, seed=1, tokens=8)
+    records[3] = records[3].model_copy(update={"error_kind": "cancelled", "http_status": None})
+    for r in records:
+        exporter.observe(r)
+    counts = {(s.labels["status"], s.labels["error"]): s.value for family in exporter.registry.collect()
+              if family.name == metrics.REQUESTS for s in family.samples if s.name.endswith("_total")}
+    assert counts == {("2xx", ""): 3}
 
 
 def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:

@@ -99,10 +99,16 @@ def test_each_arm_says_its_reads_were_dated_by_the_kernel_and_how_long_they_wait
 def test_inhouse_against_zlab_fails_on_acceptance(ab_run: Path) -> None:
     result = compare(str(ab_run))
     assert result.returncode == 1, result.stdout + result.stderr
-    verdict = json.loads(next(ab_run.parent.glob("verdict-*/verdict.json")).read_text())
+    verdict_file = next(ab_run.parent.glob("verdict-*/verdict.json"))
+    verdict = json.loads(verdict_file.read_text())
     rules = {r["metric"]: r["status"] for r in verdict["judgement"]["rules"]}
     assert rules["accept_length"] == "FAIL" and rules["lossless_fraction"] == "PASS"
     assert verdict["baseline"]["simulated"] is True
+    report = verdict_file.parent / "report.html"
+    assert f"report:  {report}" in result.stdout  # beside verdict.json, and the CLI says where
+    page = report.read_text()
+    assert "<p class='verdict' style='color:#b3261e'>FAIL</p>" in page and "SIMULATED" in page
+    assert verdict["baseline"]["run_id"] in page and "accept_length" in page
 
 
 def test_a_second_run_never_touches_the_first(ab_run: Path) -> None:

@@ -134,7 +134,7 @@ def test_report_html_is_self_contained_with_cdfs_and_histogram() -> None:
     assert page.count("<svg") == 5 and "<polyline" in page and "<rect" in page
     assert "Interrupted" in page and "zlab" in page and "inhouse" in page
     assert "src=" not in page and "<script" not in page
-    assert "no samples" in svg_cdf("TTFT", {"a": []})
+    assert "no samples" in svg_cdf("TTFT", {"a": []}, "TTFT (ms)", "fraction of requests ≤ x")
     assert "{" not in page.split("<table>")[0].split("<body>")[1]  # the load and sampling in words, not JSON
 
 
@@ -148,9 +148,28 @@ def test_load_and_sampling_read_as_words() -> None:
 
 def test_legends_sit_above_the_plot_area() -> None:
     """A CDF reaches the top right corner; a legend there hid it."""
-    plot = svg_cdf("TTFT", {"baseline": [0.01, 0.02], "candidate": [0.015, 0.03]})
+    plot = svg_cdf("TTFT", {"baseline": [0.01, 0.02], "candidate": [0.015, 0.03]}, "TTFT (ms)", "fraction ≤ x")
     legend_ys = [float(y) for y in re.findall(r'<text x="[\d.]+" y="([\d.]+)" font-size="11" fill=', plot)]
-    assert len(legend_ys) == 2 and all(y < 44 for y in legend_ys)  # 44: the top of the plot area
+    y_axis_top = float(re.findall(r'<line x1="56" y1="([\d.]+)" x2="56"', plot)[0])
+    assert len(legend_ys) == 2 and all(y < y_axis_top for y in legend_ys)
+
+
+def test_every_plot_of_the_run_report_says_what_it_plots_on_both_axes() -> None:
+    records = synthetic("zlab", 40, 9.0, seed=1, tokens=32) + synthetic("inhouse", 40, 6.0, seed=2, tokens=32)
+    config = run_config("run-x")
+    page = render_html(config, summarize(config, records, interrupted=False, read_lag={}), records)
+    figures = re.findall(r"<svg.*?</svg>", page)
+    titles = [re.search(r'aria-label="([^"]+)"', f)[1] for f in figures]  # type: ignore[index]
+    y_labels = [re.search(r'transform="rotate\(-90[^>]*>([^<]+)<', f)[1] for f in figures]  # type: ignore[index]
+    assert titles == ["TTFT: share of requests within x", "TPOT: share of requests within x",
+                      "ITL per token: share of token gaps within x", "E2E latency: share of requests within x",
+                      "tokens accepted per verify round"]
+    assert y_labels == ["fraction of requests ≤ x", "fraction of requests ≤ x", "fraction of gaps ≤ x",
+                        "fraction of requests ≤ x", "share of verify rounds"]
+    for unit in ("TTFT (ms)", "TPOT (ms)", "gap between tokens (ms)", "E2E latency (ms)",
+                 "tokens accepted per verify round"):
+        assert f'text-anchor="middle">{unit}</text>' in page
+    assert "<div class='scroll'><table>" in page and "width=device-width" in page
 
 
 def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:
@@ -165,3 +184,15 @@ def test_live_progress_shows_each_arm_with_errors_and_acceptance() -> None:
     assert "zlab" in text and "10/10" in text and "http_status=10" in text
     zlab = progress.tallies["zlab"]
     assert zlab.tokens == 320 and zlab.rounds > 0 and 6 < zlab.accepted_tokens / zlab.rounds < 11
+
+
+def test_live_progress_counts_cancelled_requests_apart_from_errors() -> None:
+    out = io.StringIO()
+    records = synthetic("zlab", 4, 8.0, seed=1, tokens=32)
+    records[3] = records[3].model_copy(update={"error_kind": "cancelled", "http_status": None})
+    with Progress(["zlab"], 4, Console(file=out, force_terminal=True, width=100)) as progress:
+        for r in records:
+            progress.observe(r)
+    tally = progress.tallies["zlab"]
+    assert tally.done == 3 and tally.cancelled == 1 and not tally.errors
+    assert "3/4 (1 cancelled)" in out.getvalue() and "cancelled=" not in out.getvalue()
