@@ -69,7 +69,8 @@ def check_with_sglang(spec: DeploymentSpec, python: str, timeout_s: float = 120.
     request = json.dumps({"argv": server_args(spec)})
     try:
         done = subprocess.run(
-            [python, str(CHECK_SCRIPT)], input=request, capture_output=True, text=True, timeout=timeout_s, check=False
+            [python, str(CHECK_SCRIPT)], input=request, capture_output=True, text=True, timeout=timeout_s, check=False,
+            env={**os.environ, **launch_env(spec)},  # the profile's variables decide SGLang's platform (cpu.yaml)
         )
     except subprocess.TimeoutExpired:
         raise UserError(f"--check: SGLang's parser did not answer within {timeout_s:.0f} s") from None

@@ -27,7 +27,8 @@ SPEC_FLAGS = (
     "--speculative-num-draft-tokens", "--speculative-draft-attention-backend", "--tp-size", "--tensor-parallel-size",
     "--mem-fraction-static", "--context-length", "--max-running-requests", "--attention-backend",
     "--mamba-radix-cache-strategy", "--mamba-scheduler-strategy", "--served-model-name", "--enable-metrics",
-    "--host", "--port",
+    "--host", "--port", "--device", "--dtype", "--max-total-tokens", "--disable-overlap-schedule",
+    "--disable-cuda-graph", "--grammar-backend",
 )
 """Flags the spec sets itself; passing one through `--sglang-arg` would silently fight it (argparse: last wins)."""
 
@@ -162,6 +163,12 @@ def server_args(spec: DeploymentSpec, host: str | None = None) -> list[str]:
     args += ["--served-model-name", spec.served_model_name]
     if s.enable_metrics:
         args.append("--enable-metrics")
+    for flag, value in (("--device", s.device), ("--dtype", s.dtype), ("--max-total-tokens", s.max_total_tokens),
+                        ("--grammar-backend", s.grammar_backend)):
+        if value is not None:
+            args += [flag, str(value)]
+    args += [flag for flag, on in (("--disable-overlap-schedule", s.disable_overlap_schedule),
+                                   ("--disable-cuda-graph", s.disable_cuda_graph)) if on]
     args += ["--host", host or spec.host, "--port", str(spec.port), *spec.extra_sglang_args]
     return args
 
