@@ -52,32 +52,23 @@ def test_assign_draft_cache_locs_contiguous_copies_topk_times_steps_slots_per_re
     assert torch.equal(got, expected)
 
 
-def test_copy_all_layer_kv_cache_moves_rows_in_every_buffer_reading_before_writing() -> None:
-    buffers = [torch.randn(16, 4, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(3)]
-    tgt = torch.tensor([1, 2, 3, 9])
-    src = torch.tensor([2, 3, 4, 1])  # overlapping: row 2 is both read and written
-    expected = [b.clone() for b in buffers]
-    for b in expected:
-        b[tgt] = b[src].clone()
-    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
-    strides = torch.tensor([b.stride(0) * b.element_size() for b in buffers])
-    sgl_kernel.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
-    for b, e in zip(buffers, expected, strict=True):
-        assert torch.equal(b, e)
+def test_copy_all_layer_kv_cache_moves_rows_in_every_buffer_as_the_tiled_kernel_does() -> None:
+    """Three layer buffers given by address and byte stride; row 2 is both read and written (the kernel loads its
+    whole tile before storing it, so moves may overlap)."""
+    def buffers() -> list[torch.Tensor]:
+        return [torch.randn(16, 4, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(3)]
 
+    def table(bs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([b.data_ptr() for b in bs], dtype=torch.uint64),
+                torch.tensor([b.stride(0) * b.element_size() for b in bs]))
 
-def test_copy_all_layer_kv_cache_matches_the_tiled_kernel() -> None:
-    """The kernel reads raw addresses, which Triton's interpreter cannot follow into torch memory; its semantics
-    (one tile loaded for all locations, then stored) are those of the gather-then-scatter above. What the interpreter
-    does check is the tiling arithmetic over a flat byte view, done here by hand for one buffer."""
-    buffer = torch.arange(10 * 6, dtype=torch.int16).view(10, 6)
-    tgt, src = torch.tensor([0, 5, 6]), torch.tensor([5, 6, 9])
-    raw = buffer.view(torch.uint8).view(10, 12).clone()
-    raw[tgt] = raw[src].clone()
-    sgl_kernel.copy_all_layer_kv_cache_cpu(torch.tensor([buffer.data_ptr()], dtype=torch.uint64),
-                                           torch.tensor([12]), tgt, src)
-    assert torch.equal(buffer.view(torch.uint8).view(10, 12), raw)
-    assert copy_all_layer_kv_cache_tiled is not None
+    tgt, src = torch.tensor([1, 2, 3, 9]), torch.tensor([2, 3, 4, 1])
+    expected, got = buffers(), buffers()
+    copy_all_layer_kv_cache_tiled[(3, 2)](*table(expected), tgt, src, 4, 4, BYTES_PER_TILE=32)
+    sgl_kernel.copy_all_layer_kv_cache_cpu(*table(got), tgt, src)
+    for e, g, before in zip(expected, got, buffers(), strict=True):
+        assert torch.equal(g, e)
+        assert torch.equal(g[1], before[2]) and torch.equal(g[2], before[3]) and torch.equal(g[9], before[1])
 
 
 def test_fill_accept_out_cache_loc_packs_accepted_positions_in_order() -> None:
