@@ -48,7 +48,9 @@ $(SGLANG_CPU_BASE): requirements/sglang-cpu.txt $(SGLANG_CPU_PATCHES)
 		done
 	touch $@
 
-$(SGLANG_CPU_STAMP): $(SGLANG_CPU_BASE) $(shell find sglang_cpu -name '*.py' -o -name pyproject.toml)
+# What is installed: the packages and pyproject.toml (not tests/, run from the source folder, nor pip's build output).
+SGLANG_CPU_SOURCES := sglang_cpu/pyproject.toml $(wildcard sglang_cpu/sgl_kernel/*.py sglang_cpu/dfserve_sglang_cpu/*.py)
+$(SGLANG_CPU_STAMP): $(SGLANG_CPU_BASE) $(SGLANG_CPU_SOURCES)
 	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --no-deps --force-reinstall ./sglang_cpu
 	touch $@
 
