@@ -9,7 +9,7 @@ SGLANG_VERSION := 0.5.23
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: demo test lint sanitize system-deps
+.PHONY: demo test lint sanitize system-deps sglang-cpu
 
 # The demo's venv: dfserve and its pinned runtime dependencies only (requirements/demo.txt), no torch.
 $(DEMO_STAMP): pyproject.toml setup.py $(wildcard dfserve/relay_c/*) requirements/demo.txt
@@ -35,6 +35,34 @@ $(SGLANG_STAMP): $(STAMP) requirements/sglang-check.txt
 	@echo "$(SGLANG_VENV): sglang's own pins are left unmet on purpose (no GPU kernels; torch from $(VENV)), so pip's warnings about them are silenced"
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-warn-conflicts -r requirements/sglang-check.txt
 	touch $(SGLANG_STAMP)
+
+# SGLang itself on CPU, serving DFLASH with real weights in the end-to-end tests (tests/integration/test_sglang_cpu*.py):
+# its own venv with torch's CPU build, sglang --no-deps, the patches in sglang_cpu/patches (each checked with
+# --dry-run first), then this project's CPU distribution (sglang_cpu/: stand-in sgl_kernel ops, platform, hooks).
+SGLANG_CPU_VENV ?= .venv-sglang-cpu
+SGLANG_CPU_BASE := $(SGLANG_CPU_VENV)/.sglang-installed
+SGLANG_CPU_STAMP := $(SGLANG_CPU_VENV)/.installed
+SGLANG_CPU_PATCHES := $(sort $(wildcard sglang_cpu/patches/*.patch))
+
+$(SGLANG_CPU_BASE): requirements/sglang-cpu.txt $(SGLANG_CPU_PATCHES)
+	rm -rf $(SGLANG_CPU_VENV)
+	$(PYTHON) -m venv $(SGLANG_CPU_VENV)
+	$(SGLANG_CPU_VENV)/bin/python -m pip install -q -r requirements/sglang-cpu.txt
+	@echo "# pip's resolver lists sglang's CUDA requirements as missing below: expected, sglang is installed --no-deps"
+	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	site="$$($(SGLANG_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"; \
+		for patch in $(SGLANG_CPU_PATCHES); do \
+			patch -d "$$site" -p1 -s --dry-run < $$patch && patch -d "$$site" -p1 -s < $$patch || exit 1; \
+		done
+	touch $@
+
+# What is installed: the packages and pyproject.toml (not tests/, run from the source folder, nor pip's build output).
+SGLANG_CPU_SOURCES := sglang_cpu/pyproject.toml $(wildcard sglang_cpu/sgl_kernel/*.py sglang_cpu/dfserve_sglang_cpu/*.py)
+$(SGLANG_CPU_STAMP): $(SGLANG_CPU_BASE) $(SGLANG_CPU_SOURCES)
+	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --no-deps --force-reinstall ./sglang_cpu
+	touch $@
+
+sglang-cpu: $(SGLANG_CPU_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/dfserve demo
@@ -76,5 +104,5 @@ system-deps:
 			prometheus prometheus-pushgateway; }
 
 # system-deps first: the venv's install builds the extension the tests import.
-test: system-deps $(STAMP) $(SGLANG_STAMP) lint sanitize
+test: system-deps $(STAMP) $(SGLANG_STAMP) $(SGLANG_CPU_STAMP) lint sanitize
 	$(BIN)/python -m pytest -q

@@ -55,7 +55,9 @@ def hf_cached_file(repo_id: str, filename: str) -> Path | None:
 
 def resolve_target(target: str | None, profile: HostProfile, target_config: Path | None) -> Target:
     """The target's config.json: the `target_config` file, a local folder, the hub cache, or the profile's facts."""
-    model_path = target or profile.target.model_path
+    if target is None and profile.target is None:
+        raise FieldError("target", f"profile {profile.name} names no target; give a local model folder")
+    model_path = target or profile.target.model_path  # type: ignore[union-attr]
     local = Path(model_path).expanduser()
     if target_config is not None:
         path = str(local.resolve()) if local.is_dir() else model_path
@@ -72,7 +74,7 @@ def resolve_target(target: str | None, profile: HostProfile, target_config: Path
     cached = hf_cached_file(model_path, "config.json")
     if cached is not None:
         return target_from_config(model_path, read_json(cached, "target"), str(cached), profile.target_families)
-    if model_path == profile.target.model_path:
+    if profile.target is not None and model_path == profile.target.model_path:
         source = f"profile {profile.name} (facts of {model_path}'s config.json)"
         return target_from_config(model_path, profile.target.config, source, profile.target_families)
     raise FieldError(
@@ -127,7 +129,7 @@ def baseline_drafter(registry: Path, target: Target, profile: HostProfile) -> st
     current = BaselineRegistry(registry).current(target.model_path)
     if current is None:
         raise FieldError("drafter", f"baseline: no baseline for {target.model_path} in {registry}; promote one or name the drafter")
-    if current.drafter == profile.zlab.model_path:
+    if profile.zlab is not None and current.drafter == profile.zlab.model_path:
         return "zlab"
     if not Path(current.drafter).exists():
         raise FieldError("drafter", f"baseline: the baseline drafter {current.drafter} (run {current.run_id}) is not on this machine")
@@ -161,6 +163,8 @@ def resolve_drafter(
     if drafter == "baseline":
         drafter = baseline_drafter(registry, target, profile)
     if drafter == "zlab":
+        if profile.zlab is None:
+            raise FieldError("drafter", f"zlab: profile {profile.name} names no z-lab drafter")
         repo = profile.zlab.model_path
         cached = hf_cached_file(repo, "config.json")
         config = read_json(cached, "drafter") if cached else dict(profile.zlab.config)
@@ -173,7 +177,9 @@ def resolve_drafter(
         arch = _verify_folder(path, target)
         digest = folder_sha256(path, hashes)
         return Drafter(path.name, "folder", str(path.resolve()), arch.block_size, digest, str(path.resolve()), "inhouse")
-    template = read_json(drafter_config, "drafter_config") if drafter_config else dict(profile.zlab.config)
+    if drafter_config is None and profile.zlab is None:
+        raise FieldError("drafter_config", f"profile {profile.name} has no z-lab config to convert {path.name} with; pass the drafter's config.json")
+    template = read_json(drafter_config, "drafter_config") if drafter_config else dict(profile.zlab.config)  # type: ignore[union-attr]
     arch = verify_drafter_config(template, target)
     from dfserve.deploy.convert import convert_checkpoint  # torch loads only when a checkpoint is converted
 

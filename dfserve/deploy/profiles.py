@@ -38,19 +38,26 @@ class SGLangSettings(_Strict):
     context_length: int = Field(ge=1)
     max_running_requests: int = Field(ge=1)
     attention_backend: str
-    draft_attention_backend: Literal["flashinfer", "fa3", "fa4", "triton"]
+    draft_attention_backend: Literal["flashinfer", "fa3", "fa4", "triton", "torch_native"] = Field(
+        description="torch_native only where the host's SGLang platform accepts it for DFLASH (the cpu profile).")
     mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] | None = None
     enable_metrics: bool = True
     served_model_name: str = Field(description="Template; `{drafter}` becomes the drafter's label.")
+    device: str | None = Field(default=None, description="--device; SGLang detects the GPU when unset.")
+    dtype: str | None = Field(default=None, description="--dtype; the checkpoint's when unset.")
+    max_total_tokens: int | None = Field(default=None, ge=1, description="--max-total-tokens, a fixed KV pool.")
+    disable_overlap_schedule: bool = False
+    disable_cuda_graph: bool = False
+    grammar_backend: str | None = Field(default=None, description="--grammar-backend; SGLang's default when unset.")
 
 
 class HostProfile(_Strict):
     schema_version: Literal[1]
     name: str
     gpu: str
-    target: ModelFacts
+    target: ModelFacts | None = Field(default=None, description="None: the host serves what --target names.")
     target_families: list[str] = Field(min_length=1)
-    zlab: ModelFacts
+    zlab: ModelFacts | None = Field(default=None, description="None: no z-lab release fits the host's targets.")
     sglang: SGLangSettings
     env: dict[str, str] = Field(default_factory=dict)
 

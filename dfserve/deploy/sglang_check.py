@@ -3,8 +3,8 @@
 Reads `{"argv": [...]}` on stdin and prints one JSON line
 `{"ok": bool, "version": str, "problems": [...], "resolved": {...}}` after the marker below. Checks, all with SGLang's code:
 `prepare_server_args` parses the argv; `SpeculativeAlgorithm.from_string` knows the algorithm and it is DFLASH;
-`_handle_dflash` (the rules `ServerArgs` applies at launch) passes for a CUDA device, the device of every host
-profile; and the draft attention backend is kept rather than replaced by a fallback. (The drafter's config.json is
+`_handle_dflash` (the rules `ServerArgs` applies at launch) passes for the argv's `--device` (CUDA when unset, as on
+every GPU host profile); and the draft attention backend is kept rather than replaced by a fallback. (The drafter's config.json is
 checked by dfserve itself: SGLang's DFlash config parser imports its model layers, which need GPU-only packages.)
 
     python dfserve/deploy/sglang_check.py < request.json
@@ -47,7 +47,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     requested_backend = args.speculative_draft_attention_backend
     resolved: dict[str, Any] = {}
     try:
-        declare_resolution(args, "dfserve --check", device="cuda")
+        declare_resolution(args, "dfserve --check", device=args.device or "cuda")
         _handle_dflash(args)
         view = resolved_view(args)
         resolved = {

@@ -25,7 +25,8 @@ SPEC_FLAGS = (
     "--speculative-num-draft-tokens", "--speculative-draft-attention-backend", "--tp-size", "--tensor-parallel-size",
     "--mem-fraction-static", "--context-length", "--max-running-requests", "--attention-backend",
     "--mamba-radix-cache-strategy", "--mamba-scheduler-strategy", "--served-model-name", "--enable-metrics",
-    "--host", "--port",
+    "--host", "--port", "--device", "--dtype", "--max-total-tokens", "--disable-overlap-schedule",
+    "--disable-cuda-graph", "--grammar-backend",
 )
 """Flags the spec sets itself; passing one through `--sglang-arg` would silently fight it (argparse: last wins)."""
 

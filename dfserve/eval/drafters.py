@@ -67,6 +67,8 @@ def resolve_eval_drafter(spec: str, label: str | None, context: DrafterContext) 
         spec = baseline_drafter(context.registry, context.target, context.profile)
     source = spec
     if spec == "zlab":
+        if context.profile.zlab is None:
+            raise FieldError("drafter", f"zlab: profile {context.profile.name} names no z-lab drafter")
         repo = context.profile.zlab.model_path
         cached = hf_cached_file(repo, "config.json")
         if cached is None:
@@ -79,7 +81,7 @@ def resolve_eval_drafter(spec: str, label: str | None, context: DrafterContext) 
     config = read_json(folder / "config.json", "drafter")
     dflash = config.get("dflash_config") or {}
     kind = "zlab" if source == "zlab" else "checkpoint" if resolved.kind == "checkpoint" else "folder"
-    identity = context.profile.zlab.model_path if kind == "zlab" else drafter_identity(str(folder))
+    identity = context.profile.zlab.model_path if kind == "zlab" and context.profile.zlab else drafter_identity(str(folder))
     info = DrafterInfo(
         label=label or ("zlab" if kind == "zlab" else resolved.label), kind=kind, identity=identity, source=source,
         folder=str(folder), sha256=resolved.sha256, converted=resolved.converted, staged=None,

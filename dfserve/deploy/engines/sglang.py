@@ -7,6 +7,7 @@ own parser under its interpreter, and the same arguments in a Kubernetes contain
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,6 +54,12 @@ def server_args(spec: DeploymentSpec, host: str | None = None) -> list[str]:
     args += ["--served-model-name", spec.served_model_name]
     if s.enable_metrics:
         args.append("--enable-metrics")
+    for flag, value in (("--device", s.device), ("--dtype", s.dtype), ("--max-total-tokens", s.max_total_tokens),
+                        ("--grammar-backend", s.grammar_backend)):
+        if value is not None:
+            args += [flag, str(value)]
+    args += [flag for flag, on in (("--disable-overlap-schedule", s.disable_overlap_schedule),
+                                   ("--disable-cuda-graph", s.disable_cuda_graph)) if on]
     args += ["--host", host or spec.host, "--port", str(spec.port), *spec.extra_sglang_args]
     return args
 
@@ -65,7 +72,8 @@ def check_with_sglang(spec: DeploymentSpec, python: str, timeout_s: float = CHEC
     request = json.dumps({"argv": server_args(spec)})
     try:
         done = subprocess.run(
-            [python, str(CHECK_SCRIPT)], input=request, capture_output=True, text=True, timeout=timeout_s, check=False
+            [python, str(CHECK_SCRIPT)], input=request, capture_output=True, text=True, timeout=timeout_s, check=False,
+            env={**os.environ, **spec.env},  # the profile's variables decide SGLang's platform (cpu.yaml)
         )
     except subprocess.TimeoutExpired:
         raise FieldError("check", f"SGLang's parser did not answer within {timeout_s:.0f} s") from None
