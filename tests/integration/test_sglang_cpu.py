@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from dfserve.loadtest.tasks import load_tasks
+from dfserve.tasks import load_tasks
 
 from dfserve import sglang
 from dfserve.loadtest.records import RequestRecord
