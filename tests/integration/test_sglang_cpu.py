@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from dfserve.tasks import load_tasks
 
 from dfserve import sglang
 from dfserve.loadtest.records import RequestRecord
+from dfserve.tasks import load_tasks
 from tests.fixtures.sglang_cpu import (
     REPO,
     SGLANG_CPU_PYTHON,
