@@ -75,9 +75,10 @@ def pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]
 
 
 def expanded_args(container: dict[str, Any]) -> list[str]:
-    """Container args with `$(VAR)` replaced from its env, as the kubelet does."""
+    """Container args with `$(VAR)` replaced from its env, as the kubelet does (a reference it cannot resolve, such
+    as one to a downward-API variable here, is left as written)."""
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container.get("args", [])]
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg) for arg in container.get("args", [])]
 
 
 def restricted_violations(pod: dict[str, Any]) -> list[str]:
