@@ -616,7 +616,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # start-up objects are never scanned again
     proxy_cpus = pin_processes() if args.pin else None
-    paths = args.paths.split(",") + (["gateway-before"] if args.before else [])
+    paths = list(dict.fromkeys(args.paths.split(",") + (["gateway-before"] if args.before else [])))
     levels = [int(c) for c in args.concurrency.split(",")]
     peer_python = ensure_peers() if {"sglang-router", "litellm"} & set(paths) else None
     logs = Path(tempfile.mkdtemp(prefix="dfserve-bench-"))
