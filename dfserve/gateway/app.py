@@ -115,8 +115,9 @@ class Gateway:
     def stop_mirroring(self) -> None:
         """From any thread (a shadow decision is made on the recorder's): no request is mirrored from the loop's
         next turn on, while the ones under way finish; the request path reads one flag."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(setattr, self, "mirroring", False)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(setattr, self, "mirroring", False)
         else:
             self.mirroring = False
 

@@ -29,13 +29,13 @@ ARMS = ("zlab", "inhouse")
 
 
 def request(rid: int, cand_verify: int = 8, mirrored: bool = True, cand_error: str | None = None,
-            temperature: float = 0) -> tuple[Exchanged, Exchanged]:
+            temperature: float = 0, cand_text: str = "out") -> tuple[Exchanged, Exchanged]:
     """A client's exchange on the primary and its mirror's on the candidate; every request a task of its own."""
     body = json.dumps({"text": f"task {rid}", "sampling_params": {"temperature": temperature}}).encode()
     primary = replace(exchanged(rid, "zlab", False, verify=4 + rid % 3, temperature=temperature), body=body,
                       mirrors=("inhouse",) if mirrored else ())
     mirror = replace(exchanged(rid, "inhouse", True, verify=cand_verify + rid % 5, error=cand_error,
-                               temperature=temperature), body=body)
+                               temperature=temperature, text=cand_text), body=body)
     return primary, mirror
 
 
@@ -137,6 +137,28 @@ def test_once_decided_the_folder_is_complete_nothing_more_is_recorded_and_compar
     assert verdict.sequential is not None and verdict.sequential.live
     assert (verdict.sequential.looks, verdict.sequential.stopped_after_pairs) == (decided.look, decided.pairs)
     assert verdict.sequential.design.gate == ACCEPTANCE
+
+
+LOSSLESS = Gate(rules=(Rule(metric="lossless_fraction", at_least=0.99),))
+
+
+def test_losslessness_applies_only_while_every_pair_so_far_is_greedy(tmp_path: Path) -> None:
+    differing = [e for rid in range(80) for e in request(rid, 4, cand_text="other")]
+    decider, _, _ = deciding(tmp_path / "greedy", gate=LOSSLESS)
+    for e in differing:
+        decider.observe(e)
+    decider.close()
+    assert decider.decision.decision is not None and decider.decision.decision.verdict == "FAIL"
+    sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7 if rid == 2 else 0)]
+    decider, metrics, _ = deciding(tmp_path / "mixed", gate=LOSSLESS)
+    for e in sampled:
+        decider.observe(e)
+    decider.close()
+    decided = decider.decision.decision       # a sampled pair: the rule no longer applies, and passes
+    assert decided is not None and decided.verdict == "PASS" and state(metrics) == "pass"
+    [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
+    verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
+    assert [r.status for r in verdict.judgement.rules] == ["NOT_APPLICABLE"] and not verdict.forced
 
 
 def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:
