@@ -50,7 +50,7 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
 @click.option("--secondary", help="shadow mode with --record: the arm running the baseline's drafter (noise floor).")
 @click.option("--until-decided", is_flag=True, default=False,
               help="shadow mode with --record: decide the gate on the mirrored pairs as they are recorded "
-              "(sequential design) and stop mirroring once every rule is decided (the shadow: block's until_decided).")
+              "(sequential design) and stop mirroring once the verdict is decided (the shadow: block's until_decided).")
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
               help="with --until-decided: the gate's YAML file (default: the shadow gate).")
 @click.option("--look-every", type=int, help="with --until-decided: mirrored pairs between looks [16].")

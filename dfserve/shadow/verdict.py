@@ -83,8 +83,9 @@ def live_design(policy: ShadowPolicy, arms: Iterable[str], primary: str) -> tupl
     return SequentialDesign(gate=gate, **({"look_every": policy.look_every} if policy.look_every else {})), candidates[0]
 
 
-def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport) -> list[str]:
-    """How the replayed looks differ from the decision the gateway wrote; empty where it wrote none."""
+def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, request_ids: Sequence[int]) -> list[str]:
+    """How the replayed looks differ from the decision the gateway wrote; empty where it wrote none. `request_ids`:
+    the pairs' request ids in the order the looks took them."""
     file = path / DECISION
     if not file.exists():
         return []
@@ -98,6 +99,9 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport) -> l
         problems.append(f"{DECISION}: the gateway decided {decided.verdict} at look {decided.look} after "
                         f"{decided.pairs} pairs; the records replay to {again[0]} at look {again[1]} after "
                         f"{again[2]} pairs ({report.stopped})")
+    elif request_ids[decided.pairs - 1] != decided.last_request_id:
+        problems.append(f"{DECISION}: the gateway's last pair was request {decided.last_request_id}, the records' is "
+                        f"request {request_ids[decided.pairs - 1]}")
     return problems
 
 
@@ -211,7 +215,7 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     outcome = (judge_live(pairs, config.sequential, rules)
                if config.sequential is not None and cand == config.decides else FixedN().judge(pairs, METRICS, rules))
     if outcome.sequential is not None:
-        tampered = replayed(path, config, outcome.sequential)
+        tampered = replayed(path, config, outcome.sequential, pairs.index)
         if tampered and not force:
             raise Untrusted("not the gateway's decision (" + "; ".join(tampered) + ")")
         differ += tampered

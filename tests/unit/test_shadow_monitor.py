@@ -172,6 +172,16 @@ def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path
     assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
 
 
+def test_compare_refuses_a_decision_that_names_another_last_pair(tmp_path: Path) -> None:
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    decided = Decided.model_validate_json((folder / DECISION).read_text())
+    edited = decided.model_copy(update={"last_request_id": decided.last_request_id + 1})
+    (folder / DECISION).write_text(edited.model_dump_json())
+    with pytest.raises(Untrusted, match=rf"last pair was request {decided.last_request_id + 1}"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+
+
 def test_each_folder_is_a_decision_of_its_own(tmp_path: Path) -> None:
     decider, metrics, stops = deciding(tmp_path, look_every=1, records_per_folder=8)
     for rid in range(3):                          # six records in the first folder
