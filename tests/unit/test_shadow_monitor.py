@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dfserve.errors import FieldError, Untrusted
+from dfserve.gateway.app import Gateway
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.records import read_records
@@ -226,3 +227,13 @@ def test_gates_and_arms_the_live_decision_refuses(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"shadow\.gate, shadow\.look_every: only with shadow\.until_decided"):
         load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
                            "shadow.dir": "/tmp/x", "shadow.look_every": 4})
+
+
+def test_a_routing_change_does_not_mirror_again() -> None:
+    arms = {"a": {"weight": 1, "replicas": ["http://x"]}, "b": {"weight": 1, "replicas": ["http://y"]}}
+    config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a"})
+    gateway = Gateway(config)
+    assert gateway.mirroring
+    gateway.stop_mirroring()                     # not started: no loop to hand it to, so at once
+    gateway.apply(config.routing.model_copy(update={"shadow_fraction": 0.5}))
+    assert not gateway.mirroring
