@@ -99,6 +99,14 @@ EVAL_WATCH_OUTCOMES = ("too_few_checkpoints", "reached", "will_reach", "plateau_
 by `dfserve eval watch` to a Pushgateway after each checkpoint it scores, grouped by `watch`; every family but the
 step is labelled `method` (vanilla, ddtreeN)."""
 
+SHADOW_DECISION = "dfserve_shadow_decision"
+SHADOW_DECISION_STATES = ("deciding", "pass", "fail", "abandoned")
+"""Values of the `state` label of `dfserve_shadow_decision` (1 on the current one, 0 on the others): a shadow
+gateway with `until_decided` is judging its mirrored pairs (`deciding`), has decided the gate and stopped mirroring
+(`pass`, `fail`), or has given the live decision up (`abandoned`: an exchange it waits for never came)."""
+SHADOW_DECISION_PAIRS = "dfserve_shadow_decision_pairs"
+"""Mirrored pairs the live decision has judged in its current record folder."""
+
 OBSERVER_FAILURES = "dfserve_gateway_observer_failures"  # counter; exposed with _total
 OBSERVER_FAILURE_REASONS = ("failed", "behind")
 """Why an observer of the gateway's finished exchanges missed one (`gateway.observers`): it raised, or its queue was
@@ -401,6 +409,27 @@ class ObserverMetrics:
     def watch(self, observer: str) -> dict[str, Counter]:
         """The series of one observer, every reason's at 0 from its registration, so `increase()` sees the first."""
         return {reason: self.failures.labels(observer, reason) for reason in OBSERVER_FAILURE_REASONS}
+
+
+@dataclass(frozen=True)
+class ShadowDecisionMetrics:
+    """Where a shadow gateway's live decision stands (`dfserve.shadow.monitor`); set from the recorder's thread."""
+
+    state: Gauge
+    pairs: Gauge
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry) -> ShadowDecisionMetrics:
+        return cls(
+            state=Gauge(SHADOW_DECISION, "1 on the live decision's state (deciding, pass, fail, abandoned), 0 on "
+                        "the others; pass or fail: mirroring has stopped.", ("state",), registry=registry),
+            pairs=Gauge(SHADOW_DECISION_PAIRS, "Mirrored pairs judged in the current record folder.",
+                        registry=registry),
+        )
+
+    def set_state(self, state: str) -> None:
+        for each in SHADOW_DECISION_STATES:
+            self.state.labels(each).set(1 if each == state else 0)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ class Gateway:
         self.observers = Observers(ObserverMetrics.build(self.registry))
         self.observers.add("metrics", MetricsObserver(self.metrics), inline=True)
         self.request_ids = itertools.count()
+        self.mirroring = True
+        """Shadow mode mirrors requests until `stop_mirroring`; only a restart mirrors again."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.version = ""
         self.rng = random.Random(config.seed)
         self.routing = config.routing
@@ -109,7 +112,17 @@ class Gateway:
         self._set_version(routing)
         self.routing, self.router = routing, router
 
+    def stop_mirroring(self) -> None:
+        """From any thread (a shadow decision is made on the recorder's): no request is mirrored from the loop's
+        next turn on, while the ones under way finish; the request path reads one flag."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(setattr, self, "mirroring", False)
+        else:
+            self.mirroring = False
+
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         limits = self.config.limits
         http = httpx.AsyncClient(timeout=httpx.Timeout(limits.read_timeout_s, connect=limits.connect_timeout_s),
                                  trust_env=False)
@@ -233,13 +246,17 @@ class GatewayApp:
         if api != "native" and not inspected.return_spec_tokens_details:
             with_spec = sglang.with_spec_details(inspected.body)
         request_id, body = next(gateway.request_ids), request.body
-        for mirror in decision.mirrors:
+        mirrors = decision.mirrors if gateway.mirroring else ()
+        for mirror in mirrors:
             if mirror in down:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
                                                    body=body, start=start), path, with_spec, headers))
-        exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, start=start)
+        if mirrors and down:
+            mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
+        exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, start=start,
+                            mirrors=mirrors)
         await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
@@ -290,7 +307,7 @@ class GatewayApp:
             in_flight.dec()
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
-                outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed))
+                outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

@@ -9,8 +9,8 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from dfserve.errors import UserError, describe_invalid
-from dfserve.gateway.config import ArmConfig, load_config
+from dfserve.errors import UserError, describe_invalid, flags_for
+from dfserve.gateway.config import ArmConfig, GatewayConfig, load_config
 
 
 def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
@@ -48,6 +48,12 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
               help="shadow mode: write each mirrored request's answers from every arm into record folders here, "
               "for dfserve compare (the config's shadow: block).")
 @click.option("--secondary", help="shadow mode with --record: the arm running the baseline's drafter (noise floor).")
+@click.option("--until-decided", is_flag=True, default=False,
+              help="shadow mode with --record: decide the gate on the mirrored pairs as they are recorded "
+              "(sequential design) and stop mirroring once the verdict is decided (the shadow: block's until_decided).")
+@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
+              help="with --until-decided: the gate's YAML file (default: the shadow gate).")
+@click.option("--look-every", type=int, help="with --until-decided: mirrored pairs between looks [16].")
 @click.option("--watch-interval", type=float,
               help="Check --config this often and apply its routing when it changes; the admin API turns read-only.")
 def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
@@ -57,6 +63,10 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
             "health_interval": "health.interval_s", "scrape_interval": "scrape.interval_s",
             "watch_interval": "watch_interval_s", "capture_dir": "capture.dir", "record_dir": "shadow.dir",
             "secondary": "shadow.secondary"}
+    deciding = {field: value for field, value in (("shadow.until_decided", flags.pop("until_decided") or None),
+                                                  ("shadow.gate", flags.pop("gate")),
+                                                  ("shadow.look_every", flags.pop("look_every")))
+                if value is not None}
     overrides = {keys[name]: value for name, value in flags.items() if value is not None}
     if arms:
         parsed = [parse_arm_flag(text) for text in arms]
@@ -65,6 +75,10 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
             raise UserError(f"--arm: each arm needs its own name (given: {', '.join(names)})")
         overrides["routing.arms"] = dict(parsed)
     config = load_config(config_path, overrides)
+    if deciding:
+        _check_deciding(config, deciding)
+        overrides |= deciding
+        config = load_config(config_path, overrides)
     config.admin_token()
     if config.watch_interval_s is not None and config_path is None:
         raise UserError("--watch-interval: there is no file to watch; give --config")
@@ -73,4 +87,18 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
     from dfserve.gateway.entrypoint import serve
 
     logging.basicConfig(format="dfserve gateway: %(levelname)s %(message)s")
-    uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None, config_path))
+    with flags_for({field: flag for field, flag in DECIDING_FLAGS.items() if field in deciding}):
+        uvloop.run(serve(config, (lambda: load_config(config_path, overrides)) if config_path else None, config_path))
+
+
+DECIDING_FLAGS = {"shadow.until_decided": "--until-decided", "shadow.gate": "--gate", "shadow.look_every": "--look-every"}
+
+
+def _check_deciding(config: GatewayConfig, deciding: dict[str, Any]) -> None:
+    """`--until-decided` decides on recorded mirrored pairs; `--gate` and `--look-every` are its parameters."""
+    if "shadow.until_decided" not in deciding and not (config.shadow is not None and config.shadow.until_decided):
+        raise UserError("--gate, --look-every: only with --until-decided")
+    if config.routing.mode != "shadow":
+        raise UserError("--until-decided: the gate is decided on mirrored requests; give --mode shadow")
+    if config.shadow is None:
+        raise UserError("--until-decided: the gate is decided on the recorded pairs; give --record DIR")

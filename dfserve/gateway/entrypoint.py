@@ -24,8 +24,10 @@ from dfserve.gateway.observers import Observer, build
 from dfserve.gateway.server import Server, ServerLimits
 from dfserve.gateway.watch import ConfigWatcher, reload_routing
 from dfserve.listen import announce, bind, raise_open_files_limit
-from dfserve.metrics import REFUSAL_REASONS
+from dfserve.metrics import REFUSAL_REASONS, ShadowDecisionMetrics
+from dfserve.shadow.monitor import DecidingRecorder, LiveDecision
 from dfserve.shadow.recorder import ShadowRecorder
+from dfserve.shadow.verdict import live_design
 
 log = logging.getLogger("dfserve.gateway")
 
@@ -39,14 +41,27 @@ def assemble(config: GatewayConfig, observers: Mapping[str, Observer] | None = N
         gateway.observers.add("capture", CaptureObserver.of_policy(config.capture),
                               queue_size=config.capture.queue_size)
     if config.shadow is not None:
-        gateway.observers.add("shadow", ShadowRecorder(config.shadow, config.routing.primary or "", {
-            name: arm.replicas[0] for name, arm in config.routing.arms.items() if arm.replicas}), queue_size=config.shadow.queue_size)
+        gateway.observers.add("shadow", _shadow_observer(gateway, config), queue_size=config.shadow.queue_size)
     for index, entry in enumerate(config.observers):
         observer = build(entry.kind, entry.options, f"observers.{index}.kind")
         gateway.observers.add(entry.kind, observer, queue_size=entry.queue_size)
     for name, observer in (observers or {}).items():
         gateway.observers.add(name, observer)
     return gateway
+
+
+def _shadow_observer(gateway: Gateway, config: GatewayConfig) -> Observer:
+    """The shadow recorder; with `until_decided`, deciding as it records (`shadow.monitor`)."""
+    policy, routing = config.shadow, config.routing
+    assert policy is not None
+    primary = routing.primary or ""
+    deciding = live_design(policy, routing.arms, primary)
+    recorder = ShadowRecorder(policy, primary, {name: arm.replicas[0] for name, arm in routing.arms.items()
+                                                if arm.replicas}, deciding)
+    if deciding is None:
+        return recorder
+    decision = LiveDecision(deciding[0], deciding[1], policy.max_pending)
+    return DecidingRecorder(recorder, decision, ShadowDecisionMetrics.build(gateway.registry), gateway.stop_mirroring)
 
 
 async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None,

@@ -60,6 +60,8 @@ class Exchanged:
     """What the relay already held of the answer, at no cost to it: a whole body as the replica sent it, or a
     stream's last events (the whole output of a native stream, only the end of an OpenAI one)."""
     streamed: bool = False
+    mirrors: tuple[str, ...] = ()
+    """On a client's exchange: the arms its shadow copies were sent to (none skipped for a down arm)."""
 
 
 class Observer(Protocol):

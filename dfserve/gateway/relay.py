@@ -97,6 +97,8 @@ class Exchange:
     answer: bytes = b""
     """A whole body as the replica sent it, or a stream's last events (`Exchanged.answer`)."""
     streamed: bool = False
+    mirrors: tuple[str, ...] = ()
+    """`Exchanged.mirrors`."""
 
 
 class StreamKind(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Model(BaseModel):
@@ -21,3 +21,13 @@ class ShadowPolicy(_Model):
     max_folders: int = Field(16, ge=1, description="folders at most; then recording stops (logged once)")
     max_pending: int = Field(10_000, ge=1, description="primaries' records held waiting for a mirror's")
     queue_size: int = Field(4096, ge=1, description="exchanges waiting for the recorder's thread")
+    until_decided: bool = Field(False, description="decide the gate on the mirrored pairs as they are recorded "
+                                "(sequential design) and stop mirroring once it is decided (`shadow.monitor`)")
+    gate: Path | None = Field(None, description="with until_decided: the gate's YAML file (default: the shadow gate)")
+    look_every: int | None = Field(None, ge=1, description="with until_decided: mirrored pairs between looks [16]")
+
+    @model_validator(mode="after")
+    def _deciding(self) -> ShadowPolicy:
+        if not self.until_decided and (self.gate is not None or self.look_every is not None):
+            raise ValueError("shadow.gate, shadow.look_every: only with shadow.until_decided")
+        return self

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.records import shadow_record
+from dfserve.verdict.design import SequentialDesign
 
 log = logging.getLogger("dfserve.gateway")
 
@@ -61,6 +62,9 @@ class ShadowRunConfig(BaseModel):
                                        "target and drafter name the verdict's sides")
     t0_unix_s: float = Field(description="wall clock at the folder's time zero; record times are offsets from it")
     provenance: Provenance
+    sequential: SequentialDesign | None = Field(None, description="set when the gateway decides the gate on this "
+                                                "folder's pairs as they are recorded (`shadow.monitor`)")
+    decides: str | None = Field(None, description="with sequential: the mirrored arm the live decision judges")
 
 
 SERVER_INFO_TIMEOUT_S = 2.0
@@ -81,13 +85,16 @@ def server_info(url: str) -> dict[str, Any] | None:
 
 
 class _Folder:
-    def __init__(self, policy: ShadowPolicy, primary: str, sequence: int, arms: Mapping[str, str]) -> None:
+    def __init__(self, policy: ShadowPolicy, primary: str, sequence: int, arms: Mapping[str, str],
+                 deciding: tuple[SequentialDesign, str] | None) -> None:
         self.path = create_run_dir(policy.dir, prefix="shadow")
         self.t0_perf_s = time.perf_counter()
         self.config = ShadowRunConfig(run_id=self.path.name, primary=primary, secondary=policy.secondary,
                                       sequence=sequence, arms={name: ShadowArm(url=url, server_info=server_info(url))
                                                                for name, url in arms.items()},
-                                      t0_unix_s=time.time(), provenance=Provenance.here())
+                                      t0_unix_s=time.time(), provenance=Provenance.here(),
+                                      sequential=deciding[0] if deciding else None,
+                                      decides=deciding[1] if deciding else None)
         write_model(self.path / "config.json", self.config)
         self.appender = JsonlAppender(self.path / "requests.jsonl")
         self.records: list[RequestRecord] = []
@@ -110,10 +117,15 @@ class _Folder:
 class ShadowRecorder:
     """A gateway observer (`observe`, `close`) writing shadow record folders under `policy.dir`."""
 
-    def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None) -> None:
-        """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened."""
+    def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None,
+                 deciding: tuple[SequentialDesign, str] | None = None) -> None:
+        """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened. `deciding`: the
+        live decision's design and candidate, written into each folder's config.json."""
         self.policy = policy
         self.arms = dict(arms or {})
+        self.deciding = deciding
+        self.on_record: Callable[[RequestRecord, Path, str], None] | None = None
+        """Told of each record written, with its folder and the folder's primary (`shadow.monitor`)."""
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
         self._held: OrderedDict[int, Exchanged] = OrderedDict()
@@ -125,7 +137,7 @@ class ShadowRecorder:
                       self.policy.max_folders, self.policy.dir)
             return None
         self.folders += 1
-        return _Folder(self.policy, primary, self.folders - 1, self.arms)
+        return _Folder(self.policy, primary, self.folders - 1, self.arms, self.deciding)
 
     def observe(self, exchanged: Exchanged) -> None:
         rid = exchanged.request_id
@@ -153,7 +165,10 @@ class ShadowRecorder:
         folder = self._folder
         if folder is None:
             return
-        folder.write(shadow_record(exchanged, folder.t0_perf_s))
+        record = shadow_record(exchanged, folder.t0_perf_s)
+        folder.write(record)
+        if self.on_record is not None:
+            self.on_record(record, folder.path, folder.config.primary)
         if len(folder.records) >= self.policy.records_per_folder or folder.bytes >= self.policy.folder_bytes:
             self._rotate(folder.config.primary)
 

@@ -8,17 +8,21 @@ applicable, with the reason said. With a secondary arm (the baseline's drafter a
 judgement of primary against secondary is the noise floor, written beside the verdict (`noise-floor.json`) and
 printed beside it: a difference no larger than the floor is the host's or the engine's, not the drafter's.
 
+A folder the gateway decided on as it recorded it (`shadow.until_decided`, its design in config.json) is judged
+with the sequential design, its looks replayed in request-id order (`shadow.monitor.judge_live`): the verdict says
+it was decided on live traffic, and where the gateway wrote its decision the replay must find the same.
+
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
 be asked (`/server_info` unrecorded), a folder still being written (no summary.json) or whose records do not
-match its summary.
+match its summary, a decided folder whose records or design do not replay the gateway's decision (decision.json).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +34,15 @@ from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.report import Summary
 from dfserve.runs import Provenance, read_model, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
+from dfserve.shadow.monitor import DECISION, Decided, judge_live
+from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRunConfig
+from dfserve.verdict.design import SequentialDesign, SequentialReport
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import Pairs
 from dfserve.verdict.results import Judgement
+from dfserve.verdict.sequential import check_gate
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
 
 DEFAULT_GATE = Gate(rules=(
@@ -56,6 +64,45 @@ class NoiseFloor(BaseModel):
     kind: str = "shadow-noise-floor"
     secondary: str
     judgement: Judgement
+
+
+def live_design(policy: ShadowPolicy, arms: Iterable[str], primary: str) -> tuple[SequentialDesign, str] | None:
+    """The design a gateway decides with and the arm it judges, or None when it does not decide; a gate rule the
+    sequential design cannot decide (per-token ITL) or a candidate that is not one arm is refused naming its field."""
+    if not policy.until_decided:
+        return None
+    candidates = [arm for arm in arms if arm not in (primary, policy.secondary)]
+    if len(candidates) != 1:
+        raise FieldError("shadow.until_decided", f"decides one mirrored arm against the primary, and {primary} is "
+                         f"mirrored to {candidates}; name the noise-floor arm as shadow.secondary")
+    try:
+        gate = read_gate(policy.gate, DEFAULT_GATE)
+        check_gate(gate, METRICS)
+    except FieldError as exc:
+        raise FieldError("shadow.gate", exc.message) from None
+    return SequentialDesign(gate=gate, **({"look_every": policy.look_every} if policy.look_every else {})), candidates[0]
+
+
+def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, request_ids: Sequence[int]) -> list[str]:
+    """How the replayed looks differ from the decision the gateway wrote; empty where it wrote none. `request_ids`:
+    the pairs' request ids in the order the looks took them."""
+    file = path / DECISION
+    if not file.exists():
+        return []
+    decided = read_model(file, Decided, f"{file} does not exist")
+    problems = []
+    if decided.design != config.sequential or decided.candidate != config.decides:
+        problems.append(f"{DECISION}: the gateway decided {decided.candidate} with another design than config.json "
+                        "records")
+    again = (report.verdict_when_stopped, report.looks, report.stopped_after_pairs)
+    if report.stopped != "decided" or again != (decided.verdict, decided.look, decided.pairs):
+        problems.append(f"{DECISION}: the gateway decided {decided.verdict} at look {decided.look} after "
+                        f"{decided.pairs} pairs; the records replay to {again[0]} at look {again[1]} after "
+                        f"{again[2]} pairs ({report.stopped})")
+    elif request_ids[decided.pairs - 1] != decided.last_request_id:
+        problems.append(f"{DECISION}: the gateway's last pair was request {decided.last_request_id}, the records' is "
+                        f"request {request_ids[decided.pairs - 1]}")
+    return problems
 
 
 def is_shadow_folder(path: Path) -> bool:
@@ -153,9 +200,9 @@ def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
 def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:
     """Judge a shadow folder's candidate arm against its primary (and its secondary, as the noise floor); write the
     verdict into a new folder under `out` (default: beside the folder)."""
-    rules = read_gate(gate, DEFAULT_GATE)
-    check_rules(rules, METRICS)
     config = read_model(path / "config.json", ShadowRunConfig, f"{path}: not a shadow record folder")
+    rules = read_gate(gate, config.sequential.gate if config.sequential is not None else DEFAULT_GATE)
+    check_rules(rules, METRICS)
     records = list(read_records(path / "requests.jsonl"))
     cand = pick_candidate(config, records, candidate)
     differ = mismatches(config, config.primary, cand)
@@ -165,7 +212,14 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     if missing and not force:
         raise Untrusted("not the whole record: " + "; ".join(missing))
     pairs, notes = request_pairs(records, config.primary, cand)
-    judgement = FixedN().judge(pairs, METRICS, rules).judgement
+    outcome = (judge_live(pairs, config.sequential, rules)
+               if config.sequential is not None and cand == config.decides else FixedN().judge(pairs, METRICS, rules))
+    if outcome.sequential is not None:
+        tampered = replayed(path, config, outcome.sequential, pairs.index)
+        if tampered and not force:
+            raise Untrusted("not the gateway's decision (" + "; ".join(tampered) + ")")
+        differ += tampered
+    judgement = outcome.judgement
     floor = None
     if config.secondary is not None:
         floor_pairs, floor_notes = request_pairs(records, config.primary, config.secondary)
@@ -174,7 +228,7 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     verdict = Verdict(source="loadtest", verdict=judgement.verdict, baseline=_side(config, path, config.primary),
                       candidate=_side(config, path, cand), forced=bool(differ or missing), mismatches=differ,
                       incomplete=missing,
-                      judgement=judgement, gate=rules, provenance=Provenance.here())
+                      judgement=judgement, gate=rules, provenance=Provenance.here(), sequential=outcome.sequential)
     file = write_verdict(verdict, out or path.parent)
     if floor is not None:
         write_model(file.parent / NOISE_FLOOR, floor)

@@ -51,6 +51,8 @@ class SequentialReport(_Model):
     stopped_after_pairs: int = Field(description="paired requests at that look")
     verdict_when_stopped: Status
     pairs: int = Field(description="paired requests judged: requests in flight at the stop finished and count too")
+    live: bool = Field(False, description="decided on live traffic as the gateway mirrored it (pairs in the order "
+                       "of their request ids), not on a load test's schedule")
 
 
 @dataclass(frozen=True)

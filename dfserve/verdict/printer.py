@@ -58,8 +58,10 @@ def print_judgement(console: Console, j: Judgement, sequential: SequentialReport
     console.print(rules)
     if sequential:
         seq = sequential
-        console.print(f"sequential: {seq.method}; alpha {seq.design.alpha}, a look every {seq.design.look_every} "
-                      f"pairs, decisions from {seq.design.min_tasks} tasks. The run stopped at look {seq.looks} after "
+        where = " on live traffic (mirrored pairs in request order)" if seq.live else ""
+        console.print(f"sequential{where}: {seq.method}; alpha {seq.design.alpha}, a look every "
+                      f"{seq.design.look_every} pairs, decisions from {seq.design.min_tasks} tasks. The run stopped at "
+                      f"look {seq.looks} after "
                       f"{seq.stopped_after_pairs} pairs ({seq.stopped}, {seq.verdict_when_stopped}); judged over "
                       f"{seq.pairs} pairs. The table's intervals are fixed-n, for reading only.")
     console.print(f"[bold]verdict: {j.verdict}[/]" +

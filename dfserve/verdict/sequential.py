@@ -124,14 +124,18 @@ class Monitor(Generic[U]):
     `offer` is an O(1) append except at a look; a look costs a few numpy passes over the pairs so far (its cost
     is measured in bench/RESULTS.md). `stopped` turns true at the first look that decides the verdict or finds
     every undecided rule limited by the task set. `deterministic`: a repeated task repeats its outcome
-    (temperature 0)."""
+    (temperature 0). `deterministic_pair`, where the pairs mix greedy and sampled requests (live traffic): whether
+    one pair is deterministic; the first pair before the decision that is not makes the rest of the run
+    non-deterministic, so the looks stay a function of the pairs in order."""
 
     def __init__(self, design: SequentialDesign, metrics: Mapping[str, MetricSpec[U]], deterministic: bool,
-                 task_count: int, first_index: int = 0) -> None:
+                 task_count: int, first_index: int = 0,
+                 deterministic_pair: Callable[[U, U], bool] | None = None) -> None:
         check_gate(design.gate, metrics)
         self.design = design
         self.specs = [metrics[rule.metric] for rule in design.gate.rules]
         self.deterministic = deterministic
+        self.deterministic_pair = deterministic_pair
         self.task_count = task_count
         self.tracks = [kind_of(spec).track(spec, rule.limit, task_count)
                        for rule, spec in zip(design.gate.rules, self.specs, strict=True)]
@@ -164,6 +168,9 @@ class Monitor(Generic[U]):
 
     def _add(self, index: int, base: tuple[str, U], cand: tuple[str, U]) -> None:
         check_same_task(index, base[0], cand[0])
+        if (self.deterministic and self.deterministic_pair is not None and self.decision is None
+                and not self.deterministic_pair(base[1], cand[1])):
+            self.deterministic = False
         task = self._task_index.setdefault(base[0], len(self._task_index))
         for track in self.tracks:
             track.add(task, base[1], cand[1])
@@ -278,16 +285,20 @@ def rule_result(state: RuleState, task_count: int) -> RuleResult:
 class Sequential:
     """Judges the pairs of a run that looked at them as they came (`design`): the fixed-n table of every metric for
     reading, the rules decided on always-valid intervals over every pair (valid at any stopping time, the run's
-    own included). `task_count`: the task set's size; `first_index`: where the schedule's measured pairs start."""
+    own included). `task_count`: the task set's size; `first_index`: where the schedule's measured pairs start;
+    `deterministic_pair`: as the monitor's, when determinism was read pair by pair (`pairs.deterministic` is then
+    for the fixed-n table only)."""
 
     design: SequentialDesign
     task_count: int
     first_index: int = 0
+    deterministic_pair: Callable[[Any, Any], bool] | None = None
 
     def replay(self, pairs: Pairs[U], metrics: Mapping[str, MetricSpec[U]], gate: Gate) -> Monitor[U]:
         """The monitor as it was during the run: the looks depend only on the pairs in schedule order."""
-        monitor = Monitor(self.design.model_copy(update={"gate": gate}), metrics, pairs.deterministic,
-                          self.task_count, self.first_index)
+        monitor = Monitor(self.design.model_copy(update={"gate": gate}), metrics,
+                          pairs.deterministic or self.deterministic_pair is not None, self.task_count,
+                          self.first_index, self.deterministic_pair)
         for index, task, base, cand in zip(pairs.index, pairs.task_ids, pairs.base, pairs.cand, strict=True):
             monitor.offer(0, index, task, base)
             monitor.offer(1, index, task, cand)

@@ -57,6 +57,19 @@ BAD_INVOCATIONS = {
                                        "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
                                        "--record", "/tmp/dfserve-never-written", "--secondary", "a"],
                                       "shadow.secondary: 'a' is not a mirrored arm"),
+    "until decided without shadow mode": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:9",
+                                           "--until-decided"], "--until-decided: the gate is decided on mirrored"),
+    "until decided without records": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
+                                       "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
+                                       "--until-decided"], "give --record DIR"),
+    "gate without until decided": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
+                                    "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
+                                    "--record", "/tmp/dfserve-never-written", "--look-every", "4"],
+                                   "--gate, --look-every: only with --until-decided"),
+    "until decided on a per-token rule": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
+                                           "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
+                                           "--record", "/tmp/dfserve-never-written", "--until-decided",
+                                           "--gate", "{itl_gate}"], "--gate: rule itl_per_token_p95"),
     "infinite gateway weight": (["gateway", "--port", "0", "--arm", "a=inf@http://127.0.0.1:9"],
                                 "--arm: weight: Input should be a finite number"),
     "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
@@ -70,11 +83,13 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(case: str, tmp_path
     argv, expected = BAD_INVOCATIONS[case]
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("arms: [\n")
+    itl_gate = tmp_path / "gate.yaml"
+    itl_gate.write_text("rules: [{metric: itl_per_token_p95, max_worse: 0.05}]\n")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        result = run(*(a.format(bad_yaml=bad_yaml, taken=port) for a in argv))
+        result = run(*(a.format(bad_yaml=bad_yaml, taken=port, itl_gate=itl_gate) for a in argv))
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("dfserve: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert expected in result.stderr

@@ -130,3 +130,61 @@ def test_a_retried_request_is_captured_once(tmp_path: Path) -> None:
     assert retried > 0  # some requests went to the dead replica first and were retried on the engine
     manifest, captured = read_capture(tmp_path / "capture")
     assert manifest.complete and [c.body for c in captured] == bodies
+
+
+def _series(client: httpx.Client, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith(prefix))
+
+
+def _settled(client: httpx.Client, prefix: str) -> float:
+    """`prefix`'s value once no request is in flight on the gateway (the mirrors under way at the stop finish)."""
+    deadline = time.monotonic() + 30
+    while _series(client, "dfserve_requests_in_flight{") > 0:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+    return _series(client, prefix)
+
+
+def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> None:
+    """An undertrained candidate behind a shadow gateway deciding as it records: mirroring stops with FAIL, the
+    metric says so, later requests reach only the primary, and `dfserve compare` replays the same decision."""
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(yaml.safe_dump({"rules": [{"metric": "accept_length", "max_worse": 0.02},
+                                              {"metric": "error_rate", "max_worse": 0.01}]}))
+    log = tmp_path / "gateway.log"
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
+                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
+        with gateway_server(config, "--record", str(tmp_path / "shadow"), "--until-decided", "--gate", str(gate),
+                            "--look-every", "4", log=log) as url, httpx.Client(base_url=url, timeout=60) as client:
+            sent = 0
+            while _series(client, 'dfserve_shadow_decision{state="fail"}') == 0:
+                assert sent < 64, "no decision after 64 requests"
+                body = {"text": f"def task_{sent}(x):", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+                assert client.post("/generate", json=body).status_code == 200
+                sent += 1
+            assert _series(client, 'dfserve_shadow_decision{state="deciding"}') == 0
+            judged_pairs = _series(client, "dfserve_shadow_decision_pairs")
+            mirrored = _settled(client, 'dfserve_requests_total{arm="candidate"')
+            served = _series(client, 'dfserve_requests_total{arm="baseline"')
+            for i in range(4):
+                body = {"text": f"later {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+                assert client.post("/generate", json=body).status_code == 200
+            assert _settled(client, 'dfserve_requests_total{arm="candidate"') == mirrored  # mirroring stopped
+            assert _series(client, 'dfserve_requests_total{arm="baseline"') == served + 4  # clients still served
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    assert (folder / "summary.json").exists() and (folder / "decision.json").exists()
+    said = [line for line in log.read_text().splitlines() if "shadow decided" in line]
+    assert len(said) == 1 and "FAIL" in said[0] and str(folder) in said[0]
+    judged = _compare(folder, tmp_path / "verdicts")
+    assert judged.returncode == 1, judged.stdout + judged.stderr
+    assert "sequential on live traffic" in judged.stdout
+    verdict = json.loads(next((tmp_path / "verdicts").glob("*/verdict.json")).read_text())
+    decision = json.loads((folder / "decision.json").read_text())
+    assert verdict["verdict"] == "FAIL" and not verdict["forced"] and verdict["sequential"]["live"]
+    assert verdict["sequential"]["stopped_after_pairs"] == decision["pairs"] == judged_pairs
+    assert next(r for r in verdict["judgement"]["rules"] if r["metric"] == "accept_length")["status"] == "FAIL"

@@ -1,0 +1,224 @@
+"""Deciding the gate on live traffic (`shadow.until_decided`): the sequential design of `dfserve.verdict.sequential`
+on the mirrored pairs as the recorder writes them. Once every rule is decided the gateway stops mirroring (clients
+stay on the primary), the record folder gets its decision (decision.json) and is closed, complete and judgeable,
+and nothing mirrors again until the gateway is restarted, which starts a new decision in a new folder.
+
+Which pairs a look sees. The gateway numbers every client request in the order it read it (`request_id`); only
+mirrored ones are recorded, and exchanges finish out of order. A look sees the complete prefix of request ids: the
+pairs of every request up to the last one whose fate is known in full, taken in request-id order. A request's fate
+is known once its client's exchange has come (it names the arms it was mirrored to, `Exchanged.mirrors`) and, if it
+was mirrored to the candidate, the candidate's too. It is then a pair (both records in the folder being decided,
+neither cancelled by the client or the gateway's stop) or it is not (never mirrored, its mirror skipped for a down
+arm, its records split by a rotation or not written), and which it is never depends on what the answers were. A
+mirror that failed is a pair whose candidate failed: it counts towards `error_rate`, it is not left out.
+
+Why not pairs in the order they finish: at any moment the requests still in flight are the slow ones, so every
+look would favour short answers, and a rule on E2E or acceptance would be decided on a biased sample (the load
+tester's looks take the schedule's complete prefix for the same reason). The id order is fixed when the request is
+read, before any outcome, so the prefix is the traffic's own sample and each pair enters it once, at its place.
+The looks are therefore a pure function of a folder's pairs in id order, and `dfserve compare` replays them from
+requests.jsonl (`judge_live`), finding the gateway's decision at the same look, or refusing the folder.
+
+Each folder is its own decision (it holds one baseline and is judged alone): after a rotation the next folder
+starts afresh, and one closed undecided is judged after the fact, with the same design. An exchange that never
+reaches the recorder (dropped behind a full queue) would hold the prefix forever: past `max_pending` requests
+waiting behind it the live decision is given up, said once (state `abandoned`), while mirroring and recording go
+on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
+greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`).
+
+    decider = DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending=10_000), metrics, stop)
+    gateway.observers.add("shadow", decider)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dfserve.gateway.observers import Exchanged
+from dfserve.loadtest.judge import METRICS
+from dfserve.loadtest.records import RequestRecord
+from dfserve.metrics import ShadowDecisionMetrics
+from dfserve.runs import write_model
+from dfserve.shadow.recorder import ShadowRecorder
+from dfserve.verdict.design import Outcome, SequentialDesign
+from dfserve.verdict.gate import Gate
+from dfserve.verdict.pairs import Pairs
+from dfserve.verdict.sequential import Look, Monitor, Sequential
+
+log = logging.getLogger("dfserve.gateway")
+
+LIVE_TASKS = 1 << 62
+"""The task set of live traffic: unbounded, so no census decides a lossless rule and none is limited by the set."""
+DECISION = "decision.json"
+State = Literal["deciding", "pass", "fail", "abandoned"]
+
+
+class Decided(BaseModel):
+    """decision.json: what the gateway decided on a folder, written before its summary; `dfserve compare` replays
+    the folder's records and refuses it unless they give the same."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["shadow-decision"] = "shadow-decision"
+    verdict: Literal["PASS", "FAIL"]
+    look: int = Field(description="the look that decided, from 1")
+    pairs: int = Field(description="mirrored pairs in the prefix at that look")
+    last_request_id: int = Field(description="the request id of the prefix's last pair")
+    candidate: str
+    design: SequentialDesign
+
+
+def greedy_held(base: RequestRecord, cand: RequestRecord) -> bool:
+    """A pair whose outputs must agree: both requests greedy and, where both finished, both outputs held."""
+    return (base.temperature == 0 and cand.temperature == 0
+            and (not (base.ok and cand.ok) or (base.output_sha256 is not None and cand.output_sha256 is not None)))
+
+
+def judge_live(pairs: Pairs[RequestRecord], design: SequentialDesign, gate: Gate) -> Outcome:
+    """A folder's verdict with its looks replayed as the gateway took them: its pairs in request-id order."""
+    ordered = Pairs(pairs.names, tuple(range(len(pairs))), pairs.task_ids, pairs.base, pairs.cand,
+                    pairs.deterministic)
+    outcome = Sequential(design, LIVE_TASKS, deterministic_pair=greedy_held).judge(ordered, METRICS, gate)
+    assert outcome.sequential is not None
+    return Outcome(outcome.judgement, outcome.sequential.model_copy(update={"live": True}))
+
+
+def live_monitor(design: SequentialDesign) -> Monitor[RequestRecord]:
+    return Monitor(design, METRICS, True, LIVE_TASKS, deterministic_pair=greedy_held)
+
+
+@dataclass
+class _Request:
+    primary: str | None = None
+    """The arm of the client's exchange, once it has come."""
+    mirrored: bool = False
+    candidate_seen: bool = False
+    records: dict[str, tuple[RequestRecord, Path]] = field(default_factory=dict)
+
+    @property
+    def known(self) -> bool:
+        return self.primary is not None and (self.candidate_seen or not self.mirrored)
+
+
+class LiveDecision:
+    """The decision's state, pure: each exchange (`seen`) and each record written (`written`) in, the folder being
+    decided's monitor fed the complete prefix of request ids."""
+
+    def __init__(self, design: SequentialDesign, candidate: str, max_pending: int) -> None:
+        self.design = design
+        self.candidate = candidate
+        self.max_pending = max_pending
+        self.state: State = "deciding"
+        self.folder: Path | None = None
+        self.monitor: Monitor[RequestRecord] | None = None
+        self.decision: Decided | None = None
+        self.last_request_id = -1
+        self.stalled_at: int | None = None
+        self._primary = ""
+        self._next = 0
+        self._requests: dict[int, _Request] = {}
+
+    @property
+    def pairs(self) -> int:
+        return self.monitor.pairs if self.monitor is not None else 0
+
+    def written(self, record: RequestRecord, folder: Path, primary: str) -> None:
+        """A record the recorder wrote into `folder` (whose baseline is `primary`); a new folder is a new decision."""
+        if self.state != "deciding":
+            return
+        if folder != self.folder:
+            self.folder, self._primary = folder, primary
+            self.monitor = live_monitor(self.design) if primary != self.candidate else None
+        if record.arm in (primary, self.candidate) and record.index >= self._next:
+            self._requests.setdefault(record.index, _Request()).records[record.arm] = (record, folder)
+
+    def seen(self, exchanged: Exchanged) -> Look | None:
+        """One exchange, after the recorder took it; the look that decided, if this one completed it."""
+        if (self.state != "deciding" or exchanged.request_id < self._next
+                or (exchanged.mirror and exchanged.outcome.arm != self.candidate)):
+            return None
+        request = self._requests.setdefault(exchanged.request_id, _Request())
+        if exchanged.mirror:
+            request.candidate_seen = True
+        else:
+            request.primary, request.mirrored = exchanged.outcome.arm, self.candidate in exchanged.mirrors
+        while (first := self._requests.get(self._next)) is not None and first.known:
+            del self._requests[self._next]
+            look = self._take(self._next, first)
+            self._next += 1
+            if look is not None:
+                return look
+        if len(self._requests) > self.max_pending:
+            self.state, self.stalled_at = "abandoned", self._next
+            self._requests.clear()
+        return None
+
+    def _take(self, request_id: int, request: _Request) -> Look | None:
+        monitor, folder = self.monitor, self.folder
+        base, cand = request.records.get(self._primary), request.records.get(self.candidate)
+        if (monitor is None or request.primary != self._primary or base is None or cand is None
+                or base[1] != folder or cand[1] != folder or base[0].cancelled or cand[0].cancelled):
+            return None
+        monitor.offer(0, monitor.pairs, base[0].task_id, base[0])
+        monitor.offer(1, monitor.pairs, cand[0].task_id, cand[0])
+        self.last_request_id = request_id
+        look = monitor.decision
+        if look is None or look.stop != "decided" or look.verdict not in ("PASS", "FAIL"):
+            return None
+        self.decision = Decided(verdict="PASS" if look.verdict == "PASS" else "FAIL", look=look.number,
+                                pairs=look.pairs, last_request_id=request_id, candidate=self.candidate,
+                                design=self.design)
+        self.state = "pass" if look.verdict == "PASS" else "fail"
+        self._requests.clear()
+        return look
+
+
+class DecidingRecorder:
+    """The gateway's `shadow` observer when it decides as it records: the recorder writes, the decision follows
+    on the same thread; once decided, the folder is closed with its decision and `stop_mirroring` is called (it
+    hands the switch to the event loop)."""
+
+    def __init__(self, recorder: ShadowRecorder, decision: LiveDecision, metrics: ShadowDecisionMetrics,
+                 stop_mirroring: Callable[[], None]) -> None:
+        self.recorder = recorder
+        self.decision = decision
+        self.metrics = metrics
+        self.stop_mirroring = stop_mirroring
+        recorder.on_record = decision.written
+        metrics.set_state("deciding")
+
+    def observe(self, exchanged: Exchanged) -> None:
+        self.recorder.observe(exchanged)
+        decision = self.decision
+        if decision.state != "deciding":
+            return
+        look = decision.seen(exchanged)
+        self.metrics.pairs.set(decision.pairs)
+        if look is not None:
+            self._decided(look)
+        elif decision.state == "abandoned":
+            self.metrics.set_state("abandoned")
+            log.error("shadow.until_decided: request %s never finished on both arms it was sent to (its exchange "
+                      "was lost behind the recorder's queue) and %d later ones wait behind it; the live decision is "
+                      "given up, mirroring and recording go on, and dfserve compare judges each folder",
+                      decision.stalled_at, decision.max_pending)
+
+    def _decided(self, look: Look) -> None:
+        decision = self.decision
+        assert decision.decision is not None and decision.folder is not None
+        self.stop_mirroring()
+        write_model(decision.folder / DECISION, decision.decision)
+        self.recorder.close()
+        self.metrics.set_state(decision.state)
+        rules = "; ".join(f"{r.metric} {r.status}" for r in look.rules)
+        log.warning("shadow decided: %s at look %d after %d mirrored pairs (%s); mirroring stopped, clients stay on "
+                    "the primary, and a restart starts a new decision; record folder complete: %s",
+                    look.verdict, look.number, look.pairs, rules, decision.folder)
+
+    def close(self) -> None:
+        self.recorder.close()

@@ -1,0 +1,239 @@
+"""The live decision without a gateway: which mirrored pairs a look sees (the complete prefix of request ids, whatever
+order the exchanges finish in), the stop, and `dfserve compare` replaying it from the folder."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from dfserve.errors import FieldError, Untrusted
+from dfserve.gateway.app import Gateway
+from dfserve.gateway.config import load_config
+from dfserve.gateway.observers import Exchanged
+from dfserve.loadtest.records import read_records
+from dfserve.metrics import SHADOW_DECISION_STATES, ShadowDecisionMetrics
+from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
+from dfserve.shadow.policy import ShadowPolicy
+from dfserve.shadow.recorder import ShadowRecorder
+from dfserve.shadow.verdict import compare_shadow, live_design
+from dfserve.verdict.gate import Gate, Rule
+from tests.unit import test_shadow
+from tests.unit.test_shadow import ENGINES, exchanged
+
+engines = test_shadow.engines  # every arm's /server_info, without a server
+ARMS = ("zlab", "inhouse")
+
+
+def request(rid: int, cand_verify: int = 8, mirrored: bool = True, cand_error: str | None = None,
+            temperature: float = 0, cand_text: str = "out") -> tuple[Exchanged, Exchanged]:
+    """A client's exchange on the primary and its mirror's on the candidate; every request a task of its own."""
+    body = json.dumps({"text": f"task {rid}", "sampling_params": {"temperature": temperature}}).encode()
+    primary = replace(exchanged(rid, "zlab", False, verify=4 + rid % 3, temperature=temperature), body=body,
+                      mirrors=("inhouse",) if mirrored else ())
+    mirror = replace(exchanged(rid, "inhouse", True, verify=cand_verify + rid % 5, error=cand_error,
+                               temperature=temperature, text=cand_text), body=body)
+    return primary, mirror
+
+
+class Stops:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def deciding(tmp_path: Path, look_every: int = 4, max_pending: int = 10_000, records_per_folder: int = 10_000,
+             gate: Gate | None = None) -> tuple[DecidingRecorder, ShadowDecisionMetrics, Stops]:
+    policy = ShadowPolicy(dir=tmp_path / "shadow", until_decided=True, look_every=look_every,
+                          max_pending=max_pending, records_per_folder=records_per_folder)
+    live = live_design(policy, ARMS, "zlab")
+    assert live is not None
+    design = live[0] if gate is None else live[0].model_copy(update={"gate": gate})
+    metrics = ShadowDecisionMetrics.build(CollectorRegistry())
+    stops = Stops()
+    recorder = ShadowRecorder(policy, "zlab", ENGINES, (design, "inhouse"))
+    return DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending), metrics, stops), metrics, stops
+
+
+def state(metrics: ShadowDecisionMetrics) -> str:
+    [on] = [s for s in SHADOW_DECISION_STATES if metrics.state.labels(s)._value.get() == 1]
+    return on
+
+
+ACCEPTANCE = Gate(rules=(Rule(metric="accept_length", max_worse=0.02),))
+
+
+def test_a_look_sees_only_the_complete_prefix_of_request_ids(tmp_path: Path) -> None:
+    decider, metrics, _ = deciding(tmp_path, look_every=1)
+    first, first_mirror = request(0)
+    decider.observe(first)
+    for rid in range(1, 6):                      # later requests finish on both arms before request 0's mirror
+        for e in request(rid):
+            decider.observe(e)
+    assert decider.decision.pairs == 0 and metrics.pairs._value.get() == 0
+    decider.observe(first_mirror)                # the prefix closes: six pairs, taken in id order
+    assert decider.decision.pairs == 6 and decider.decision.last_request_id == 5
+    assert state(metrics) == "deciding"
+    decider.close()
+
+
+def test_requests_never_mirrored_or_left_by_their_client_are_no_pairs_and_a_failed_mirror_is_one(
+        tmp_path: Path) -> None:
+    decider, _, _ = deciding(tmp_path, look_every=1)
+    decider.observe(request(0, mirrored=False)[0])           # never mirrored: known at once, holds nothing
+    for e in request(1, cand_error="connect"):                # the candidate failed: a pair, an error
+        decider.observe(e)
+    primary, mirror = request(2)
+    decider.observe(replace(primary, outcome=replace(primary.outcome, error="client_disconnect")))
+    decider.observe(mirror)                                   # the client left: cancelled, no pair
+    for e in request(3):
+        decider.observe(e)
+    assert (decider.decision.pairs, decider.decision.last_request_id) == (2, 3)
+    decider.close()
+
+
+def _traffic(n: int, cand_verify: int = 8) -> list[Exchanged]:
+    return [e for rid in range(n) for e in request(rid, cand_verify)]
+
+
+def _decide(tmp_path: Path, exchanges: list[Exchanged]) -> tuple[DecidingRecorder, ShadowDecisionMetrics, Stops]:
+    decider, metrics, stops = deciding(tmp_path, gate=ACCEPTANCE)
+    for e in exchanges:
+        decider.observe(e)
+    decider.close()
+    return decider, metrics, stops
+
+
+def test_a_worse_candidate_is_decided_whatever_order_exchanges_finish_in(tmp_path: Path) -> None:
+    in_order = _traffic(80)
+    shuffled = in_order[:]
+    random.Random(7).shuffle(shuffled)       # out-of-order completions, mirrors before their primaries included
+    decisions = []
+    for name, exchanges in (("ordered", in_order), ("shuffled", shuffled)):
+        decider, metrics, stops = _decide(tmp_path / name, exchanges)
+        decided = decider.decision.decision
+        assert decided is not None and decided.verdict == "FAIL" and state(metrics) == "fail"
+        assert stops.calls == 1
+        decisions.append((decided.look, decided.pairs, decided.last_request_id))
+    assert decisions[0] == decisions[1]
+    assert decisions[0][1] < 80                   # decided before the traffic ran out
+
+
+def test_once_decided_the_folder_is_complete_nothing_more_is_recorded_and_compare_agrees(tmp_path: Path) -> None:
+    _, _, stops = _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    decided = Decided.model_validate_json((folder / DECISION).read_text())
+    assert (folder / "summary.json").exists() and stops.calls == 1
+    recorded = {r.index for r in read_records(folder / "requests.jsonl")}
+    assert max(recorded) == decided.last_request_id        # exchanges after the decision went nowhere
+    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
+    verdict = judged.verdict
+    assert verdict.verdict == "FAIL" and not verdict.forced
+    assert verdict.sequential is not None and verdict.sequential.live
+    assert (verdict.sequential.looks, verdict.sequential.stopped_after_pairs) == (decided.look, decided.pairs)
+    assert verdict.sequential.design.gate == ACCEPTANCE
+
+
+LOSSLESS = Gate(rules=(Rule(metric="lossless_fraction", at_least=0.99),))
+
+
+def test_losslessness_applies_only_while_every_pair_so_far_is_greedy(tmp_path: Path) -> None:
+    differing = [e for rid in range(80) for e in request(rid, 4, cand_text="other")]
+    decider, _, _ = deciding(tmp_path / "greedy", gate=LOSSLESS)
+    for e in differing:
+        decider.observe(e)
+    decider.close()
+    assert decider.decision.decision is not None and decider.decision.decision.verdict == "FAIL"
+    sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7 if rid == 2 else 0)]
+    decider, metrics, _ = deciding(tmp_path / "mixed", gate=LOSSLESS)
+    for e in sampled:
+        decider.observe(e)
+    decider.close()
+    decided = decider.decision.decision       # a sampled pair: the rule no longer applies, and passes
+    assert decided is not None and decided.verdict == "PASS" and state(metrics) == "pass"
+    [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
+    verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
+    assert [r.status for r in verdict.judgement.rules] == ["NOT_APPLICABLE"] and not verdict.forced
+
+
+def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    config = json.loads((folder / "config.json").read_text())
+    config["sequential"]["look_every"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Untrusted, match=r"decision\.json: the gateway decided FAIL at look"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
+
+
+def test_compare_refuses_a_decision_that_names_another_last_pair(tmp_path: Path) -> None:
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    decided = Decided.model_validate_json((folder / DECISION).read_text())
+    edited = decided.model_copy(update={"last_request_id": decided.last_request_id + 1})
+    (folder / DECISION).write_text(edited.model_dump_json())
+    with pytest.raises(Untrusted, match=rf"last pair was request {decided.last_request_id + 1}"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+
+
+def test_each_folder_is_a_decision_of_its_own(tmp_path: Path) -> None:
+    decider, metrics, stops = deciding(tmp_path, look_every=1, records_per_folder=8)
+    for rid in range(3):                          # six records in the first folder
+        for e in request(rid):
+            decider.observe(e)
+    (primary3, mirror3), (primary4, mirror4) = request(3), request(4)
+    decider.observe(mirror3)                      # mirrors first: the seventh record
+    decider.observe(mirror4)                      # the eighth: the folder rotates
+    decider.observe(primary4)                     # both primaries land in the next folder: 3 and 4 pair nowhere
+    decider.observe(primary3)
+    for rid in range(5, 7):
+        for e in request(rid):
+            decider.observe(e)
+    folders = sorted((tmp_path / "shadow").iterdir())
+    assert len(folders) == 2 and decider.decision.folder == folders[1]
+    assert (decider.decision.pairs, decider.decision.last_request_id) == (2, 6)
+    assert stops.calls == 0 and state(metrics) == "deciding"
+    decider.close()
+
+
+def test_an_exchange_that_never_comes_gives_the_decision_up(tmp_path: Path) -> None:
+    decider, metrics, stops = deciding(tmp_path, max_pending=4)
+    decider.observe(request(0)[0])                # request 0's mirror is lost
+    for rid in range(1, 7):
+        for e in request(rid):
+            decider.observe(e)
+    assert decider.decision.state == "abandoned" and state(metrics) == "abandoned" and stops.calls == 0
+    assert decider.decision.stalled_at == 0
+    decider.close()
+
+
+def test_gates_and_arms_the_live_decision_refuses(tmp_path: Path) -> None:
+    itl = tmp_path / "gate.yaml"
+    itl.write_text("rules: [{metric: itl_per_token_p95, max_worse: 0.05}]\n")
+    with pytest.raises(FieldError, match=r"^shadow\.gate: rule itl_per_token_p95: .*many dependent samples"):
+        live_design(ShadowPolicy(dir=tmp_path, until_decided=True, gate=itl), ARMS, "zlab")
+    with pytest.raises(FieldError, match=r"^shadow\.until_decided: .*shadow\.secondary"):
+        live_design(ShadowPolicy(dir=tmp_path, until_decided=True), ("zlab", "inhouse", "zlab2"), "zlab")
+    assert live_design(ShadowPolicy(dir=tmp_path, until_decided=True, secondary="zlab2"),
+                       ("zlab", "inhouse", "zlab2"), "zlab") is not None
+    arms = {"a": {"weight": 1, "replicas": ["http://x"]}, "b": {"weight": 1, "replicas": ["http://y"]}}
+    with pytest.raises(Exception, match=r"shadow\.gate, shadow\.look_every: only with shadow\.until_decided"):
+        load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
+                           "shadow.dir": "/tmp/x", "shadow.look_every": 4})
+
+
+def test_a_routing_change_does_not_mirror_again() -> None:
+    arms = {"a": {"weight": 1, "replicas": ["http://x"]}, "b": {"weight": 1, "replicas": ["http://y"]}}
+    config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a"})
+    gateway = Gateway(config)
+    assert gateway.mirroring
+    gateway.stop_mirroring()                     # not started: no loop to hand it to, so at once
+    gateway.apply(config.routing.model_copy(update={"shadow_fraction": 0.5}))
+    assert not gateway.mirroring
