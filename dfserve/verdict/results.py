@@ -71,9 +71,12 @@ class Judgement(_Model):
 
 
 def fold(statuses: Iterable[RuleStatus]) -> Status:
-    """Any FAIL fails, else any INCONCLUSIVE leaves it open, else PASS (a rule that does not apply passes)."""
+    """Any FAIL fails, else any INCONCLUSIVE leaves it open, else PASS if some rule passed. A rule that does not
+    apply neither passes nor fails, so a gate none of whose rules applies has judged nothing and is not a PASS."""
     seen = set(statuses)
-    return "FAIL" if "FAIL" in seen else "INCONCLUSIVE" if "INCONCLUSIVE" in seen else "PASS"
+    if "FAIL" in seen:
+        return "FAIL"
+    return "PASS" if "PASS" in seen and "INCONCLUSIVE" not in seen else "INCONCLUSIVE"
 
 
 def overall(rules: Sequence[RuleResult]) -> tuple[Status, int | None]:

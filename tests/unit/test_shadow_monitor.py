@@ -155,11 +155,12 @@ def test_losslessness_applies_only_while_every_pair_so_far_is_greedy(tmp_path: P
     for e in sampled:
         decider.observe(e)
     decider.close()
-    decided = decider.decision.decision       # a sampled pair: the rule no longer applies, and passes
-    assert decided is not None and decided.verdict == "PASS" and state(metrics) == "pass"
+    # a sampled pair: the only rule no longer applies, so nothing is judged and nothing is decided
+    assert decider.decision.decision is None and state(metrics) == "deciding"
     [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
     verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
     assert [r.status for r in verdict.judgement.rules] == ["NOT_APPLICABLE"] and not verdict.forced
+    assert verdict.judgement.verdict == "INCONCLUSIVE"
 
 
 def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:

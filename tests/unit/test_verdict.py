@@ -14,6 +14,7 @@ from dfserve.errors import FieldError
 from dfserve.loadtest.judge import DEFAULT_GATE, judge, load_gate
 from dfserve.verdict import stats
 from dfserve.verdict.printer import print_judgement
+from dfserve.verdict.results import fold
 from tests.synthetic import synthetic
 
 
@@ -96,3 +97,10 @@ def test_grid_quantiles_of_many_values_agree_with_the_exact_ones() -> None:
     exact = stats.weighted_quantiles(weights[:, owners], values, 0.95)
     grid = stats.clustered_quantiles(weights, values, owners, 0.95)
     assert np.abs(grid - exact).max() < 0.02 * exact.mean()
+
+
+def test_a_gate_none_of_whose_rules_applies_decides_nothing() -> None:
+    assert fold(["NOT_APPLICABLE", "NOT_APPLICABLE"]) == "INCONCLUSIVE"
+    assert fold(["NOT_APPLICABLE", "PASS"]) == "PASS"
+    assert fold(["NOT_APPLICABLE", "INCONCLUSIVE", "PASS"]) == "INCONCLUSIVE"
+    assert fold(["PASS", "FAIL", "NOT_APPLICABLE"]) == "FAIL"
