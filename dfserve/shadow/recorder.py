@@ -7,9 +7,10 @@ written: complete, and judgeable by `dfserve compare` while recording goes on) a
 reading. Records land in the folder open when their exchange finished, so a request in flight across a rotation
 has its arms in two folders and pairs in neither.
 
-Only requests that were mirrored are recorded: a primary's record is held until its first mirror's arrives (or
-written with it if the mirror finished first), and one whose request was not mirrored is let go when the held
-count passes `max_pending`, oldest first.
+Only requests that were mirrored are recorded (a client's exchange names the arms it was mirrored to; one pinned
+to an arm by `x-dfserve-arm`, or sent after mirroring stopped, is no pair and does not rotate the folder): a
+primary's record is held until its first mirror's arrives (or written with it if the mirror finished first), and
+let go, oldest first, when the held count passes `max_pending` (its mirrors' exchanges were lost).
 
     gateway:
       mode: shadow
@@ -142,6 +143,8 @@ class ShadowRecorder:
     def observe(self, exchanged: Exchanged) -> None:
         rid = exchanged.request_id
         folder = self._folder
+        if not exchanged.mirror and not exchanged.mirrors:
+            return  # not mirrored (pinned to an arm, mirroring stopped, or its mirrors' arms down): no pair
         if not exchanged.mirror and folder is not None and exchanged.outcome.arm != folder.config.primary:
             self._rotate(exchanged.outcome.arm)  # the routing changed: a folder has one baseline
         if not exchanged.mirror:

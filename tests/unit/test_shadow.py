@@ -26,12 +26,15 @@ def _native(text: str, tokens: int, verify: int) -> bytes:
 
 
 def exchanged(rid: int, arm: str, mirror: bool, *, text: str = "out", verify: int = 4, temperature: float = 0,
-              error: str | None = None, streamed: bool = False, answer: bytes | None = None) -> Exchanged:
+              error: str | None = None, streamed: bool = False, answer: bytes | None = None,
+              mirrors: tuple[str, ...] = ("inhouse", "zlab2")) -> Exchanged:
+    """A client's exchange (mirrored to `mirrors`) or a mirror's."""
     body = json.dumps({"text": f"prompt {rid % 3}", "sampling_params": {"temperature": temperature}}).encode()
     outcome = Outcome(arm=arm, route="native", replica="r", status=200, error=error, ttft_s=0.01, e2e_s=0.1,
                       output_tokens=16, verify_rounds=verify, accept_length=16 / verify, measure="exact")
     return Exchanged(rid, mirror, "POST", "/generate", b"", body, 100.0 + rid, outcome,
-                     answer=_native(text, 16, verify) if answer is None else answer, streamed=streamed)
+                     answer=_native(text, 16, verify) if answer is None else answer, streamed=streamed,
+                     mirrors=() if mirror else mirrors)
 
 
 def test_an_exchange_becomes_the_load_testers_record() -> None:
@@ -73,7 +76,8 @@ def _folders(root: Path) -> list[Path]:
 
 def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> None:
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=4, max_folders=2), "zlab")
-    recorder.observe(exchanged(0, "zlab", False))          # never mirrored: not recorded
+    recorder.observe(exchanged(0, "zlab", False, mirrors=()))  # never mirrored: not recorded
+    recorder.observe(exchanged(9, "inhouse", False, mirrors=()))  # pinned to an arm: no pair, and no rotation
     recorder.observe(exchanged(1, "inhouse", True))         # mirror first, then its primary
     recorder.observe(exchanged(1, "zlab", False))
     recorder.observe(exchanged(2, "zlab", False))
