@@ -58,8 +58,8 @@ class RatioTrack(_SeenTasks, Generic[U]):
         assert spec.numerator is not None and spec.denominator is not None
         self.numerator, self.denominator = spec.numerator, spec.denominator
         self.scale = max(limit, SCALE_FLOOR)
-        self.sums = np.zeros((4, max(1, min(task_count, 1024))))  # per task: baseline num, den; candidate num, den; grown
-        # as tasks come (live traffic has no finite task set)
+        # Per task: baseline num, den; candidate num, den. Grown as tasks come: live traffic has no finite task set.
+        self.sums = np.zeros((4, max(1, min(task_count, 1024))))
         super().__init__()
 
     def add(self, task: int, base: U, cand: U) -> None:
