@@ -148,6 +148,15 @@ def _settled(client: httpx.Client, prefix: str) -> float:
     return _series(client, prefix)
 
 
+def _two_arms(tmp_path: Path, primary: str, candidate: str) -> Path:
+    """A shadow gateway's config: `baseline` answers, `candidate` is mirrored to."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({
+        "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+        "arms": {"baseline": {"weight": 1, "replicas": [primary]}, "candidate": {"weight": 1, "replicas": [candidate]}}}))
+    return config
+
+
 def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> None:
     """An undertrained candidate behind a shadow gateway deciding as it records: mirroring stops with FAIL, the
     metric says so, later requests reach only the primary, and `dfserve compare` replays the same decision."""
@@ -156,11 +165,7 @@ def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> Non
                                               {"metric": "error_rate", "max_worse": 0.01}]}))
     log = tmp_path / "gateway.log"
     with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
-                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
+        config = _two_arms(tmp_path, primary, candidate)
         with gateway_server(config, "--record", str(tmp_path / "shadow"), "--until-decided", "--gate", str(gate),
                             "--look-every", "4", log=log) as url, httpx.Client(base_url=url, timeout=60) as client:
             sent = 0
@@ -208,11 +213,7 @@ def _streamed_content(raw: bytes) -> list[str]:
 
 def test_streamed_chat_is_recorded_with_the_clients_text_and_chunk_times(tmp_path: Path) -> None:
     with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
-                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
+        config = _two_arms(tmp_path, primary, candidate)
         received: list[list[str]] = []
         with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
