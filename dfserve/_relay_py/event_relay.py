@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from dfserve._relay_py.bins import NO_BINS, Bins
 from dfserve._relay_py.frame import LAST_CHUNK
@@ -18,7 +19,9 @@ class EventRelay:
     histogram buckets (`gap_bounds`, then +Inf). An event still incomplete past `max_event_bytes` raises
     `EventTooLarge` and ends the relay, letting go of what it held. With `strip`, the members whose key it is are
     cut out of every event before it goes out (an event left with an empty object goes whole), and the last piece
-    they were cut from is kept as it came (`stripped`).
+    they were cut from is kept as it came (`stripped`). With `keep_pieces`, every piece of whole events relayed is
+    kept, by reference, with its arrival time (`pieces`): what a client would have read, for a record of the
+    stream decoded later, off the loop.
 
     Made without `__init__` (or after a failed one), it relays nothing: the class's values below are an inert
     relay's."""
@@ -32,6 +35,7 @@ class EventRelay:
     _held = bytearray()  # never written: an initialised relay holds its bytes in a bytearray of its own
     _max_event_bytes = 2**63 - 1
     _tail = (b"", b"")
+    _pieces: list[tuple[float, bytes]] | None = None
     _tokens = 0
     _first = -1.0
     _previous = 0.0
@@ -42,7 +46,7 @@ class EventRelay:
 
     def __init__(self, write: Callable[[bytes], object] | None, chunked: bool, keys: tuple[bytes, ...],
                  cumulative: bool, gap_bounds: Sequence[float], max_event_bytes: int | None = None,
-                 strip: bytes | None = None) -> None:
+                 strip: bytes | None = None, keep_pieces: bool = False) -> None:
         self._closed = True
         chunked, cumulative = bool(chunked), bool(cumulative)
         if strip is not None and not (isinstance(strip, bytes) and strip):
@@ -62,6 +66,7 @@ class EventRelay:
         self._held = bytearray()
         self._max_event_bytes = limit
         self._tail = (b"", b"")
+        self._pieces = [] if keep_pieces else None
         self._chunked = chunked
         self._cumulative = cumulative
         self._tokens = -1 if cumulative else 0
@@ -109,6 +114,8 @@ class EventRelay:
             self._meter(now, events)
         finally:
             self._tail = (self._tail[1], events)
+        if self._pieces is not None and events:
+            self._pieces.append((cast(float, now), events))  # as it came, as C keeps it
         self._check_held()
 
     def _check_held(self) -> None:
@@ -159,6 +166,12 @@ class EventRelay:
     def stripped(self) -> bytes:
         """The last piece of whole events that had members cut (`strip`), as it came; empty if none."""
         return self._stripped
+
+    @property
+    def pieces(self) -> list[tuple[float, bytes]] | None:
+        """`keep_pieces`: every piece of whole events relayed (as the client got them, none empty) with the clock
+        reading of its arrival, by reference; else None."""
+        return self._pieces
 
     @property
     def last_chunk_written(self) -> bool:

@@ -75,6 +75,8 @@ class Gateway:
         self.mirroring = True
         """Shadow mode mirrors requests until `stop_mirroring`; only a restart mirrors again."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.records_streams = config.shadow is not None
+        """Shadow records want a mirrored stream's pieces (`Exchanged.pieces`): its output and chunk times."""
         self.version = ""
         self.rng = random.Random(config.seed)
         self.routing = config.routing
@@ -247,16 +249,18 @@ class GatewayApp:
             with_spec = sglang.with_spec_details(inspected.body)
         request_id, body = next(gateway.request_ids), request.body
         mirrors = decision.mirrors if gateway.mirroring else ()
+        recorded = gateway.records_streams and any(mirror not in down for mirror in mirrors)
         for mirror in mirrors:
             if mirror in down:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
-                                                   body=body, start=start), path, with_spec, headers))
+                                                   body=body, start=start, keep_pieces=recorded), path, with_spec,
+                                          headers))
         if mirrors and down:
             mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
         exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, start=start,
-                            mirrors=mirrors)
+                            mirrors=mirrors, keep_pieces=recorded)
         await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
@@ -307,7 +311,8 @@ class GatewayApp:
             in_flight.dec()
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
-                outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors))
+                outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors,
+                exchange.pieces))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

@@ -62,6 +62,11 @@ class Exchanged:
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
     """On a client's exchange: the arms its shadow copies were sent to (none skipped for a down arm)."""
+    pieces: Sequence[tuple[float, bytes]] | None = None
+    """A recorded stream as its client read it: each piece of whole events, with the `perf_counter` reading of its
+    arrival (`EventRelay.pieces`, by reference, decoded by the observer's thread); None for a stream not recorded
+    (which the gateway decides per request at dispatch: shadow records are of mirrored requests and their
+    primary) and for a whole body."""
 
 
 class Observer(Protocol):

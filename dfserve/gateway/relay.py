@@ -99,6 +99,10 @@ class Exchange:
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
     """`Exchanged.mirrors`."""
+    keep_pieces: bool = False
+    """Recorded: a stream's relay keeps every piece it relays, with its arrival time (decided at dispatch)."""
+    pieces: list[tuple[float, bytes]] | None = None
+    """What the relay kept (`Exchanged.pieces`)."""
 
 
 class StreamKind(Protocol):
@@ -148,9 +152,10 @@ class OpenAIStream:
 
 
 def meter(relay: EventRelay, exchange: Exchange) -> None:
-    """The stream's first output and its gaps, as the relay counted them (what was relayed, also of a stream cut
-    short)."""
+    """The stream's first output and its gaps, as the relay counted them, and the pieces it kept if asked (what was
+    relayed, also of a stream cut short)."""
     exchange.first = relay.first
+    exchange.pieces = relay.pieces
     exchange.chunk_gaps = Binned(*relay.chunk_gaps)
     token_gaps = relay.token_gaps
     exchange.token_gaps = Binned(*token_gaps) if token_gaps is not None else None
@@ -165,7 +170,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     nothing of this coroutine's, so a finished request leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
     relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes,
-                       strip)
+                       strip, exchange.keep_pieces)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
     failure: Exception | None = None

@@ -20,6 +20,7 @@ typedef struct {
     double previous;    /* and of the latest */
     Bins chunk_gaps;    /* gaps between pieces that carried tokens */
     Bins token_gaps;    /* the same gaps per token, one per token (cumulative marks: exact token counts) */
+    PyObject *pieces;   /* keep_pieces: a list of (arrival, whole events relayed), by reference; else None */
     int closed;
     int last_chunk_written; /* the body's end went out with its last events */
 } EventRelay;
@@ -148,7 +149,16 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
     int failed = relay_meter(self, now, events);
     Py_SETREF(self->tail[0], self->tail[1]);
     self->tail[1] = events;
-    return failed ? -1 : check_held(self);
+    if (failed)
+        return -1;
+    if (self->pieces != Py_None && PyBytes_GET_SIZE(events) > 0) {
+        PyObject *piece = PyTuple_Pack(2, now, events);
+        failed = piece == NULL || PyList_Append(self->pieces, piece) < 0;
+        Py_XDECREF(piece);
+        if (failed)
+            return -1;
+    }
+    return check_held(self);
 }
 
 /* Every object field set to something harmless, so that no method meets a NULL: after __new__ without
@@ -166,6 +176,7 @@ EventRelay_reset_fields(EventRelay *self)
     Py_XSETREF(self->write, Py_NewRef(Py_None));
     Py_XSETREF(self->keys, no_keys);
     Py_XSETREF(self->strip, Py_NewRef(Py_None));
+    Py_XSETREF(self->pieces, Py_NewRef(Py_None));
     Py_XSETREF(self->stripped, Py_NewRef(empty));
     Py_XSETREF(self->tail[0], Py_NewRef(empty));
     Py_XSETREF(self->tail[1], empty);
@@ -189,12 +200,13 @@ EventRelay_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"write", "chunked", "keys", "cumulative", "gap_bounds", "max_event_bytes", "strip", NULL};
+    static char *names[] = {"write",           "chunked", "keys",        "cumulative", "gap_bounds",
+                            "max_event_bytes", "strip",   "keep_pieces", NULL};
     PyObject *write, *keys, *gap_bounds, *limit = Py_None, *strip = Py_None;
-    int chunked, cumulative;
+    int chunked, cumulative, keep_pieces = 0;
     self->closed = 1; /* until this succeeds */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|OO", names, &write, &chunked, &keys, &cumulative,
-                                     &gap_bounds, &limit, &strip))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|OOp", names, &write, &chunked, &keys, &cumulative,
+                                     &gap_bounds, &limit, &strip, &keep_pieces))
         return -1;
     if (strip != Py_None && (!PyBytes_Check(strip) || PyBytes_GET_SIZE(strip) == 0)) {
         PyErr_SetString(PyExc_TypeError, "strip must be a non-empty bytes key or None");
@@ -220,6 +232,12 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
         if (key == NULL)
             return -1;
         Py_SETREF(self->strip, key);
+    }
+    if (keep_pieces) {
+        PyObject *pieces = PyList_New(0);
+        if (pieces == NULL)
+            return -1;
+        Py_SETREF(self->pieces, pieces);
     }
     self->held_length = 0;
     self->max_event_bytes = max_event_bytes;
@@ -285,6 +303,12 @@ EventRelay_get_stripped(EventRelay *self, void *closure)
 }
 
 static PyObject *
+EventRelay_get_pieces(EventRelay *self, void *closure)
+{
+    return Py_NewRef(self->pieces);
+}
+
+static PyObject *
 EventRelay_get_tokens(EventRelay *self, void *closure)
 {
     if (self->tokens < 0)
@@ -321,6 +345,7 @@ EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
     Py_VISIT(self->keys);
     Py_VISIT(self->strip);
     Py_VISIT(self->stripped);
+    Py_VISIT(self->pieces);
     Py_VISIT(self->tail[0]);
     Py_VISIT(self->tail[1]);
     return 0;
@@ -341,6 +366,7 @@ EventRelay_dealloc(EventRelay *self)
     Py_CLEAR(self->keys);
     Py_CLEAR(self->strip);
     Py_CLEAR(self->stripped);
+    Py_CLEAR(self->pieces);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
     PyMem_Free(self->held);
@@ -365,6 +391,10 @@ static PyGetSetDef EventRelay_getset[] = {
     {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
     {"stripped", (getter)EventRelay_get_stripped, NULL,
      "The last piece of whole events that had members cut (strip), as it came; empty if none.", NULL},
+    {"pieces", (getter)EventRelay_get_pieces, NULL,
+     "keep_pieces: every piece of whole events relayed (as the client got them, none empty), with the clock reading "
+     "of its arrival, as a list of (now, events), by reference: what a client would have read; else None.",
+     NULL},
     {"last_chunk_written", (getter)EventRelay_get_last_chunk_written, NULL,
      "The client's chunked body was ended (its last chunk written) with the upstream body's last events.", NULL},
     {"tokens", (getter)EventRelay_get_tokens, NULL,
@@ -381,10 +411,11 @@ static PyGetSetDef EventRelay_getset[] = {
 PyTypeObject EventRelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.EventRelay",
-    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None, strip=None): relays "
-              "a server-sent-event body to a client whole events at a time, less the members whose key is strip "
-              "(an event left with an empty object goes whole), and meters the gaps between the pieces that "
-              "carried tokens.",
+    .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None, strip=None, "
+              "keep_pieces=False): relays a server-sent-event body to a client whole events at a time, less the "
+              "members whose key is strip (an event left with an empty object goes whole), and meters the gaps "
+              "between the pieces that carried tokens; with keep_pieces, it also keeps each piece relayed with its "
+              "arrival time (pieces).",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = EventRelay_new,

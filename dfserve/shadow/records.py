@@ -3,19 +3,26 @@
 A shadow run pairs by request, not by task: a record's `index` is the gateway's `request_id` (shared by a client's
 request and its mirrors), and its `task_id` the hash of the client's body, so that identical requests are one
 cluster (and, greedy, must give identical outputs). Times are seconds from the record folder's time zero on the
-gateway's `perf_counter` clock. Acceptance is kept only where SGLang reported it exactly; the gateway sees no
-chunk times (its relay bins the gaps in C), so ITL and TPOT are not in a shadow record.
+gateway's `perf_counter` clock. Acceptance is kept only where SGLang reported it exactly.
+
+A recorded stream comes with the pieces its client read, each dated by its arrival (`Exchanged.pieces`: the
+relay keeps them for requests the gateway records, decided at dispatch), and they are read here, on the observer's
+thread, by the load tester's own reader (`loadtest.client.read_stream`): the chunk times (so TPOT and ITL) and the
+output text hashed are what a load tester reading that stream would record. A whole body's output is read from
+the body; it has no chunk times.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.gateway.observers import Exchanged
+from dfserve.loadtest.client import StreamRead, read_stream
 from dfserve.loadtest.records import ErrorKind, RequestRecord
 
 GREEDY_DEFAULT_TEMPERATURE = 1.0
@@ -36,8 +43,9 @@ def request_temperature(route: str, body: bytes) -> float:
 
 
 def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
-    """The answer's output text where the gateway holds all of it: a whole body, or a native stream's last event
-    (SGLang repeats the whole output in each); None for an OpenAI stream (the gateway keeps only its end)."""
+    """The answer's output text where `answer` holds all of it: a whole body, or a native stream's last event
+    (SGLang repeats the whole output in each); None for an OpenAI stream (`answer` is only its end: its text is
+    read from its pieces, `recorded_stream`)."""
     try:
         if not streamed:
             if route == "native":
@@ -76,18 +84,31 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     return "protocol"
 
 
+def recorded_stream(route: str, pieces: Sequence[tuple[float, bytes]], t0_perf_s: float) -> StreamRead:
+    """A recorded stream read as the load tester reads one: chunk times in seconds from `t0_perf_s`, output text,
+    and how it failed by the tester's rules, if it did."""
+    return read_stream(cast(sglang.Api, route), pieces, t0_perf_s)  # only proxied routes' streams are recorded
+
+
 def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     """The record of one arm's answer to one request."""
     o = exchanged.outcome
     start = exchanged.start_s - t0_perf_s
     kind = error_kind(o.error, o.status)
     exact = o.measure == "exact" and o.verify_rounds is not None
-    text = output_text(o.route, exchanged.answer, exchanged.streamed) if kind is None else None
+    text, chunk_times, chunk_tokens = None, [], None
+    if exchanged.pieces is not None:
+        stream = recorded_stream(o.route, exchanged.pieces, t0_perf_s)
+        chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
+        if kind is None and stream.failure is None:
+            text = stream.text
+    elif kind is None:
+        text = output_text(o.route, exchanged.answer, exchanged.streamed)
     return RequestRecord(
         arm=o.arm, index=exchanged.request_id, task_id=hashlib.sha256(exchanged.body).hexdigest()[:16],
         dispatched_s=start, sent_s=start,
         first_token_s=start + o.ttft_s if o.ttft_s is not None else None,
-        end_s=start + o.e2e_s if o.e2e_s is not None else None,
+        end_s=start + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
         completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
         acceptance="exact" if exact else "unknown",
         output_sha256=hashlib.sha256(text.encode()).hexdigest() if text is not None else None,

@@ -51,10 +51,12 @@ DEFAULT_GATE = Gate(rules=(
     Rule(metric="error_rate", max_worse=0.01),
     Rule(metric=LOSSLESS, at_least=0.99),
 ))
-"""The load test's default gate with E2E p95 for TPOT p95: the gateway sees no chunk times, so no TPOT."""
+"""The load test's default gate with E2E p95 for TPOT p95: a whole (unstreamed) answer has no chunk times, so live
+traffic without streams would leave TPOT undecided. TPOT and ITL are measured on recorded streams: a gate that
+names them (`--gate`) is judged on those."""
 NOISE_FLOOR = "noise-floor.json"
-NO_HASH = ("losslessness not applicable: some greedy answers were OpenAI streams, whose output the gateway does "
-           "not hold (send them unstreamed or natively to have it checked)")
+NO_HASH = ("losslessness not applicable: some greedy answers have no output the gateway could read (an OpenAI "
+           "stream recorded without its pieces, or an answer that is not SGLang's)")
 
 
 class NoiseFloor(BaseModel):

@@ -92,6 +92,7 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
     assert len(seen) == 3 * requests and recorder.closed
     by_request = Counter(e.request_id for e in seen)
     assert len(by_request) == requests and set(by_request.values()) == {3}
+    assert any(e.streamed for e in seen) and all(e.pieces is None for e in seen)  # no shadow records: none kept
     for request_id in by_request:
         arms = {e.outcome.arm: e for e in seen if e.request_id == request_id}
         assert set(arms) == {"baseline", "candidate", "dead"}

@@ -1,12 +1,14 @@
 """Shadow records and capture through a real `dfserve gateway` in front of simulated engines: clients' chat and
 native requests are recorded once per arm, paired by request; `dfserve compare` judges the folder (FAIL for the
 undertrained drafter), with the noise floor of a secondary arm; greedy outputs are identical; the capture holds
-each client request once."""
+each client request once. Streamed chat is recorded with the text its client read and its chunk times, so the
+verdict judges TPOT and losslessness on it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -27,8 +29,8 @@ REQUESTS = 24
 
 
 def _bodies() -> list[tuple[str, dict[str, Any]]]:
-    """Chat and native, whole and streamed (OpenAI streams only where losslessness is not being checked), greedy;
-    each prompt twice, so identical requests are one cluster."""
+    """Chat (whole) and native (whole and streamed), greedy; each prompt twice, so identical requests are one
+    cluster."""
     bodies: list[tuple[str, dict[str, Any]]] = []
     for i in range(REQUESTS):
         prompt = f"def task_{i % (REQUESTS // 2)}(x):"
@@ -54,9 +56,9 @@ def _wait_for_mirrors(client: httpx.Client, count: int) -> None:
     raise AssertionError(f"mirrors did not finish: {done} of {count}")
 
 
-def _compare(folder: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(dfserve_argv("compare", str(folder), "--out", str(out)), capture_output=True, text=True,
-                          timeout=120)
+def _compare(folder: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dfserve_argv("compare", str(folder), "--out", str(out), *extra), capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
@@ -146,6 +148,15 @@ def _settled(client: httpx.Client, prefix: str) -> float:
     return _series(client, prefix)
 
 
+def _two_arms(tmp_path: Path, primary: str, candidate: str) -> Path:
+    """A shadow gateway's config: `baseline` answers, `candidate` is mirrored to."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({
+        "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+        "arms": {"baseline": {"weight": 1, "replicas": [primary]}, "candidate": {"weight": 1, "replicas": [candidate]}}}))
+    return config
+
+
 def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> None:
     """An undertrained candidate behind a shadow gateway deciding as it records: mirroring stops with FAIL, the
     metric says so, later requests reach only the primary, and `dfserve compare` replays the same decision."""
@@ -154,11 +165,7 @@ def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> Non
                                               {"metric": "error_rate", "max_worse": 0.01}]}))
     log = tmp_path / "gateway.log"
     with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
-                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
+        config = _two_arms(tmp_path, primary, candidate)
         with gateway_server(config, "--record", str(tmp_path / "shadow"), "--until-decided", "--gate", str(gate),
                             "--look-every", "4", log=log) as url, httpx.Client(base_url=url, timeout=60) as client:
             sent = 0
@@ -188,3 +195,57 @@ def test_until_decided_stops_mirroring_and_compare_agrees(tmp_path: Path) -> Non
     assert verdict["verdict"] == "FAIL" and not verdict["forced"] and verdict["sequential"]["live"]
     assert verdict["sequential"]["stopped_after_pairs"] == decision["pairs"] == judged_pairs
     assert next(r for r in verdict["judgement"]["rules"] if r["metric"] == "accept_length")["status"] == "FAIL"
+
+
+STREAMS = 12
+
+
+def _streamed_content(raw: bytes) -> list[str]:
+    """The non-empty content deltas of a chat stream as its client read it, in order."""
+    contents = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices") or ():
+                if choice.get("delta", {}).get("content"):
+                    contents.append(choice["delta"]["content"])
+    return contents
+
+
+def test_streamed_chat_is_recorded_with_the_clients_text_and_chunk_times(tmp_path: Path) -> None:
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.02, 0) as candidate:
+        config = _two_arms(tmp_path, primary, candidate)
+        received: list[list[str]] = []
+        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for i in range(STREAMS):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"def task_{i}(x):"}],
+                        "max_tokens": 24, "temperature": 0, "stream": True}
+                with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    received.append(_streamed_content(response.read()))
+            _wait_for_mirrors(client, STREAMS)
+    folder = next((tmp_path / "shadow").iterdir())
+    records = list(read_records(folder / "requests.jsonl"))
+    for arm in ("baseline", "candidate"):
+        mine = sorted((r for r in records if r.arm == arm), key=lambda r: r.index)
+        assert len(mine) == STREAMS
+        for record, contents in zip(mine, received, strict=True):
+            assert record.ok and contents
+            assert record.output_sha256 == hashlib.sha256("".join(contents).encode()).hexdigest()
+            times = record.chunk_times_s
+            assert times == sorted(times) and times[0] == pytest.approx(record.first_token_s, abs=1e-9)
+            assert record.end_s is not None and times[-1] <= record.end_s
+            if arm == "baseline":  # the chunks its client read; the candidate's were its own, read by nobody
+                assert len(times) == len(contents)
+            else:
+                assert 1 <= len(times) <= (record.completion_tokens or 0)
+
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("rules:\n  - {metric: tpot_p95, max_worse: 0.5}\n  - {metric: lossless_fraction, at_least: 0.99}\n")
+    judged = _compare(folder, tmp_path / "verdicts", "--gate", str(gate))
+    assert re.search(r"^\s*tpot_p95\s+[\d.]+ ms\s+[\d.]+ ms", judged.stdout, re.M), judged.stdout + judged.stderr
+    assert NO_HASH not in judged.stdout
+    verdict = json.loads(next((tmp_path / "verdicts").glob("*/verdict.json")).read_text())["judgement"]
+    assert verdict["lossless"]["applicable"] and verdict["lossless"]["identical"] == STREAMS
+    tpot = next(r for r in verdict["rules"] if r["metric"] == "tpot_p95")
+    assert tpot["detail"].startswith("worse by "), tpot  # judged on the recorded streams, not "no paired data"

@@ -504,3 +504,39 @@ def test_strip_is_a_key_or_nothing(impl: Relay) -> None:
     relay = impl.EventRelay(None, False, (b'"x":',), True, (), None, None)
     relay.received(1.0, b'data: {"spec_tokens_details":1}\n\n')
     assert relay.tail == b'data: {"spec_tokens_details":1}\n\n' and relay.stripped == b""
+
+
+def test_kept_pieces_are_what_the_client_read_with_their_arrival_times(impl: Relay) -> None:
+    """A recorded stream: each piece of whole events as it went out (spec details cut, an event cut to nothing
+    left out, a half event kept only once it is whole), by reference, with the clock reading it came with."""
+    spec = chat_event({"id": "c", "choices": [], "usage": None, "sglext": {"spec_tokens_details": SPEC_DETAILS}})
+    written: list[bytes] = []
+    marks = sglang.CONTENT_CHUNKS
+    relay = impl.EventRelay(written.append, False, marks.keys, marks.cumulative, (), None, sglang.SPEC_DETAILS_KEY,
+                            True)
+    relay.received(1.0, CONTENT)
+    relay.received(2.0, spec)
+    relay.received(3.0, CONTENT[:20])
+    relay.received(4.0, CONTENT[20:] + USAGE)
+    relay.received(5.0, DONE, True)
+    relay.ended()
+    relay.received(6.0, CONTENT)  # not the client's: not kept
+    pieces = relay.pieces
+    assert pieces == [(1.0, CONTENT), (4.0, CONTENT + USAGE), (5.0, DONE)]
+    assert [events for _, events in pieces] == written
+    assert pieces is relay.pieces and pieces[0][1] is written[0]
+
+
+def test_pieces_are_kept_only_when_asked_and_a_failed_read_keeps_none(impl: Relay) -> None:
+    relay = relay_for(impl, None, chunked=True)
+    relay.received(1.0, native(1))
+    assert relay.pieces is None
+    assert impl.EventRelay.__new__(impl.EventRelay).pieces is None
+    marks = sglang.NATIVE_TOKENS
+    relay = impl.EventRelay(None, True, marks.keys, marks.cumulative, (), 16, None, keep_pieces=True)
+    relay.received(1.0, native(1))
+    with pytest.raises(TypeError):
+        relay.received("noon", native(2))  # type: ignore[arg-type]
+    with pytest.raises(impl.EventTooLarge):
+        relay.received(3.0, b"data: " + b"x" * 20)
+    assert relay.pieces == [(1.0, native(1))]

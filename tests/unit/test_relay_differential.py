@@ -1,7 +1,8 @@
 """The C relay and its pure-Python twin, run on the same generated inputs, must do the same: the same payload
 pieces, the same bytes written to the client, the same counts, gaps and errors (type and message), read after read,
 also on chunked framing that was broken on purpose (bytes flipped, inserted, deleted), on events longer than the
-relay's cap, and with spec details cut out of events (whole, beside other fields, malformed, or quoted in text).
+relay's cap, with spec details cut out of events (whole, beside other fields, malformed, or quoted in text), and
+with the pieces kept for a record of the stream.
 
 `make test` runs this file twice: as part of the suite (a few hundred inputs per test, the same ones every run) and
 under AddressSanitizer and UBSan, with more inputs (`DFSERVE_FUZZ_EXAMPLES`), as a bounded fuzz of the C code.
@@ -136,17 +137,18 @@ class Owner:
 
 
 def relay_state(relay: Any) -> tuple[object, ...]:
+    pieces = relay.pieces
     return (relay.pending, relay.tail, relay.stripped, relay.tokens, relay.first, relay.chunk_gaps, relay.token_gaps,
-            relay.last_chunk_written)
+            relay.last_chunk_written, None if pieces is None else list(pieces))
 
 
 def through_relay(impl: ModuleType, reads: list[bytes], marks: sglang.TokenMarks, chunked_out: bool,
                   bounds: tuple[float, ...], max_event_bytes: int | None, as_protocol: bool,
-                  strip: bytes | None) -> list[object]:
+                  strip: bytes | None, keep_pieces: bool) -> list[object]:
     """Every read through a de-chunker into a relay; what each read did, and the state after it."""
     written: list[bytes] = []
     relay = impl.EventRelay(written.append, chunked_out, marks.keys, marks.cumulative, bounds, max_event_bytes,
-                            strip)
+                            strip, keep_pieces)
     ticks = itertools.count()
     dechunker = impl.Dechunker(relay, lambda: next(ticks) / 7)
     owner = Owner()
@@ -172,7 +174,8 @@ def test_chunked_bodies_through_dechunker_and_relay(data: st.DataObject) -> None
     bounds = data.draw(st.sampled_from([(), (0.5,), (0.1, 0.2, 1.0, 5.0)]))
     max_event_bytes = data.draw(st.sampled_from([None, 1, 16, 64, 1 << 20]))
     chunked_out, as_protocol = data.draw(st.booleans()), data.draw(st.booleans())
-    args = (reads, marks, chunked_out, bounds, max_event_bytes, as_protocol, data.draw(st.sampled_from(STRIPS)))
+    args = (reads, marks, chunked_out, bounds, max_event_bytes, as_protocol, data.draw(st.sampled_from(STRIPS)),
+            data.draw(st.booleans()))
     assert through_relay(_relay, *args) == through_relay(_relay_py, *args)
 
 
@@ -199,9 +202,10 @@ def test_chunked_bodies_into_any_sink(data: st.DataObject) -> None:
 
 
 def fed_directly(impl: ModuleType, pieces: list[tuple[bytes, bool]], marks: sglang.TokenMarks,
-                 max_event_bytes: int | None, strip: bytes | None) -> list[object]:
+                 max_event_bytes: int | None, strip: bytes | None, keep_pieces: bool) -> list[object]:
     written: list[bytes] = []
-    relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.25, 1.0), max_event_bytes, strip)
+    relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.25, 1.0), max_event_bytes, strip,
+                            keep_pieces)
     return [(outcome(lambda n=n, piece=piece, last=last: relay.received(n * 0.3, piece, last)), list(written),
              relay_state(relay)) for n, (piece, last) in enumerate(pieces)]
 
@@ -213,9 +217,8 @@ def test_events_fed_to_a_relay_piece_by_piece(data: st.DataObject) -> None:
     pieces = [(piece, data.draw(st.booleans())) for piece in cuts(data.draw, stream)]
     marks = data.draw(st.sampled_from(KEYS))
     max_event_bytes = data.draw(st.sampled_from([None, 2, 40, 200]))
-    strip = data.draw(st.sampled_from(STRIPS))
-    assert fed_directly(_relay, pieces, marks, max_event_bytes, strip) == fed_directly(_relay_py, pieces, marks,
-                                                                                        max_event_bytes, strip)
+    args = (pieces, marks, max_event_bytes, data.draw(st.sampled_from(STRIPS)), data.draw(st.booleans()))
+    assert fed_directly(_relay, *args) == fed_directly(_relay_py, *args)
 
 
 @FUZZ

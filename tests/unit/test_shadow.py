@@ -3,15 +3,19 @@ verdict's refusals and losslessness on live traffic."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from dfserve import sglang
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged
-from dfserve.loadtest.records import read_records
+from dfserve.loadtest.client import Finished, Sent, derive
+from dfserve.loadtest.records import read_records, tpot_s
 from dfserve.metrics import Outcome
 from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
@@ -72,6 +76,75 @@ def test_error_kinds() -> None:
 
 def _folders(root: Path) -> list[Path]:
     return sorted(root.iterdir())
+
+
+def _chat_pieces(texts: list[str], start: float, gap: float) -> list[tuple[float, bytes]]:
+    """A streamed chat as its client read it: a role chunk, one piece per text, the finish and usage chunks in one
+    piece, then [DONE]."""
+    def event(obj: dict[str, object]) -> bytes:
+        return b"data: " + sglang.json_bytes({"id": "c", "object": "chat.completion.chunk", **obj}) + b"\n\n"
+
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    contents = [event({"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}) for t in texts]
+    end = (event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+           + event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2 * len(texts),
+                                             "total_tokens": 3 + 2 * len(texts)}}))
+    pieces = [role, *contents, end, b"data: [DONE]\n\n"]
+    return [(start + gap * (n + 1), piece) for n, piece in enumerate(pieces)]
+
+
+def streamed_chat(rid: int, arm: str, mirror: bool, gap: float, *, error: str | None = None,
+                  texts: tuple[str, ...] = ("def", " f", "(x)"), cut: int = 0) -> Exchanged:
+    start = 100.0 + rid
+    pieces = _chat_pieces(list(texts), start, gap)[:len(texts) + 3 - cut]
+    outcome = Outcome(arm=arm, route="chat", replica="r", status=200, error=error, ttft_s=2 * gap,
+                      e2e_s=gap * len(pieces), output_tokens=2 * len(texts), verify_rounds=len(texts),
+                      accept_length=2.0, measure="exact")
+    body = json.dumps({"messages": [{"role": "user", "content": f"p{rid % 3}"}], "stream": True,
+                       "temperature": 0}).encode()
+    return Exchanged(rid, mirror, "POST", "/v1/chat/completions", b"", body, start, outcome,
+                     answer=b"".join(p for _, p in pieces[-2:]), streamed=True, pieces=pieces)
+
+
+def test_a_recorded_openai_stream_has_the_testers_output_hash_and_chunk_times() -> None:
+    """The record of a streamed chat is what the load tester would record reading the same pieces: the hash of the
+    text the client read, and one time per content chunk (so TPOT)."""
+    exchange = streamed_chat(4, "zlab", False, gap=0.01)
+    record = shadow_record(exchange, t0_perf_s=100.0)
+    assert record.output_sha256 == hashlib.sha256(b"def f(x)").hexdigest()
+    assert record.chunk_times_s == pytest.approx([4.02, 4.03, 4.04]) and record.chunk_tokens is None
+    assert tpot_s(record) == pytest.approx((4.04 - 4.02) / 5)
+    sent = Sent("zlab", record.task_id, 4, False, None, 4.0, 4.0, 4.06)
+    tester = derive("chat", 100.0, Finished(sent, 200, list(exchange.pieces or ()), None))
+    assert (tester.output_sha256, tester.chunk_times_s) == (record.output_sha256, record.chunk_times_s)
+
+
+def test_a_failed_or_unfinished_recorded_stream_has_chunk_times_but_no_hash() -> None:
+    failed = shadow_record(streamed_chat(1, "zlab", False, gap=0.01, error="stream_cut"), 100.0)
+    assert failed.error_kind == "disconnect" and failed.output_sha256 is None and len(failed.chunk_times_s) == 3
+    unfinished = shadow_record(streamed_chat(1, "zlab", False, gap=0.01, cut=1), 100.0)  # no [DONE]: not whole
+    assert unfinished.ok and unfinished.output_sha256 is None and len(unfinished.chunk_times_s) == 3
+
+
+def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:
+    pieces = [(100.0 + n, b"data: " + _native("ab"[:n], n, n) + b"\n\n") for n in (1, 2)]
+    pieces.append((103.0, b"data: [DONE]\n\n"))
+    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=pieces[-2][1] + pieces[-1][1]),
+                       pieces=pieces)
+    record = shadow_record(exchange, 100.0)
+    assert (record.chunk_times_s, record.chunk_tokens) == ([1.0, 2.0], [1, 1])
+    assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest()
+
+
+def test_compare_judges_tpot_on_recorded_streams(tmp_path: Path) -> None:
+    traffic = [e for rid in range(30) for e in (streamed_chat(rid, "zlab", False, gap=0.01),
+                                                streamed_chat(rid, "inhouse", True, gap=0.02))]
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("rules:\n  - {metric: tpot_p95, max_worse: 0.05}\n  - {metric: lossless_fraction, at_least: 0.99}\n")
+    judged = compare_shadow(_record(tmp_path, traffic), None, gate, False, tmp_path / "v")
+    rules = {r.metric: r for r in judged.verdict.judgement.rules}
+    assert rules["tpot_p95"].status == "FAIL" and rules["lossless_fraction"].status == "PASS"
+    assert judged.verdict.verdict == "FAIL" and judged.notes == []
 
 
 def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> None:
