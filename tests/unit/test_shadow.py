@@ -103,7 +103,8 @@ def streamed_chat(rid: int, arm: str, mirror: bool, gap: float, *, error: str | 
     body = json.dumps({"messages": [{"role": "user", "content": f"p{rid % 3}"}], "stream": True,
                        "temperature": 0}).encode()
     return Exchanged(rid, mirror, "POST", "/v1/chat/completions", b"", body, start, outcome,
-                     answer=b"".join(p for _, p in pieces[-2:]), streamed=True, pieces=pieces)
+                     answer=b"".join(p for _, p in pieces[-2:]), streamed=True, pieces=pieces,
+                     mirrors=() if mirror else ("inhouse",))
 
 
 def test_a_recorded_openai_stream_has_the_testers_output_hash_and_chunk_times() -> None:
