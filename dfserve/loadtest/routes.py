@@ -1,0 +1,136 @@
+"""The generation routes the load tester sends, one entry per API (`ROUTE_FOR`): the body a task of a task set
+becomes, and, for a captured request, what its body must hold, where its sampling settings live, which the run's
+flags fill in, and what the tester changes before sending it (it streams, and asks the OpenAI routes for usage and
+spec details, which it measures with). A run may send every route at once (a capture that mixes them): each request
+is built by its own route's entry, and its record derived by its route (`client.read_stream`).
+
+    body = ROUTE_FOR[task.route].streamed(task.body, model)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dfserve import sglang
+from dfserve.tasks import Task
+
+
+@dataclass(frozen=True)
+class Route:
+    """One of SGLang's generation routes as the load tester speaks it."""
+
+    api: sglang.Api
+
+    @property
+    def path(self) -> str:
+        return sglang.ROUTES[self.api]
+
+    @property
+    def asks_model(self) -> bool:
+        """The body names the served model (the run asks each arm for it)."""
+        return self.api != "native"
+
+    def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
+        """The streamed body of a task of a task set."""
+        raise NotImplementedError
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        """Why a captured body cannot be replayed as one request, or None."""
+        raise NotImplementedError
+
+    def settings(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The captured body's sampling settings, by the names `loadtest.config.Sampling` gives them."""
+        raise NotImplementedError
+
+    def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
+        """The captured body with the settings it did not set taken from `defaults`."""
+        raise NotImplementedError
+
+    def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """The captured body as the tester sends it to an arm serving `model`."""
+        raise NotImplementedError
+
+
+class Native(Route):
+    def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
+        return sglang.generate_body(task.as_text(), sampling, stream=True)
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        prompt = body.get("text", body.get("input_ids"))
+        if not isinstance(prompt, str | list):
+            return "has no prompt (text or input_ids)"
+        if isinstance(body.get("text"), list):
+            return "is a batch (text is a list); a replayed request carries one prompt"
+        if not isinstance(body.get("sampling_params", {}), dict):
+            return "has a sampling_params that is not an object"
+        return None
+
+    def settings(self, body: dict[str, Any]) -> dict[str, Any]:
+        params = body.get("sampling_params") or {}
+        return {"max_new_tokens": params.get("max_new_tokens"), "temperature": params.get("temperature"),
+                "top_p": params.get("top_p")}
+
+    def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
+        return {**body, "sampling_params": {**defaults.native(), **(body.get("sampling_params") or {})}}
+
+    def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """Streamed, less the client's `rid` (one id sent to every arm would collide)."""
+        sent = {**copy.deepcopy(body), "stream": True}
+        sent.pop("rid", None)
+        return sent
+
+
+class OpenAI(Route):
+    def settings(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens")),
+                "temperature": body.get("temperature"), "top_p": body.get("top_p")}
+
+    def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
+        fill = defaults.openai()
+        if "max_completion_tokens" in body:
+            fill.pop("max_tokens")
+        return {**fill, **body}
+
+    def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """Streamed to the arm's model with usage and spec details, less `return_meta_info` (SGLang refuses it on
+        a stream)."""
+        sent = {**copy.deepcopy(body), "model": model, "stream": True, sglang.RETURN_SPEC_DETAILS: True,
+                "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        sent.pop(sglang.RETURN_META_INFO, None)
+        return sent
+
+
+class Chat(OpenAI):
+    def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
+        return sglang.chat_body(model, task.as_messages(), sampling, stream=True, return_spec_tokens_details=True,
+                                include_usage=True)
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        return None if isinstance(body.get("messages"), list) else "has no messages"
+
+
+class Completions(OpenAI):
+    def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
+        return sglang.completions_body(model, task.as_text(), sampling, stream=True, return_spec_tokens_details=True,
+                                       include_usage=True)
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None  # token ids
+        if isinstance(prompt, list):
+            return "is a batch or has no prompt (prompt is a list of prompts); a replayed request carries one prompt"
+        return "has no prompt"
+
+
+ROUTE_FOR: Mapping[sglang.Api, Route] = {
+    "native": Native("native"),
+    "chat": Chat("chat"),
+    "completions": Completions("completions"),
+}
+"""Every route the load tester sends, by API name (`--api`, a captured request's route)."""
