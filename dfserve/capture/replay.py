@@ -80,7 +80,7 @@ class CaptureTaskSet(TaskSet):
         requests of another route (a body is never converted between APIs), or a trace longer than the capture."""
         others = {route: n for route, n in self.routes.items() if route != api}
         if api is not None and others:
-            held = ", ".join(f"{n} to {sglang.ROUTES[route]}" for route, n in sorted(others.items()))
+            held = ", ".join(f"{others[route]} to {sglang.ROUTES[route]}" for route in ROUTE_FOR if route in others)
             raise FieldError("api", f"{self.name} holds requests of other routes than {api} ({held}); bodies are "
                              "not converted between APIs (without it, each is replayed on its own route)")
         if trace and count > len(self.tasks):
