@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dfserve.errors import UserError
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.runs import Provenance, read_model
-from dfserve.sglang import Api, SamplingParams
+from dfserve.sglang import ROUTES, Api, SamplingParams
 from dfserve.shard import Shard
 from dfserve.verdict.design import SequentialDesign
 
@@ -85,6 +85,12 @@ class RunConfig(_Model):
         if isinstance(data, dict) and "routes" not in data and data.get("api") in ("native", "chat"):
             return {**data, "routes": {data["api"]: data.get("warmup", 0) + data.get("num_requests", 0)}}
         return data
+
+    def describe_routes(self) -> str:
+        """Where the schedule's requests went: one route, or each route with its count."""
+        if len(self.routes) == 1:
+            return f"on {ROUTES[next(iter(self.routes))]}"
+        return "on " + ", ".join(f"{ROUTES[route]} ({count})" for route, count in self.routes.items())
 
     def shape(self) -> dict[str, Any]:
         """The fields two runs must share to be compared."""
