@@ -10,48 +10,46 @@ is built by its own route's entry, and its record derived by its route (`client.
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dfserve import sglang
 from dfserve.tasks import Task
 
 
 @dataclass(frozen=True)
-class Route:
+class Route(ABC):
     """One of SGLang's generation routes as the load tester speaks it."""
 
     api: sglang.Api
+    asks_model: ClassVar[bool] = False
+    """The body names the served model (the run asks each arm for it)."""
 
     @property
     def path(self) -> str:
         return sglang.ROUTES[self.api]
 
-    @property
-    def asks_model(self) -> bool:
-        """The body names the served model (the run asks each arm for it)."""
-        return self.api != "native"
-
+    @abstractmethod
     def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
         """The streamed body of a task of a task set."""
-        raise NotImplementedError
 
+    @abstractmethod
     def refusal(self, body: dict[str, Any]) -> str | None:
         """Why a captured body cannot be replayed as one request, or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def settings(self, body: dict[str, Any]) -> dict[str, Any]:
         """The captured body's sampling settings, by the names `loadtest.config.Sampling` gives them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
         """The captured body with the settings it did not set taken from `defaults`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """The captured body as the tester sends it to an arm serving `model`."""
-        raise NotImplementedError
 
 
 class Native(Route):
@@ -84,6 +82,8 @@ class Native(Route):
 
 
 class OpenAI(Route):
+    asks_model = True
+
     def settings(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens")),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p")}

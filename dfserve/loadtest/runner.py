@@ -103,7 +103,8 @@ class RunPlan:
 
 def routes_of(order: Sequence[Task], default: sglang.Api) -> dict[sglang.Api, int]:
     """How many requests of `order` go on each route, as `ArmClient` sends them."""
-    return dict(sorted(Counter(task.route or default for task in order).items()))
+    counts = Counter(task.route or default for task in order)
+    return {api: counts[api] for api in ROUTE_FOR if counts[api]}
 
 
 @dataclass
