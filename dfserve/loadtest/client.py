@@ -150,44 +150,15 @@ def _events(pieces: Sequence[tuple[float, bytes]], t0: float, decode_all: bool) 
     return events, [pieces[owner][0] - t0 for owner in owners]
 
 
-def _read_native(stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
-    for data, now in zip(events, times, strict=True):
-        if data == sglang.DONE:
-            stream.done = True
-        else:
-            stream.native_event(data, now)
-
-
-def _read_openai(stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
-    stream.chat_events(events, times, None if decode_all else sglang.ChunkTemplate())
-
-
-@dataclass(frozen=True)
-class StreamKind:
-    """How a route's stream is read into a record."""
-
-    read: Callable[[StreamRead, list[str], list[float], bool], None]
-    token_counts: bool
-    """Each event says the tokens so far (native `meta_info`), so each chunk's tokens are known."""
-
-
-STREAM_FOR: Mapping[sglang.Api, StreamKind] = {
-    "native": StreamKind(_read_native, token_counts=True),
-    "chat": StreamKind(_read_openai, token_counts=False),
-    "completions": StreamKind(_read_openai, token_counts=False),
-}
-"""How each route's stream is read, by API name; a run that mixes routes derives each record by its own."""
-
-
 def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: float, *,
                 decode_all: bool = False) -> StreamRead:
     """Decode the SSE events of a response's pieces (each with the clock reading of its arrival); `failure` says how
-    the stream failed, if it did. OpenAI content chunks are read by `sglang.ChunkTemplate` unless `decode_all`; the
-    record is the same either way."""
+    the stream failed, if it did; the events are read as `api`'s (`Route.read`). OpenAI content chunks are read by
+    `sglang.ChunkTemplate` unless `decode_all`; the record is the same either way."""
     stream = StreamRead()
     try:
         events, times = _events(pieces, t0, decode_all)
-        STREAM_FOR[api].read(stream, events, times, decode_all)
+        ROUTE_FOR[api].read(stream, events, times, decode_all)
     except ProtocolError as exc:
         stream.failure = ("protocol", str(exc))
         return stream
@@ -234,7 +205,7 @@ def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error:
         first_token_s=stream.chunk_times[0] if stream.chunk_times else None,
         end_s=sent.end_s,
         chunk_times_s=stream.chunk_times,
-        chunk_tokens=stream.chunk_tokens if STREAM_FOR[sent.api].token_counts else None,
+        chunk_tokens=stream.chunk_tokens if ROUTE_FOR[sent.api].token_counts else None,
         prompt_tokens=stream.prompt_tokens,
         completion_tokens=stream.completion_tokens if (finished or stream.chunk_times) else None,
         spec_verify_ct=stream.verify_ct,

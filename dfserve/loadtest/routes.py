@@ -1,8 +1,9 @@
 """The generation routes the load tester sends, one entry per API (`ROUTE_FOR`): the body a task of a task set
-becomes, and, for a captured request, what its body must hold, where its sampling settings live, which the run's
-flags fill in, and what the tester changes before sending it (it streams, and asks the OpenAI routes for usage and
-spec details, which it measures with). A run may send every route at once (a capture that mixes them): each request
-is built by its own route's entry, and its record derived by its route (`client.read_stream`).
+becomes; for a captured request, what its body must hold, where its sampling settings live, which the run's flags
+fill in, and what the tester changes before sending it (it streams, and asks the OpenAI routes for usage and spec
+details, which it measures with); and how the answer's stream is read into a record. A run may send every route at
+once (a capture that mixes them): each request is built by its own route's entry, and its record derived by the
+same entry (`client.derive`, in the writer process).
 
     body = ROUTE_FOR[task.route].streamed(task.body, model)
 """
@@ -13,10 +14,13 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfserve import sglang
 from dfserve.tasks import Task
+
+if TYPE_CHECKING:
+    from dfserve.loadtest.client import StreamRead
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class Route(ABC):
     api: sglang.Api
     asks_model: ClassVar[bool] = False
     """The body names the served model (the run asks each arm for it)."""
+    token_counts: ClassVar[bool] = False
+    """Each event of the stream says the tokens so far, so each chunk's tokens are known."""
 
     @property
     def path(self) -> str:
@@ -51,8 +57,14 @@ class Route(ABC):
     def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """The captured body as the tester sends it to an arm serving `model`."""
 
+    @abstractmethod
+    def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
+        """Read the answer's events (each with its arrival) into `stream`; `decode_all`: as `client.read_stream`'s."""
+
 
 class Native(Route):
+    token_counts = True
+
     def body(self, task: Task, sampling: sglang.SamplingParams, model: str) -> dict[str, Any]:
         return sglang.generate_body(task.as_text(), sampling, stream=True)
 
@@ -80,6 +92,14 @@ class Native(Route):
         sent.pop("rid", None)
         return sent
 
+    def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
+        """Each event carries `meta_info` with the counts so far."""
+        for data, now in zip(events, times, strict=True):
+            if data == sglang.DONE:
+                stream.done = True
+            else:
+                stream.native_event(data, now)
+
 
 class OpenAI(Route):
     asks_model = True
@@ -101,6 +121,10 @@ class OpenAI(Route):
                 "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         sent.pop(sglang.RETURN_META_INFO, None)
         return sent
+
+    def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
+        """Content chunks, then the spec details and usage the tester asked for."""
+        stream.chat_events(events, times, None if decode_all else sglang.ChunkTemplate())
 
 
 class Chat(OpenAI):
