@@ -72,8 +72,8 @@ class Native(Route):
         prompt = body.get("text", body.get("input_ids"))
         if not isinstance(prompt, str | list):
             return "has no prompt (text or input_ids)"
-        if isinstance(body.get("text"), list):
-            return "is a batch (text is a list); a replayed request carries one prompt"
+        if isinstance(body.get("text"), list) or _batch(body.get("input_ids")):
+            return "is a batch (text or input_ids is a list of prompts); a replayed request carries one prompt"
         if not isinstance(body.get("sampling_params", {}), dict):
             return "has a sampling_params that is not an object"
         return None
@@ -143,13 +143,16 @@ class Completions(OpenAI):
 
     def refusal(self, body: dict[str, Any]) -> str | None:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return None
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None  # token ids
-        if isinstance(prompt, list):
-            return "is a batch or has no prompt (prompt is a list of prompts); a replayed request carries one prompt"
+        if _batch(prompt):
+            return "is a batch (prompt is a list of prompts); a replayed request carries one prompt"
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
+            return None  # text or token ids
         return "has no prompt"
+
+
+def _batch(prompt: object) -> bool:
+    """A list of prompts (texts or token id lists), as SGLang batches them, rather than one prompt's token ids."""
+    return isinstance(prompt, list) and any(isinstance(item, str | list) for item in prompt)
 
 
 ROUTE_FOR: Mapping[sglang.Api, Route] = {

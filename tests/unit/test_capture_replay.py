@@ -178,10 +178,13 @@ def test_each_request_goes_on_its_own_route_and_a_task_set_on_the_runs(tmp_path:
 
 
 @pytest.mark.parametrize(("path", "body", "refusal"), [
-    ("/v1/completions", completions(["a", "b"]), "is a batch or has no prompt (prompt is a list of prompts)"),
+    ("/v1/completions", completions(["a", "b"]), "is a batch (prompt is a list of prompts)"),
+    ("/v1/completions", completions([[1, 2], [3]]), "is a batch (prompt is a list of prompts)"),
+    ("/v1/completions", completions([]), "has no prompt"),
     ("/v1/completions", completions(None), "has no prompt"),
+    ("/generate", {"input_ids": [[1, 2], [3]]}, "is a batch (text or input_ids is a list of prompts)"),
     ("/v1/chat/completions", {"model": "m"}, "has no messages"),
-    ("/generate", {"text": ["a", "b"]}, "is a batch (text is a list)"),
+    ("/generate", {"text": ["a", "b"]}, "is a batch (text or input_ids is a list of prompts)"),
 ])
 def test_a_request_that_is_not_one_prompt_refuses_naming_the_record(tmp_path: Path, path: str,
                                                                     body: dict[str, object], refusal: str) -> None:
