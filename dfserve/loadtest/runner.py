@@ -86,7 +86,6 @@ class RunPlan:
         elif self.load.kind == "trace":
             raise FieldError("arrival", "trace replays captured arrival times; give {other} capture:DIR", other="tasks")
 
-
     @property
     def default_api(self) -> sglang.Api:
         """The route of a task that does not carry its own."""
