@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dfserve.errors import FieldError
+from dfserve.sglang import Api
 
 HUMANEVAL = "humaneval"
 
@@ -33,6 +34,8 @@ class Task:
     id: str
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    route: Api | None = None
+    """The route it must be sent on (a captured request's), or None: the run's."""
 
     def as_text(self) -> str:
         """The prompt as plain text; chat messages are joined so a native endpoint can replay them."""

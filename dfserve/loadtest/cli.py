@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit
 
 import click
@@ -32,11 +33,13 @@ from dfserve.loadtest.merge import merge, read_shard
 from dfserve.loadtest.progress import Progress
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, over_error_rate, read_lag_warning, render_html, summarize
+from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
+from dfserve.sglang import Api
 from dfserve.shadow.cli import compare_shadow_folder
 from dfserve.shadow.verdict import is_shadow_folder
 from dfserve.shard import parse_shard, shard_indices
@@ -117,9 +120,11 @@ def loadtest() -> None:
 @loadtest.command("run")
 @click.option("--arm", "arms", multiple=True, required=True, metavar="NAME=URL",
               help="An SGLang server, router or dfserve gateway; repeat for an A/B test (first = baseline).")
-@click.option("--api", type=click.Choice(["native", "chat"]), default="native", show_default=True,
-              help="native /generate or streamed OpenAI chat; both give exact acceptance from SGLang 0.5.23 on "
-                   "(chat through return_spec_tokens_details; estimated from older servers).")
+@click.option("--api", type=click.Choice(list(ROUTE_FOR)), default=None,
+              help="native /generate, streamed OpenAI chat or completions; each gives exact acceptance from SGLang "
+                   "0.5.23 on (OpenAI through return_spec_tokens_details; estimated from older servers). Default: "
+                   "native, or with --tasks capture:DIR each request on the route it was captured on (a capture with "
+                   "requests of another route than --api is refused).")
 @click.option("--tasks", default="humaneval", show_default=True,
               help="'humaneval', a JSONL file of {id, prompt|messages}, or capture:DIR (captured requests, each with "
                    "its own sampling settings).")
@@ -182,7 +187,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         task_set = load_tasks(tasks)
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             task_set, sampling = task_set.for_run(sampling)
-        plan = RunPlan(arms=tuple(_arm(a) for a in arms), api="chat" if api == "chat" else "native",
+        plan = RunPlan(arms=tuple(_arm(a) for a in arms), api=cast("Api | None", api),
                        task_set=task_set, num_requests=num_requests, warmup=warmup, sampling=sampling,
                        load=load, out=out, name=_name(name), duration_s=duration, request_timeout_s=request_timeout,
                        model=model, pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
@@ -191,7 +196,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                                      len(plan.task_set.tasks), warmup) if plan.sequential else None)
     if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
-    exporter = Exporter(route=api)
+    exporter = Exporter(route=plan.default_api)
     if metrics_port is not None:
         with flags_for(flags):
             click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)

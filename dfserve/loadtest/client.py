@@ -33,6 +33,7 @@ from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
 from dfserve.loadtest.records import Acceptance, ErrorKind, RequestRecord
+from dfserve.loadtest.routes import ROUTE_FOR, Route
 from dfserve.tasks import Task
 
 Failure = tuple[ErrorKind, str]
@@ -152,19 +153,12 @@ def _events(pieces: Sequence[tuple[float, bytes]], t0: float, decode_all: bool) 
 def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: float, *,
                 decode_all: bool = False) -> StreamRead:
     """Decode the SSE events of a response's pieces (each with the clock reading of its arrival); `failure` says how
-    the stream failed, if it did. Chat content chunks are read by `sglang.ChunkTemplate` unless `decode_all`; the
-    record is the same either way."""
+    the stream failed, if it did; the events are read as `api`'s (`Route.read`). OpenAI content chunks are read by
+    `sglang.ChunkTemplate` unless `decode_all`; the record is the same either way."""
     stream = StreamRead()
     try:
         events, times = _events(pieces, t0, decode_all)
-        if api == "native":
-            for data, now in zip(events, times, strict=True):
-                if data == sglang.DONE:
-                    stream.done = True
-                else:
-                    stream.native_event(data, now)
-        else:
-            stream.chat_events(events, times, None if decode_all else sglang.ChunkTemplate())
+        ROUTE_FOR[api].read(stream, events, times, decode_all)
     except ProtocolError as exc:
         stream.failure = ("protocol", str(exc))
         return stream
@@ -187,23 +181,21 @@ class Sent:
     dispatched_s: float
     sent_s: float | None
     end_s: float
+    api: sglang.Api
+    """The route it was sent on."""
 
 
-def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: StreamRead,
-                 error: Failure | None) -> RequestRecord:
-    """The record of one request: what it showed (`stream`), and how it failed (`error`), if it did."""
-    acceptance: Acceptance
-    if api == "native":
-        acceptance = "exact" if stream.verify_ct is not None else "unknown"
-        chunk_tokens: list[int] | None = stream.chunk_tokens
-    else:
-        estimate = sglang.estimated_accept_length(stream.completion_tokens, len(stream.chunk_times))
-        acceptance = ("exact" if stream.verify_ct is not None
-                      else "estimated" if stream.usage_seen and estimate is not None else "unknown")
-        chunk_tokens = None
+def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error: Failure | None) -> RequestRecord:
+    """The record of one request: what it showed (`stream`), and how it failed (`error`), if it did. Acceptance is
+    exact where the server counted verify rounds, estimated from tokens per chunk where a stream's usage gave its
+    tokens but not its rounds (an OpenAI route of an older SGLang), else unknown."""
+    estimate = sglang.estimated_accept_length(stream.completion_tokens, len(stream.chunk_times))
+    acceptance: Acceptance = ("exact" if stream.verify_ct is not None
+                              else "estimated" if stream.usage_seen and estimate is not None else "unknown")
     finished = error is None
     return RequestRecord(
         arm=sent.arm,
+        route=sent.api,
         index=sent.index,
         task_id=sent.task_id,
         warmup=sent.warmup,
@@ -213,7 +205,7 @@ def build_record(api: sglang.Api, sent: Sent, http_status: int | None, stream: S
         first_token_s=stream.chunk_times[0] if stream.chunk_times else None,
         end_s=sent.end_s,
         chunk_times_s=stream.chunk_times,
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=stream.chunk_tokens if ROUTE_FOR[sent.api].token_counts else None,
         prompt_tokens=stream.prompt_tokens,
         completion_tokens=stream.completion_tokens if (finished or stream.chunk_times) else None,
         spec_verify_ct=stream.verify_ct,
@@ -246,7 +238,7 @@ class Finished:
     def wire(self) -> Wire:
         """Plain tuples, which `marshal` writes fastest (a few microseconds for a 64-chunk stream)."""
         s = self.sent
-        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s),
+        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s, s.api),
                 self.http_status, self.pieces, self.error)
 
     @classmethod
@@ -255,23 +247,24 @@ class Finished:
         return cls(Sent(*sent), status, pieces, error)
 
 
-def derive(api: sglang.Api, t0: float, done: Finished, *, decode_all: bool = False) -> RequestRecord:
-    """The record of a finished request (`t0`: the run's start on the clock the pieces were stamped with;
-    `decode_all`: as `read_stream`'s)."""
-    error = done.error
+def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRecord:
+    """The record of a finished request, read as its route's (`t0`: the run's start on the clock the pieces were
+    stamped with; `decode_all`: as `read_stream`'s)."""
+    error, api = done.error, done.sent.api
     if error is not None and error[0] == "cancelled":
         stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
-        return build_record(api, done.sent, done.http_status, stream, error)
+        return build_record(done.sent, done.http_status, stream, error)
     if done.http_status not in (0, 200) and (error is None or error[0] != "connect"):
         message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
-        return build_record(api, done.sent, done.http_status, StreamRead(), ("http_status", message))
+        return build_record(done.sent, done.http_status, StreamRead(), ("http_status", message))
     stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
-    return build_record(api, done.sent, done.http_status, stream, error or stream.failure)
+    return build_record(done.sent, done.http_status, stream, error or stream.failure)
 
 
 class ArmClient:
     """Sends requests of one arm; `sink` receives what every request left, also requests cancelled mid-flight.
-    `headers` go on every request (an API key's `Authorization` among them)."""
+    A task of a task set goes on `api`; a replayed one on its own route. `headers` go on every request (an API key's
+    `Authorization` among them)."""
 
     def __init__(
         self,
@@ -287,11 +280,8 @@ class ArmClient:
         pin_arm: bool = False,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        if api not in ("native", "chat"):
-            raise ValueError(f"unsupported api {api!r}")
         self.arm = arm
         self.pool = Pool(base_url, time.perf_counter, kernel_stamps=True)
-        self.route = sglang.ROUTES[api]
         fields = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {}),
                   **({PIN_HEADER: arm} if pin_arm else {})}
         self.headers = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in fields.items())
@@ -305,28 +295,29 @@ class ArmClient:
     def close(self) -> None:
         self.pool.close()
 
-    def _body(self, task: Task) -> dict[str, Any]:
+    def request(self, task: Task) -> tuple[Route, dict[str, Any]]:
+        """The route a task goes on and the body sent there."""
+        route = ROUTE_FOR[task.route or self.api]
         if isinstance(task, ReplayTask):
-            return task.request(self.model)
-        if self.api == "native":
-            return sglang.generate_body(task.as_text(), self.sampling, stream=True)
-        return sglang.chat_body(self.model, task.as_messages(), self.sampling, stream=True,
-                                return_spec_tokens_details=True, include_usage=True)
+            return route, task.request(self.model)
+        return route, route.body(task, self.sampling, self.model)
 
     async def send(self, task: Task, index: int, *, warmup: bool, scheduled_s: float | None) -> None:
         dispatched = time.perf_counter() - self.t0
-        body = json.dumps(self._body(task)).encode()
+        route, request = self.request(task)
+        body = json.dumps(request).encode()
         response = Response()
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:
             sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
-                        response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0)
+                        response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0,
+                        route.api)
             self._sink(Finished(sent, response.status, list(response.pieces), error))
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self.pool.fetch(self.route, body, self.headers, response)
+                await self.pool.fetch(route.path, body, self.headers, response)
         except asyncio.CancelledError:
             finish(("cancelled", "stopped"))
             raise

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dfserve.errors import UserError
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.runs import Provenance, read_model
-from dfserve.sglang import SamplingParams
+from dfserve.sglang import ROUTES, Api, SamplingParams
 from dfserve.shard import Shard
 from dfserve.verdict.design import SequentialDesign
 
@@ -55,7 +55,9 @@ class RunConfig(_Model):
     schema_version: Literal[1] = 1
     kind: Literal["loadtest-run"] = "loadtest-run"
     run_id: str
-    api: Literal["native", "chat"]
+    api: Api | Literal["mixed"] = Field(description="the route every request was sent on, or mixed (a replayed "
+                                       "capture's requests each on its own: `routes`)")
+    routes: dict[Api, int] = Field(description="requests of the schedule (warm-up included) on each route")
     arms: tuple[ArmInfo, ...]
     tasks: TaskSetInfo
     num_requests: int = Field(description="measured requests per arm, warm-up not included")
@@ -76,10 +78,25 @@ class RunConfig(_Model):
     t0_unix_s: float = Field(description="wall clock at the run's time zero; record times are offsets from it")
     provenance: Provenance
 
+    @model_validator(mode="before")
+    @classmethod
+    def _routes_of_older_runs(cls, data: Any) -> Any:
+        """A run written before `routes` was recorded sent every request on its `api`."""
+        if isinstance(data, dict) and "routes" not in data and data.get("api") in ("native", "chat"):
+            return {**data, "routes": {data["api"]: data.get("warmup", 0) + data.get("num_requests", 0)}}
+        return data
+
+    def describe_routes(self) -> str:
+        """Where the schedule's requests went: one route, or each route with its count."""
+        if len(self.routes) == 1:
+            return f"on {ROUTES[next(iter(self.routes))]}"
+        return "on " + ", ".join(f"{ROUTES[route]} ({count})" for route, count in self.routes.items())
+
     def shape(self) -> dict[str, Any]:
         """The fields two runs must share to be compared."""
         return {
             "api": self.api,
+            "routes": dict(sorted(self.routes.items())),
             "tasks": self.tasks.sha256,
             "num_requests": self.num_requests,
             "sampling": self.sampling.model_dump(),

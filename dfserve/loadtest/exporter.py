@@ -1,7 +1,7 @@
 """Prometheus export of a load test: live on `--metrics-port` (127.0.0.1) while it runs, pushed at the end.
 
-Families and names are `dfserve.metrics.DfserveMetrics`, the same the gateway exports, labelled by arm and route
-(`native`, `chat`), and each record goes through the same `dfserve.metrics.observe` as a relayed request, so one
+Families and names are `dfserve.metrics.DfserveMetrics`, the same the gateway exports, labelled by arm and each
+record's route (`native`, `chat`, `completions`: a replayed capture sends several), and each record goes through the same `dfserve.metrics.observe` as a relayed request, so one
 dashboard reads both and a series means the same from either. Warm-up requests are left out, as they are from the
 summary, and so are requests the tester cancelled at its stop (Ctrl-C): the summary and the verdict count them as
 neither answers nor errors of the arm, and in `dfserve_requests_total` they would read as failures (499).
@@ -36,6 +36,8 @@ def outcome(r: RequestRecord, route: str) -> Outcome:
 
 
 class Exporter:
+    """`route` labels a record that does not carry its own (one written before records carried it)."""
+
     def __init__(self, route: str) -> None:
         self.registry = CollectorRegistry()
         self.metrics = DfserveMetrics.build(self.registry)
@@ -44,7 +46,7 @@ class Exporter:
 
     def observe(self, r: RequestRecord) -> None:
         if not r.warmup and not r.cancelled:
-            observe(self.metrics, outcome(r, self.route))
+            observe(self.metrics, outcome(r, r.route or self.route))
 
     def serve(self, port: int) -> str:
         """Serve `/metrics` on 127.0.0.1:`port` (0: a free port) in a thread; returns the URL it listens on."""

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.runs import read_jsonl
-from dfserve.sglang import accept_length, estimated_accept_length
+from dfserve.sglang import Api, accept_length, estimated_accept_length
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
 """`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or a native abort with
@@ -37,6 +37,8 @@ class RequestRecord(BaseModel):
 
     schema_version: Literal[1] = 1
     arm: str
+    route: Api | None = Field(None, description="the API it was sent on (native, chat, completions); None in "
+                              "records written before records carried it")
     index: int = Field(description="position in the schedule; equal indexes of two arms replayed the same task")
     task_id: str
     warmup: bool = False

@@ -311,7 +311,7 @@ def render_html(config: RunConfig, summary: Summary, records: Sequence[RequestRe
            if simulated else "")
         + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
         + f"<p>tasks {html.escape(config.tasks.name)} ({config.tasks.sha256[:12]}), {config.num_requests} requests "
-        f"+ {config.warmup} warm-up; {html.escape(config.load.describe())}; "
+        f"+ {config.warmup} warm-up {html.escape(config.describe_routes())}; {html.escape(config.load.describe())}; "
         f"{html.escape(config.sampling.describe())}. Intervals are 95%.</p>"
         + table(rows) + "<div class='plots'>" + "".join(plots) + "</div>"
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
+from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
@@ -44,7 +46,8 @@ class RunPlan:
     """A parsed `loadtest run` command line."""
 
     arms: tuple[tuple[str, str], ...]
-    api: sglang.Api
+    api: sglang.Api | None
+    """The route of every request (`--api`); None: native for a task set, each request's own for a capture."""
     task_set: TaskSet
     num_requests: int
     warmup: int
@@ -83,6 +86,25 @@ class RunPlan:
         elif self.load.kind == "trace":
             raise FieldError("arrival", "trace replays captured arrival times; give {other} capture:DIR", other="tasks")
 
+    @property
+    def default_api(self) -> sglang.Api:
+        """The route of a task that does not carry its own."""
+        return self.api or "native"
+
+    def order(self) -> tuple[list[Task], list[float] | None]:
+        """The tasks in the order they are sent, and their offsets from the start (None in closed loop)."""
+        total = self.warmup + self.num_requests
+        if isinstance(self.task_set, CaptureTaskSet) and self.load.kind == "trace":
+            order, arrivals_s = self.task_set.trace(total)
+            return order, self.load.offsets(total, arrivals_s)
+        return self.task_set.sequence(total, self.load.seed), self.load.offsets(total)
+
+
+def routes_of(order: Sequence[Task], default: sglang.Api) -> dict[sglang.Api, int]:
+    """How many requests of `order` go on each route, as `ArmClient` sends them."""
+    counts = Counter(task.route or default for task in order)
+    return {api: counts[api] for api in ROUTE_FOR if counts[api]}
+
 
 @dataclass
 class RunOutcome:
@@ -108,9 +130,10 @@ async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) 
 
 
 async def probe_arm(
-    http: httpx.AsyncClient, name: str, url: str, api: sglang.Api, model: str | None, pin: bool
+    http: httpx.AsyncClient, name: str, url: str, asks_model: bool, model: str | None, pin: bool
 ) -> ArmInfo:
-    """Fetch `/server_info` and `/model_info` (recorded verbatim) and, for chat, the served model's name.
+    """Fetch `/server_info` and `/model_info` (recorded verbatim) and, where a route names the model in its body (the
+    OpenAI routes: `asks_model`), the served model's name.
 
     With `pin`, the documents come from the gateway arm of the same name (the gateway forwards them).
     """
@@ -119,7 +142,7 @@ async def probe_arm(
     try:
         server_info = await _get_json(http, base + "/server_info", headers)
         model_info = await _get_json(http, base + "/model_info", headers)
-        if model is None and api == "chat":
+        if model is None and asks_model:
             model = sglang.first_model_id(await _get_json(http, base + "/v1/models", headers))
     except httpx.HTTPError as exc:
         raise FieldError("arms", f"{name}={url}: server does not answer ({type(exc).__name__}: {exc})") from None
@@ -189,12 +212,15 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     the record writer's stopping (its file could not be written: the run is then interrupted)."""
     load = plan.load
     total = plan.warmup + plan.num_requests
+    order, offsets = plan.order()
+    routes = routes_of(order, plan.default_api)
+    asks_model = any(ROUTE_FOR[api].asks_model for api in routes)
     async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=10,
                                  trust_env=False) as http:
-        arms = [await probe_arm(http, name, url, plan.api, plan.model, plan.pin_arms) for name, url in plan.arms]
+        arms = [await probe_arm(http, name, url, asks_model, plan.model, plan.pin_arms) for name, url in plan.arms]
     stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts
     run_dir = create_run_dir(plan.out, plan.name)
-    writer = await RecordWriter.start(plan.api, run_dir / "requests.jsonl", observers)
+    writer = await RecordWriter.start(run_dir / "requests.jsonl", observers)
 
     def halted() -> bool:
         return writer.stopped() or (halt is not None and halt())
@@ -204,13 +230,14 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         t0 = time.perf_counter()
         writer.begin(t0)
         clients = [
-            ArmClient(arm.name, arm.url, plan.api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
+            ArmClient(arm.name, arm.url, plan.default_api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
                       request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms, headers=dict(plan.headers))
             for arm in arms
         ]
         config = RunConfig(
             run_id=run_dir.name,
-            api="chat" if plan.api == "chat" else "native",
+            api=next(iter(routes)) if len(routes) == 1 else "mixed",
+            routes=routes,
             arms=tuple(arm.model_copy(update={"arrival_stamps": "kernel" if client.pool.kernel_stamps else "loop"})
                        for arm, client in zip(arms, clients, strict=True)),
             tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
@@ -228,11 +255,6 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             provenance=provenance,
         )
         write_model(run_dir / "config.json", config)
-        if isinstance(plan.task_set, CaptureTaskSet) and load.kind == "trace":
-            order, arrivals_s = plan.task_set.trace(total)
-            offsets = load.offsets(total, arrivals_s)
-        else:
-            order, offsets = plan.task_set.sequence(total, load.seed), load.offsets(total)
         deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
         indices = shard_indices(total, plan.shard)
         concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)

@@ -7,7 +7,7 @@ do that work for each of them while the next burst's first chunks arrived; a thr
 the loop for that work (the two take turns holding it). On the loop a finished request now costs one `marshal` of its
 stamps and pieces (`Finished.wire`) and a pipe write that never blocks (the loop's pipe transport buffers).
 
-The writer process (`python -m dfserve.loadtest.writer API PATH`, niced) is started and ready before the run's
+The writer process (`python -m dfserve.loadtest.writer PATH`, niced) is started and ready before the run's
 clock starts; its first frame is the run's start (`begin`). It reads frames in batches: whatever has arrived when
 it wakes is derived in order, written and flushed once, then echoed as JSON lines to its stdout. A thread of the
 caller's reads them back (a validation and the observers, tens of microseconds a record) and keeps the records.
@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, cast
 
-from dfserve import sglang
 from dfserve.errors import UserError
 from dfserve.loadtest.client import Finished, Wire, derive
 from dfserve.loadtest.records import RequestRecord
@@ -83,15 +82,15 @@ def read_frames(source: IO[bytes]) -> list[Finished] | None:
     return batch
 
 
-def write_records(api: sglang.Api, source: IO[bytes], appender: JsonlAppender, echo: IO[bytes]) -> None:
-    """The writer process's work: the run's start, then every batch derived, appended with one flush, then echoed
-    (while anyone reads)."""
+def write_records(source: IO[bytes], appender: JsonlAppender, echo: IO[bytes]) -> None:
+    """The writer process's work: the run's start, then every batch derived (each request by its own route),
+    appended with one flush, then echoed (while anyone reads)."""
     t0 = _read_frame(source)
     if not isinstance(t0, float):
         return  # the caller ended before its run began
     echoing = True
     while (batch := read_frames(source)) is not None:
-        lines = [derive(api, t0, finished).model_dump_json() + "\n" for finished in batch]
+        lines = [derive(t0, finished).model_dump_json() + "\n" for finished in batch]
         appender.write_lines(lines)
         if echoing:
             try:
@@ -101,9 +100,9 @@ def write_records(api: sglang.Api, source: IO[bytes], appender: JsonlAppender, e
                 echoing = False  # the caller died: keep writing the file
 
 
-def _spawn(api: sglang.Api, path: Path) -> subprocess.Popen[bytes]:
+def _spawn(path: Path) -> subprocess.Popen[bytes]:
     """The writer process (a fork and exec: nothing to wait for); the loop writes to its stdin through a transport."""
-    process = subprocess.Popen([sys.executable, "-m", __name__, api, str(path)], stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", __name__, str(path)], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdin is not None
     fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -151,9 +150,9 @@ class RecordWriter:
         self._thread.start()
 
     @classmethod
-    async def start(cls, api: sglang.Api, path: Path, observers: Sequence[Observer]) -> RecordWriter:
+    async def start(cls, path: Path, observers: Sequence[Observer]) -> RecordWriter:
         """Start the writer process on `path` (a new file: it creates it); returns once it is ready."""
-        process = _spawn(api, path)
+        process = _spawn(path)
         assert process.stdin is not None and process.stdout is not None
         if await asyncio.to_thread(process.stdout.readline) != READY:
             process.stdin.close()
@@ -210,14 +209,12 @@ def main() -> None:
     for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole group: it ends when its input ends
         signal.signal(stop, signal.SIG_IGN)
     os.nice(NICENESS)
-    api, path = sys.argv[1], Path(sys.argv[2])
-    if api not in ("native", "chat"):
-        raise SystemExit(f"dfserve.loadtest.writer: unknown api {api!r}")
+    path = Path(sys.argv[1])
     try:
         appender = JsonlAppender(path)
         sys.stdout.buffer.write(READY)
         sys.stdout.buffer.flush()
-        write_records("chat" if api == "chat" else "native", sys.stdin.buffer, appender, sys.stdout.buffer)
+        write_records(sys.stdin.buffer, appender, sys.stdout.buffer)
         appender.close()
     except OSError as exc:
         _give_up(path, exc)

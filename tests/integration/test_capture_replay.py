@@ -1,6 +1,7 @@
 """Capture then replay, over real sockets: clients send requests to a loopback server whose handler hands each one,
-shaped as the gateway's finished exchanges, to the capture observer; `dfserve loadtest run --tasks capture:DIR` replays them to the
-simulator on their captured schedule, and to a second capturing server, which shows the bodies arrive as captured."""
+shaped as the gateway's finished exchanges, to the capture observer, or through `dfserve gateway --capture` to the
+simulator; `dfserve loadtest run --tasks capture:DIR` replays them to the simulator on their captured schedule, and
+to a second capturing server, which shows the bodies arrive as captured, each on the route it came on."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dfserve.capture.read import read_capture
 from dfserve.capture.writer import CaptureWriter
 from dfserve.loadtest.records import read_records
 from dfserve.loadtest.schedule import trace_offsets
-from tests.integration.servers import LOOPBACK, dfserve_argv, sim_server
+from tests.integration.servers import LOOPBACK, dfserve_argv, serve, sim_server
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--max-new-tokens", "24", "--temperature", "0", "--top-p", "1")
@@ -118,8 +119,6 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
         send(url, [("/v1/chat/completions", chat(i)) for i in range(6)])
     with capturing_server(CapturePolicy(dir=root / "hashed", redact="hash")) as url:
         send(url, [("/generate", native(i)) for i in range(2)])
-    with capturing_server(CapturePolicy(dir=root / "mixed")) as url:
-        send(url, [("/generate", native(0)), ("/v1/chat/completions", chat(0))])
     return root
 
 
@@ -185,8 +184,8 @@ def test_a_chat_capture_replays_with_its_own_settings(captures: Path, tmp_path: 
 
 @pytest.mark.parametrize(("capture", "extra", "message"), [
     ("hashed", (), "record 0 (segment-000001.jsonl:1) cannot be replayed: its user text was hashed (redact: hash)"),
-    ("mixed", (), "mixes routes (1 to /generate, 1 to /v1/chat/completions); a run replays one route"),
-    ("chat", ("--api", "native"), "capture:chat holds /v1/chat/completions requests, so replays as chat, not native"),
+    ("chat", ("--api", "native"), "--api: capture:chat holds requests of other routes than native (6 to "
+                                  "/v1/chat/completions); bodies are not converted between APIs"),
 ])
 def test_a_capture_that_cannot_be_replayed_refuses_in_one_line(captures: Path, tmp_path: Path, capture: str,
                                                                extra: tuple[str, ...], message: str) -> None:
@@ -208,3 +207,80 @@ def test_a_truncated_capture_refuses(captures: Path, tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "segment-000001.jsonl: 11 lines in" in result.stderr and "says 12 in" in result.stderr
     assert "(truncated or edited)" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# --- live traffic mixes routes: captured by the gateway, replayed each on its own route ----------------------------
+
+def completions(number: int) -> dict[str, Any]:
+    settings = [{"max_tokens": 10, "temperature": 0.0}, {"top_p": 0.8, "stream": True}][number % 2]
+    return {"model": "their-model", "prompt": f"# task {number}\ndef f():", **settings}
+
+
+MIXED = [("/generate", native(0)), ("/v1/chat/completions", {**chat(0), "stream": True}),
+         ("/v1/completions", completions(0)), ("/generate", native(1)), ("/v1/chat/completions", chat(1)),
+         ("/v1/completions", completions(1))]
+
+
+@pytest.fixture(scope="module")
+def live_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Native, chat and completions requests through `dfserve gateway --capture` to the simulator."""
+    folder = tmp_path_factory.mktemp("live") / "capture"
+    with sim_server() as engine, serve(dfserve_argv("gateway", "--host", LOOPBACK, "--port", "0", "--arm",
+                                                    f"sim=1@{engine}", "--capture", str(folder))) as gateway:
+        send(gateway.url, MIXED)
+    return folder
+
+
+def test_a_mixed_capture_is_replayed_each_request_on_its_route_with_its_prompt_and_settings(
+        live_capture: Path, tmp_path: Path) -> None:
+    assert [(r.path, r.body) for r in read_capture(live_capture)[1]] == MIXED
+    with capturing_server(CapturePolicy(dir=tmp_path / "again")) as url:
+        result = loadtest(tmp_path, "--arm", f"rec={url}", "--model", "served", "--tasks", f"capture:{live_capture}",
+                          "--arrival", "trace", "--speed", "8", "--num-requests", "6", "--warmup", "0",
+                          "--max-error-rate", "1", *FLAGS)
+    assert result.returncode == 0, result.stderr
+    flags = {"max_tokens": 24, "temperature": 0.0, "top_p": 1.0}
+    openai = {"model": "served", "stream": True, "return_spec_tokens_details": True,
+              "stream_options": {"include_usage": True}}
+    expected = [
+        ("/generate", {"text": native(0)["text"], "stream": True,
+                       "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0}}),
+        ("/v1/chat/completions", {**flags, **chat(0), **openai}),
+        ("/v1/completions", {**flags, **completions(0), **openai}),
+        ("/generate", {"text": native(1)["text"], "stream": True,
+                       "sampling_params": {"max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9}}),
+        ("/v1/chat/completions", {**flags, **chat(1), **openai}),
+        ("/v1/completions", {**flags, **completions(1), **openai}),
+    ]
+    arrived = sorted(read_capture(tmp_path / "again")[1], key=lambda r: json.dumps(r.body, sort_keys=True))
+    assert [(r.path, r.body) for r in arrived] == sorted(expected, key=lambda e: json.dumps(e[1], sort_keys=True))
+
+
+def test_a_mixed_replay_records_each_route_with_exact_acceptance(live_capture: Path, tmp_path: Path) -> None:
+    with sim_server() as url:
+        result = loadtest(tmp_path, "--arm", f"a={url}", "--arm", f"b={url}", "--tasks", f"capture:{live_capture}",
+                          "--rate", "50", "--num-requests", "12", "--warmup", "0", "--name", "mixed", *FLAGS)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "mixed"
+    records = list(read_records(run / "requests.jsonl"))
+    routes = {r.task_id: r.route for r in records if r.arm == "a"}
+    assert {r.task_id: r.route for r in records if r.arm == "b"} == routes  # a task has its route on every arm
+    assert sorted(set(routes.values())) == ["chat", "completions", "native"]
+    assert all(r.ok and r.acceptance == "exact" and r.completion_tokens for r in records)
+    assert all((r.chunk_tokens is not None) == (r.route == "native") for r in records)
+    config = json.loads((run / "config.json").read_text())
+    counts = {route: sum(1 for r in records if r.arm == "a" and r.route == route) for route in set(routes.values())}
+    assert config["api"] == "mixed" and config["routes"] == counts and sum(counts.values()) == 12
+    compared = subprocess.run(dfserve_argv("compare", str(run)), capture_output=True, text=True, timeout=120)
+    assert compared.returncode in (0, 1, 3), compared.stderr  # a verdict, not a refusal
+    assert "12 pairs over 6 tasks" in compared.stdout and "lossless: 12/12 identical outputs" in compared.stdout
+
+
+def test_an_api_other_than_the_captured_routes_refuses_in_one_line(live_capture: Path, tmp_path: Path) -> None:
+    result = loadtest(tmp_path, "--arm", "a=http://127.0.0.1:9", "--tasks", f"capture:{live_capture}", "--rate", "10",
+                      "--api", "chat")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("dfserve: error: --api: capture:capture holds requests of other routes than chat (2 to "
+                                     "/generate, 2 to /v1/completions); bodies are not converted between APIs "
+                                     "(without it, each is replayed on its own route)")
+    assert not list(tmp_path.iterdir())

@@ -318,7 +318,7 @@ def test_failures_are_classified(tmp_path: Path) -> None:
     assert "Traceback" not in refused.stderr
 
 
-@pytest.mark.parametrize("api", ["native", "chat"])
+@pytest.mark.parametrize("api", ["native", "chat", "completions"])
 def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_verdict(tmp_path: Path, api: str) -> None:
     """A candidate engine aborts a third of its streams after they started (HTTP 200, then the error in band, as
     SGLang 0.5.23 does for a request retracted without a KV backup). Through the gateway, every one of them must be
@@ -338,8 +338,7 @@ def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_ve
     assert f"candidate failed {len(failed)} of 60" in result.stderr and "stream_error=" in result.stderr
     assert failed and {r.arm for r in failed} == {"candidate"}
     assert all((r.error_kind, r.http_status, r.error_code) == ("stream_error", 200, 503) for r in failed)
-    route = "native" if api == "native" else "chat"
-    labels = f'arm="candidate",error="stream_error",replica="{candidate}",route="{route}",status="5xx"'
+    labels = f'arm="candidate",error="stream_error",replica="{candidate}",route="{api}",status="5xx"'
     assert f"dfserve_requests_total{{{labels}}} {float(len(failed))}" in metrics
     compare(str(tmp_path / "r"), "--out", str(tmp_path / "v"))
     verdict = json.loads(next((tmp_path / "v").glob("verdict-*/verdict.json")).read_text())

@@ -49,12 +49,13 @@ def collect(base: str, aborting: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     chat = sglang.chat_body("m", MESSAGES, SAMPLING, stream=True, return_spec_tokens_details=True, include_usage=True)
     native = sglang.generate_body("def add(a, b):", SAMPLING, stream=True)
-    items += [{"kind": "generate_request", "body": native}, {"kind": "chat_request", "body": chat}]
+    streamed = sglang.completions_body("m", "def add(", SAMPLING, stream=True, return_spec_tokens_details=True,
+                                       include_usage=True)
+    items += [{"kind": "generate_request", "body": native}, {"kind": "chat_request", "body": chat},
+              {"kind": "completion_request", "body": streamed}]
     items.append({"kind": "native", "body": httpx.post(f"{base}/generate", json={**native, "stream": False}).json()})
     items += [{"kind": "native", "body": e} for e in events(httpx.post(f"{base}/generate", json=native))]
-    for url, body in ((base, chat), (aborting, chat), (base, {"model": "m", "prompt": "def add(", "stream": True,
-                                                             "max_tokens": 30, "return_spec_tokens_details": True,
-                                                             "stream_options": {"include_usage": True}})):
+    for url, body in ((base, chat), (aborting, chat), (base, streamed)):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         items += [{"kind": openai_kind(e), "body": e} for e in events(httpx.post(f"{url}{path}", json=body))]
     whole_chat = {**chat, "stream": False, "return_meta_info": True}

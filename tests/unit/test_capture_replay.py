@@ -8,17 +8,20 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from dfserve import sglang
 from dfserve.capture.format import CapturePolicy
 from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import Sampling
+from dfserve.loadtest.judge import comparability
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import summarize
+from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.schedule import LoadShape, schedule_fidelity, trace_offsets
 from dfserve.sglang import SamplingParams
-from dfserve.tasks import load_tasks
+from dfserve.tasks import Task, load_tasks
 from tests.synthetic import run_config
 
 FLAGS = Sampling(max_new_tokens=128, temperature=0.0, top_p=1.0)
@@ -45,7 +48,7 @@ def test_a_capture_is_a_task_set_in_arrival_order_through_load_tasks(tmp_path: P
     spec = capture(tmp_path, [("/generate", native("b", temperature=0.5), 2.0),
                               ("/generate", native("a", max_new_tokens=7), 1.0)])
     tasks = load_tasks(spec)
-    assert isinstance(tasks, CaptureTaskSet) and tasks.route == "native"
+    assert isinstance(tasks, CaptureTaskSet) and tasks.routes == {"native": 2}
     assert [t.prompt for t in tasks.tasks] == ["a", "b"]  # the observer saw "b" end first; "a" arrived first
     assert tasks.arrivals_s == (1.0, 2.0)
     assert [t.id.split("-")[0] for t in tasks.tasks] == ["c000001", "c000000"]
@@ -81,7 +84,8 @@ def test_the_client_sends_a_replayed_task_as_captured() -> None:
     client = ArmClient("a", "http://127.0.0.1:9", "native", SamplingParams(), lambda _: None, t0=0.0,
                        request_timeout_s=1.0)
     try:
-        assert client._body(task) == {"text": "p", "sampling_params": {"top_k": 5}, "stream": True}
+        route, body = client.request(task)
+        assert route.path == "/generate" and body == {"text": "p", "sampling_params": {"top_k": 5}, "stream": True}
     finally:
         client.close()
 
@@ -117,26 +121,107 @@ def test_a_dropped_prompt_refuses(tmp_path: Path) -> None:
         load_capture_tasks(spec)
 
 
-def test_mixed_routes_and_completions_refuse(tmp_path: Path) -> None:
-    mixed = capture(tmp_path, [("/generate", native("a"), 0.0), ("/v1/chat/completions", chat("b"), 1.0)], "mixed")
-    with pytest.raises(FieldError, match=r"^tasks: capture .* mixes routes \(1 to /generate, 1 to "
-                       r"/v1/chat/completions\); a run replays one route$"):
-        load_capture_tasks(mixed)
-    completions = capture(tmp_path, [("/v1/completions", {"prompt": "a"}, 0.0)], "completions")
-    with pytest.raises(FieldError, match=r"record 0 .* is a /v1/completions request; the load tester replays"):
-        load_capture_tasks(completions)
+def completions(prompt: object, **fields: object) -> dict[str, object]:
+    return {"model": "client-model", "prompt": prompt, **fields}
 
 
-def test_a_run_must_use_the_captures_route_and_a_trace_fits_the_capture(tmp_path: Path) -> None:
+MIXED = [("/generate", native("n", max_new_tokens=7), 0.0),
+         ("/v1/chat/completions", chat("c", temperature=0.3, return_meta_info=True), 1.0),
+         ("/v1/completions", completions("p", max_tokens=5, top_p=0.8, stream=False), 2.0),
+         ("/v1/completions", completions([11, 12, 13]), 3.0)]
+
+
+def test_a_mixed_capture_keeps_each_requests_route_and_settings(tmp_path: Path) -> None:
+    captured = load_capture_tasks(capture(tmp_path, MIXED))
+    assert captured.routes == {"native": 1, "chat": 1, "completions": 2}
+    tasks, loosest = captured.for_run(FLAGS)
+    assert loosest == Sampling(max_new_tokens=128, temperature=0.3, top_p=1.0)
+    sent = [(t.route, t.request("served")) for t in tasks.tasks if isinstance(t, ReplayTask)]
+    openai = {"stream": True, "return_spec_tokens_details": True, "stream_options": {"include_usage": True},
+              "model": "served"}
+    assert sent == [
+        ("native", {"text": "n", "stream": True,
+                    "sampling_params": {"max_new_tokens": 7, "temperature": 0.0, "top_p": 1.0}}),
+        ("chat", {**chat("c"), "max_tokens": 128, "temperature": 0.3, "top_p": 1.0, **openai}),
+        ("completions", {**completions("p"), "max_tokens": 5, "temperature": 0.0, "top_p": 0.8, **openai}),
+        ("completions", {**completions([11, 12, 13]), "max_tokens": 128, "temperature": 0.0, "top_p": 1.0, **openai}),
+    ]
+    assert [t.prompt for t in tasks.tasks] == ["n", '[{"role": "user", "content": "c"}]', "p", "[11, 12, 13]"]
+
+
+def test_the_same_body_on_another_route_is_another_task(tmp_path: Path) -> None:
+    """A task's id hashes its route with its body: a set replayed on other routes is another task set."""
+    body = {"prompt": "p", "messages": [{"role": "user", "content": "p"}]}
+    chat_set = load_capture_tasks(capture(tmp_path, [("/v1/chat/completions", body, 0.0)], "chat"))
+    completions_set = load_capture_tasks(capture(tmp_path, [("/v1/completions", body, 0.0)], "completions"))
+    assert chat_set.tasks[0].id != completions_set.tasks[0].id and chat_set.sha256 != completions_set.sha256
+
+
+def test_each_request_goes_on_its_own_route_and_a_task_set_on_the_runs(tmp_path: Path) -> None:
+    tasks, _ = load_capture_tasks(capture(tmp_path, MIXED)).for_run(FLAGS)
+    client = ArmClient("a", "http://127.0.0.1:9", "chat", SamplingParams(max_new_tokens=9), lambda _: None,
+                       model="served", t0=0.0, request_timeout_s=1.0)
+    try:
+        assert [client.request(t)[0].path for t in tasks.tasks] == [
+            "/generate", "/v1/chat/completions", "/v1/completions", "/v1/completions"]
+        plain = Task(id="t", prompt="def f():")
+        assert client.request(plain) == (ROUTE_FOR["chat"], sglang.chat_body(
+            "served", [{"role": "user", "content": "def f():"}], SamplingParams(max_new_tokens=9), stream=True,
+            return_spec_tokens_details=True, include_usage=True))
+        client.api = "completions"
+        route, body = client.request(plain)
+        assert route.path == "/v1/completions" and body == {
+            "model": "served", "prompt": "def f():", "stream": True, "max_tokens": 9, "temperature": 0.0,
+            "top_p": 1.0, "return_spec_tokens_details": True, "stream_options": {"include_usage": True}}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("path", "body", "refusal"), [
+    ("/v1/completions", completions(["a", "b"]), "is a batch (prompt is a list of prompts)"),
+    ("/v1/completions", completions([[1, 2], [3]]), "is a batch (prompt is a list of prompts)"),
+    ("/v1/completions", completions([]), "has no prompt"),
+    ("/v1/completions", completions(None), "has no prompt"),
+    ("/generate", {"input_ids": [[1, 2], [3]]}, "is a batch (text or input_ids is a list of prompts)"),
+    ("/v1/chat/completions", {"model": "m"}, "has no messages"),
+    ("/generate", {"text": ["a", "b"]}, "is a batch (text or input_ids is a list of prompts)"),
+])
+def test_a_request_that_is_not_one_prompt_refuses_naming_the_record(tmp_path: Path, path: str,
+                                                                    body: dict[str, object], refusal: str) -> None:
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0), (path, body, 1.0)])
+    with pytest.raises(FieldError, match=r"^tasks: capture .*: record 1 \(segment-000001.jsonl:2\) ") as caught:
+        load_capture_tasks(spec)
+    assert refusal in str(caught.value)
+
+
+def test_an_api_other_than_a_captured_route_refuses_and_none_replays_each_on_its_own(tmp_path: Path) -> None:
+    tasks = load_capture_tasks(capture(tmp_path, MIXED))
+    with pytest.raises(FieldError, match=r"^api: capture:capture holds requests of other routes than chat \(1 to "
+                       r"/generate, 2 to /v1/completions\); bodies are not converted between APIs \(without it, "
+                       r"each is replayed on its own route\)$"):
+        tasks.check("chat", trace=False, count=4)
+    tasks.check(None, trace=True, count=4)
+    native_only = load_capture_tasks(capture(tmp_path, MIXED[:1], "native"))
+    native_only.check("native", trace=False, count=4)  # the captured route, named
+
+
+def test_a_trace_fits_the_capture(tmp_path: Path) -> None:
     tasks = load_capture_tasks(capture(tmp_path, [("/generate", native("a"), 0.0), ("/generate", native("b"), 1.0)]))
-    with pytest.raises(FieldError, match=r"^api: .* holds /generate requests, so replays as native, not chat$"):
-        tasks.check("chat", trace=False, count=2)
     with pytest.raises(FieldError, match=r"^num_requests: a trace replays each of the capture's 2 requests once, "
                        r"in order; 3 asked for \(warmup included\)$"):
-        tasks.check("native", trace=True, count=3)
-    tasks.check("native", trace=False, count=300)  # other arrivals repeat the set, as for any task set
+        tasks.check(None, trace=True, count=3)
+    tasks.check(None, trace=False, count=300)  # other arrivals repeat the set, as for any task set
     order, arrivals = tasks.trace(2)
     assert [t.prompt for t in order] == ["a", "b"] and arrivals == [0.0, 1.0]
+
+
+def test_config_records_the_routes_and_two_runs_compare_only_with_the_same(tmp_path: Path) -> None:
+    base = run_config("r1")
+    assert base.routes == {"native": 100}  # a run before routes were recorded sent all on its api
+    mixed = base.model_copy(update={"run_id": "r2", "api": "mixed", "routes": {"native": 60, "chat": 40}})
+    assert comparability(base, "zlab", mixed, "inhouse") == ["api: native vs mixed", "routes.native: 100 vs 60",
+                                                             "routes.chat: not set vs 40"]
+    assert comparability(mixed, "zlab", mixed.model_copy(update={"run_id": "r3"}), "inhouse") == []
 
 
 # --- the trace schedule and its fidelity ---------------------------------------------------------------------------

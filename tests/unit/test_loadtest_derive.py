@@ -82,14 +82,14 @@ def cuts(body: bytes, how: str) -> list[bytes]:
     return [body[at : at + size] for at in range(0, len(body), size)]
 
 
-def finished(pieces: list[bytes]) -> Finished:
+def finished(pieces: list[bytes], api: sglang.Api = "chat") -> Finished:
     stamped = [(10.0 + 0.013 * n, piece) for n, piece in enumerate(pieces)]
-    return Finished(Sent("a", "t", 0, False, None, 0.1, 0.1, 11.0), 200, stamped, None)
+    return Finished(Sent("a", "t", 0, False, None, 0.1, 0.1, 11.0, api), 200, stamped, None)
 
 
 def both_ways(api: sglang.Api, pieces: list[bytes]) -> tuple[dict[str, Any], dict[str, Any]]:
-    done = finished(pieces)
-    return (derive(api, 10.0, done).model_dump(), derive(api, 10.0, done, decode_all=True).model_dump())
+    done = finished(pieces, api)
+    return (derive(10.0, done).model_dump(), derive(10.0, done, decode_all=True).model_dump())
 
 
 @pytest.mark.parametrize("how", ["events", "whole", "1", "3", "7", "100", "1000"])
@@ -124,7 +124,7 @@ def test_only_the_chunks_that_do_not_fit_the_template_are_decoded(monkeypatch: p
         return parse(data)
 
     monkeypatch.setattr(sglang, "parse_openai_event", counted)
-    record = derive("chat", 10.0, finished(cuts(STREAMS["chat"][1], "events")))
+    record = derive(10.0, finished(cuts(STREAMS["chat"][1], "events")))
     assert record.ok and len(record.chunk_times_s) == 40
     assert [json.loads(data)["choices"] for data in decoded[:2]] == [
         [{"index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""}, "logprobs": None,

@@ -116,6 +116,14 @@ def test_chunks_read_together_or_a_late_read_alone_are_not_the_testers_error() -
                                       read_lag={"inhouse": behind})) is not None
     page = render_html(config, summarize(config, inhouse, interrupted=False, read_lag={}), inhouse)
     assert "not measured" in page  # reads dated by the loop: no lag
+    assert "100 requests + 0 warm-up on /generate;" in page
+
+
+def test_the_report_says_how_many_requests_went_on_each_route() -> None:
+    config = run_config("run-m").model_copy(update={"api": "mixed", "routes": {"native": 60, "completions": 40}})
+    records = synthetic("inhouse", 20, 6.0, seed=2, tokens=32)
+    page = render_html(config, summarize(config, records, interrupted=False, read_lag={}), records)
+    assert "100 requests + 0 warm-up on /generate (60), /v1/completions (40);" in page
 
 
 def test_no_data_is_none_not_zero() -> None:

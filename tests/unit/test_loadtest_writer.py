@@ -19,7 +19,7 @@ PIECE = b'data: {"text": "a", "meta_info": {"prompt_tokens": 3, "completion_toke
 
 
 def finished(index: int, error: tuple[str, str] | None = ("cancelled", "stopped")) -> Finished:
-    sent = Sent("a", f"t{index}", index, index < 2, None, 0.0, 0.1, 0.5)
+    sent = Sent("a", f"t{index}", index, index < 2, None, 0.0, 0.1, 0.5, "native")
     return Finished(sent, 200, [(0.3, PIECE)], error)  # type: ignore[arg-type]
 
 
@@ -60,10 +60,10 @@ def test_records_are_written_and_echoed_in_order(tmp_path: Path) -> None:
     with os.fdopen(read, "rb") as source, JsonlAppender(path) as appender:
         with os.fdopen(write, "wb") as sink:
             sink.write(frame(0.0) + b"".join(frame(finished(n)) for n in (7, 3, 9)))
-        write_records("native", source, appender, echo)
+        write_records(source, appender, echo)
     on_disk = list(read_records(path))
     assert [r.index for r in on_disk] == [7, 3, 9]
-    assert on_disk == [derive("native", 0.0, finished(n)) for n in (7, 3, 9)]
+    assert on_disk == [derive(0.0, finished(n)) for n in (7, 3, 9)]
     assert echo.getvalue().decode() == path.read_text()
 
 
@@ -72,7 +72,7 @@ def test_each_batch_is_on_disk_before_the_next_arrives(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     read, write = os.pipe()
     with os.fdopen(read, "rb") as source, os.fdopen(write, "wb") as sink, JsonlAppender(path) as appender:
-        worker = threading.Thread(target=write_records, args=("native", source, appender, io.BytesIO()))
+        worker = threading.Thread(target=write_records, args=(source, appender, io.BytesIO()))
         worker.start()
         sink.write(frame(0.0) + frame(finished(1)))
         sink.flush()
@@ -96,7 +96,7 @@ def test_an_echo_nobody_reads_does_not_stop_the_file(tmp_path: Path) -> None:
     with os.fdopen(read, "rb") as source, JsonlAppender(path) as appender:
         with os.fdopen(write, "wb") as sink:
             sink.write(frame(0.0) + frame(finished(1)) + frame(finished(2)))
-        write_records("native", source, appender, Gone())
+        write_records(source, appender, Gone())
     assert [r.index for r in read_records(path)] == [1, 2]
 
 
@@ -105,22 +105,22 @@ def test_times_are_made_relative_to_the_run_start_of_the_first_frame(tmp_path: P
     with os.fdopen(read, "rb") as source, JsonlAppender(tmp_path / "requests.jsonl") as appender:
         with os.fdopen(write, "wb") as sink:
             sink.write(frame(0.25) + frame(finished(1)))
-        write_records("native", source, appender, io.BytesIO())
+        write_records(source, appender, io.BytesIO())
     assert [r.chunk_times_s for r in read_records(tmp_path / "requests.jsonl")] == [[pytest.approx(0.05)]]
 
 
-SENT = Sent("a", "t1", 0, False, None, 0.0, 0.1, 0.5)
+SENT = Sent("a", "t1", 0, False, None, 0.0, 0.1, 0.5, "chat")
 
 
 def test_derive_classifies_a_refused_request_from_its_body() -> None:
     body = b'{"object": "error", "message": "queue full", "type": "BadRequestError", "code": 503}'
-    r = derive("chat", 0.0, Finished(SENT, 503, [(0.3, body)], None))
+    r = derive(0.0, Finished(SENT, 503, [(0.3, body)], None))
     assert (r.error_kind, r.http_status) == ("http_status", 503)
     assert r.error_message is not None and "queue full" in r.error_message
 
 
 def test_derive_keeps_the_chunks_of_a_cancelled_stream() -> None:
-    r = derive("native", 0.0, finished(5))
+    r = derive(0.0, finished(5))
     assert r.error_kind == "cancelled"
     assert r.chunk_times_s == [0.3]
 
@@ -134,5 +134,5 @@ def test_wire_round_trip(error: tuple[str, str] | None) -> None:
 def test_a_writer_that_cannot_create_its_file_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "gone" / "requests.jsonl"
     with pytest.raises(RecordWriterError) as refused:
-        asyncio.run(RecordWriter.start("native", path, []))
+        asyncio.run(RecordWriter.start(path, []))
     assert str(refused.value) == f"the record writer did not start: {path}: No such file or directory"

@@ -87,6 +87,24 @@ def chat_body(
     return body
 
 
+def completions_body(
+    model: str,
+    prompt: str,
+    sampling: SamplingParams,
+    *,
+    stream: bool,
+    return_spec_tokens_details: bool = False,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """Body of `POST /v1/completions` for one prompt."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "stream": stream, **sampling.openai()}
+    if return_spec_tokens_details:
+        body[RETURN_SPEC_DETAILS] = True
+    if stream and include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 RETURN_META_INFO = "return_meta_info"
 """Non-streamed chat: the whole native `meta_info` on each choice (``ChatCompletionRequest.return_meta_info``)."""
 
