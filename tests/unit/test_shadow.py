@@ -115,8 +115,8 @@ def test_a_recorded_openai_stream_has_the_testers_output_hash_and_chunk_times() 
     assert record.output_sha256 == hashlib.sha256(b"def f(x)").hexdigest()
     assert record.chunk_times_s == pytest.approx([4.02, 4.03, 4.04]) and record.chunk_tokens is None
     assert tpot_s(record) == pytest.approx((4.04 - 4.02) / 5)
-    sent = Sent("zlab", record.task_id, 4, False, None, 4.0, 4.0, 4.06)
-    tester = derive("chat", 100.0, Finished(sent, 200, list(exchange.pieces or ()), None))
+    sent = Sent("zlab", record.task_id, 4, False, None, 4.0, 4.0, 4.06, "chat")
+    tester = derive(100.0, Finished(sent, 200, list(exchange.pieces or ()), None))
     assert (tester.output_sha256, tester.chunk_times_s) == (record.output_sha256, record.chunk_times_s)
 
 
