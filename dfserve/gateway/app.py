@@ -336,7 +336,9 @@ class GatewayApp:
         exchange.answer = payload
         if response.status == 200 and exchange.route in PROXIED.values():
             try:
-                exchange.acceptance = measure_whole(exchange.route, payload)
+                exchange.acceptance, in_band = measure_whole(exchange.route, payload)
+                if in_band is not None:
+                    exchange.error, exchange.error_code = STREAM_ERROR, in_band.code
                 if strip_spec:
                     payload = sglang.strip_spec_details(payload)
             except (ProtocolError, RecursionError) as exc:

@@ -18,8 +18,9 @@ Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, prin
 - streamed chat and completions from a server that sends no spec details (before SGLang 0.5.23): usage tokens over
   content chunks (estimated; needs `include_usage`).
 
-A stream that SGLang ends with an in-band error (HTTP 200, then an error event, or a native abort with a status) is
-a failure: its last events are read once it is complete (`EventRelay.tail`), with no work per chunk.
+A stream that SGLang ends with an in-band error (HTTP 200, then an error event, or a final chunk whose finish reason
+is an abort, with a status or through `/abort_request`) is a failure: its last events are read once it is complete
+(`EventRelay.tail`), with no work per chunk. So is a whole 200 answer whose finish reason is an abort.
 """
 
 from __future__ import annotations
@@ -203,22 +204,27 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     reply.end(relay.pending, relay.last_chunk_written)
 
 
-def measure_whole(api: str, body: bytes) -> Acceptance:
-    """Acceptance of a whole (non-streamed) response body; `ProtocolError` when it is not what SGLang sends."""
+def measure_whole(api: str, body: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+    """Acceptance of a whole (non-streamed) 200 response body, and the abort it reports in band, if any (SGLang
+    answers a request aborted through `/abort_request` with 200 and an `abort` finish reason); `ProtocolError` when
+    it is not what SGLang sends."""
     if api == "native":
         results = sglang.parse_generate_response(body)
+        errors = [r.meta.finish_reason.error for r in results if r.meta.finish_reason is not None]
+        error = next((e for e in errors if e is not None), None)
         total = sum(r.meta.completion_tokens for r in results)
         specs = [r.meta.spec for r in results if r.meta.spec is not None]
         if len(specs) == len(results):
             verify = sum(spec.verify_ct for spec in specs)
-            return Acceptance(total, verify, sglang.accept_length(total, verify), "exact")
-        return Acceptance(output_tokens=total)
+            return Acceptance(total, verify, sglang.accept_length(total, verify), "exact"), error
+        return Acceptance(output_tokens=total), error
     result = sglang.parse_openai_response(body)
+    error = result.finish_reason.error if result.finish_reason is not None else None
     exact = result.acceptance
     if exact is not None:
         tokens, spec = exact
-        return Acceptance(tokens, spec.verify_ct, sglang.accept_length(tokens, spec.verify_ct), "exact")
-    return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None)
+        return Acceptance(tokens, spec.verify_ct, sglang.accept_length(tokens, spec.verify_ct), "exact"), error
+    return Acceptance(output_tokens=result.usage.completion_tokens if result.usage else None), error
 
 
 def outcome(exchange: Exchange) -> Outcome:

@@ -12,8 +12,8 @@ against 1.9 and 2.2 without it. When the response has ended, or failed, or was c
 kept (`Finished`: stamps, status, the stamped pieces) to its sink and does nothing more on the loop. SSE framing
 and SGLang's JSON (through `dfserve.sglang` only) are parsed later, off the loop (`derive`, `read_stream`). Each
 event takes the arrival time of the read that completed it. A stream that SGLang ends with an error in band (HTTP
-200, then an error event, or a native abort with a status) is a failure of kind `stream_error`, whatever its HTTP
-status said.
+200, then an error event, or a final chunk whose finish reason is an abort, with a status or through
+`/abort_request`) is a failure of kind `stream_error`, whatever its HTTP status said.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class StreamRead:
                 self.texts.append(event.text)
             if event.finish_reason is not None:
                 self.finish_reason = event.finish_reason.kind
+                if event.finish_reason.error is not None:
+                    self._in_band(event.finish_reason.error)
             if event.usage is not None:
                 self.usage_seen = True
                 self.prompt_tokens = event.usage.prompt_tokens

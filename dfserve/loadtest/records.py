@@ -25,8 +25,8 @@ from dfserve.runs import read_jsonl
 from dfserve.sglang import Api, accept_length, estimated_accept_length
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
-"""`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or a native abort with
-a status); `error_code` holds the status it carried."""
+"""`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or an abort as the
+finish reason); `error_code` holds the status it carried (none after `/abort_request`)."""
 Acceptance = Literal["exact", "estimated", "unknown"]
 
 

@@ -83,12 +83,17 @@ def test_openai_stream_estimates_only_with_usage() -> None:
 def test_measure_whole() -> None:
     meta = {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 12, "spec_verify_ct": 3}
     batch = json.dumps([{"text": "a", "meta_info": meta}, {"text": "b", "meta_info": dict(meta, spec_verify_ct=1)}])
-    assert measure_whole("native", batch.encode()).accept_length == 24 / 4
+    assert measure_whole("native", batch.encode()) == (Acceptance(24, 4, 24 / 4, "exact"), None)
     chat = {"choices": [{"message": {"content": "x"}, "meta_info": meta}], "usage": {"completion_tokens": 12}}
-    assert measure_whole("chat", json.dumps(chat).encode()).measure == "exact"
+    assert measure_whole("chat", json.dumps(chat).encode())[0].measure == "exact"
     del chat["choices"][0]["meta_info"]
-    plain = measure_whole("completions", json.dumps(chat).encode())
-    assert plain.output_tokens == 12 and plain.accept_length is None
+    plain, error = measure_whole("completions", json.dumps(chat).encode())
+    assert plain.output_tokens == 12 and plain.accept_length is None and error is None
+    aborted = [{"text": "a", "meta_info": meta}, {"text": "b", "meta_info": dict(meta, finish_reason={
+        "type": "abort", "message": "Aborted", "status_code": None, "err_type": None})}]
+    assert measure_whole("native", json.dumps(aborted).encode())[1] == sglang.StreamError("Aborted")
+    chat["choices"][0]["finish_reason"] = "abort"  # what /abort_request leaves of a whole answer: 200, cut short
+    assert measure_whole("chat", json.dumps(chat).encode())[1] == sglang.StreamError("Aborted")
     with pytest.raises(ProtocolError):
         measure_whole("chat", b"{}")
 

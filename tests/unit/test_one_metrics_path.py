@@ -22,16 +22,18 @@ SPEC = sglang.SpecStats(verify_ct=3, num_correct_drafts=12, num_proposed_drafts=
                         correct_drafts_histogram=(0, 0, 1, 1, 1))
 
 
-def native(tokens: int, final: bool = False, abort: bool = False) -> bytes:
-    finish = (sglang.FinishReason(kind="abort", message="retracted", status_code=503) if abort
-              else sglang.FinishReason(kind="length", length=tokens) if final else None)
+RETRACTED = sglang.FinishReason(kind="abort", message="retracted", status_code=503)
+
+
+def native(tokens: int, final: bool = False, abort: sglang.FinishReason | None = None) -> bytes:
+    finish = abort or (sglang.FinishReason(kind="length", length=tokens) if final else None)
     meta = engine.meta_info_body(rid="r", finish=finish, prompt_tokens=4, completion_tokens=tokens,
                                  e2e_latency_s=0.5 if finish else None, spec=SPEC if final else None)
     return engine.sse_event(engine.generate_response_body("x" * tokens, list(range(tokens)), meta))
 
 
-def chat(text: str | None, finish: bool = False, first: bool = False) -> bytes:
-    stop = sglang.FinishReason(kind="stop") if finish else None
+def chat(text: str | None, finish: bool | str = False, first: bool = False) -> bytes:
+    stop = sglang.FinishReason(kind=finish if isinstance(finish, str) else "stop") if finish else None
     return engine.sse_event(engine.chat_chunk_body(HEAD, content=text, finish=stop, first=first))
 
 
@@ -45,11 +47,13 @@ ERROR = engine.openai_error_event("retracted", "SERVICE_UNAVAILABLE", 503)
 STREAMS: list[tuple[sglang.Api, list[bytes]]] = [
     ("native", [native(1), native(5), native(9), native(13, final=True) + sglang.SSE_DONE]),
     ("native", [native(1), native(7), native(10, final=True) + sglang.SSE_DONE]),
-    ("native", [native(1), native(4), native(4, abort=True) + sglang.SSE_DONE]),  # aborted in band
+    ("native", [native(1), native(4), native(4, abort=RETRACTED) + sglang.SSE_DONE]),  # aborted in band
+    ("native", [native(1), native(6, abort=engine.ABORTED) + sglang.SSE_DONE]),  # through /abort_request
     ("native", [engine.native_error_event("over the context length")]),  # refused in band
     ("chat", [chat("", first=True) + chat("def"), chat(" f"), chat("():", finish=True) + chat_end(13, spec=True)]),
     ("chat", [chat("", first=True) + chat("a"), chat("b"), chat(None, finish=True) + chat_end(6, spec=False)]),
     ("chat", [chat("", first=True) + chat("a"), ERROR + chat_end(3, spec=True)]),  # aborted in band
+    ("chat", [chat("", first=True) + chat("a"), chat(None, finish="abort") + chat_end(3, spec=True)]),  # /abort_request
     ("chat", [chat("", first=True) + chat("x"), chat(None, finish=True) + chat_end(1, spec=False)]),  # no round
 ]
 
@@ -89,7 +93,8 @@ def test_the_same_streams_give_the_same_series_from_the_gateway_and_the_load_tes
     assert [got[key] for key in want] == pytest.approx(list(want.values()), abs=1e-9)
     failed = {labels for (name, labels), value in want.items() if name == "dfserve_requests_total" and value
               and ("error", "stream_error") in labels}
-    assert {dict(labels)["status"] for labels in failed} == {"4xx", "5xx"}
+    assert {dict(labels)["status"] for labels in failed} == {"4xx", "5xx", "error"}  # /abort_request: no code
+    assert sum(want[key] for key in want if key[0] == "dfserve_requests_total" and key[1] in failed) == 5
     ttft = {dict(labels)["route"]: value for (name, labels), value in want.items()
             if name == "dfserve_time_to_first_token_seconds_count"}
     assert ttft == {"native": 2, "chat": 3}  # the failed streams' first tokens count nowhere

@@ -10,6 +10,7 @@ import pytest
 
 from dfserve import sglang as proto
 from dfserve.errors import ProtocolError
+from dfserve.sglang import server
 from tests import FIXTURES
 
 SGLANG_FIXTURES = FIXTURES / "sglang"
@@ -86,7 +87,25 @@ def test_a_native_abort_with_a_status_is_an_in_band_error() -> None:
     assert final.meta.finish_reason.error == proto.StreamError(
         "Retracted under decode memory pressure without a KV backup. Retry later.", code=503)
     assert proto.native_stream_error((SGLANG_FIXTURES / "native_stream_abort.sse").read_bytes()) is not None
-    assert proto.FinishReason(kind="abort", message="client left").error is None  # no status: not an error
+
+
+def test_an_abort_through_abort_request_is_an_in_band_error_without_a_code() -> None:
+    """`POST /abort_request` ends a request as if it had finished (HTTP 200, no status, no error event), but cut
+    short: native, a final chunk whose finish reason is the abort; OpenAI, `finish_reason: "abort"`, then the closing
+    chunks."""
+    assert server.ABORTED.error == proto.StreamError("Aborted")
+    meta = server.meta_info_body(rid="r", finish=server.ABORTED_WAITING, prompt_tokens=3, completion_tokens=0)
+    native = server.sse_event(server.generate_response_body("", [], meta)) + proto.SSE_DONE
+    assert native.count(b'"status_code":') == 1 and proto.native_stream_error(native) == proto.StreamError(
+        "Abort in waiting queue")
+    assert proto.native_stream_error(native.replace(b'"status_code":null,', b"")) is not None  # found by its type
+    head = server.ResponseHead("r", 1, "m")
+    for obj, final in (("chat.completion.chunk", server.chat_chunk_body(head, content=None, finish=server.ABORTED)),
+                       ("text_completion", server.completion_chunk_body(head, text="", finish=server.ABORTED))):
+        closing = server.stream_end_chunks(head, obj=obj, prompt_tokens=3, completion_tokens=5, spec=None,
+                                           include_usage=True)
+        end = proto.openai_stream_end(b"".join(map(server.sse_event, [final, *closing])) + proto.SSE_DONE)
+        assert end.error == proto.StreamError("Aborted") and end.usage == proto.Usage(3, 5)
 
 
 def test_openai_stream_ends_show_errors_spec_details_and_usage() -> None:

@@ -281,6 +281,46 @@ def test_scheduler_caps_running_requests_and_queue_time_shows_in_ttft(vocabulary
     assert max(queued[:4]) * 3 < min(queued[4:])  # the rest wait for a prefill and the first four's rounds
 
 
+def test_abort_request_finishes_a_running_request_at_its_next_step_and_counts_as_sglang_does(
+        vocabulary: Vocabulary) -> None:
+    """SGLang's `/abort_request`: a running request runs one more step and finishes with `FINISH_ABORT()`, one still
+    waiting leaves the queue with no output; the counter rises once per call that aborts something (once for
+    `abort_all`, even with nothing to abort), never for a rid it does not hold, never twice for one request."""
+    async def scenario() -> tuple[list[float | None], list[FinishReason | None]]:
+        registry = CollectorRegistry()
+        telemetry = Telemetry(registry, "m", 400_000)
+        engine_ = Engine(EngineSettings(max_running_requests=1), zlab(), LatencyModel(
+            LatencyParams(jitter=0), 0.05, random.Random(0)), telemetry, seed=0)
+        runner = asyncio.create_task(engine_.run())
+        text = TextModel(vocabulary)
+        limits = Limits(max_new_tokens=100_000, ignore_eos=True)
+        running, waiting = (engine_.submit(prompt=p, sampling_key="", prompt_tokens=3, output=text.start(p, "", limits),
+                                           rid=p) for p in ("running", "waiting"))
+        while (await running.updates.get()) is None or running.verify_ct < 2:
+            pass
+        counts = []
+        produced = len(running.output.ids)
+        for rid, abort_all in (("unknown", False), ("waiting", False), ("running", False), ("running", False),
+                               ("", True)):
+            engine_.abort(rid, abort_all)
+            counts.append(registry.get_sample_value("sglang:num_aborted_requests_total",
+                                                    {"model_name": "m", "engine_type": "unified", "tp_rank": "0"}))
+        updates = []
+        while not updates or not updates[-1].finished:
+            updates.append(await running.updates.get())
+        waited = waiting.updates.get_nowait()
+        runner.cancel()
+        assert waited.finished and waited.completion_tokens == 0
+        assert updates[-1].completion_tokens > produced  # one more step, its tokens kept
+        return counts, [running.finish, waiting.finish]
+
+    counts, finishes = asyncio.run(scenario())
+    assert counts == [0, 1, 2, 2, 3]
+    assert finishes == [engine.ABORTED, engine.ABORTED_WAITING]
+    assert engine.finish_reason_body(engine.ABORTED) == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                         "err_type": None}  # FINISH_ABORT().to_json()
+
+
 def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() -> None:
     meta = engine.meta_info_body(rid="r", finish=FinishReason(kind="length", length=2), prompt_tokens=1,
                                 completion_tokens=2)

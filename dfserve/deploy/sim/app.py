@@ -375,6 +375,15 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation will not be performed.)")
 
+    async def abort_request(request: Request) -> Response:
+        """SGLang's `POST /abort_request`: 200 with no body whether or not it held the request."""
+        try:
+            abort = proto.parse_abort_request(await request.body())
+        except proto.RequestError as exc:
+            return _answer(proto.error_answer("native", exc, stream=False))
+        engine.abort(abort.rid, abort.abort_all)
+        return Response(status_code=200)
+
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -397,6 +406,7 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
         Route("/server_info", server_info),
         Route("/get_server_info", server_info),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
         Route("/metrics", metrics),
     ]
     return GenerationRoutes(Starlette(routes=routes, lifespan=lifespan), start, config.api_key)

@@ -4,7 +4,8 @@ Each step is either a prefill of newly admitted requests (DFlash runs without mi
 a step of its own) or one verify round in which every running request advances. At most `max_running_requests`
 run; the rest wait in arrival order, and their wait shows in their time to first token. Steps follow the latency
 model's absolute schedule: a step ends `duration` after the previous one ended, however late the host wakes, so
-the sim's own lateness never leaks into modelled times. A cancelled request (client gone) leaves at the next step.
+the sim's own lateness never leaks into modelled times. A cancelled request (client gone) leaves at the next step; an
+aborted one (`/abort_request`) finishes with an abort at its next step, as SGLang's scheduler finishes it.
 
     engine = Engine(EngineSettings(), profile, latency, telemetry, seed=0)
     task = asyncio.create_task(engine.run())
@@ -28,6 +29,7 @@ from dfserve.deploy.sim.profiles import DrafterProfile
 from dfserve.deploy.sim.telemetry import RoundRecord, Telemetry
 from dfserve.deploy.sim.text import OutputStream
 from dfserve.sglang import FinishReason, SpecStats
+from dfserve.sglang import server as proto
 
 PRECISE_WAKE_S = 0.0015
 """The event loop's timers fire on a millisecond grid; the last stretch before a step ends is awaited by polling."""
@@ -75,12 +77,14 @@ class SimRequest:
     last_token_s: float = 0.0
     finished_s: float | None = None
     cancelled: bool = False
+    aborted: FinishReason | None = None
+    """Set by `/abort_request`: the request finishes with it at its next step, whatever its output says."""
     encode: Callable[[Update], bytes | None] | None = None
     """Set by a stream that can encode its chunks ahead of time; called in order, once per update."""
 
     @property
     def finish(self) -> FinishReason | None:
-        return self.output.finish
+        return self.aborted or self.output.finish
 
     def spec_stats(self) -> SpecStats | None:
         """The request's spec fields; None until a verify round ran (SGLang then sends none)."""
@@ -157,6 +161,23 @@ class Engine:
         if request in self._waiting:
             self._waiting.remove(request)
         self._telemetry.finished(0.0, aborted=True)
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """SGLang's `/abort_request`: a running request (every one with `abort_all`) runs one more step and finishes
+        with an abort; one still waiting leaves the queue at once. Counted as SGLang's tokenizer manager counts it:
+        once per call that names a request it holds (once for `abort_all`), and never twice for one request."""
+        held = [r for r in (*self._waiting, *self._running)
+                if r.aborted is None and not r.cancelled and r.finished_s is None and (abort_all or r.rid == rid)]
+        if not held and not abort_all:
+            return
+        self._telemetry.aborted()
+        for request in held:
+            request.aborted = proto.ABORTED
+            if request in self._waiting:
+                self._waiting.remove(request)
+                request.aborted = proto.ABORTED_WAITING
+                request.finished_s = time.perf_counter()
+                request.updates.put_nowait(Update(0, 0, self.unix(request.finished_s), finished=True))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -235,7 +256,7 @@ class Engine:
         return step
 
     def _emit(self, step: Step, request: SimRequest, due: float) -> None:
-        finished = request.output.finish is not None
+        finished = request.finish is not None
         if finished:
             request.finished_s = due
             step.e2e_s.append(due - request.arrived_s)

@@ -96,6 +96,10 @@ class Telemetry:
         if proposed:
             self.spec_accept_rate.set(sum(r.correct_drafts for r in rounds) / proposed)
 
+    def aborted(self) -> None:
+        """An `/abort_request` that aborted something; the request itself then finishes as any other does."""
+        self.num_aborted.inc()
+
     def finished(self, e2e_s: float, aborted: bool) -> None:
         if aborted:
             self.num_aborted.inc()

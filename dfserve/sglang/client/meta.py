@@ -1,5 +1,5 @@
 """SGLang's per-request `meta_info`, typed: finish reasons, speculative-decoding fields, and the in-band error an
-abort with a status is."""
+abort is."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ class FinishReason:
     """SGLang's `finish_reason`: `{"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}`.
 
     An abort by the scheduler also carries `status_code` and `err_type` (``FINISH_ABORT.to_json`` in
-    ``managers/schedule_batch.py``): one with a status of 400 or more is an error that SGLang reports in band in a
-    native stream, as the stream's last chunk (``TokenizerManager._handle_abort_finish_reason``)."""
+    ``managers/schedule_batch.py``): one with a status of 400 or more (a retraction without a KV backup, a timeout)
+    is an error that SGLang reports in band in a native stream, as the stream's last chunk
+    (``TokenizerManager._handle_abort_finish_reason``). One without a status (`POST /abort_request`, an abort of
+    every request) ends the answer as a finish reason would, HTTP 200 and a final chunk or whole body: its output
+    is cut short all the same. OpenAI routes say only `"abort"`."""
 
     kind: str
     matched: str | int | None = None
@@ -30,21 +33,22 @@ class FinishReason:
 
     @property
     def error(self) -> StreamError | None:
-        """The in-band error this finish reason is, if it is one: an abort with a status code of 400 or more."""
-        if self.kind != "abort" or self.status_code is None or self.status_code < 400:
+        """The in-band error this finish reason is, if it is one: any abort, with the status it carried, if any."""
+        if self.kind != "abort":
             return None
         return StreamError(self.message or "Aborted", code=self.status_code, kind=self.err_type)
 
 
 @dataclass(frozen=True)
 class StreamError:
-    """An error SGLang reports inside a 200 stream: an error event (native `{"error": {"message", "type", "code",
-    "retryable"}}`; OpenAI routes `{"error": {"object": "error", "message", "type", "param", "code"}}`), or a native
-    final chunk whose abort carries a status (`FinishReason.error`)."""
+    """An error SGLang reports inside a 200 answer: an error event (native `{"error": {"message", "type", "code",
+    "retryable"}}`; OpenAI routes `{"error": {"object": "error", "message", "type", "param", "code"}}`), or a finish
+    reason that is an abort (`FinishReason.error`)."""
 
     message: str
     code: int | None = None
-    """The HTTP status SGLang would have answered (400 for validation, 503 for a retraction without backup, ...)."""
+    """The HTTP status SGLang would have answered (400 for validation, 503 for a retraction without backup, ...);
+    None for an abort without a status (`/abort_request`)."""
     kind: str | None = None
     retryable: bool | None = None
 

@@ -120,9 +120,9 @@ def last_spec_verify_ct(events: bytes) -> int | None:
     return _SPEC_VERIFY_CT.read(events)
 
 
-_IN_BAND_ERROR = (b'"error":', b'"status_code":')
+_IN_BAND_ERROR = (b'"error":', b'"status_code":', b'"type":"abort"')
 """Keys that occur in a stream's events only where it reports an error in band: an error event, or (native) a final
-chunk whose abort carries a status. JSON escapes quotes inside strings, so generated text cannot contain them."""
+chunk whose finish reason is an abort. JSON escapes quotes inside strings, so generated text cannot contain them."""
 
 
 def native_stream_error(events: bytes) -> StreamError | None:
@@ -130,9 +130,9 @@ def native_stream_error(events: bytes) -> StreamError | None:
 
     SGLang 0.5.23 answers a streamed `/generate` that fails validation with HTTP 200, then
     `data: {"error": {"message", "type", "code", "retryable"}}`, then `data: [DONE]` (``http_server.generate_request``,
-    ``stream_results``); an abort with a status after the stream started is its last chunk, whose `finish_reason`
-    carries the status (``TokenizerManager._handle_abort_finish_reason``). Two byte searches settle the usual case
-    without decoding JSON.
+    ``stream_results``); an abort after the stream started is its last chunk, whose `finish_reason` is the abort,
+    with the status it carries if any (``TokenizerManager._handle_abort_finish_reason``; none after
+    `/abort_request`). Byte searches settle the usual case without decoding JSON.
     """
     if not any(key in events for key in _IN_BAND_ERROR):
         return None
@@ -155,13 +155,15 @@ class OpenAIStreamEnd:
     spec: SpecStats | None = None
 
 
-_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":')
+_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":', '"finish_reason":"abort"',
+                    '"finish_reason": "abort"')
 
 
 def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
-    """Read a chat/completions stream's last events; only those that may carry an error, usage or `sglext` are
-    decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
-    (``OpenAIServingChat._generate_chat_stream``)."""
+    """Read a chat/completions stream's last events; only those that may carry an error, an abort, usage or `sglext`
+    are decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
+    (``OpenAIServingChat._generate_chat_stream``); an abort without a status (`/abort_request`) is a final chunk
+    with `finish_reason: "abort"`, then the same closing chunks."""
     error, usage, spec = None, None, None
     for data in SSEDecoder().feed(events):
         if data == DONE or not any(key in data for key in _OPENAI_END_KEYS):
@@ -170,6 +172,8 @@ def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
         if isinstance(event, StreamError):
             error = event
             continue
+        if event.finish_reason is not None and error is None:
+            error = event.finish_reason.error
         usage = event.usage or usage
         spec = event.spec or spec
     return OpenAIStreamEnd(error, usage, spec)

@@ -39,13 +39,17 @@ from dfserve.sglang.server.bodies import (
     usage_body,
 )
 from dfserve.sglang.server.requests import (
+    ABORTED,
+    ABORTED_WAITING,
     COMPLETIONS_MAX_TOKENS,
     NATIVE_MAX_NEW_TOKENS,
     SAMPLING_FIELDS,
+    AbortRequest,
     EngineRequest,
     RequestError,
     Stage,
     context_error,
+    parse_abort_request,
     parse_chat_request,
     parse_completions_request,
     parse_generate_request,
@@ -53,11 +57,14 @@ from dfserve.sglang.server.requests import (
 )
 
 __all__ = [
+    "ABORTED",
+    "ABORTED_WAITING",
     "COMPLETIONS_MAX_TOKENS",
     "NATIVE_MAX_NEW_TOKENS",
     "SAMPLING_FIELDS",
     "STREAM_ERROR_TYPE",
     "UNAUTHORIZED",
+    "AbortRequest",
     "Answer",
     "EngineRequest",
     "NativeStreamEncoder",
@@ -81,6 +88,7 @@ __all__ = [
     "native_error_event",
     "openai_error_event",
     "openai_finish_reason",
+    "parse_abort_request",
     "parse_chat_request",
     "parse_completions_request",
     "parse_generate_request",

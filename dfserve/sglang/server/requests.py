@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dfserve.errors import ProtocolError
+from dfserve.sglang.client.meta import FinishReason
 from dfserve.sglang.client.requests import Api
 
 Stage = Literal["body", "contract", "engine"]
@@ -333,3 +334,27 @@ def parse_completions_request(body: bytes) -> EngineRequest:
     max_tokens = _positive_max_tokens(data, "max_tokens", COMPLETIONS_MAX_TOKENS)
     return EngineRequest(api="completions", prompt=prompt, messages=None, input_ids=None,
                          **_openai_common(data, max_tokens))
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """`POST /abort_request` (``AbortReq`` in ``managers/io_struct.py``): the request whose `rid` it names, or every
+    request (`abort_all`). SGLang ignores an empty `rid` without `abort_all`, and a `rid` it does not hold."""
+
+    rid: str
+    abort_all: bool
+
+
+ABORTED = FinishReason(kind="abort", message="Aborted")
+"""How a running request that `/abort_request` aborts finishes (``FINISH_ABORT()``: no status, no error type): its
+last chunk or whole answer, HTTP 200, not an error event."""
+
+
+ABORTED_WAITING = FinishReason(kind="abort", message="Abort in waiting queue")
+"""How a request still waiting for a slot finishes when aborted (``TokenizerManager._handle_abort_req``)."""
+
+
+def parse_abort_request(body: bytes) -> AbortRequest:
+    data = _request_json(body)
+    rid = _openai_field(data, "rid", str, None)
+    return AbortRequest(rid=rid or "", abort_all=_openai_field(data, "abort_all", bool, False) is True)
