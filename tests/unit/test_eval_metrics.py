@@ -19,10 +19,10 @@ from dfserve.eval.records import AnchorRecord, PromptSettings
 from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
-from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, check_gate, compare_eval_runs, judge_offline
+from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, compare_eval_runs, judge_offline, metrics_of
 from dfserve.loadtest.cli import compare
 from dfserve.runs import write_model
-from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.gate import Gate, Rule, check_rules
 from tests.synthetic import run_config, synthetic, write_run
 
 METHODS = ["vanilla", "ddtree2"]
@@ -121,9 +121,9 @@ def test_offline_verdict_pairs_by_task() -> None:
 
 
 def test_gate_names_only_scored_methods() -> None:
-    check_gate(DEFAULT_EVAL_GATE, METHODS)
+    check_rules(DEFAULT_EVAL_GATE, metrics_of(METHODS))
     with pytest.raises(FieldError, match=r"gate: rules.0.metric: unknown metric 'tau_ddtree8' \(known: tau_vanilla"):
-        check_gate(Gate(rules=(Rule(metric="tau_ddtree8", max_worse=0.02),)), METHODS)
+        check_rules(Gate(rules=(Rule(metric="tau_ddtree8", max_worse=0.02),)), metrics_of(METHODS))
 
 
 def test_health_warns_below_agreement() -> None:
