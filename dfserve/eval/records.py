@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.runs import Provenance
-from dfserve.verdict.results import Judgement
+from dfserve.verdict.results import Figure, Judgement
 
 Finish = Literal["eos", "length"]
 VANILLA = "vanilla"
@@ -149,13 +149,6 @@ class AnchorRecord(_Model):
     matches: str = Field(description="'1'/'0' per block position 1, 2, ... that has a reference token")
     accepted: dict[str, int] = Field(description="drafts each method accepts here (before the end-of-reference cap)")
     rounds: dict[str, int] = Field(description="τ of the round each method's online trajectory makes here")
-
-
-class Figure(_Model):
-    estimate: float
-    low: float
-    high: float
-    n: int
 
 
 class MethodSummary(_Model):
