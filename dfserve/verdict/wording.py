@@ -1,8 +1,11 @@
 """How a judgement's figures read, the same in the terminal and in report.html: a metric's values (latencies in
 ms), its change with its 95% interval, its sample counts, the pairs the judgement rests on, what an undecided rule
-still needs and how a sequential run was decided."""
+still needs and how a sequential run was decided; and what differs between two sides a verdict would pair, one
+short line each."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from dfserve.verdict.design import SequentialReport
 from dfserve.verdict.results import Judgement, MetricResult, RuleResult
@@ -49,3 +52,23 @@ def sequential_in_words(s: SequentialReport) -> str:
             f"{s.design.min_tasks} tasks; stopped at look {s.looks} after {s.stopped_after_pairs} pairs ({s.stopped}, "
             f"{s.verdict_when_stopped}), judged over {s.pairs} pairs; the metrics' intervals are fixed-n, for reading "
             "only")
+
+
+def shown(value: Any) -> str:
+    """A setting as a person reads it: `not set` for None, a content hash cut to 12 characters."""
+    if value is None:
+        return "not set"
+    if isinstance(value, str) and len(value) >= 32 and all(c in "0123456789abcdef" for c in value):
+        return value[:12] + "…"
+    return str(value)
+
+
+def differences(key: str, a: Any, b: Any) -> list[str]:
+    """`key: A vs B` for each setting that differs between two sides, nested mappings by their dotted keys."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [line for k in dict.fromkeys([*a, *b]) for line in differences(f"{key}.{k}", a.get(k), b.get(k))]
+    if a == b:
+        return []
+    if isinstance(a, dict) or isinstance(b, dict):
+        return [f"{key}: {'set' if a is not None else 'not set'} vs {'set' if b is not None else 'not set'}"]
+    return [f"{key}: {shown(a)} vs {shown(b)}"]

@@ -15,7 +15,7 @@ from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
 from dfserve.errors import FieldError, UserError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
-from dfserve.eval.records import AnchorRecord, PromptSettings
+from dfserve.eval.records import AnchorRecord, EvalConfig, FeatureInfo, PromptSettings
 from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
@@ -206,3 +206,15 @@ def test_an_evaluation_is_never_compared_with_itself(tmp_path: Path, monkeypatch
     with pytest.raises(UserError, match=r"are one run \(eval-1\): give it once, with both drafters"):
         compare_eval_runs(tmp_path / "a", tmp_path / "copy-of-a", None, None, None, tmp_path / "out")
     assert loaded == [tmp_path / "a", tmp_path / "copy-of-a"] and not (tmp_path / "out").exists()
+
+
+def test_runs_that_cannot_be_paired_say_so_in_readable_lines_as_dfserve_compare_does() -> None:
+    def config(key: str, block_size: int | None, dtype: str) -> EvalConfig:
+        return EvalConfig.model_construct(features=FeatureInfo.model_construct(key=key), block_size=block_size,
+                                          max_new_tokens=64, dtype=dtype)
+
+    first, second = config("a" * 64, 8, "float32"), config("b" * 64, None, "bfloat16")
+    assert first.comparable_with(second) == [
+        "feature cache: aaaaaaaaaaaa… vs bbbbbbbbbbbb… (target, tasks, prompts, references or taps differ)",
+        "block_size: 8 vs not set", "dtype: float32 vs bfloat16"]
+    assert first.comparable_with(config("a" * 64, 8, "float32")) == []
