@@ -76,7 +76,8 @@ def load_profile(name_or_path: str) -> HostProfile:
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise FieldError("profile_name", f"{name_or_path!r} is neither a known profile ({', '.join(profile_names())}) nor a file")
+            raise FieldError("profile_name", f"{name_or_path!r} is neither a known profile "
+                             f"({', '.join(profile_names())}) nor a file")
         text = path.read_text(encoding="utf-8")
         where = str(path)
     try:

@@ -8,33 +8,26 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dfserve.verdict import wording
 from dfserve.verdict.design import SequentialReport
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Verdict
-from dfserve.verdict.wording import (
-    change_header,
-    metric_change,
-    metric_value,
-    pairs_in_words,
-    rule_needs,
-    sample_counts,
-    sequential_in_words,
-)
 
 
 def metrics_table(j: Judgement, title: str, sequential: bool = False) -> Table:
     table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for column in ("metric", "baseline", "candidate", change_header(sequential), "n"):
+    for column in ("metric", "baseline", "candidate", wording.change_header(sequential), "n"):
         table.add_column(column, no_wrap=True)
     for m in j.metrics:
-        table.add_row(m.metric, metric_value(m, m.baseline), metric_value(m, m.candidate), metric_change(m),
-                      sample_counts(m) if m.baseline is not None and m.candidate is not None else "0")
+        table.add_row(m.metric, wording.metric_value(m, m.baseline), wording.metric_value(m, m.candidate),
+                      wording.metric_change(m),
+                      wording.sample_counts(m) if m.baseline is not None and m.candidate is not None else "0")
     return table
 
 
 def print_judgement(console: Console, j: Judgement, sequential: SequentialReport | None = None,
                     simulated: bool = False) -> None:
-    console.print(metrics_table(j, f"{j.candidate} vs {j.baseline}: {j.verdict}, {pairs_in_words(j)}"
+    console.print(metrics_table(j, f"{j.candidate} vs {j.baseline}: {j.verdict}, {wording.pairs_in_words(j)}"
                                 + (" (SIMULATED)" if simulated else ""), sequential is not None))
     loss = j.lossless
     if loss is not None:
@@ -45,10 +38,10 @@ def print_judgement(console: Console, j: Judgement, sequential: SequentialReport
     rules.add_column(no_wrap=True)
     rules.add_column()
     for rule in j.rules:
-        rules.add_row(rule.status, f"{rule.metric}: {rule.detail}{rule_needs(rule)}")
+        rules.add_row(rule.status, f"{rule.metric}: {rule.detail}{wording.rule_needs(rule)}")
     console.print(rules)
     if sequential:
-        console.print(f"sequential: {sequential_in_words(sequential)}.")
+        console.print(f"sequential: {wording.sequential_in_words(sequential)}.")
     console.print(f"[bold]verdict: {j.verdict}[/]" +
                   (f" (about {j.tasks_needed} distinct tasks would decide it)" if j.tasks_needed else ""))
 

@@ -13,18 +13,10 @@ from pathlib import Path
 
 from dfserve.runs import write_atomic
 from dfserve.svg import page, svg_forest, svg_interval, table
+from dfserve.verdict import wording
 from dfserve.verdict.gate import Rule
 from dfserve.verdict.results import Judgement, Lossless, MetricResult, RuleResult
 from dfserve.verdict.verdict import Side, Verdict
-from dfserve.verdict.wording import (
-    change_header,
-    metric_change,
-    metric_value,
-    pairs_in_words,
-    rule_needs,
-    sample_counts,
-    sequential_in_words,
-)
 
 _COLOUR = {"PASS": "#1e7b34", "FAIL": "#b3261e", "INCONCLUSIVE": "#8a5a00", "NOT_APPLICABLE": "#666"}
 _STYLE = (".verdict{font-size:3em;font-weight:700;margin:0.2em 0}.stamp{display:inline-block;border:3px solid "
@@ -50,8 +42,8 @@ def _status(status: str) -> str:
 def _change(m: MetricResult) -> str:
     """The change, with which way is better where there is one."""
     if m.change is None:
-        return metric_change(m)
-    return metric_change(m) + (" (higher is better)" if m.higher_is_better else " (lower is better)")
+        return wording.metric_change(m)
+    return wording.metric_change(m) + (" (higher is better)" if m.higher_is_better else " (lower is better)")
 
 
 def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement) -> tuple[float, float] | None:
@@ -90,7 +82,8 @@ def _rules(verdict: Verdict) -> str:
                             f"{rule.limit:.4g}") if interval is not None else "")
         rows.append(_row([_status(rule.status), _e(rule.metric), _e(limit),
                           _e(_interval(interval, at_least)) if interval is not None else "-", bar]))
-        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: {_e(rule.detail + rule_needs(rule))}</li>")
+        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: "
+                       f"{_e(rule.detail + wording.rule_needs(rule))}</li>")
     return ("<h2>Rules</h2><p>Each rule's 95% interval against its limit (the dashed line), coloured by the rule's "
             "status: how much worse the candidate may be, or the fraction of identical outputs it must reach. How each "
             "was decided is listed below the table.</p>"
@@ -99,9 +92,11 @@ def _rules(verdict: Verdict) -> str:
 
 def _metrics(verdict: Verdict) -> str:
     j = verdict.judgement
-    rows = [_row(["metric", "baseline", "candidate", change_header(verdict.sequential is not None), "n"], head=True)]
-    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(metric_value(m, m.baseline)),
-                   _e(metric_value(m, m.candidate)), _e(_change(m)), _e(sample_counts(m))]) for m in j.metrics]
+    header = wording.change_header(verdict.sequential is not None)
+    rows = [_row(["metric", "baseline", "candidate", header, "n"], head=True)]
+    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(wording.metric_value(m, m.baseline)),
+                   _e(wording.metric_value(m, m.candidate)), _e(_change(m)), _e(wording.sample_counts(m))])
+             for m in j.metrics]
     return ("<h2>Metrics</h2><p>Change: the candidate against the baseline, relative (%) for ratios and quantiles, in "
             "points for rates; n is the number of samples on each side.</p>" + table(rows))
 
@@ -139,7 +134,7 @@ def _provenance(verdict: Verdict) -> str:
     if verdict.features:
         facts.insert(0, f"feature cache: {verdict.features}")
     if verdict.sequential is not None:
-        facts.insert(0, f"sequential: {sequential_in_words(verdict.sequential)}")
+        facts.insert(0, f"sequential: {wording.sequential_in_words(verdict.sequential)}")
     return ("<h2>Provenance</h2>" + table(_side_rows(verdict)) + "<ul>"
             + "".join(f"<li>{_e(f)}</li>" for f in facts) + "</ul>")
 
@@ -165,7 +160,7 @@ def render_verdict_html(verdict: Verdict) -> str:
         + "".join(f"<span class='stamp'>{_e(s)}</span>" for s in stamps)
         + f"<p class='verdict' style='color:{_COLOUR[verdict.verdict]}'>{_e(verdict.verdict)}</p>"
         + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
-        f"{_e(pairs_in_words(j))}.{_e(needed)}</p>"
+        f"{_e(wording.pairs_in_words(j))}.{_e(needed)}</p>"
         + "".join(f"<p class='why'><strong>{_e(w)}</strong></p>" for w in why)
         + _rules(verdict) + _metrics(verdict) + _lossless(j.lossless) + _plot(j) + _provenance(verdict)
     )
