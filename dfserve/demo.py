@@ -19,13 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from dfserve.errors import FieldError, UserError, flags_for
+from dfserve.errors import FieldError, UserError, command_flags, flags_for
 from dfserve.listen import wait_healthy, wait_listening
 from dfserve.runs import new_run_id
 from dfserve.terminal import terminal_width, wrapped
@@ -128,6 +128,21 @@ def _default_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dfserve"
 
 
+def check_options(offline: bool, given: Sequence[str], cache: Path | None, counts: Mapping[str, int]) -> None:
+    """Options of one mode given to the other (`given`: the fields set on the command line) are refused, never
+    ignored; a count below 1 is no run."""
+    if offline:
+        if given:
+            raise FieldError(given[0], "not an option of {other} (it runs `dfserve eval`, no load test)",
+                             other="offline")
+        return
+    if cache is not None:
+        raise FieldError("cache", "only {other} keeps models; the simulated demo has none", other="offline")
+    for field, count in counts.items():
+        if count < 1:
+            raise FieldError(field, "must be at least 1")
+
+
 @click.command()
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("runs"), show_default=True,
               help="Where the run and verdict directories go (never overwritten).")
@@ -152,17 +167,13 @@ def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max
     """Run a whole A/B judgement on simulated engines, end to end. All numbers are SIMULATED.
 
     With --offline: offline evaluation on tiny real models, on this CPU (about a minute the first time)."""
+    given = [name for name in ONLINE_ONLY if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    with flags_for(command_flags(ctx.command)):
+        check_options(offline, given, cache,
+                      {"num_requests": num_requests, "concurrency": concurrency, "max_new_tokens": max_new_tokens})
     if offline:
-        given = [f"--{name.replace('_', '-')}" for name in ONLINE_ONLY
-                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            raise UserError(f"{', '.join(given)}: not an option of --offline (it runs `dfserve eval`, no load test)")
         _offline(out, cache or _default_cache())
         return
-    if cache is not None:
-        raise UserError("--cache: only --offline keeps models; the simulated demo has none")
-    if num_requests < 1 or concurrency < 1 or max_new_tokens < 1:
-        raise UserError("--num-requests, --concurrency and --max-new-tokens must be at least 1")
     out.mkdir(parents=True, exist_ok=True)
     stack = Stack(out.resolve() / "demo")
     stack.root.mkdir(exist_ok=True)

@@ -64,10 +64,11 @@ def describe_invalid(exc: ValidationError, where: str) -> str:
     return f"{where}: {field}: {first['msg']}{more}"
 
 
-def describe_invalid_flag(exc: ValidationError) -> str:
-    """One line naming the command-line flag behind the first bad field: `--max-running-requests: ...`."""
+def invalid_field(exc: ValidationError) -> FieldError:
+    """The first bad field of a model built from a command's options, as a `FieldError` on the field's own name
+    (the last part of its location, as options are named), which `flags_for` words as the flag."""
     first = exc.errors()[0]
-    return f"--{str(first['loc'][-1]).replace('_', '-')}: {first['msg']}"
+    return FieldError(str(first["loc"][-1]) if first["loc"] else "(top level)", first["msg"].removeprefix("Value error, "))
 
 
 def describe_yaml(exc: yaml.YAMLError, where: str) -> str:

@@ -4,7 +4,7 @@ traceback), the address each one got announced on one line, and waiting until on
 Port 0 binds a free port; the server then says which in a line that `wait_listening` reads back from its log, so
 tests, the demo and `dfserve deploy --engine sim` never race for a port that another process may take first.
 
-    sock = bind("127.0.0.1", 0, "--port")
+    sock = bind("127.0.0.1", 0)
     announce("dfserve sim", sock)                      # "dfserve sim: listening on http://127.0.0.1:41873"
     await uvicorn.Server(config).serve(sockets=[sock])
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 
 LISTENING = re.compile(r"listening on http://(\S+:\d+)")
 """What `announce` writes; group 1 is HOST:PORT."""
@@ -33,12 +33,12 @@ BACKLOG = 2048
 socket must pass it again (`create_server(sock=..., backlog=BACKLOG)`), or it listens anew with its default of 100."""
 
 
-def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """A bound, listening TCP socket; `flag` names the option the user would change."""
+def bind(host: str, port: int, field: str = "port") -> socket.socket:
+    """A bound, listening TCP socket; a failure is a `FieldError` on `field`, the setting the user would change."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise UserError(f"{flag}: cannot listen on {host}:{port} ({exc.strerror})") from None
+        raise FieldError(field, f"cannot listen on {host}:{port} ({exc.strerror})") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,8 +48,9 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"{flag}: {host}:{port} is already in use; pick another {flag} or stop that server") from None
-        raise UserError(f"{flag}: cannot listen on {host}:{port} ({exc.strerror})") from None
+            raise FieldError(field, f"{host}:{port} is already in use; pick another {{other}} or stop that server",
+                             other=field) from None
+        raise FieldError(field, f"cannot listen on {host}:{port} ({exc.strerror})") from None
     return sock
 
 
@@ -78,10 +79,10 @@ def announce(name: str, sock: socket.socket) -> str:
     return url
 
 
-def ensure_free(host: str, port: int, flag: str = "--port") -> None:
+def ensure_free(host: str, port: int, field: str = "port") -> None:
     """Fail before anything is created if the port is taken (for servers that a child process will bind)."""
     if port != 0:
-        bind(host, port, flag).close()
+        bind(host, port, field).close()
 
 
 def wait_listening(log: Path, exited: Callable[[], int | None], timeout_s: float,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import UserError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, describe_invalid, describe_yaml
 
 
 class _Strict(BaseModel):
@@ -68,19 +68,21 @@ def profile_names() -> list[str]:
 
 
 def load_profile(name_or_path: str) -> HostProfile:
-    """A shipped profile by name, or a YAML file by path; a bad file is a `UserError` naming the field."""
+    """A shipped profile by name, or a YAML file by path; a bad one is a `FieldError` on `profile_name` naming the
+    file's field."""
     if name_or_path in profile_names():
         text = (resources.files(__package__) / "profiles" / f"{name_or_path}.yaml").read_text(encoding="utf-8")
         where = f"profile {name_or_path}"
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise UserError(f"--profile: {name_or_path!r} is neither a known profile ({', '.join(profile_names())}) nor a file")
+            raise FieldError("profile_name", f"{name_or_path!r} is neither a known profile "
+                             f"({', '.join(profile_names())}) nor a file")
         text = path.read_text(encoding="utf-8")
         where = str(path)
     try:
         return HostProfile.model_validate(yaml.safe_load(text))
     except yaml.YAMLError as exc:
-        raise UserError(describe_yaml(exc, f"--profile {where}")) from None
+        raise FieldError("profile_name", describe_yaml(exc, where)) from None
     except ValidationError as exc:
-        raise UserError(describe_invalid(exc, f"--profile {where}")) from None
+        raise FieldError("profile_name", describe_invalid(exc, where)) from None

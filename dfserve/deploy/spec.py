@@ -16,7 +16,7 @@ from dfserve.deploy.deployment import DeploymentSpec, DrafterRef, SimSettings
 from dfserve.deploy.drafters import SIMULATED_PREFIX, Drafter, Target
 from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.profiles import HostProfile, SGLangSettings
-from dfserve.errors import FieldError, UserError, describe_invalid_flag
+from dfserve.errors import FieldError, invalid_field
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 """Deployment names double as Kubernetes object names (RFC 1123 labels)."""
@@ -70,7 +70,7 @@ def build_spec(
     try:
         settings = SGLangSettings.model_validate({**profile.sglang.model_dump(), **given})
     except ValidationError as exc:
-        raise UserError(describe_invalid_flag(exc)) from None
+        raise invalid_field(exc) from None
     extra = list(sglang_args or ())
     check_passthrough(extra)
     try:
@@ -93,5 +93,5 @@ def build_spec(
             extra_sglang_args=extra,
             sim=SimSettings(profile=sim_profile or drafter.sim_profile, time_scale=time_scale, seed=seed),
         )
-    except ValidationError as exc:  # --port, --time-scale and the like
-        raise UserError(describe_invalid_flag(exc)) from None
+    except ValidationError as exc:  # the port, the time scale and the like
+        raise invalid_field(exc) from None

@@ -22,6 +22,7 @@ from rich.table import Table
 from dfserve.errors import UserError, command_flags, flags_for
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
+from dfserve.terminal import compact_table
 from dfserve.verdict.gate import read_gate
 from dfserve.verdict.printer import print_judgement
 from dfserve.verdict.report import REPORT
@@ -155,21 +156,25 @@ def _eval_plan(opts: dict[str, Any], drafters: tuple[tuple[str | None, str], ...
     return plan
 
 
+def results_table(title: str, summary: EvalSummary) -> Table:
+    """One row per drafter and method, so that it fits 80 columns however many DDTree budgets were scored; the
+    drafter's per-position draft accuracy on its first row."""
+    table = compact_table(title, {"drafter": False, "method": False, "τ [95% CI]": True, "τ as\nSGLang": True,
+                                  "accepted\ndrafts": True, "accuracy\npos 1/2/3": True})
+    for drafter in summary.drafters:
+        accuracy = "/".join(f"{a:.2f}" if a is not None else "-" for a in drafter.positions.accuracy[:3])
+        for number, m in enumerate(drafter.methods):
+            table.add_row(drafter.drafter if number == 0 else "", m.method,
+                          f"{m.tau.estimate:.2f} [{m.tau.low:.2f}, {m.tau.high:.2f}]", f"{m.tau_as_sglang:.2f}",
+                          f"{m.accepted_drafts:.2f}", accuracy if number == 0 else "")
+    return table
+
+
 def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
     features = config.features
-    table = Table(title=f"offline evaluation {config.run_id}: {len(config.tasks.tasks)} tasks, features {features.key} "
-                  + ("reused (no target forward)" if features.reused else "built by this run"))
-    for column in ("drafter", *(f"τ {m} [95% CI]" for m in config.methods()), "accepted drafts", "τ as SGLang",
-                   "acc pos 1/2/3"):
-        table.add_column(column)
-    for drafter in summary.drafters:
-        vanilla = drafter.method("vanilla")
-        accuracy = "/".join(f"{a:.2f}" if a is not None else "-" for a in drafter.positions.accuracy[:3])
-        table.add_row(drafter.drafter, *(f"{m.tau.estimate:.3f} [{m.tau.low:.3f}, {m.tau.high:.3f}]"
-                                         for m in drafter.methods),
-                      f"{vanilla.accepted_drafts:.3f}", f"{vanilla.tau_as_sglang:.3f}", accuracy)
     console = Console()
-    console.print(table)
+    console.print(results_table(f"offline evaluation {config.run_id}: {len(config.tasks.tasks)} tasks", summary))
+    console.print(f"features {features.key} " + ("reused (no target forward)" if features.reused else "built by this run"))
     health = features.health
     console.print(f"health: the target's own greedy choice matches the reference at {health.agree}/{health.positions} "
                   f"positions ({health.fraction:.4f})" + (f"\n[bold red]warning:[/] {health.warning}" if health.warning else ""))

@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.runs import Provenance
-from dfserve.verdict.results import Judgement
+from dfserve.verdict.results import Figure, Judgement
+from dfserve.verdict.wording import differences
 
 Finish = Literal["eos", "length"]
 VANILLA = "vanilla"
@@ -132,14 +133,10 @@ class EvalConfig(_Model):
 
     def comparable_with(self, other: EvalConfig) -> list[str]:
         """What differs between two runs beyond their drafters; empty when they may be paired by task."""
-        problems = []
-        if self.features.key != other.features.key:
-            problems.append(f"feature cache {self.features.key} vs {other.features.key} (target, tasks, prompts, "
-                            "references or taps differ)")
-        for field in ("block_size", "max_new_tokens", "dtype"):
-            if getattr(self, field) != getattr(other, field):
-                problems.append(f"{field}: {getattr(self, field)!r} vs {getattr(other, field)!r}")
-        return problems
+        problems = [f"{line} (target, tasks, prompts, references or taps differ)"
+                    for line in differences("feature cache", self.features.key, other.features.key)]
+        return problems + [line for field in ("block_size", "max_new_tokens", "dtype")
+                           for line in differences(field, getattr(self, field), getattr(other, field))]
 
 
 class AnchorRecord(_Model):
@@ -149,13 +146,6 @@ class AnchorRecord(_Model):
     matches: str = Field(description="'1'/'0' per block position 1, 2, ... that has a reference token")
     accepted: dict[str, int] = Field(description="drafts each method accepts here (before the end-of-reference cap)")
     rounds: dict[str, int] = Field(description="τ of the round each method's online trajectory makes here")
-
-
-class Figure(_Model):
-    estimate: float
-    low: float
-    high: float
-    n: int
 
 
 class MethodSummary(_Model):

@@ -8,6 +8,7 @@ import html
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.svg import page, svg_histogram, svg_lines, table
 from dfserve.verdict.results import Judgement
+from dfserve.verdict.wording import change_header, metric_change, metric_value, pairs_in_words, rule_needs
 
 
 def _row(label: str, values: list[str]) -> str:
@@ -15,15 +16,12 @@ def _row(label: str, values: list[str]) -> str:
 
 
 def _judgement(j: Judgement) -> str:
-    rows = "".join(
-        _row(m.label, [f"{m.baseline:.3f}" if m.baseline is not None else "-",
-                       f"{m.candidate:.3f}" if m.candidate is not None else "-",
-                       f"{m.change * 100:+.2f}% [{(m.change_low or 0) * 100:+.2f}, {(m.change_high or 0) * 100:+.2f}]"
-                       if m.change is not None else "no data"])
-        for m in j.metrics)
-    rules = "".join(f"<li>{html.escape(r.status)} {html.escape(r.metric)}: {html.escape(r.detail)}</li>" for r in j.rules)
+    rows = "".join(_row(m.label, [metric_value(m, m.baseline), metric_value(m, m.candidate), metric_change(m)])
+                   for m in j.metrics)
+    rules = "".join(f"<li>{html.escape(r.status)} {html.escape(r.metric)}: {html.escape(r.detail + rule_needs(r))}</li>"
+                    for r in j.rules)
     return (f"<h3>{html.escape(j.candidate)} vs {html.escape(j.baseline)}: {html.escape(j.verdict)} "
-            f"({j.tasks} paired tasks)</h3>{table([_row('', ['baseline', 'candidate', 'change [95% CI]']), rows])}"
+            f"({pairs_in_words(j)})</h3>{table([_row('', ['baseline', 'candidate', change_header(False)]), rows])}"
             f"<ul>{rules}</ul>")
 
 

@@ -58,7 +58,7 @@ from dfserve.eval.target import (
     target_folder,
     teacher_forced,
 )
-from dfserve.eval.verdict import check_gate, judge_offline
+from dfserve.eval.verdict import judge_offline, metrics_of
 from dfserve.runs import (
     JsonlAppender,
     Provenance,
@@ -72,7 +72,7 @@ from dfserve.runs import (
     write_model,
 )
 from dfserve.tasks import TaskSet
-from dfserve.verdict.gate import Gate
+from dfserve.verdict.gate import Gate, check_rules
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -197,7 +197,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     labels = [d.info.label for d in drafters]
     if duplicate := next((label for label in labels if labels.count(label) > 1), None):
         raise FieldError("drafter", f"two drafters are labelled {duplicate!r}; name them LABEL=DRAFTER")
-    check_gate(plan.gate, plan.methods())
+    check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "

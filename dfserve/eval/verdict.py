@@ -47,11 +47,6 @@ def metrics_of(methods: Sequence[str]) -> dict[str, MetricSpec[TaskTotals]]:
     return {metric_of(method): _tau(method) for method in methods}
 
 
-def check_gate(gate: Gate, methods: Sequence[str]) -> None:
-    """Every rule must name a method the run scores; checked before any computation."""
-    check_rules(gate, metrics_of(methods))
-
-
 def judge_offline(
     baseline: str, base_records: Sequence[AnchorRecord], candidate: str, cand_records: Sequence[AnchorRecord],
     task_ids: Sequence[str], methods: Sequence[str], gate: Gate,
@@ -114,7 +109,7 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
     if run2 is None and base_label == cand_label:
         raise FieldError("baseline", "the same drafter as {other}", other="candidate")
     methods = [m for m in base.config.methods() if m in cand.config.methods()]
-    check_gate(rules, methods)
+    check_rules(rules, metrics_of(methods))
     judgement = judge_offline(base_label, [r for r in base.records if r.drafter == base_label], cand_label,
                               [r for r in cand.records if r.drafter == cand_label],
                               [t.id for t in base.config.tasks.tasks], methods, rules)

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
-from dfserve.errors import Untrusted, UserError, command_flags, flags_for
+from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign
 from dfserve.loadtest.exporter import Exporter
@@ -176,14 +176,14 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     trace = arrival == "trace"
     if concurrency is None and rate is None and not trace:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
-    try:
-        load = LoadShape(kind=arrival if trace or rate is not None else "closed", concurrency=concurrency, rate=rate,
-                         speed=1.0 if trace and speed is None else speed, seed=seed)
-        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    except ValidationError as exc:
-        raise UserError(f"load/sampling: {exc.errors()[0]['msg']}") from None
     flags = command_flags(run_command) | {"duration_s": "--duration", "sequential": "--until-decided"}
     with flags_for(flags):
+        try:
+            load = LoadShape(kind=arrival if trace or rate is not None else "closed", concurrency=concurrency,
+                             rate=rate, speed=1.0 if trace and speed is None else speed, seed=seed)
+            sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        except ValidationError as exc:
+            raise invalid_field(exc) from None
         task_set = load_tasks(tasks)
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             task_set, sampling = task_set.for_run(sampling)
@@ -280,7 +280,11 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
 def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, force: bool) -> None:
     """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole, or a
     shard whose records do not match its summary and schedule."""
-    merged = merge([read_shard(path) for path in shards], _name(name) or new_run_id(), force)
+    try:
+        with flags_for({"shards": "SHARDS", "shard": "--shard"}):
+            merged = merge([read_shard(path) for path in shards], _name(name) or new_run_id(), force)
+    except Untrusted as exc:
+        raise UserError(f"{exc}; --force merges what the shards hold, marked interrupted") from None
     for lost in merged.incomplete:
         click.echo(f"forced: {lost}", err=True)
     with flags_for({"name": "--name"}):

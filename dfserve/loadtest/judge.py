@@ -23,6 +23,7 @@ from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.results import Judgement
+from dfserve.verdict.wording import differences
 
 Metric = MetricSpec[RequestRecord]
 
@@ -86,38 +87,18 @@ def judge(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord],
     return FixedN().judge(pairs_of(baseline, candidate, temperature), METRICS, gate).judgement
 
 
-def _show(value: Any) -> str:
-    if value is None:
-        return "not set"
-    if isinstance(value, str) and len(value) >= 32 and all(c in "0123456789abcdef" for c in value):
-        return value[:12] + "…"  # a content hash
-    return str(value)
-
-
-def _differences(key: str, a: Any, b: Any) -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [line for k in dict.fromkeys([*a, *b]) for line in _differences(f"{key}.{k}", a.get(k), b.get(k))]
-    if a == b:
-        return []
-    if isinstance(a, dict) or isinstance(b, dict):
-        return [f"{key}: {'set' if a is not None else 'not set'} vs {'set' if b is not None else 'not set'}"]
-    return [f"{key}: {_show(a)} vs {_show(b)}"]
-
-
 def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand_arm: str) -> list[str]:
     """What differs between the two sides beyond the drafter under test, one short line each; empty when they
     are comparable."""
     problems: list[str] = []
     if baseline.run_id != candidate.run_id:
         a, b = baseline.shape(), candidate.shape()
-        problems.extend(line for key in a for line in _differences(key, a[key], b[key]))
+        problems.extend(line for key in a for line in differences(key, a[key], b[key]))
     infos = [baseline.arm(base_arm), candidate.arm(cand_arm)]
     servers = [parse_server_info(i.server_info) if i.server_info is not None else None for i in infos]
     if servers[0] and servers[1]:
         for field in ("model_path", "max_running_requests"):
-            x, y = getattr(servers[0], field), getattr(servers[1], field)
-            if x != y:
-                problems.append(f"server {field}: {_show(x)} vs {_show(y)}")
+            problems.extend(differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field)))
     if infos[0].simulated != infos[1].simulated:
         problems.append(f"simulated: {infos[0].simulated} vs {infos[1].simulated} (one arm is a real engine)")
     return problems

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
 from dfserve.loadtest.report import Summary
@@ -63,7 +63,7 @@ def read_shard(path: Path) -> ShardRun:
     """A finished shard's directory; one without summary.json is still running or was killed."""
     config = read_config(path)
     if config.shard is None:
-        raise UserError(f"{path}: not a shard (run without --shard)")
+        raise FieldError("shards", f"{path} is not a shard (run without {{other}})", other="shard")
     summary = read_model(path / "summary.json", Summary,
                          f"{path}: no summary.json; shard {config.shard} has not finished")
     read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
@@ -132,8 +132,8 @@ def _identity(config: RunConfig) -> dict[str, Any]:
 
 
 def check_shards(shards: Sequence[ShardRun], force: bool = False) -> list[ShardRun]:
-    """The shards ordered by index; a `UserError` when they differ in configuration, repeat or leave one out, when
-    one holds records no merge may keep, or (unless `force`) when one lost records."""
+    """The shards ordered by index; a `UserError` when they differ in configuration, repeat or leave one out, or
+    when one holds records no merge may keep; `Untrusted` (unless `force`) when one lost records."""
     if not shards:
         raise UserError("merge: give the shard directories")
     first = shards[0]
@@ -161,8 +161,7 @@ def check_shards(shards: Sequence[ShardRun], force: bool = False) -> list[ShardR
             raise UserError(f"{shard.path}: shard {shard.config.shard} holds {'; '.join(problems)}; it is never "
                             "merged")
         if not force and (problems := incomplete(shard)):
-            raise UserError(f"{shard.path}: shard {shard.config.shard} lost records ({'; '.join(problems)}); "
-                            "--force merges what the shards hold, marked interrupted")
+            raise Untrusted(f"{shard.path}: shard {shard.config.shard} lost records ({'; '.join(problems)})")
     return ordered
 
 

@@ -22,19 +22,11 @@ from dfserve.loadtest.schedule import ScheduleFidelity, schedule_fidelity
 from dfserve.stamped_socket import ReadLag
 from dfserve.svg import page, svg_cdf, svg_histogram, table
 from dfserve.verdict import stats
+from dfserve.verdict.results import Figure
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Figure(_Model):
-    """A point estimate with its 95% interval and the number of samples behind it."""
-
-    estimate: float
-    low: float
-    high: float
-    n: int
 
 
 class Distribution(_Model):

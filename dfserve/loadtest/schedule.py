@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from dfserve.verdict.stats import quantile
 
@@ -30,30 +30,43 @@ class LoadShape(BaseModel):
 
     kind: ArrivalKind = Field(description="closed loop, or open loop with Poisson, evenly spaced or captured "
                               "(trace) arrivals")
-    concurrency: int | None = Field(None, description="closed loop: requests in flight; open loop: optional cap")
-    rate: float | None = Field(None, description="open loop: requests per second")
-    speed: float | None = Field(None, description="trace: how many times faster than captured (2.0: twice)")
+    concurrency: int | None = Field(None, validate_default=True,
+                                    description="closed loop: requests in flight; open loop: optional cap")
+    rate: float | None = Field(None, validate_default=True, description="open loop: requests per second")
+    speed: float | None = Field(None, validate_default=True,
+                                description="trace: how many times faster than captured (2.0: twice)")
     seed: int = Field(0, description="seeds the Poisson gaps and the task order")
 
-    @model_validator(mode="after")
-    def _check(self) -> LoadShape:
-        if self.kind == "closed":
-            if self.concurrency is None or self.concurrency < 1:
-                raise ValueError("closed loop needs --concurrency >= 1")
-        elif self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("--concurrency cap must be >= 1")
-        if self.kind in ("closed", "trace"):
-            if self.rate is not None:
-                raise ValueError("closed loop takes no --rate" if self.kind == "closed"
-                                 else "trace arrivals take no --rate (the capture's arrival times set it)")
-        elif self.rate is None or self.rate <= 0:
-            raise ValueError(f"{self.kind} arrivals need --rate > 0")
-        if self.kind == "trace":
-            if self.speed is None or self.speed <= 0:
-                raise ValueError("trace arrivals need --speed > 0")
-        elif self.speed is not None:
-            raise ValueError("--speed: only with --arrival trace")
-        return self
+    @field_validator("concurrency")
+    @classmethod
+    def _check_concurrency(cls, concurrency: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("kind") == "closed" and concurrency is None:
+            raise ValueError("closed loop needs requests in flight (>= 1)")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError("must be >= 1")
+        return concurrency
+
+    @field_validator("rate")
+    @classmethod
+    def _check_rate(cls, rate: float | None, info: ValidationInfo) -> float | None:
+        kind = info.data.get("kind")
+        if kind in ("closed", "trace"):
+            if rate is not None:
+                raise ValueError("closed loop takes none" if kind == "closed"
+                                 else "trace arrivals take none (the capture's arrival times set it)")
+        elif kind is not None and (rate is None or rate <= 0):
+            raise ValueError(f"{kind} arrivals need > 0")
+        return rate
+
+    @field_validator("speed")
+    @classmethod
+    def _check_speed(cls, speed: float | None, info: ValidationInfo) -> float | None:
+        if info.data.get("kind") == "trace":
+            if speed is None or speed <= 0:
+                raise ValueError("trace arrivals need > 0")
+        elif speed is not None:
+            raise ValueError("only with trace arrivals")
+        return speed
 
     def describe(self) -> str:
         """The load in words, as a report's reader wants it."""

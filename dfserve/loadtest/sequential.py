@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dfserve.errors import UserError
+from dfserve.errors import FieldError
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.judge import METRICS, pairs_of
 from dfserve.loadtest.records import RequestRecord
@@ -38,7 +38,7 @@ class SequentialMonitor(Monitor[RequestRecord]):
 def design_of(config: RunConfig) -> Sequential:
     """The sequential design a run was run with."""
     if config.sequential is None:
-        raise UserError(f"run {config.run_id} was not run with --until-decided")
+        raise FieldError("sequential", f"run {config.run_id} has no sequential design (a fixed-size run)")
     return Sequential(config.sequential, config.tasks.size, config.warmup)
 
 

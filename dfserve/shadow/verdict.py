@@ -42,8 +42,9 @@ from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import Pairs
 from dfserve.verdict.results import Judgement
-from dfserve.verdict.sequential import check_gate
+from dfserve.verdict.sequential import check_sequential_gate
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
+from dfserve.verdict.wording import differences
 
 DEFAULT_GATE = Gate(rules=(
     Rule(metric="accept_length", max_worse=0.02),
@@ -79,7 +80,7 @@ def live_design(policy: ShadowPolicy, arms: Iterable[str], primary: str) -> tupl
                          f"mirrored to {candidates}; name the noise-floor arm as shadow.secondary")
     try:
         gate = read_gate(policy.gate, DEFAULT_GATE)
-        check_gate(gate, METRICS)
+        check_sequential_gate(gate, METRICS)
     except FieldError as exc:
         raise FieldError("shadow.gate", exc.message) from None
     return SequentialDesign(gate=gate, **({"look_every": policy.look_every} if policy.look_every else {})), candidates[0]
@@ -194,9 +195,8 @@ def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
         unknown = [arm for arm, server in zip((base, cand), servers, strict=True) if server is None]
         return [f"arm {arm}: its /server_info was not recorded, so its target and drafter are unknown"
                 for arm in unknown]
-    return [f"server {field}: {getattr(servers[0], field)} vs {getattr(servers[1], field)}"
-            for field in ("model_path", "max_running_requests")
-            if getattr(servers[0], field) != getattr(servers[1], field)]
+    return [line for field in ("model_path", "max_running_requests")
+            for line in differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field))]
 
 
 def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dfserve.runs import write_atomic
 from dfserve.svg import page, svg_forest, svg_interval, table
+from dfserve.verdict import wording
 from dfserve.verdict.gate import Rule
 from dfserve.verdict.results import Judgement, Lossless, MetricResult, RuleResult
 from dfserve.verdict.verdict import Side, Verdict
@@ -38,24 +39,11 @@ def _status(status: str) -> str:
     return f"<span class='status' style='color:{_COLOUR[status]}'>{_e(status)}</span>"
 
 
-def _value(m: MetricResult, value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1e3:.4g} ms" if m.unit == "s" else f"{value:.4g}"
-
-
 def _change(m: MetricResult) -> str:
-    if m.baseline is None or m.candidate is None:
-        return "no data"
+    """The change, with which way is better where there is one."""
     if m.change is None:
-        return "baseline is 0"
-    unit = "%" if m.relative else " pts"
-    return (f"{m.change * 100:+.1f}{unit} [{(m.change_low or 0) * 100:+.1f}, {(m.change_high or 0) * 100:+.1f}]"
-            + (" (higher is better)" if m.higher_is_better else " (lower is better)"))
-
-
-def _n(m: MetricResult) -> str:
-    return str(m.n_baseline) if m.n_baseline == m.n_candidate else f"{m.n_baseline} / {m.n_candidate}"
+        return wording.metric_change(m)
+    return wording.metric_change(m) + (" (higher is better)" if m.higher_is_better else " (lower is better)")
 
 
 def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement) -> tuple[float, float] | None:
@@ -92,11 +80,10 @@ def _rules(verdict: Verdict) -> str:
         bar = (svg_interval(interval[0], interval[1], rule.limit, _COLOUR[rule.status],
                             f"{rule.metric}: interval [{interval[0]:.4g}, {interval[1]:.4g}], limit {rule.limit:.4g}",
                             f"{rule.limit:.4g}") if interval is not None else "")
-        needed = (f" (about {rule.tasks_needed} distinct tasks needed)" if rule.tasks_needed else
-                  f" (about {rule.requests_needed} paired requests needed)" if rule.requests_needed else "")
         rows.append(_row([_status(rule.status), _e(rule.metric), _e(limit),
                           _e(_interval(interval, at_least)) if interval is not None else "-", bar]))
-        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: {_e(rule.detail + needed)}</li>")
+        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: "
+                       f"{_e(rule.detail + wording.rule_needs(rule))}</li>")
     return ("<h2>Rules</h2><p>Each rule's 95% interval against its limit (the dashed line), coloured by the rule's "
             "status: how much worse the candidate may be, or the fraction of identical outputs it must reach. How each "
             "was decided is listed below the table.</p>"
@@ -105,10 +92,11 @@ def _rules(verdict: Verdict) -> str:
 
 def _metrics(verdict: Verdict) -> str:
     j = verdict.judgement
-    header = "change [95% CI" + (", fixed-n]" if verdict.sequential is not None else "]")
+    header = wording.change_header(verdict.sequential is not None)
     rows = [_row(["metric", "baseline", "candidate", header, "n"], head=True)]
-    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(_value(m, m.baseline)),
-                   _e(_value(m, m.candidate)), _e(_change(m)), _e(_n(m))]) for m in j.metrics]
+    rows += [_row([f"<span title='{_e(m.label)}'>{_e(m.metric)}</span>", _e(wording.metric_value(m, m.baseline)),
+                   _e(wording.metric_value(m, m.candidate)), _e(_change(m)), _e(wording.sample_counts(m))])
+             for m in j.metrics]
     return ("<h2>Metrics</h2><p>Change: the candidate against the baseline, relative (%) for ratios and quantiles, in "
             "points for rates; n is the number of samples on each side.</p>" + table(rows))
 
@@ -146,11 +134,7 @@ def _provenance(verdict: Verdict) -> str:
     if verdict.features:
         facts.insert(0, f"feature cache: {verdict.features}")
     if verdict.sequential is not None:
-        s = verdict.sequential
-        facts.insert(0, f"sequential: {s.method}; alpha {s.design.alpha}, a look every {s.design.look_every} pairs, "
-                        f"decisions from {s.design.min_tasks} tasks; stopped at look {s.looks} after "
-                        f"{s.stopped_after_pairs} pairs ({s.stopped}, {s.verdict_when_stopped}), judged over {s.pairs} "
-                        "pairs; the metrics' intervals are fixed-n, for reading only")
+        facts.insert(0, wording.sequential_in_words(verdict.sequential))
     return ("<h2>Provenance</h2>" + table(_side_rows(verdict)) + "<ul>"
             + "".join(f"<li>{_e(f)}</li>" for f in facts) + "</ul>")
 
@@ -169,7 +153,6 @@ def render_verdict_html(verdict: Verdict) -> str:
         ["SIMULATED"] if verdict.baseline.simulated or verdict.candidate.simulated else [])
     why = ([f"Forced comparison of runs that differ: {'; '.join(verdict.mismatches)}"] if verdict.mismatches else []) + (
         [f"Forced verdict on incomplete data: {'; '.join(verdict.incomplete)}"] if verdict.incomplete else [])
-    units = f"{j.tasks} paired tasks" if j.pairs == j.tasks else f"{j.pairs} pairs over {j.tasks} tasks"
     kind = "a load test" if verdict.source == "loadtest" else "an offline evaluation"
     needed = f" About {j.tasks_needed} distinct tasks would decide it." if j.tasks_needed else ""
     body = (
@@ -177,7 +160,7 @@ def render_verdict_html(verdict: Verdict) -> str:
         + "".join(f"<span class='stamp'>{_e(s)}</span>" for s in stamps)
         + f"<p class='verdict' style='color:{_COLOUR[verdict.verdict]}'>{_e(verdict.verdict)}</p>"
         + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
-        f"{_e(units)}.{_e(needed)}</p>"
+        f"{_e(wording.pairs_in_words(j))}.{_e(needed)}</p>"
         + "".join(f"<p class='why'><strong>{_e(w)}</strong></p>" for w in why)
         + _rules(verdict) + _metrics(verdict) + _lossless(j.lossless) + _plot(j) + _provenance(verdict)
     )

@@ -16,6 +16,15 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Figure(_Model):
+    """A point estimate with its 95% interval and the number of samples behind it."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+
+
 class MetricResult(_Model):
     metric: str
     label: str

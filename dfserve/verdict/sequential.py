@@ -52,8 +52,8 @@ from dfserve.verdict.tracks import Track
 StopReason = Literal["decided", "task_set"]
 
 
-def check_gate(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
-    """Refuse, before anything is sent, a rule the sequential design cannot decide."""
+def check_sequential_gate(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
+    """`check_rules`, and refuse, before anything is sent, a rule the sequential design cannot decide."""
     check_rules(gate, metrics)
     for rule in gate.rules:
         spec = metrics[rule.metric]
@@ -131,7 +131,7 @@ class Monitor(Generic[U]):
     def __init__(self, design: SequentialDesign, metrics: Mapping[str, MetricSpec[U]], deterministic: bool,
                  task_count: int, first_index: int = 0,
                  deterministic_pair: Callable[[U, U], bool] | None = None) -> None:
-        check_gate(design.gate, metrics)
+        check_sequential_gate(design.gate, metrics)
         self.design = design
         self.specs = [metrics[rule.metric] for rule in design.gate.rules]
         self.deterministic = deterministic

@@ -254,7 +254,9 @@ def test_the_same_target_at_another_path_reuses_its_features(first_run: FirstRun
     assert status == 0, err
     status, _, err = run_cli(capsys, "eval", "compare", first_run.run_dir, world.root / "runs" / "other",
                              "--baseline", "long", "--candidate", "again")
-    assert status == 2 and err.count("\n") == 1 and "runs are not comparable (feature cache" in err
+    assert status == 2 and err.count("\n") == 1
+    assert f"runs are not comparable (feature cache: {first['features']['key']} vs " in err
+    assert f"; max_new_tokens: {MAX_NEW} vs {MAX_NEW // 2}); evaluate both drafters on one cache" in err
 
 
 def _tree(folder: Path) -> list[str]:

@@ -75,7 +75,7 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path) -> N
         (shards[0],): "dfserve: error: merge: shard 1/2 missing (given: 0/2)",
         (shards[0], shards[0], shards[1]): f"dfserve: error: {shards[0]}: shard 0/2 given twice (also {shards[0]})",
         (shards[0], foreign): f"dfserve: error: {foreign}: not a shard of the same run as {shards[0]} (differs in load)",
-        (whole, shards[1]): f"dfserve: error: {whole}: not a shard (run without --shard)",
+        (whole, shards[1]): f"dfserve: error: SHARDS: {whole} is not a shard (run without --shard)",
     }
     for given, line in cases.items():
         refused = dfserve("loadtest", "merge", *map(str, given), "--out", str(tmp_path / "merged"))

@@ -12,7 +12,7 @@ from dfserve import sglang
 from dfserve.capture.format import CapturePolicy
 from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
-from dfserve.errors import FieldError
+from dfserve.errors import FieldError, invalid_field
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.judge import comparability
@@ -242,15 +242,17 @@ def test_a_trace_load_shape_takes_its_offsets_from_the_capture() -> None:
         load.offsets(3, [0.0])
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"kind": "trace"}, "need --speed > 0"), ({"kind": "trace", "speed": 0}, "need --speed > 0"),
-    ({"kind": "trace", "speed": 1, "rate": 2}, "trace arrivals take no --rate"),
-    ({"kind": "poisson", "rate": 2, "speed": 2}, "--speed: only with --arrival trace"),
-    ({"kind": "trace", "speed": 1, "concurrency": 0}, "cap must be >= 1"),
+@pytest.mark.parametrize(("fields", "field", "message"), [
+    ({"kind": "trace"}, "speed", "trace arrivals need > 0"), ({"kind": "trace", "speed": 0}, "speed", "need > 0"),
+    ({"kind": "trace", "speed": 1, "rate": 2}, "rate", "trace arrivals take none"),
+    ({"kind": "poisson", "rate": 2, "speed": 2}, "speed", "only with trace arrivals"),
+    ({"kind": "trace", "speed": 1, "concurrency": 0}, "concurrency", "must be >= 1"),
 ])
-def test_trace_load_shape_refuses(fields: dict[str, object], message: str) -> None:
-    with pytest.raises(ValidationError, match=message):
+def test_trace_load_shape_refuses_naming_the_field(fields: dict[str, object], field: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as refused:
         LoadShape(**fields)  # type: ignore[arg-type]
+    error = invalid_field(refused.value)
+    assert error.field == field and message in error.message and not error.message.startswith("Value error")
 
 
 def test_fidelity_is_lateness_of_each_send_in_ms() -> None:

@@ -11,12 +11,13 @@ import pytest
 
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.deploy.assets import expected_tensors, verify_drafter_config
+from dfserve.deploy.cli import deploy
 from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
 from dfserve.deploy.engines.sglang import server_args
 from dfserve.deploy.engines.sim import sim_argv
 from dfserve.deploy.profiles import load_profile, profile_names
 from dfserve.deploy.spec import build_spec
-from dfserve.errors import FieldError, UserError
+from dfserve.errors import FieldError, UserError, command_flags
 from tests.fixtures.deploy.synth import TINY_TARGET, tiny_config
 
 PROFILE = load_profile("pro6000")
@@ -40,12 +41,14 @@ def test_pro6000_profile_fits_qwen36_with_zlab_drafter() -> None:
 
 
 def test_profile_from_file_and_bad_profiles(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="neither a known profile"):
+    with pytest.raises(FieldError, match="neither a known profile") as unknown:
         load_profile("h100x8")
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: 1\nname: x\n")
-    with pytest.raises(UserError, match=r"bad.yaml: gpu: Field required"):
+    with pytest.raises(FieldError, match=r"bad.yaml: gpu: Field required") as invalid:
         load_profile(str(bad))
+    assert unknown.value.field == invalid.value.field == "profile_name"
+    assert "--" not in str(unknown.value) + str(invalid.value)
 
 
 def test_zlab_tensor_table_matches_the_released_drafter() -> None:
@@ -156,9 +159,10 @@ def test_spec_renders_dflash_argv_from_profile_and_flags() -> None:
 def test_spec_refuses_conflicting_and_invalid_flags() -> None:
     with pytest.raises(FieldError, match=r"^sglang_args: --tp-size: set by the deployment spec"):
         zlab_spec(sglang_args=["--tp-size=2"])
-    with pytest.raises(UserError, match="--mem-fraction-static"):
+    with pytest.raises(FieldError, match=r"^mem_fraction_static: Input should be less than 1") as fraction:
         zlab_spec(overrides={"mem_fraction_static": 1.5})
-    with pytest.raises(UserError, match="--draft-attention-backend"):
+    assert fraction.value.render(command_flags(deploy)).startswith("--mem-fraction-static: Input should be")
+    with pytest.raises(FieldError, match=r"^draft_attention_backend: "):
         zlab_spec(overrides={"draft_attention_backend": "trtllm_mha"})
     with pytest.raises(FieldError, match=r"^name: 'Bad_Name' must be lowercase"):
         zlab_spec(name="Bad_Name")

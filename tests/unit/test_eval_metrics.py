@@ -15,14 +15,14 @@ from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
 from dfserve.errors import FieldError, UserError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
-from dfserve.eval.records import AnchorRecord, PromptSettings
+from dfserve.eval.records import AnchorRecord, EvalConfig, FeatureInfo, PromptSettings
 from dfserve.eval.references import greedy
 from dfserve.eval.scoring import AnchorScores
 from dfserve.eval.trajectory import PositionTally, leading_matches, trajectory
-from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, check_gate, compare_eval_runs, judge_offline
+from dfserve.eval.verdict import DEFAULT_EVAL_GATE, EvalRun, compare_eval_runs, judge_offline, metrics_of
 from dfserve.loadtest.cli import compare
 from dfserve.runs import write_model
-from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.gate import Gate, Rule, check_rules
 from tests.synthetic import run_config, synthetic, write_run
 
 METHODS = ["vanilla", "ddtree2"]
@@ -121,9 +121,9 @@ def test_offline_verdict_pairs_by_task() -> None:
 
 
 def test_gate_names_only_scored_methods() -> None:
-    check_gate(DEFAULT_EVAL_GATE, METHODS)
+    check_rules(DEFAULT_EVAL_GATE, metrics_of(METHODS))
     with pytest.raises(FieldError, match=r"gate: rules.0.metric: unknown metric 'tau_ddtree8' \(known: tau_vanilla"):
-        check_gate(Gate(rules=(Rule(metric="tau_ddtree8", max_worse=0.02),)), METHODS)
+        check_rules(Gate(rules=(Rule(metric="tau_ddtree8", max_worse=0.02),)), metrics_of(METHODS))
 
 
 def test_health_warns_below_agreement() -> None:
@@ -206,3 +206,15 @@ def test_an_evaluation_is_never_compared_with_itself(tmp_path: Path, monkeypatch
     with pytest.raises(UserError, match=r"are one run \(eval-1\): give it once, with both drafters"):
         compare_eval_runs(tmp_path / "a", tmp_path / "copy-of-a", None, None, None, tmp_path / "out")
     assert loaded == [tmp_path / "a", tmp_path / "copy-of-a"] and not (tmp_path / "out").exists()
+
+
+def test_runs_that_cannot_be_paired_say_so_in_readable_lines_as_dfserve_compare_does() -> None:
+    def config(key: str, block_size: int | None, dtype: str) -> EvalConfig:
+        return EvalConfig.model_construct(features=FeatureInfo.model_construct(key=key), block_size=block_size,
+                                          max_new_tokens=64, dtype=dtype)
+
+    first, second = config("a" * 64, 8, "float32"), config("b" * 64, None, "bfloat16")
+    assert first.comparable_with(second) == [
+        "feature cache: aaaaaaaaaaaa… vs bbbbbbbbbbbb… (target, tasks, prompts, references or taps differ)",
+        "block_size: 8 vs not set", "dtype: float32 vs bfloat16"]
+    assert first.comparable_with(config("a" * 64, 8, "float32")) == []

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from dfserve.errors import FieldError, UserError
-from dfserve.loadtest.merge import ShardRun, check_shards, merge
+from dfserve.errors import FieldError, Untrusted, UserError
+from dfserve.loadtest.merge import ShardRun, check_shards, merge, read_shard
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
-from tests.synthetic import run_config, synthetic
+from tests.synthetic import run_config, synthetic, write_run
 
 
 def test_parse_shard() -> None:
@@ -99,6 +99,15 @@ def test_merge_ignores_the_live_figures_in_server_documents() -> None:
     assert len(merge(shards, "m").records) == 24
 
 
+def test_a_whole_run_is_not_a_shard(tmp_path: Path) -> None:
+    whole = write_run(tmp_path, run_config("whole"), synthetic("zlab", 4, 3.0, seed=1))
+    with pytest.raises(FieldError) as refused:
+        read_shard(whole)
+    assert refused.value.field == "shards"
+    assert refused.value.render({"shards": "SHARDS", "shard": "--shard"}) == (
+        f"SHARDS: {whole} is not a shard (run without --shard)")
+
+
 def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
     """1/3 holds indexes 1, 4, 7, 10 of both arms, and its summary counts 4 each."""
     whole = shard_runs(3)
@@ -115,10 +124,10 @@ def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
     ]
     for shard, problem in cases:
         shards = [whole[0], shard, whole[2]]
-        with pytest.raises(UserError) as refused:
+        with pytest.raises(Untrusted) as refused:
             merge(shards, "m")
         assert str(refused.value).startswith(f"runs/shard-1: shard 1/3 lost records ({problem}")
-        assert str(refused.value).endswith("); --force merges what the shards hold, marked interrupted")
+        assert str(refused.value).endswith(")") and "--" not in str(refused.value)
         forced = merge(shards, "m", force=True)
         assert forced.interrupted and len(forced.incomplete) == 1
         assert forced.incomplete[0].startswith(f"runs/shard-1: {problem}")

@@ -172,8 +172,9 @@ def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair
     outcome = judge_sequential(records, "zlab", "inhouse", lenient, config)
     judgement, report = outcome.judgement, outcome.sequential
     assert report is not None and judgement.verdict == "PASS" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
-    with pytest.raises(UserError, match="--until-decided"):
+    with pytest.raises(FieldError, match=r"^sequential: run fixed has no sequential design") as fixed:
         judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, run_config("fixed"))
+    assert fixed.value.render({"sequential": "--until-decided"}).startswith("--until-decided: run fixed has no")
 
 
 def test_the_verdict_says_when_more_distinct_tasks_than_the_set_holds_would_decide_a_rule() -> None:

@@ -3,11 +3,16 @@ forced verdict, the identical outputs, both sides' provenance, and nothing from 
 
 from __future__ import annotations
 
+import html
 import re
 from functools import cache
 
+from rich.console import Console
+
 from dfserve.loadtest.judge import DEFAULT_GATE, judge
 from dfserve.runs import Provenance
+from dfserve.verdict.design import SequentialDesign, SequentialReport
+from dfserve.verdict.printer import print_verdict
 from dfserve.verdict.report import render_verdict_html, rule_interval
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Side, Verdict
@@ -128,3 +133,20 @@ def test_what_the_runs_name_is_escaped() -> None:
     page = render_verdict_html(verdict)
     assert "<script" not in page and "<b>x" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_the_terminal_and_the_report_word_a_sequential_verdict_alike() -> None:
+    report = SequentialReport(design=SequentialDesign(gate=DEFAULT_GATE), looks=3, stopped="decided",
+                              stopped_after_pairs=48, verdict_when_stopped="FAIL", pairs=52)
+    verdict = _verdict(sequential=report)
+    console = Console(width=2000, record=True, color_system=None)
+    print_verdict(console, verdict)
+    text, page = console.export_text(), render_verdict_html(verdict)
+    sentence = "stopped at look 3 after 48 pairs (decided, FAIL), judged over 52 pairs"
+    printed = next(line for line in text.splitlines() if line.startswith("sequential: "))
+    assert sentence in printed
+    assert html.escape(printed.rstrip(".")) in page
+    accept = next(m for m in verdict.judgement.metrics if m.metric == "accept_length")
+    row = next(line for line in text.splitlines() if line.startswith("accept_length"))
+    assert row.split()[1:3] == [f"{accept.baseline:.4g}", f"{accept.candidate:.4g}"]
+    assert "change [95% CI, fixed-n]" in text and "<th>change [95% CI, fixed-n]</th>" in page

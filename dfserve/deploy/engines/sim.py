@@ -11,7 +11,7 @@ import click
 from dfserve.deploy.engines.base import Container, EngineKind
 from dfserve.deploy.sim.cli import build_config, sim
 from dfserve.deploy.sim.profiles import load_profile
-from dfserve.errors import FieldError, UserError
+from dfserve.errors import FieldError, UserError, command_flags, flags_for
 
 if TYPE_CHECKING:
     from dfserve.deploy.deployment import DeploymentSpec
@@ -52,7 +52,8 @@ class Simulator(EngineKind):
         except FieldError as exc:
             raise FieldError("sim_profile", exc.message) from None
         try:
-            build_config(**sim.make_context("sim", sim_args(spec)).params)
+            with flags_for(command_flags(sim)):
+                build_config(**sim.make_context("sim", sim_args(spec)).params)
         except (click.UsageError, UserError) as exc:
             raise FieldError("check", f"the simulator rejects the argv: {exc}") from None
         return f"the simulator accepts it: profile {spec.sim.profile}, block {spec.drafter.block_size}"

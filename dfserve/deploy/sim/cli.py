@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.faults import FaultConfig
-from dfserve.errors import UserError, command_flags, describe_invalid_flag, flags_for
+from dfserve.errors import command_flags, flags_for, invalid_field
 
 
 def build_config(**values: object) -> SimConfig:
@@ -17,7 +17,7 @@ def build_config(**values: object) -> SimConfig:
     try:
         return SimConfig.model_validate({**values, "faults": FaultConfig.model_validate(faults)})
     except ValidationError as exc:
-        raise UserError(describe_invalid_flag(exc)) from None
+        raise invalid_field(exc) from None
 
 
 @click.command(context_settings={"show_default": True})
