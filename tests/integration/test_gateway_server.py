@@ -564,7 +564,9 @@ def test_a_chunk_size_line_or_trailer_section_past_the_head_limit_is_refused() -
     for answer, sent in asyncio.run(scenario()):
         assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:200]
         assert b"chunk-size line or trailer section over 65536 bytes" in answer
-        assert sent < 5_000_000
+        # Refused long before the 50 MB: what was sent includes what loopback's socket buffers held unread (several
+        # MB once autotuned), more of it when the server's loop is slow to run on a busy machine.
+        assert sent < 20_000_000
 
 
 def test_parser_edges_are_answered_as_rfc_9112_says() -> None:
