@@ -138,3 +138,14 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         http_status=o.status or None, error_kind=kind, error_message=o.error if kind is not None else None,
         temperature=request_temperature(o.route, exchanged.body),
     )
+
+
+def rebased(record: RequestRecord, later_s: float) -> RequestRecord:
+    """`record` with its times from a time zero `later_s` later (a folder opened while it waited for its pair)."""
+    def moved(at_s: float | None) -> float | None:
+        return at_s - later_s if at_s is not None else None
+
+    return record.model_copy(update={
+        "scheduled_s": moved(record.scheduled_s), "dispatched_s": record.dispatched_s - later_s,
+        "sent_s": moved(record.sent_s), "first_token_s": moved(record.first_token_s), "end_s": moved(record.end_s),
+        "chunk_times_s": [at_s - later_s for at_s in record.chunk_times_s]})

@@ -3,9 +3,11 @@ verdict's refusals and losslessness on live traffic."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import re
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -230,6 +232,43 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     recorder.close()
     assert len(_folders(tmp_path)) == 2
     assert len(list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))) == 4
+
+
+class Totals(list[tuple[float, int]]):
+    """What a relay kept, which a weak reference can follow."""
+
+
+def test_a_pending_primary_is_held_as_its_record_not_its_exchange(tmp_path: Path) -> None:
+    """What waits for a mirror is the primary's record: its exchange (a native stream's whole output, an OpenAI
+    stream's pieces) is let go as soon as it is observed; the record, written beside its mirror's once that comes,
+    has the stream's chunks."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path), "zlab")
+    totals = Totals([(101.001, 1), (101.002, 3)])
+    kept = weakref.ref(totals)
+    recorder.observe(replace(exchanged(1, "zlab", False, streamed=True), pieces=totals))
+    del totals
+    gc.collect()
+    assert kept() is None
+    recorder.observe(exchanged(1, "inhouse", True))
+    recorder.close()
+    primary, mirror = read_records(_folders(tmp_path)[0] / "requests.jsonl")
+    assert (primary.arm, primary.chunk_tokens, mirror.arm) == ("zlab", [1, 2], "inhouse")
+
+
+def test_a_primary_paired_after_a_rotation_is_timed_from_its_new_folders_time_zero(tmp_path: Path) -> None:
+    """A primary held while its folder filled is written with its mirror into the next folder, its times moved to
+    that folder's time zero: the pair's shared start is one time there."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=2), "zlab")
+    recorder.observe(replace(exchanged(1, "zlab", False, streamed=True), pieces=[(101.005, 2)]))
+    recorder.observe(exchanged(2, "zlab", False))
+    recorder.observe(exchanged(2, "inhouse", True))  # the second record: the folder is closed, the next opened
+    recorder.observe(replace(exchanged(1, "inhouse", True, streamed=True), pieces=[(101.007, 2)]))
+    recorder.close()
+    second = list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))
+    assert [(r.index, r.arm) for r in second] == [(1, "zlab"), (1, "inhouse")]
+    primary, mirror = second
+    assert primary.dispatched_s == pytest.approx(mirror.dispatched_s, abs=1e-9)
+    assert primary.chunk_times_s[0] == pytest.approx(mirror.chunk_times_s[0] - 0.002, abs=1e-9)
 
 
 ENGINES = {"zlab": "http://engine-a", "inhouse": "http://engine-b", "zlab2": "http://engine-c"}
