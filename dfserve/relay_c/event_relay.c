@@ -27,10 +27,10 @@ typedef struct {
     int last_chunk_written; /* the body's end went out with its last events */
 } EventRelay;
 
+/* `found`: the marks read in a piece of whole events (read_marks). */
 static int
-relay_meter(EventRelay *self, PyObject *now, PyObject *events)
+relay_meter(EventRelay *self, PyObject *now, int64_t found)
 {
-    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
     int64_t produced = found;
     if (self->cumulative) {
         produced = found > self->tokens ? found - Py_MAX(self->tokens, 0) : 0;
@@ -64,19 +64,29 @@ keep(PyObject *list, PyObject *now, PyObject *item)
     return failed ? -1 : 0;
 }
 
+/* One past the blank line that ends the event starting at buf[start]; `length` if none does. Line feeds are found
+ * with memchr: inside JSON they are escaped, so an event has few. */
+static Py_ssize_t
+next_event(const char *buf, Py_ssize_t length, Py_ssize_t start)
+{
+    for (const char *lf = buf + start; (lf = memchr(lf, '\n', buf + length - lf)) != NULL; lf++)
+        if (lf - buf > start && ends_event(buf, lf - buf))
+            return lf - buf + 1;
+    return length;
+}
+
 /* A recorded stream of running totals (native): each event's total where it changed, with the piece's arrival,
  * rather than the events, which repeat the whole output so far (their bytes grow with the square of its length).
- * A total that went back is kept too: a reader of the stream would call it a protocol error. */
+ * A total that went back is kept too: a reader of the stream would call it a protocol error. `found`: the total
+ * read in the whole piece, which is the event's where the piece is one event. */
 static int
-keep_counts(EventRelay *self, PyObject *now, PyObject *events)
+keep_counts(EventRelay *self, PyObject *now, PyObject *events, int64_t found)
 {
     const char *buf = PyBytes_AS_STRING(events);
     Py_ssize_t length = PyBytes_GET_SIZE(events);
     for (Py_ssize_t start = 0; start < length;) {
-        Py_ssize_t end = event_end(buf, length, start + 1);
-        if (end == 0)
-            end = length;
-        int64_t count = read_marks(buf + start, end - start, self->keys, 1);
+        Py_ssize_t end = next_event(buf, length, start);
+        int64_t count = start == 0 && end == length ? found : read_marks(buf + start, end - start, self->keys, 1);
         start = end;
         if (count < 0 || count == self->kept)
             continue;
@@ -183,13 +193,14 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
         if (end)
             self->last_chunk_written = self->closed = 1; /* the client's body is over: nothing more goes out */
     }
-    int failed = relay_meter(self, now, events);
+    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
+    int failed = relay_meter(self, now, found);
     Py_SETREF(self->tail[0], self->tail[1]);
     self->tail[1] = events;
     if (failed)
         return -1;
     if (self->pieces != Py_None && PyBytes_GET_SIZE(events) > 0
-        && (self->cumulative ? keep_counts(self, now, events) : keep(self->pieces, now, events)) < 0)
+        && (self->cumulative ? keep_counts(self, now, events, found) : keep(self->pieces, now, events)) < 0)
         return -1;
     return check_held(self);
 }

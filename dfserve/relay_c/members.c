@@ -41,7 +41,7 @@ value_end(const char *buf, Py_ssize_t i, Py_ssize_t length)
 }
 
 /* One past the first blank line that ends at or after `from`; 0 if none. */
-Py_ssize_t
+static Py_ssize_t
 event_end(const char *buf, Py_ssize_t length, Py_ssize_t from)
 {
     for (Py_ssize_t i = Py_MAX(from, 1); i < length; i++)

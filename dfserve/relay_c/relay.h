@@ -43,7 +43,6 @@ PyObject *relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t n
  * and where the events of a buffer end */
 PyObject *strip_members(PyObject *events, PyObject *key);
 Py_ssize_t event_boundary(const char *buf, Py_ssize_t length, Py_ssize_t from);
-Py_ssize_t event_end(const char *buf, Py_ssize_t length, Py_ssize_t from);
 
 /* bins.c: histogram observations counted as a Prometheus histogram counts them */
 typedef struct {
