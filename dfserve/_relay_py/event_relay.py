@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any
 
 from dfserve._relay_py.bins import NO_BINS, Bins
 from dfserve._relay_py.frame import LAST_CHUNK
 from dfserve._relay_py.marks import check_keys, count_marks
-from dfserve._relay_py.members import event_boundary, strip_members
+from dfserve._relay_py.members import event_boundary, event_end, strip_members
 from dfserve._relay_py.module import EventTooLarge, seconds
 
 
@@ -21,7 +21,8 @@ class EventRelay:
     cut out of every event before it goes out (an event left with an empty object goes whole), and the last piece
     they were cut from is kept as it came (`stripped`). With `keep_pieces`, every piece of whole events relayed is
     kept, by reference, with its arrival time (`pieces`): what a client would have read, for a record of the
-    stream decoded later, off the loop.
+    stream decoded later, off the loop; `cumulative`, each event's running total where it changed (from 0) is kept
+    instead of the events, which repeat the whole output so far (their bytes grow with the square of its length).
 
     Made without `__init__` (or after a failed one), it relays nothing: the class's values below are an inert
     relay's."""
@@ -35,7 +36,8 @@ class EventRelay:
     _held = bytearray()  # never written: an initialised relay holds its bytes in a bytearray of its own
     _max_event_bytes = 2**63 - 1
     _tail = (b"", b"")
-    _pieces: list[tuple[float, bytes]] | None = None
+    _pieces: list[tuple[Any, Any]] | None = None
+    _kept = 0
     _tokens = 0
     _first = -1.0
     _previous = 0.0
@@ -67,6 +69,7 @@ class EventRelay:
         self._max_event_bytes = limit
         self._tail = (b"", b"")
         self._pieces = [] if keep_pieces else None
+        self._kept = 0
         self._chunked = chunked
         self._cumulative = cumulative
         self._tokens = -1 if cumulative else 0
@@ -115,8 +118,23 @@ class EventRelay:
         finally:
             self._tail = (self._tail[1], events)
         if self._pieces is not None and events:
-            self._pieces.append((cast(float, now), events))  # as it came, as C keeps it
+            if self._cumulative:
+                self._keep_counts(self._pieces, now, events)
+            else:
+                self._pieces.append((now, events))  # as it came, as C keeps it
         self._check_held()
+
+    def _keep_counts(self, kept: list[tuple[Any, Any]], now: object, events: bytes) -> None:
+        """Each event's running total where it changed; one that went back too (a reader calls it a protocol
+        error)."""
+        start = 0
+        while start < len(events):
+            end = event_end(events, start + 1) or len(events)
+            count = count_marks(events[start:end], self._keys, True)
+            start = end
+            if count >= 0 and count != self._kept:
+                kept.append((now, count))
+                self._kept = count
 
     def _check_held(self) -> None:
         if len(self._held) > self._max_event_bytes:
@@ -168,9 +186,10 @@ class EventRelay:
         return self._stripped
 
     @property
-    def pieces(self) -> list[tuple[float, bytes]] | None:
+    def pieces(self) -> list[tuple[float, bytes]] | list[tuple[float, int]] | None:
         """`keep_pieces`: every piece of whole events relayed (as the client got them, none empty) with the clock
-        reading of its arrival, by reference; else None."""
+        reading of its arrival, by reference; `cumulative`, (arrival, running total) for each event whose total
+        changed; else None."""
         return self._pieces
 
     @property

@@ -35,7 +35,7 @@ def _value_end(buf: bytes, i: int) -> int:
     return -1
 
 
-def _event_end(buf: bytes, start: int) -> int:
+def event_end(buf: bytes, start: int) -> int:
     """One past the first blank line that ends at or after `start`; 0 if none."""
     low = max(start, 1)
     lf = buf.find(b"\n\n", low - 1)
@@ -79,7 +79,7 @@ def _member_span(buf: bytes, at: int, key_length: int, floor: int) -> tuple[int,
         return at, after
     if buf[after] != 125:  # '}'
         return None
-    start, stop = event_boundary(buf, 0, at), _event_end(buf, after + 1)
+    start, stop = event_boundary(buf, 0, at), event_end(buf, after + 1)
     return (start, stop) if start >= floor and stop > 0 else None
 
 

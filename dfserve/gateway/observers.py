@@ -62,11 +62,12 @@ class Exchanged:
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
     """On a client's exchange: the arms its shadow copies were sent to (none skipped for a down arm)."""
-    pieces: Sequence[tuple[float, bytes]] | None = None
+    pieces: Sequence[tuple[float, bytes]] | Sequence[tuple[float, int]] | None = None
     """A recorded stream as its client read it: each piece of whole events, with the `perf_counter` reading of its
-    arrival (`EventRelay.pieces`, by reference, decoded by the observer's thread); None for a stream not recorded
-    (which the gateway decides per request at dispatch: shadow records are of mirrored requests and their
-    primary) and for a whole body."""
+    arrival (`EventRelay.pieces`, by reference, decoded by the observer's thread), or, for a native stream (whose
+    events repeat the whole output so far), each event's `completion_tokens` where it changed, with its piece's
+    arrival (its output is in `answer`); None for a stream not recorded (which the gateway decides per request at
+    dispatch: shadow records are of mirrored requests and their primary) and for a whole body."""
 
 
 class Observer(Protocol):

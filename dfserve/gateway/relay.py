@@ -102,7 +102,7 @@ class Exchange:
     """`Exchanged.mirrors`."""
     keep_pieces: bool = False
     """Recorded: a stream's relay keeps every piece it relays, with its arrival time (decided at dispatch)."""
-    pieces: list[tuple[float, bytes]] | None = None
+    pieces: list[tuple[float, bytes]] | list[tuple[float, int]] | None = None
     """What the relay kept (`Exchanged.pieces`)."""
 
 

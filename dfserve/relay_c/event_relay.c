@@ -20,15 +20,17 @@ typedef struct {
     double previous;    /* and of the latest */
     Bins chunk_gaps;    /* gaps between pieces that carried tokens */
     Bins token_gaps;    /* the same gaps per token, one per token (cumulative marks: exact token counts) */
-    PyObject *pieces;   /* keep_pieces: a list of (arrival, whole events relayed), by reference; else None */
+    PyObject *pieces;   /* keep_pieces: a list of (arrival, whole events relayed), by reference, or, cumulative, of
+                         * (arrival, running total) per event whose total changed; else None */
+    int64_t kept;       /* keep_pieces, cumulative: the last running total kept (0 before any) */
     int closed;
     int last_chunk_written; /* the body's end went out with its last events */
 } EventRelay;
 
+/* `found`: the marks read in a piece of whole events (read_marks). */
 static int
-relay_meter(EventRelay *self, PyObject *now, PyObject *events)
+relay_meter(EventRelay *self, PyObject *now, int64_t found)
 {
-    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
     int64_t produced = found;
     if (self->cumulative) {
         produced = found > self->tokens ? found - Py_MAX(self->tokens, 0) : 0;
@@ -50,6 +52,51 @@ relay_meter(EventRelay *self, PyObject *now, PyObject *events)
             bins_add(&self->token_gaps, gap / (double)produced, produced);
     }
     self->previous = arrival;
+    return 0;
+}
+
+static int
+keep(PyObject *list, PyObject *now, PyObject *item)
+{
+    PyObject *kept = PyTuple_Pack(2, now, item);
+    int failed = kept == NULL || PyList_Append(list, kept) < 0;
+    Py_XDECREF(kept);
+    return failed ? -1 : 0;
+}
+
+/* One past the blank line that ends the event starting at buf[start]; `length` if none does. Line feeds are found
+ * with memchr: inside JSON they are escaped, so an event has few. */
+static Py_ssize_t
+next_event(const char *buf, Py_ssize_t length, Py_ssize_t start)
+{
+    for (const char *lf = buf + start; (lf = memchr(lf, '\n', buf + length - lf)) != NULL; lf++)
+        if (lf - buf > start && ends_event(buf, lf - buf))
+            return lf - buf + 1;
+    return length;
+}
+
+/* A recorded stream of running totals (native): each event's total where it changed, with the piece's arrival,
+ * rather than the events, which repeat the whole output so far (their bytes grow with the square of its length).
+ * A total that went back is kept too: a reader of the stream would call it a protocol error. `found`: the total
+ * read in the whole piece, which is the event's where the piece is one event. */
+static int
+keep_counts(EventRelay *self, PyObject *now, PyObject *events, int64_t found)
+{
+    const char *buf = PyBytes_AS_STRING(events);
+    Py_ssize_t length = PyBytes_GET_SIZE(events);
+    for (Py_ssize_t start = 0; start < length;) {
+        Py_ssize_t end = next_event(buf, length, start);
+        int64_t count = start == 0 && end == length ? found : read_marks(buf + start, end - start, self->keys, 1);
+        start = end;
+        if (count < 0 || count == self->kept)
+            continue;
+        PyObject *total = PyLong_FromLongLong(count);
+        int failed = total == NULL || keep(self->pieces, now, total) < 0;
+        Py_XDECREF(total);
+        if (failed)
+            return -1;
+        self->kept = count;
+    }
     return 0;
 }
 
@@ -146,18 +193,15 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
         if (end)
             self->last_chunk_written = self->closed = 1; /* the client's body is over: nothing more goes out */
     }
-    int failed = relay_meter(self, now, events);
+    int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
+    int failed = relay_meter(self, now, found);
     Py_SETREF(self->tail[0], self->tail[1]);
     self->tail[1] = events;
     if (failed)
         return -1;
-    if (self->pieces != Py_None && PyBytes_GET_SIZE(events) > 0) {
-        PyObject *piece = PyTuple_Pack(2, now, events);
-        failed = piece == NULL || PyList_Append(self->pieces, piece) < 0;
-        Py_XDECREF(piece);
-        if (failed)
-            return -1;
-    }
+    if (self->pieces != Py_None && PyBytes_GET_SIZE(events) > 0
+        && (self->cumulative ? keep_counts(self, now, events, found) : keep(self->pieces, now, events)) < 0)
+        return -1;
     return check_held(self);
 }
 
@@ -244,6 +288,7 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
     self->chunked = chunked;
     self->cumulative = cumulative;
     self->tokens = cumulative ? -1 : 0;
+    self->kept = 0;
     self->first = -1.0;
     self->previous = 0.0;
     self->closed = 0;
@@ -393,7 +438,8 @@ static PyGetSetDef EventRelay_getset[] = {
      "The last piece of whole events that had members cut (strip), as it came; empty if none.", NULL},
     {"pieces", (getter)EventRelay_get_pieces, NULL,
      "keep_pieces: every piece of whole events relayed (as the client got them, none empty), with the clock reading "
-     "of its arrival, as a list of (now, events), by reference: what a client would have read; else None.",
+     "of its arrival, as a list of (now, events), by reference: what a client would have read; cumulative, "
+     "(now, running total) for each event whose total changed (from 0), not its bytes; else None.",
      NULL},
     {"last_chunk_written", (getter)EventRelay_get_last_chunk_written, NULL,
      "The client's chunked body was ended (its last chunk written) with the upstream body's last events.", NULL},
@@ -415,7 +461,7 @@ PyTypeObject EventRelayType = {
               "keep_pieces=False): relays a server-sent-event body to a client whole events at a time, less the "
               "members whose key is strip (an event left with an empty object goes whole), and meters the gaps "
               "between the pieces that carried tokens; with keep_pieces, it also keeps each piece relayed with its "
-              "arrival time (pieces).",
+              "arrival time, or, cumulative, each changed running total (pieces).",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = EventRelay_new,

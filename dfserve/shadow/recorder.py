@@ -34,7 +34,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.shadow.policy import ShadowPolicy
-from dfserve.shadow.records import shadow_record
+from dfserve.shadow.records import rebased, shadow_record
 from dfserve.verdict.design import SequentialDesign
 
 log = logging.getLogger("dfserve.gateway")
@@ -129,7 +129,7 @@ class ShadowRecorder:
         """Told of each record written, with its folder and the folder's primary (`shadow.monitor`)."""
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
-        self._held: OrderedDict[int, Exchanged] = OrderedDict()
+        self._held: OrderedDict[int, tuple[RequestRecord, float]] = OrderedDict()
         self._mirrored: OrderedDict[int, None] = OrderedDict()
 
     def _open(self, primary: str) -> _Folder | None:
@@ -147,28 +147,35 @@ class ShadowRecorder:
             return  # not mirrored (pinned to an arm, mirroring stopped, or its mirrors' arms down): no pair
         if not exchanged.mirror and folder is not None and exchanged.outcome.arm != folder.config.primary:
             self._rotate(exchanged.outcome.arm)  # the routing changed: a folder has one baseline
+        folder = self._folder
+        if folder is None:
+            return  # recording has stopped
+        # the record, not the exchange, waits for its pair: a native stream's answer is its whole output
+        made = shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s
         if not exchanged.mirror:
             if rid in self._mirrored:
-                self._write(exchanged)
+                self._write(*made)
             else:
-                self._held[rid] = exchanged
+                self._held[rid] = made
                 while len(self._held) > self.policy.max_pending:
                     self._held.popitem(last=False)
             return
         primary = self._held.pop(rid, None)
         if primary is not None:
-            self._write(primary)
+            self._write(*primary)
         else:
             self._mirrored[rid] = None
             while len(self._mirrored) > self.policy.max_pending:
                 self._mirrored.popitem(last=False)
-        self._write(exchanged)
+        self._write(*made)
 
-    def _write(self, exchanged: Exchanged) -> None:
+    def _write(self, record: RequestRecord, t0_perf_s: float) -> None:
+        """`record`, its times from `t0_perf_s`, into the open folder (from its time zero, if another opened since)."""
         folder = self._folder
         if folder is None:
             return
-        record = shadow_record(exchanged, folder.t0_perf_s)
+        if t0_perf_s != folder.t0_perf_s:
+            record = rebased(record, folder.t0_perf_s - t0_perf_s)
         folder.write(record)
         if self.on_record is not None:
             self.on_record(record, folder.path, folder.config.primary)

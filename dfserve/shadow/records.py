@@ -8,8 +8,11 @@ gateway's `perf_counter` clock. Acceptance is kept only where SGLang reported it
 A recorded stream comes with the pieces its client read, each dated by its arrival (`Exchanged.pieces`: the
 relay keeps them for requests the gateway records, decided at dispatch), and they are read here, on the observer's
 thread, by the load tester's own reader (`loadtest.client.read_stream`): the chunk times (so TPOT and ITL) and the
-output text hashed are what a load tester reading that stream would record. A whole body's output is read from
-the body; it has no chunk times.
+output text hashed are what a load tester reading that stream would record. A native stream's events repeat the
+whole output so far, so their bytes grow with the square of its length: for it the relay keeps only each event's
+changed `completion_tokens` with its arrival, which give the same chunk times and tokens, and the output and how
+the stream ended are read from its last events (`answer`). A whole body's output is read from the body; it has no
+chunk times.
 """
 
 from __future__ import annotations
@@ -90,6 +93,22 @@ def recorded_stream(route: str, pieces: Sequence[tuple[float, bytes]], t0_perf_s
     return read_stream(cast(sglang.Api, route), pieces, t0_perf_s)  # only proxied routes' streams are recorded
 
 
+def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t0_perf_s: float) -> StreamRead:
+    """A recorded native stream as the load tester would read it: a chunk per change of the running total (with the
+    arrival of its piece, in seconds from `t0_perf_s`), and a total that went back a protocol error, as the tester
+    has them; the output text, and how the stream ended, from its last events."""
+    end = read_stream("native", [(t0_perf_s, answer)], t0_perf_s)
+    stream = StreamRead(texts=end.texts, failure=end.failure)
+    for now, total in totals:
+        if total < stream.completion_tokens:
+            stream.failure = ("protocol", f"completion_tokens went backwards: {stream.completion_tokens} -> {total}")
+            break
+        stream.chunk_times.append(now - t0_perf_s)
+        stream.chunk_tokens.append(total - stream.completion_tokens)
+        stream.completion_tokens = total
+    return stream
+
+
 def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     """The record of one arm's answer to one request."""
     o = exchanged.outcome
@@ -98,7 +117,11 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     exact = o.measure == "exact" and o.verify_rounds is not None
     text, chunk_times, chunk_tokens = None, [], None
     if exchanged.pieces is not None:
-        stream = recorded_stream(o.route, exchanged.pieces, t0_perf_s)
+        if o.route == "native":
+            stream = recorded_native_stream(cast(Sequence[tuple[float, int]], exchanged.pieces), exchanged.answer,
+                                            t0_perf_s)
+        else:
+            stream = recorded_stream(o.route, cast(Sequence[tuple[float, bytes]], exchanged.pieces), t0_perf_s)
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
         if kind is None and stream.failure is None:
             text = stream.text
@@ -115,3 +138,14 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         http_status=o.status or None, error_kind=kind, error_message=o.error if kind is not None else None,
         temperature=request_temperature(o.route, exchanged.body),
     )
+
+
+def rebased(record: RequestRecord, later_s: float) -> RequestRecord:
+    """`record` with its times from a time zero `later_s` later (a folder opened while it waited for its pair)."""
+    def moved(at_s: float | None) -> float | None:
+        return at_s - later_s if at_s is not None else None
+
+    return record.model_copy(update={
+        "scheduled_s": moved(record.scheduled_s), "dispatched_s": record.dispatched_s - later_s,
+        "sent_s": moved(record.sent_s), "first_token_s": moved(record.first_token_s), "end_s": moved(record.end_s),
+        "chunk_times_s": [at_s - later_s for at_s in record.chunk_times_s]})

@@ -539,4 +539,28 @@ def test_pieces_are_kept_only_when_asked_and_a_failed_read_keeps_none(impl: Rela
         relay.received("noon", native(2))  # type: ignore[arg-type]
     with pytest.raises(impl.EventTooLarge):
         relay.received(3.0, b"data: " + b"x" * 20)
-    assert relay.pieces == [(1.0, native(1))]
+    assert relay.pieces == [(1.0, 1)]
+
+
+def test_a_recorded_native_stream_keeps_each_events_running_total_not_its_bytes(impl: Relay) -> None:
+    """Native events repeat the whole output so far: a recorded one keeps (arrival, running total) for each event
+    whose total changed, also several in one piece (each with that piece's arrival) and one whose end came in a
+    later read; a piece with no total (a comment, `[DONE]`), or the same total again, keeps nothing; a total that
+    went back is kept, for the reader to call it the protocol error it is."""
+    marks = sglang.NATIVE_TOKENS
+    written: list[bytes] = []
+    relay = impl.EventRelay(written.append, False, marks.keys, marks.cumulative, (), None, None, True)
+    relay.received(1.0, native(0))
+    relay.received(2.0, native(2) + native(3) + native(3) + native(5).replace(b"\n\n", b"\r\n\r\n"))
+    relay.received(3.0, b": keep-alive\n\n")
+    relay.received(4.0, native(5))
+    relay.received(5.0, native(7)[:20])
+    relay.received(6.0, native(7)[20:] + native(4))
+    relay.received(7.0, DONE, True)
+    assert relay.pieces == [(2.0, 2), (2.0, 3), (2.0, 5), (6.0, 7), (6.0, 4)]
+    assert len(written) == 6 and b"".join(written).count(b"completion_tokens") == 8  # relayed as without a record
+    dechunked = impl.EventRelay(None, True, marks.keys, marks.cumulative, (), None, None, True)
+    dechunker = impl.Dechunker(dechunked, lambda: 0.0)
+    body = native(1) + native(2) + DONE
+    dechunker.feed(8.0, b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+    assert dechunked.pieces == [(8.0, 1), (8.0, 2)]

@@ -2,7 +2,8 @@
 pieces, the same bytes written to the client, the same counts, gaps and errors (type and message), read after read,
 also on chunked framing that was broken on purpose (bytes flipped, inserted, deleted), on events longer than the
 relay's cap, with spec details cut out of events (whole, beside other fields, malformed, or quoted in text), and
-with the pieces kept for a record of the stream.
+with what is kept for a record of the stream (the pieces, or each event's changed running total where totals are
+cumulative: several events to a piece, totals that go back, events with none).
 
 `make test` runs this file twice: as part of the suite (a few hundred inputs per test, the same ones every run) and
 under AddressSanitizer and UBSan, with more inputs (`DFSERVE_FUZZ_EXAMPLES`), as a bounded fuzz of the C code.

@@ -3,8 +3,11 @@ verdict's refusals and losslessness on live traffic."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import re
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.client import Finished, Sent, derive
 from dfserve.loadtest.records import read_records, tpot_s
 from dfserve.metrics import Outcome
+from dfserve.relay_core import EventRelay
+from dfserve.sglang.server import NativeStreamEncoder, meta_info_body
 from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
@@ -128,13 +133,73 @@ def test_a_failed_or_unfinished_recorded_stream_has_chunk_times_but_no_hash() ->
 
 
 def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:
-    pieces = [(100.0 + n, b"data: " + _native("ab"[:n], n, n) + b"\n\n") for n in (1, 2)]
-    pieces.append((103.0, b"data: [DONE]\n\n"))
-    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=pieces[-2][1] + pieces[-1][1]),
-                       pieces=pieces)
+    last = b"data: " + _native("ab", 2, 2) + b"\n\n"
+    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=last + sglang.SSE_DONE),
+                       pieces=[(101.0, 1), (102.0, 2)])
     record = shadow_record(exchange, 100.0)
     assert (record.chunk_times_s, record.chunk_tokens) == ([1.0, 2.0], [1, 1])
     assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest()
+
+
+def native_stream(tokens: int) -> list[bytes]:
+    """A native `/generate` stream as SGLang writes it: the whole text and ids so far in every event, one to four
+    tokens an event (verify rounds), the finish, latency and spec fields on the last, then `[DONE]`."""
+    encoder, events, sent = NativeStreamEncoder(incremental=False), [], 0
+    while sent < tokens:
+        step = min(1 + len(events) % 4, tokens - sent)
+        sent += step
+        last = sent == tokens
+        meta = meta_info_body(rid="r", finish=sglang.FinishReason("length", length=tokens) if last else None,
+                              prompt_tokens=7, completion_tokens=sent, e2e_latency_s=1.5 if last else None,
+                              spec=sglang.SpecStats(verify_ct=len(events) + 1) if last else None)
+        events.append(encoder.event(' é"\\x' * step, range(sent - step, sent), meta))
+    return [*events, sglang.SSE_DONE]
+
+
+def relayed(events: list[bytes], t0: float) -> tuple[EventRelay, list[tuple[float, bytes]]]:
+    """The events through a recording relay, read by read (now two events in one read, now one cut across two):
+    the relay, and the pieces its client read, each with its arrival."""
+    reads, body, at = [], b"".join(events), 0
+    for n, event in enumerate(events):
+        end = at + len(event) + (len(events[n + 1]) if n % 5 == 1 and n + 1 < len(events) else 0)
+        reads += [body[at:end - 7], body[end - 7:end]] if n % 3 == 0 else [body[at:end]]
+        at = end
+        if at >= len(body):
+            break
+    client: list[tuple[float, bytes]] = []
+    marks, now = sglang.NATIVE_TOKENS, t0
+    relay = EventRelay(lambda data: client.append((now, data)), False, marks.keys, marks.cumulative, (), None, None,
+                       True)
+    for n, read in enumerate(reads):
+        now = t0 + 0.001 * (n + 1)
+        relay.received(now, read)
+    return relay, client
+
+
+@pytest.mark.parametrize("tampered", ["whole", "no [DONE]", "a total went back"])
+def test_a_recorded_native_stream_is_what_the_tester_would_read_without_keeping_its_events(tampered: str) -> None:
+    """A native stream's relay keeps each event's running total, not the events (which repeat the whole output):
+    its record has the chunk times, tokens and output hash that the load tester's reader gives for the pieces the
+    client read, also when the stream did not end (no hash) or a total went back (the tester stops there)."""
+    events = native_stream(2048)
+    if tampered == "no [DONE]":
+        events = events[:-1]
+    elif tampered == "a total went back":
+        events[300] = re.sub(rb'"completion_tokens":(\d+)', lambda m: b'"completion_tokens":%d' % (int(m[1]) - 60),
+                             events[300])
+    relay, client = relayed(events, 100.0)
+    assert relay.pieces is not None and all(isinstance(total, int) for _, total in relay.pieces)
+    exchange = replace(exchanged(3, "zlab", False, streamed=True, answer=relay.tail), pieces=relay.pieces)
+    record = shadow_record(exchange, 100.0)
+    sent = Sent("zlab", record.task_id, 3, False, None, 3.0, 3.0, 103.0)
+    tester = derive("native", 100.0, Finished(sent, 200, client, None))
+    assert (record.chunk_times_s, record.chunk_tokens) == (tester.chunk_times_s, tester.chunk_tokens)
+    assert record.output_sha256 == tester.output_sha256
+    if tampered == "whole":
+        assert record.output_sha256 == hashlib.sha256((' é"\\x' * 2048).encode()).hexdigest()
+        assert sum(record.chunk_tokens or ()) == 2048 and len(record.chunk_times_s) == 820
+    else:
+        assert record.output_sha256 is None and len(record.chunk_times_s) == (820 if tampered == "no [DONE]" else 300)
 
 
 def test_compare_judges_tpot_on_recorded_streams(tmp_path: Path) -> None:
@@ -167,6 +232,43 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     recorder.close()
     assert len(_folders(tmp_path)) == 2
     assert len(list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))) == 4
+
+
+class Totals(list[tuple[float, int]]):
+    """What a relay kept, which a weak reference can follow."""
+
+
+def test_a_pending_primary_is_held_as_its_record_not_its_exchange(tmp_path: Path) -> None:
+    """What waits for a mirror is the primary's record: its exchange (a native stream's whole output, an OpenAI
+    stream's pieces) is let go as soon as it is observed; the record, written beside its mirror's once that comes,
+    has the stream's chunks."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path), "zlab")
+    totals = Totals([(101.001, 1), (101.002, 3)])
+    kept = weakref.ref(totals)
+    recorder.observe(replace(exchanged(1, "zlab", False, streamed=True), pieces=totals))
+    del totals
+    gc.collect()
+    assert kept() is None
+    recorder.observe(exchanged(1, "inhouse", True))
+    recorder.close()
+    primary, mirror = read_records(_folders(tmp_path)[0] / "requests.jsonl")
+    assert (primary.arm, primary.chunk_tokens, mirror.arm) == ("zlab", [1, 2], "inhouse")
+
+
+def test_a_primary_paired_after_a_rotation_is_timed_from_its_new_folders_time_zero(tmp_path: Path) -> None:
+    """A primary held while its folder filled is written with its mirror into the next folder, its times moved to
+    that folder's time zero: the pair's shared start is one time there."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=2), "zlab")
+    recorder.observe(replace(exchanged(1, "zlab", False, streamed=True), pieces=[(101.005, 2)]))
+    recorder.observe(exchanged(2, "zlab", False))
+    recorder.observe(exchanged(2, "inhouse", True))  # the second record: the folder is closed, the next opened
+    recorder.observe(replace(exchanged(1, "inhouse", True, streamed=True), pieces=[(101.007, 2)]))
+    recorder.close()
+    second = list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))
+    assert [(r.index, r.arm) for r in second] == [(1, "zlab"), (1, "inhouse")]
+    primary, mirror = second
+    assert primary.dispatched_s == pytest.approx(mirror.dispatched_s, abs=1e-9)
+    assert primary.chunk_times_s[0] == pytest.approx(mirror.chunk_times_s[0] - 0.002, abs=1e-9)
 
 
 ENGINES = {"zlab": "http://engine-a", "inhouse": "http://engine-b", "zlab2": "http://engine-c"}
