@@ -191,8 +191,8 @@ def test_a_recorded_native_stream_is_what_the_tester_would_read_without_keeping_
     assert relay.pieces is not None and all(isinstance(total, int) for _, total in relay.pieces)
     exchange = replace(exchanged(3, "zlab", False, streamed=True, answer=relay.tail), pieces=relay.pieces)
     record = shadow_record(exchange, 100.0)
-    sent = Sent("zlab", record.task_id, 3, False, None, 3.0, 3.0, 103.0)
-    tester = derive("native", 100.0, Finished(sent, 200, client, None))
+    sent = Sent("zlab", record.task_id, 3, False, None, 3.0, 3.0, 103.0, "native")
+    tester = derive(100.0, Finished(sent, 200, client, None))
     assert (record.chunk_times_s, record.chunk_tokens) == (tester.chunk_times_s, tester.chunk_tokens)
     assert record.output_sha256 == tester.output_sha256
     if tampered == "whole":
