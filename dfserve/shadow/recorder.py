@@ -92,14 +92,22 @@ class _Folder:
         self.appender = JsonlAppender(self.path / "requests.jsonl")
         self.records: list[RequestRecord] = []
         self.bytes = 0
+        self.pending: list[str] = []
 
     def write(self, record: RequestRecord) -> None:
+        """Held until `flush`: a batch of records is one write."""
         line = record.model_dump_json() + "\n"
-        self.appender.write_lines((line,))
+        self.pending.append(line)
         self.records.append(record)
         self.bytes += len(line)
 
+    def flush(self) -> None:
+        if self.pending:
+            lines, self.pending = self.pending, []
+            self.appender.write_lines(lines)
+
     def close(self) -> None:
+        self.flush()
         self.appender.close()
         arms = dict.fromkeys(r.arm for r in self.records)
         summary = Summary(run_id=self.config.run_id, interrupted=False,
@@ -108,7 +116,7 @@ class _Folder:
 
 
 class ShadowRecorder:
-    """A gateway observer (`observe`, `close`) writing shadow record folders under `policy.dir`."""
+    """A gateway observer (`observe`, `flush`, `close`) writing shadow record folders under `policy.dir`."""
 
     def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None) -> None:
         """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened."""
@@ -161,6 +169,11 @@ class ShadowRecorder:
         if self._folder is not None:
             self._folder.close()
             self._folder = self._open(primary)
+
+    def flush(self) -> None:
+        """Write the records of the batch just observed (the gateway's observer thread calls it after each)."""
+        if self._folder is not None:
+            self._folder.flush()
 
     def close(self) -> None:
         if self._folder is not None:

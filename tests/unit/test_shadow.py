@@ -109,6 +109,7 @@ def _recording(tmp_path: Path, exchanges: list[Exchanged], secondary: str | None
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary=secondary), "zlab", ENGINES)
     for e in exchanges:
         recorder.observe(e)
+    recorder.flush()  # as the gateway's observer thread does after each batch
     return recorder
 
 
