@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
-from dfserve.gateway.observers import Exchanged
+from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
-from dfserve.metrics import Outcome
+from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
@@ -89,6 +90,21 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     recorder.close()
     assert len(_folders(tmp_path)) == 2
     assert len(list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))) == 4
+
+
+def test_records_written_in_batches_are_each_on_disk_once_in_order_and_rotation_flushes(tmp_path: Path) -> None:
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=6), "zlab")
+    seam = Observers(ObserverMetrics.build(CollectorRegistry()))
+    seam.add("shadow", recorder)
+    for rid in range(10):
+        seam.finished(exchanged(rid, "zlab", False))
+        seam.finished(exchanged(rid, "inhouse", True))
+    seam.close()  # the gateway's stop: every batch flushed, the last folder closed
+    folders = _folders(tmp_path)
+    written = [(r.index, r.arm) for folder in folders for r in read_records(folder / "requests.jsonl")]
+    assert written == [(rid, arm) for rid in range(10) for arm in ("zlab", "inhouse")]
+    assert [len((f / "requests.jsonl").read_text().splitlines()) for f in folders] == [6, 6, 6, 2]
+    assert all((f / "summary.json").exists() for f in folders)
 
 
 ENGINES = {"zlab": "http://engine-a", "inhouse": "http://engine-b", "zlab2": "http://engine-c"}
