@@ -111,6 +111,18 @@ def test_records_hold_route_body_arrival_settings_and_headers(tmp_path: Path) ->
         True, 2, 1, 1)
 
 
+def test_a_line_is_byte_for_byte_the_records_own_json() -> None:
+    fields = {"seq": 7, "route": "chat", "path": "/v1/chat/completions", "arrival_unix_s": 1.7e9 + 0.123456,
+              "offset_s": 1e-7, "sampling": {"temperature": 0.7, "stop": ["\n"]},
+              "headers": (("x-team", "infra é"),), "redaction": "hash", "redacted": ("messages[].content",),
+              "body": json.loads('{"messages": [{"role": "user", "content": "h\\u00e9 \\u2028"}], "n": 1e999, '
+                                 '"big": 123456789012345678901234567890, "none": null, "nan": NaN}'),
+              "replayable": False}
+    line = writer_module.record_line(**fields)
+    assert line == (CaptureRecord(**fields).model_dump_json() + "\n").encode()  # type: ignore[arg-type]
+    assert CaptureRecord.model_validate_json(line).redacted == ("messages[].content",)
+
+
 def test_files_are_0600_and_the_folder_0700_whatever_the_umask(tmp_path: Path) -> None:
     previous = os.umask(0o277)  # would leave new files read-only to their owner
     try:
