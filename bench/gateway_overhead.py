@@ -375,7 +375,8 @@ def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
           f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
           f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | "
-          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s", flush=True)
+          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_request:5.1f} chunks/request | "
+          f"{row.chunks_per_s:7.0f}/s", flush=True)
     return row
 
 
