@@ -45,7 +45,6 @@ from dfserve.capture.format import (
 )
 from dfserve.capture.redact import kept_headers, redact, sampling_of
 from dfserve.errors import FieldError
-from dfserve.gateway.observers import BATCH_LINGER_S
 from dfserve.sglang import ROUTES, Api
 
 log = logging.getLogger("dfserve.capture")
@@ -235,7 +234,6 @@ class CaptureWriter:
             self._flush()
             if captured is None:
                 break
-            time.sleep(BATCH_LINGER_S)
         if self._segment is not None:
             try:
                 self._close_segment()

@@ -6,9 +6,8 @@ refuses before it picks an arm (invalid JSON, an unknown route, an oversize body
 first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
 it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records) runs on a thread of
 its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an observer's work never
-runs on the hot path. The thread takes what is queued in batches (`BATCH_LINGER_S` apart), so that under load it
-wakes, and contends for the GIL with the loop, once per batch rather than once per exchange; an observer with a
-`flush` method has it called after each batch, to write a batch at once. An exchange that finds the queue full is dropped for that observer, and an observer that
+runs on the hot path. The thread takes, each time it wakes, everything queued by then: a batch, and an observer with
+a `flush` method has it called after each batch, to write a batch at once. An exchange that finds the queue full is dropped for that observer, and an observer that
 raises loses that exchange: both are counted (`dfserve_gateway_observer_failures_total{observer, reason}`, reason
 `behind` or `failed`) and logged once per observer and reason; neither ever fails or slows a client's request.
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -142,9 +140,6 @@ class _Faults:
 
 
 _STOP = object()
-BATCH_LINGER_S = 0.02
-"""How long an observer's thread lets exchanges gather after a batch: bounds its wake-ups to 50 a second, and how
-late an exchange is observed."""
 
 
 class _Lane:
@@ -183,7 +178,6 @@ class _Lane:
                     self.faults("failed", exc)
             if item is _STOP:
                 break
-            time.sleep(BATCH_LINGER_S)
         try:
             observer.close()
         except Exception as exc:
