@@ -325,6 +325,11 @@ class Row:
     """Each run's own, in run order: run i of every path was measured in the same round, one path after another."""
 
 
+def before_dfserve(folder: Path) -> list[str]:
+    """The command line of `dfserve` imported from `folder` (`--before`)."""
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(folder)!r}); from dfserve.cli import main; main()"]
+
+
 def measure(api: str, targets: Sequence[tuple[str, dict[str, str], int | None]], concurrency: int,
             args: argparse.Namespace) -> list[Sample]:
     """One run through each of `targets` (URL, headers, the proxy's process group) at once; CPU per target."""
@@ -370,7 +375,8 @@ def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
           f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
           f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | "
-          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_s:7.0f}/s", flush=True)
+          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us | {row.chunks_per_request:5.1f} chunks/request | "
+          f"{row.chunks_per_s:7.0f}/s", flush=True)
     return row
 
 
@@ -607,7 +613,8 @@ def main() -> None:
                         help="Also split each proxy's CPU into a cost per request and a cost per chunk.")
     parser.add_argument("--before", type=Path, default=None,
                         help="Also measure `dfserve gateway` imported from this folder (an export of an earlier "
-                             "commit's dfserve/, its extension built in place) as the path gateway-before.")
+                             "commit's dfserve/, its extension built in place): the path gateway-before beside "
+                             "gateway, and gateway-recorded-before beside gateway-recorded.")
     parser.add_argument("--before-label", default="an earlier commit", help="What --before holds, for RESULTS.md.")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="Let the OS place every process (default: client and sim on CPU 0, the proxy on the rest).")
@@ -616,7 +623,12 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # start-up objects are never scanned again
     proxy_cpus = pin_processes() if args.pin else None
-    paths = list(dict.fromkeys(args.paths.split(",") + (["gateway-before"] if args.before else [])))
+    paths = args.paths.split(",")
+    if args.before:
+        befores = [f"{path}-before" for path in ("gateway", "gateway-recorded") if path in paths]
+        if not befores:
+            parser.error("--before: measures gateway or gateway-recorded as it was; name one in --paths")
+        paths = list(dict.fromkeys(paths + befores))
     levels = [int(c) for c in args.concurrency.split(",")]
     peer_python = ensure_peers() if {"sglang-router", "litellm"} & set(paths) else None
     logs = Path(tempfile.mkdtemp(prefix="dfserve-bench-"))
@@ -634,23 +646,24 @@ def main() -> None:
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway.log",
                                                cpus=proxy_cpus))
             endpoints["gateway"] = (f"http://{LOOPBACK}:{port}", {}, pgid)
-        for path in ("gateway-shadow", "gateway-recorded"):
+        for path in ("gateway-shadow", "gateway-recorded", "gateway-recorded-before"):
             if path in paths:
                 # shadow mode mirroring every request to a second arm on the same engine; -recorded adds the
                 # observers that write (capture and shadow records), so the two differ only by them
                 port = free_port()
-                argv = [str(ROOT / ".venv" / "bin" / "dfserve"), "gateway", "--host", LOOPBACK, "--port", str(port),
+                dfserve = (before_dfserve(args.before) if path.endswith("-before")
+                           else [str(ROOT / ".venv" / "bin" / "dfserve")])
+                argv = [*dfserve, "gateway", "--host", LOOPBACK, "--port", str(port),
                         "--mode", "shadow", "--primary", "a", "--arm", f"a=1@{sim_url}", "--arm", f"b=1@{sim_url}",
                         "--scrape-interval", "15"]
-                if path == "gateway-recorded":
-                    argv += ["--record", str(logs / "shadow"), "--capture", str(logs / "capture")]
+                if path.startswith("gateway-recorded"):
+                    argv += ["--record", str(logs / path / "shadow"), "--capture", str(logs / path / "capture")]
                 pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / f"{path}.log",
                                                    cpus=proxy_cpus))
                 endpoints[path] = (f"http://{LOOPBACK}:{port}", {}, pgid)
-        if args.before:
+        if "gateway-before" in paths:
             port = free_port()
-            imported_from = f"import sys; sys.path.insert(0, {str(args.before)!r}); from dfserve.cli import main; main()"
-            argv = [sys.executable, "-c", imported_from, "gateway", "--host", LOOPBACK, "--port", str(port),
+            argv = [*before_dfserve(args.before), "gateway", "--host", LOOPBACK, "--port", str(port),
                     "--arm", f"a=1@{sim_url}", "--scrape-interval", "15"]
             pgid = stack.enter_context(process(argv, f"http://{LOOPBACK}:{port}/health", logs / "gateway-before.log",
                                                cpus=proxy_cpus))
@@ -713,7 +726,8 @@ def main() -> None:
         versions = (f"dfserve at commit {commit.stdout.strip() or 'unknown'}; peers " + ", ".join(PEER_PINS)
                     + f"; Python {platform.python_version()}.")
         if args.before:
-            versions += f" gateway-before: `dfserve gateway` from {args.before_label}, measured in the same runs."
+            versions += (f" {', '.join(p for p in paths if p.endswith('-before'))}: `dfserve gateway` from "
+                         f"{args.before_label}, measured in the same runs.")
         write_results(rows, "flock /tmp/dfserve-bench.lock .venv/bin/python bench/gateway_overhead.py "
                       + " ".join(sys.argv[1:]), versions, proxy_cpus is not None, args.repeats, costs)
 

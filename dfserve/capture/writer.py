@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic_core import to_json
+
 from dfserve.capture.format import (
     MANIFEST,
     CaptureCounts,
@@ -63,6 +65,16 @@ class Captured:
     """`time.perf_counter()` at arrival: the replay's offsets come from this clock, not the wall clock."""
 
 
+_RECORD_FIELDS = tuple(CaptureRecord.model_fields.items())
+
+
+def record_line(**fields: Any) -> bytes:
+    """A `CaptureRecord` line, byte for byte as `model_dump_json` writes it, of fields the writer built itself:
+    not validated again (that costs twice the writing; the reader validates every line)."""
+    return to_json({name: fields[name] if name in fields else field.get_default()
+                    for name, field in _RECORD_FIELDS}, inf_nan_mode="null") + b"\n"  # as the model writes them
+
+
 def create_private(path: Path) -> int:
     """A new file open for writing, mode 0600 whatever the umask; an existing file is an error."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
@@ -81,24 +93,53 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class _Segment:
+    """An open segment: lines are appended to `pending` and written, each batch at once, by `flush`; the file, its
+    sha256 and `written` only ever hold whole lines."""
+
     def __init__(self, directory: Path, number: int) -> None:
         self.name = segment_name(number)
         self.path = directory / self.name
         self.fd = create_private(self.path)
         self.records = 0
         self.bytes = 0
+        """Lines and bytes appended, pending ones included (what the segment's bound counts)."""
+        self.written = 0
+        """Bytes on disk, whole lines."""
+        self.pending: list[bytes] = []
         self.digest = hashlib.sha256()
 
     def append(self, line: bytes) -> None:
-        _write_all(self.fd, line)
+        self.pending.append(line)
         self.records += 1
         self.bytes += len(line)
-        self.digest.update(line)
+
+    def flush(self) -> None:
+        """Write the pending lines; on an OSError the file may hold part of them (`cut_back` removes it)."""
+        if self.pending:
+            data = b"".join(self.pending)
+            _write_all(self.fd, data)
+            self.digest.update(data)
+            self.written += len(data)
+            self.pending.clear()
+
+    def cut_back(self) -> None:
+        """After a failed write: the file back to its whole lines, the next write after them."""
+        os.ftruncate(self.fd, self.written)
+        os.lseek(self.fd, self.written, os.SEEK_SET)
+
+    def drop_pending(self) -> int:
+        """Forget the lines not written; how many they were."""
+        lost = len(self.pending)
+        self.records -= lost
+        self.bytes = self.written
+        self.pending.clear()
+        return lost
 
     def close(self) -> SegmentInfo:
+        assert not self.pending, "flush before close"
         os.fsync(self.fd)
         os.close(self.fd)
-        return SegmentInfo(name=self.name, records=self.records, bytes=self.bytes, sha256=self.digest.hexdigest())
+        return SegmentInfo(name=self.name, records=self.records, bytes=self.written, sha256=self.digest.hexdigest())
 
     def discard(self) -> None:
         with contextlib.suppress(OSError):
@@ -182,23 +223,46 @@ class CaptureWriter:
             log.warning(message)
 
     def _run(self) -> None:
-        while (captured := self._queue.get()) is not None:
-            if self._stopped is not None:
-                self._counts[self._stop_kind] += 1
-                continue
-            try:
-                line = self._line(captured)
-            except (ValueError, TypeError) as exc:  # a body pydantic cannot write back out: this request only
-                self._counts["unreadable"] += 1
-                self._log_once("unreadable", f"capture {self.policy.dir}: a request could not be recorded ({exc})")
-                continue
-            if line is not None:
-                self._append(line)
+        while True:
+            captured = self._queue.get()
+            while captured is not None:  # taken one at a time: the queue's bound stays what is held in memory
+                self._take(captured)
+                try:
+                    captured = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._flush()
+            if captured is None:
+                break
         if self._segment is not None:
             try:
                 self._close_segment()
             except OSError as exc:
+                self._salvage()
                 self._stop("dropped_write_error", f"cannot close a segment: {exc.strerror or exc}")
+
+    def _take(self, captured: Captured) -> None:
+        if self._stopped is not None:
+            self._counts[self._stop_kind] += 1
+            return
+        try:
+            line = self._line(captured)
+        except (ValueError, TypeError) as exc:  # a body pydantic cannot write back out: this request only
+            self._counts["unreadable"] += 1
+            self._log_once("unreadable", f"capture {self.policy.dir}: a request could not be recorded ({exc})")
+            return
+        if line is not None:
+            self._append(line)
+
+    def _flush(self) -> None:
+        """Write the batch's lines to the open segment, in one write."""
+        if self._segment is None:
+            return
+        try:
+            self._segment.flush()
+        except OSError as exc:
+            self._salvage()
+            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
 
     def _line(self, captured: Captured) -> bytes | None:
         route = ROUTE_OF.get(captured.path)
@@ -213,13 +277,12 @@ class CaptureWriter:
             self._counts["unreadable"] += 1
             return None
         kept, redacted, replayable = redact(route, body, self.policy)
-        record = CaptureRecord(
+        return record_line(
             seq=self._seq, route=route, path=captured.path, arrival_unix_s=captured.arrival_unix_s,
             offset_s=max(0.0, captured.arrival_perf_s - self._t0), sampling=sampling_of(route, body),
             headers=kept_headers(captured.headers, self.policy.drop_headers), body=kept,
             redaction=self.policy.redact, redacted=redacted,
             replayable=replayable)
-        return (record.model_dump_json() + "\n").encode()
 
     def _append(self, line: bytes) -> None:
         limit = self.policy.segment_bytes
@@ -248,13 +311,21 @@ class CaptureWriter:
             self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
 
     def _salvage(self) -> None:
-        """After a failed write, keep the open segment's whole lines (cut back to the last one) as a closed
-        segment; where even that fails, remove it and count its records as dropped."""
+        """After a failed write, keep the open segment's whole lines (cut back to the last one written, then the
+        pending ones written once more, or dropped and counted if they fail again) as a closed segment; where even
+        that fails, remove it and count its records as dropped."""
         segment = self._segment
         if segment is None:
             return
         try:
-            os.ftruncate(segment.fd, segment.bytes)
+            segment.cut_back()
+            try:
+                segment.flush()
+            except OSError:
+                segment.cut_back()
+                lost = segment.drop_pending()
+                self._counts["written"] -= lost
+                self._counts["dropped_write_error"] += lost
             self._close_segment()
         except OSError:
             self._segment = None
@@ -264,6 +335,7 @@ class CaptureWriter:
 
     def _close_segment(self) -> None:
         assert self._segment is not None
+        self._segment.flush()
         segment, self._segment = self._segment, None
         self._segments.append(segment.close())
 

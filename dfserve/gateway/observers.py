@@ -6,7 +6,8 @@ refuses before it picks an arm (invalid JSON, an unknown route, an oversize body
 first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
 it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records) runs on a thread of
 its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an observer's work never
-runs on the hot path. An exchange that finds the queue full is dropped for that observer, and an observer that
+runs on the hot path. The thread takes, each time it wakes, everything queued by then: a batch, and an observer with
+a `flush` method has it called after each batch, to write a batch at once. An exchange that finds the queue full is dropped for that observer, and an observer that
 raises loses that exchange: both are counted (`dfserve_gateway_observer_failures_total{observer, reason}`, reason
 `behind` or `failed`) and logged once per observer and reason; neither ever fails or slows a client's request.
 
@@ -26,7 +27,7 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import Counter
 
@@ -78,6 +79,14 @@ class Observer(Protocol):
 
     def close(self) -> None:
         """The gateway is stopping: every exchange has been observed; flush and let go."""
+
+
+@runtime_checkable
+class Flushing(Protocol):
+    """An observer that holds what it observed until `flush`, called after each batch of exchanges."""
+
+    def flush(self) -> None:
+        """Write what the batch's exchanges left pending; what it raises is counted and logged."""
 
 
 ObserverKind = Callable[[Mapping[str, Any]], Observer]
@@ -158,12 +167,25 @@ class _Lane:
             self.faults("behind", None)
 
     def _drain(self) -> None:
-        observer = self.observer
-        while (item := self.queue.get()) is not _STOP:
-            try:
-                observer.observe(item)  # type: ignore[arg-type]  # everything else put is an Exchanged
-            except Exception as exc:
-                self.faults("failed", exc)
+        observer, flush = self.observer, self.observer.flush if isinstance(self.observer, Flushing) else None
+        while True:
+            item = self.queue.get()
+            while item is not _STOP:  # taken one at a time: the queue's bound stays what the loop may hold
+                try:
+                    observer.observe(item)  # type: ignore[arg-type]  # everything else put is an Exchanged
+                except Exception as exc:
+                    self.faults("failed", exc)
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            if flush is not None:
+                try:
+                    flush()
+                except Exception as exc:
+                    self.faults("failed", exc)
+            if item is _STOP:
+                break
         try:
             observer.close()
         except Exception as exc:

@@ -220,5 +220,8 @@ class DecidingRecorder:
                     "the primary, and a restart starts a new decision; record folder complete: %s",
                     look.verdict, look.number, look.pairs, rules, decision.folder)
 
+    def flush(self) -> None:
+        self.recorder.flush()
+
     def close(self) -> None:
         self.recorder.close()

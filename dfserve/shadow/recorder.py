@@ -4,8 +4,10 @@ load tester's format (config.json, requests.jsonl of `RequestRecord`s, summary.j
 A folder holds up to `records_per_folder` records or `folder_bytes` of them; then it is closed (its summary
 written: complete, and judgeable by `dfserve compare` while recording goes on) and the next one is opened. At most
 `max_folders` are written: then recording stops, logged once, rather than deleting a folder a verdict may be
-reading. Records land in the folder open when their exchange finished, so a request in flight across a rotation
-has its arms in two folders and pairs in neither.
+reading. Records land in the folder open when they are written (a primary's goes with its first mirror's), so a
+request whose mirror was written before a rotation and its primary after has its arms in two folders and pairs in
+neither. The records of a batch of exchanges (what the observer's thread took from its queue at once) are written
+in one write at `flush`.
 
 Only requests that were mirrored are recorded (a client's exchange names the arms it was mirrored to; one pinned
 to an arm by `x-dfserve-arm`, or sent after mirroring stopped, is no pair and does not rotate the folder): a
@@ -100,14 +102,22 @@ class _Folder:
         self.appender = JsonlAppender(self.path / "requests.jsonl")
         self.records: list[RequestRecord] = []
         self.bytes = 0
+        self.pending: list[str] = []
 
     def write(self, record: RequestRecord) -> None:
+        """Held until `flush`: a batch of records is one write."""
         line = record.model_dump_json() + "\n"
-        self.appender.write_lines((line,))
+        self.pending.append(line)
         self.records.append(record)
         self.bytes += len(line)
 
+    def flush(self) -> None:
+        if self.pending:
+            lines, self.pending = self.pending, []
+            self.appender.write_lines(lines)
+
     def close(self) -> None:
+        self.flush()
         self.appender.close()
         arms = dict.fromkeys(r.arm for r in self.records)
         summary = Summary(run_id=self.config.run_id, interrupted=False,
@@ -116,7 +126,7 @@ class _Folder:
 
 
 class ShadowRecorder:
-    """A gateway observer (`observe`, `close`) writing shadow record folders under `policy.dir`."""
+    """A gateway observer (`observe`, `flush`, `close`) writing shadow record folders under `policy.dir`."""
 
     def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None,
                  deciding: tuple[SequentialDesign, str] | None = None) -> None:
@@ -186,6 +196,11 @@ class ShadowRecorder:
         if self._folder is not None:
             self._folder.close()
             self._folder = self._open(primary)
+
+    def flush(self) -> None:
+        """Write the records of the batch just observed (the gateway's observer thread calls it after each)."""
+        if self._folder is not None:
+            self._folder.flush()
 
     def close(self) -> None:
         if self._folder is not None:

@@ -111,6 +111,18 @@ def test_records_hold_route_body_arrival_settings_and_headers(tmp_path: Path) ->
         True, 2, 1, 1)
 
 
+def test_a_line_is_byte_for_byte_the_records_own_json() -> None:
+    fields = {"seq": 7, "route": "chat", "path": "/v1/chat/completions", "arrival_unix_s": 1.7e9 + 0.123456,
+              "offset_s": 1e-7, "sampling": {"temperature": 0.7, "stop": ["\n"]},
+              "headers": (("x-team", "infra é"),), "redaction": "hash", "redacted": ("messages[].content",),
+              "body": json.loads('{"messages": [{"role": "user", "content": "h\\u00e9 \\u2028"}], "n": 1e999, '
+                                 '"big": 123456789012345678901234567890, "none": null, "nan": NaN}'),
+              "replayable": False}
+    line = writer_module.record_line(**fields)
+    assert line == (CaptureRecord(**fields).model_dump_json() + "\n").encode()  # type: ignore[arg-type]
+    assert CaptureRecord.model_validate_json(line).redacted == ("messages[].content",)
+
+
 def test_files_are_0600_and_the_folder_0700_whatever_the_umask(tmp_path: Path) -> None:
     previous = os.umask(0o277)  # would leave new files read-only to their owner
     try:
@@ -190,6 +202,54 @@ def test_a_failing_disk_never_raises_into_observe_and_is_logged_once(
     assert manifest.stopped is not None and "No space left" in manifest.stopped
     assert len(read_capture(tmp_path / "capture")[1]) == 2  # the lines before the failure are kept, whole
     assert len([r for r in caplog.records if "No space left" in r.getMessage()]) == 1
+
+
+def test_a_write_that_fails_mid_batch_leaves_whole_lines_and_a_true_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_flush, real_line, real_write = writer_module._Segment.flush, CaptureWriter._line, writer_module._write_all
+    flushed, queued, failing = threading.Event(), threading.Event(), threading.Event()
+
+    def noted_flush(segment: writer_module._Segment) -> None:
+        real_flush(segment)
+        flushed.set()
+
+    def held_line(self: CaptureWriter, item: Captured) -> bytes | None:
+        if failing.is_set():
+            queued.wait(10)  # the rest of the batch is queued before the first of it is written
+        return real_line(self, item)
+
+    def torn_write(fd: int, data: bytes) -> None:
+        if failing.is_set() and "segment-" in os.readlink(f"/proc/self/fd/{fd}"):
+            os.write(fd, data[: len(data) // 2 + 1])  # the batch's first lines whole, the next one torn
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+
+    monkeypatch.setattr(writer_module._Segment, "flush", noted_flush)
+    monkeypatch.setattr(CaptureWriter, "_line", held_line)
+    monkeypatch.setattr(writer_module, "_write_all", torn_write)
+    writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 0.0)
+    for i in range(2):
+        writer.observe(captured(NATIVE, at=i))
+    assert flushed.wait(10)  # the first batch is on disk
+    failing.set()
+    for i in range(2, 6):
+        writer.observe(captured({**NATIVE, "text": f"batch {i}"}, at=i))
+    queued.set()
+    manifest = writer.close()
+    assert (manifest.counts.written, manifest.counts.dropped_write_error) == (2, 4)
+    manifest_read, records = read_capture(tmp_path / "capture")  # checks each segment's size and sha256
+    assert [r.seq for r in records] == [0, 1] and manifest_read.segments[0].records == 2
+    assert (tmp_path / "capture" / manifest.segments[0].name).read_bytes().endswith(b"}\n")
+
+
+def test_every_request_of_a_batch_is_written_once_and_in_order(tmp_path: Path) -> None:
+    writer = CaptureWriter.open(policy(tmp_path, max_bytes=16 * 8192, max_segments=16), clock=lambda: 0.0)
+    for i in range(200):
+        writer.observe(captured({**NATIVE, "text": f"request {i}"}, at=i))
+    manifest = writer.close()
+    _, records = read_capture(tmp_path / "capture")
+    assert [r.body["text"] for r in records] == [f"request {i}" for i in range(200)]
+    assert [r.seq for r in records] == list(range(200)) and len(manifest.segments) > 1  # batches cross segments
 
 
 def test_a_full_queue_drops_without_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

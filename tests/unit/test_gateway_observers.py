@@ -120,6 +120,61 @@ def test_an_observer_that_falls_behind_loses_exchanges_and_never_holds_the_calle
     assert "observer slow" in message and "queue is full" in message
 
 
+class Batching:
+    """Holds what it observes until `flush`, as a recording observer does; the first exchange waits for `gate`."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+        self.pending: list[int] = []
+        self.flushed: list[list[int]] = []
+        self.closed_after: list[int] | None = None
+
+    def observe(self, exchanged: Exchanged) -> None:
+        self.gate.wait()
+        self.pending.append(exchanged.request_id)
+
+    def flush(self) -> None:
+        if not self.pending:
+            raise AssertionError("flushed without a batch")
+        self.flushed.append(self.pending)
+        self.pending = []
+
+    def close(self) -> None:
+        self.closed_after = list(self.pending)
+
+
+def test_a_batch_is_flushed_once_after_its_exchanges_each_once_and_in_order(registry: CollectorRegistry) -> None:
+    gate = threading.Event()
+    batching = Batching(gate)
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("batching", batching, queue_size=64)
+    for i in range(30):
+        seam.finished(exchanged(i))  # the thread holds the first; the rest queue up behind it
+    gate.set()
+    for i in range(30, 40):
+        seam.finished(exchanged(i))
+    seam.close()
+    assert [rid for batch in batching.flushed for rid in batch] == list(range(40))
+    assert batching.flushed[0][:30] == list(range(30))  # what was queued is one batch, one flush
+    assert batching.closed_after == []  # everything was flushed before close
+    assert failures(registry, "batching", "failed") == "0.0"
+
+
+def test_a_flush_that_raises_is_counted_and_the_lane_goes_on(registry: CollectorRegistry) -> None:
+    class FailingFlush(Recorder):
+        def flush(self) -> None:
+            raise OSError("disk full")
+
+    observer = FailingFlush()
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("failing", observer)
+    for i in range(3):
+        seam.finished(exchanged(i))
+    seam.close()
+    assert [e.request_id for e in observer.seen] == [0, 1, 2] and observer.closed
+    assert float(failures(registry, "failing", "failed")) >= 1
+
+
 def test_two_observers_of_one_name_are_refused(registry: CollectorRegistry) -> None:
     seam = Observers(ObserverMetrics.build(registry))
     seam.add("a", Recorder(), inline=True)

@@ -12,14 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dfserve import sglang
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
-from dfserve.gateway.observers import Exchanged
+from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.client import Finished, Sent, derive
 from dfserve.loadtest.records import read_records, tpot_s
-from dfserve.metrics import Outcome
+from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.relay_core import EventRelay
 from dfserve.sglang.server import NativeStreamEncoder, meta_info_body
 from dfserve.shadow import recorder as recorder_module
@@ -271,6 +272,21 @@ def test_a_primary_paired_after_a_rotation_is_timed_from_its_new_folders_time_ze
     assert primary.chunk_times_s[0] == pytest.approx(mirror.chunk_times_s[0] - 0.002, abs=1e-9)
 
 
+def test_records_written_in_batches_are_each_on_disk_once_in_order_and_rotation_flushes(tmp_path: Path) -> None:
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=6), "zlab")
+    seam = Observers(ObserverMetrics.build(CollectorRegistry()))
+    seam.add("shadow", recorder)
+    for rid in range(10):
+        seam.finished(exchanged(rid, "zlab", False))
+        seam.finished(exchanged(rid, "inhouse", True))
+    seam.close()  # the gateway's stop: every batch flushed, the last folder closed
+    folders = _folders(tmp_path)
+    written = [(r.index, r.arm) for folder in folders for r in read_records(folder / "requests.jsonl")]
+    assert written == [(rid, arm) for rid in range(10) for arm in ("zlab", "inhouse")]
+    assert [len((f / "requests.jsonl").read_text().splitlines()) for f in folders] == [6, 6, 6, 2]
+    assert all((f / "summary.json").exists() for f in folders)
+
+
 ENGINES = {"zlab": "http://engine-a", "inhouse": "http://engine-b", "zlab2": "http://engine-c"}
 DRAFTERS = {"http://engine-a": "z-lab/dflash", "http://engine-b": "inhouse-0001", "http://engine-c": "z-lab/dflash"}
 
@@ -289,6 +305,7 @@ def _recording(tmp_path: Path, exchanges: list[Exchanged], secondary: str | None
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary=secondary), "zlab", ENGINES)
     for e in exchanges:
         recorder.observe(e)
+    recorder.flush()  # as the gateway's observer thread does after each batch
     return recorder
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from dfserve.errors import FieldError, Untrusted
 from dfserve.gateway.app import Gateway
 from dfserve.gateway.config import load_config
-from dfserve.gateway.observers import Exchanged
+from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
-from dfserve.metrics import SHADOW_DECISION_STATES, ShadowDecisionMetrics
+from dfserve.metrics import SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
 from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
@@ -238,3 +239,22 @@ def test_a_routing_change_does_not_mirror_again() -> None:
     gateway.stop_mirroring()                     # not started: no loop to hand it to, so at once
     gateway.apply(config.routing.model_copy(update={"shadow_fraction": 0.5}))
     assert not gateway.mirroring
+
+
+def test_a_deciding_recorder_writes_each_batch_its_lane_hands_it(tmp_path: Path) -> None:
+    """Through the observers' seam, as the gateway runs it: each batch's records reach the disk when the lane
+    flushes, not only when the folder closes."""
+    decider, _, _ = deciding(tmp_path)
+    seam = Observers(ObserverMetrics.build(CollectorRegistry()))
+    seam.add("shadow", decider)
+    for rid in range(3):
+        for exchange in request(rid):
+            seam.finished(exchange)
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    deadline = time.monotonic() + 10
+    while len((folder / "requests.jsonl").read_bytes().splitlines()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len((folder / "requests.jsonl").read_bytes().splitlines()) == 6
+    assert not (folder / "summary.json").exists()  # written, and the folder still open
+    seam.close()
+    assert (folder / "summary.json").exists()
