@@ -50,6 +50,11 @@ class Task:
         assert self.prompt is not None
         return [{"role": "user", "content": self.prompt}]
 
+    def request(self, model: str) -> dict[str, Any] | None:
+        """The body to send as it was captured (a replayed request's), or None: the route builds it from the prompt
+        and the run's sampling."""
+        return None
+
 
 @dataclass(frozen=True)
 class TaskSet:

@@ -14,13 +14,11 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from dfserve import sglang
+from dfserve.loadtest.stream import StreamRead
 from dfserve.tasks import Task
-
-if TYPE_CHECKING:
-    from dfserve.loadtest.client import StreamRead
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from typing import Any, cast
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.gateway.observers import Exchanged
-from dfserve.loadtest.client import StreamRead, read_stream
+from dfserve.loadtest.client import read_stream
 from dfserve.loadtest.records import ErrorKind, RequestRecord
+from dfserve.loadtest.stream import StreamRead
 
 GREEDY_DEFAULT_TEMPERATURE = 1.0
 """What a request that sets no temperature samples at (OpenAI's and SGLang's default): never taken for greedy."""

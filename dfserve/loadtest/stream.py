@@ -1,0 +1,115 @@
+"""What one stream showed, read event by event off the loop (`StreamRead`): chunk times and tokens, the output,
+the spec fields and how it failed, if it did. The routes (`loadtest.routes`) feed it their events; SGLang's JSON is
+read through `dfserve.sglang` only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import compress
+
+from dfserve import sglang
+from dfserve.errors import ProtocolError
+from dfserve.loadtest.records import ErrorKind
+
+Failure = tuple[ErrorKind, str]
+
+
+@dataclass
+class StreamRead:
+    """What one stream showed, however it ended; times are seconds since the run's start."""
+
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    verify_ct: int | None = None
+    texts: list[str] = field(default_factory=list)
+    """The output in the pieces it came in (chat), or the last event's whole text (native)."""
+    finish_reason: str | None = None
+    simulated: bool = False
+    sim_sent: list[float] | None = None
+    sim_due: list[float] | None = None
+    server_e2e: float | None = None
+    usage_seen: bool = False
+    done: bool = False
+    error_code: int | None = None
+    """The status an in-band error carried."""
+    failure: Failure | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def native_event(self, data: str, now: float) -> None:
+        event = sglang.parse_native_event(data)
+        if isinstance(event, sglang.StreamError):
+            self._in_band(event)
+            return
+        meta = event.meta
+        delta = meta.completion_tokens - self.completion_tokens
+        if delta < 0:
+            raise ProtocolError(f"completion_tokens went backwards: {self.completion_tokens} -> {meta.completion_tokens}")
+        if delta:
+            self.chunk_times.append(now)
+            self.chunk_tokens.append(delta)
+            self.completion_tokens = meta.completion_tokens
+        self.texts = [event.text]
+        self.prompt_tokens = meta.prompt_tokens
+        self.simulated = meta.simulated
+        finish = meta.finish_reason
+        if finish is None:
+            return
+        if finish.error is not None:
+            self._in_band(finish.error)
+            return
+        self.finish_reason = finish.kind
+        self.verify_ct = meta.spec.verify_ct if meta.spec is not None else None
+        self.server_e2e = meta.e2e_latency_s
+        if meta.sim_chunk_sent_unix_s is not None:
+            self.sim_sent = list(meta.sim_chunk_sent_unix_s)
+        if meta.sim_chunk_due_unix_s is not None:
+            self.sim_due = list(meta.sim_chunk_due_unix_s)
+
+    def chat_events(self, events: list[str], times: list[float], template: sglang.ChunkTemplate | None) -> None:
+        """Runs of content chunks that fit `template` are read without decoding them; every other event is decoded
+        whole and may become the template."""
+        i = 0
+        while i < len(events):
+            fitted = template.read(events, i) if template is not None else []
+            if fitted:
+                self.texts += fitted
+                self.chunk_times += compress(times[i : i + len(fitted)], fitted)
+                i += len(fitted)
+                continue
+            data, now = events[i], times[i]
+            i += 1
+            if data == sglang.DONE:
+                self.done = True
+                continue
+            event = sglang.parse_openai_event(data)
+            if isinstance(event, sglang.StreamError):
+                self._in_band(event)
+                continue
+            if template is not None:
+                template.learn(data, event)
+            if event.text:
+                self.chunk_times.append(now)
+                self.texts.append(event.text)
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason.kind
+                if event.finish_reason.error is not None:
+                    self._in_band(event.finish_reason.error)
+            if event.usage is not None:
+                self.usage_seen = True
+                self.prompt_tokens = event.usage.prompt_tokens
+                self.completion_tokens = event.usage.completion_tokens
+            if event.spec is not None:
+                self.verify_ct = event.spec.verify_ct
+                if not self.usage_seen:
+                    self.completion_tokens = sglang.spec_completion_tokens(event.spec, None) or 0
+
+    def _in_band(self, error: sglang.StreamError) -> None:
+        """The first error in band is the stream's failure (SGLang still sends usage and `[DONE]` after it)."""
+        if self.failure is None:
+            self.failure = ("stream_error", error.message)
+            self.error_code = error.code
