@@ -1,5 +1,6 @@
 """Checks bodies against SGLang 0.5.23's own models; run by the interpreter of `.venv-sglang` (which imports them),
-reading `[{"kind": ..., "body": ...}, ...]` as JSON on stdin and printing the problems found as a JSON list.
+reading `[{"kind": ..., "body": ...}, ...]` as JSON on stdin and printing the problems found as a JSON list, each
+naming the `item` it is about by its place in the input.
 
 Where SGLang builds a body with a pydantic model, the body must be what that model writes back after reading it
 (same keys, none missing, none added); where it encodes with msgspec (`build_sse_content`), what that encoder writes
@@ -94,16 +95,17 @@ CHECKS = {
 
 def main() -> None:
     problems = []
-    for item in json.load(sys.stdin):
+    for index, item in enumerate(json.load(sys.stdin)):
         body = item["body"]
         try:
             want = CHECKS[item["kind"]](body)
         except Exception as exc:
-            problems.append({"kind": item["kind"], "body": body, "refused": f"{type(exc).__name__}: {exc}"})
+            problems.append({"item": index, "kind": item["kind"], "body": body,
+                             "refused": f"{type(exc).__name__}: {exc}"})
             continue
         got = {k: v for k, v in body.items() if k != "request"} if "request" in body else body
         if want != got:
-            problems.append({"kind": item["kind"], "body": got, "sglang": want})
+            problems.append({"item": index, "kind": item["kind"], "body": got, "sglang": want})
     json.dump(problems, sys.stdout)
 
 

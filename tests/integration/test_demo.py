@@ -16,8 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from dfserve.eval.tiny import DemoModels
 
 DEMO_ARGS = ("--num-requests", "24", "--concurrency", "8", "--max-new-tokens", "64", "--time-scale", "0.2")
 
@@ -151,11 +155,11 @@ def test_demo_refuses_nonsense_counts(flag: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.heavy
-def test_offline_demo_evaluates_tiny_models_from_its_cache(tmp_path: Path) -> None:
+def test_offline_demo_evaluates_tiny_models_from_its_cache(tmp_path: Path, demo_models: DemoModels) -> None:
     from dfserve.eval.tiny import build_demo
 
-    cache, out = tmp_path / "cache", tmp_path / "runs"
-    models = build_demo(cache)
+    models, out = demo_models, tmp_path / "runs"
+    cache = models.folder.parent
     assert models.built and build_demo(cache) == dataclasses.replace(models, built=False)
     result = subprocess.run([sys.executable, "-m", "dfserve", "demo", "--offline", "--cache", str(cache),
                              "--out", str(out)], capture_output=True, text=True, timeout=300)

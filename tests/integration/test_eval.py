@@ -1,8 +1,8 @@
 """`dfserve eval` end to end on tiny random-weight targets and tiny drafters in z-lab's layout: real forwards,
 z-lab's own online loop as the reference, a distilled drafter against a barely trained one.
 
-The models are built once per test session (tests/fixtures/eval/models.py); the first evaluation run is shared by
-the tests that read it.
+The models are the offline demo's (`dfserve.eval.tiny.build_demo`), built once per test session (tests/conftest.py);
+the first evaluation run is shared by the tests that read it.
 """
 
 from __future__ import annotations
@@ -14,22 +14,24 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dfserve.baselines import BaselineRegistry
 from dfserve.cli import main
 from dfserve.eval.scoring import torch_threads
 from tests.fixtures.eval import models
 
+if TYPE_CHECKING:
+    from dfserve.eval.tiny import DemoModels
+
 pytestmark = pytest.mark.heavy
 
 TASKS = 6
 MAX_NEW = 40
-LONG_STEPS = 300
-SHORT_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -56,23 +58,24 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int,
     return status, captured.out, captured.err
 
 
-def _checkpoint(model: Any, path: Path) -> Path:
-    torch.save({"step": 1, "model": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+def _checkpoint(drafter: Path, path: Path) -> Path:
+    """A Hugging Face drafter folder as a trainer's checkpoint: nested state dict, DDP prefix."""
+    weights = load_file(drafter / "model.safetensors")
+    torch.save({"step": 1, "model": {f"module.{k}": v for k, v in weights.items()}}, path)
     return path
 
 
 @pytest.fixture(scope="session")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(tmp_path_factory: pytest.TempPathFactory, demo_models: DemoModels) -> World:
+    """The offline demo's target and drafters (distilled for 300 steps and for 10), built once per session."""
     root = tmp_path_factory.mktemp("eval")
-    with models.one_thread():
-        target = models.qwen3_target(root / "qwen3")
-        data = models.distillation_data(target)
-        long = models.distil(models.new_drafter(target, seed=3), data, steps=LONG_STEPS)
-        short = models.distil(models.new_drafter(target, seed=3), data, steps=SHORT_STEPS)
+    target = shutil.copytree(demo_models.target, root / "qwen3")
     config = root / "drafter-config.json"
     config.write_text(json.dumps(models.drafter_config(target)))
-    return World(root, target, models.write_tasks(root / "tasks.jsonl", TASKS), models.save_drafter(short, root / "short"),
-                 _checkpoint(long, root / "long.pt"), _checkpoint(short, root / "short.pt"), config)
+    return World(root, target, models.write_tasks(root / "tasks.jsonl", TASKS),
+                 shutil.copytree(demo_models.undertrained, root / "short"),
+                 _checkpoint(demo_models.distilled, root / "long.pt"),
+                 _checkpoint(demo_models.undertrained, root / "short.pt"), config)
 
 
 def eval_args(world: World, name: str, *drafters: str, out: str = "runs", cache: str = "cache",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,36 @@ def comparable(path: Path) -> list[dict[str, object]]:
     return [r.model_dump(exclude=TIMINGS) for r in records]
 
 
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, str]]:
+    """The zlab and inhouse engines every test of the module loads: a simulated engine answers each request from
+    its seed and the request alone, so runs after runs on one engine get the same records."""
+    with sim_server("zlab", 0.002, 0) as zlab, sim_server("inhouse", 0.002, 0) as inhouse:
+        yield {"zlab": zlab, "inhouse": inhouse}
+
+
+@pytest.fixture(scope="module")
+def two_shards(engines: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """A run of the zlab engine in two shards, each shard complete; tests copy them before changing anything."""
+    out = tmp_path_factory.mktemp("two-shards")
+    return [run(out, ["--arm", f"zlab={engines['zlab']}"], f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
+            for i in range(2)]
+
+
+def copies(shards: list[Path], out: Path) -> list[Path]:
+    copied = [out / shard.name for shard in shards]
+    for shard, copy in zip(shards, copied, strict=True):
+        shutil.copytree(shard, copy)
+    return copied
+
+
 @pytest.mark.parametrize("load", [("--concurrency", "6"), ("--rate", "40", "--concurrency", "4")],
                          ids=["closed", "open"])
-def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[str, ...]) -> None:
-    with sim_server("zlab", 0.002, 0) as zlab, sim_server("inhouse", 0.002, 0) as inhouse:
-        arms = ["--arm", f"zlab={zlab}", "--arm", f"inhouse={inhouse}"]
-        whole = run(tmp_path, arms, "whole", *load)
-        shards = [run(tmp_path / "shards", arms, f"shard-{i}", *load, "--shard", f"{i}/3") for i in range(3)]
+def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[str, ...],
+                                                   engines: dict[str, str]) -> None:
+    arms = ["--arm", f"zlab={engines['zlab']}", "--arm", f"inhouse={engines['inhouse']}"]
+    whole = run(tmp_path, arms, "whole", *load)
+    shards = [run(tmp_path / "shards", arms, f"shard-{i}", *load, "--shard", f"{i}/3") for i in range(3)]
     for i, shard in enumerate(shards):
         assert {r.index for r in read_records(shard / "requests.jsonl")} == set(range(i, 33, 3))
     merged = dfserve("loadtest", "merge", *map(str, reversed(shards)), "--out", str(tmp_path), "--name", "merged")
@@ -65,12 +89,12 @@ def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[s
     assert {r["metric"]: r["status"] for r in judgement["rules"]}["accept_length"] == "FAIL"
 
 
-def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path) -> None:
-    with sim_server("zlab", 0.002, 0) as zlab:
-        arms = ["--arm", f"zlab={zlab}"]
-        shards = [run(tmp_path, arms, f"s{i}", "--concurrency", "2", "--shard", f"{i}/2") for i in range(2)]
-        foreign = run(tmp_path, arms, "foreign", "--concurrency", "4", "--shard", "1/2")
-        whole = run(tmp_path, arms, "whole", "--concurrency", "2")
+def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engines: dict[str, str],
+                                                            two_shards: list[Path]) -> None:
+    arms = ["--arm", f"zlab={engines['zlab']}"]
+    shards = copies(two_shards, tmp_path)
+    foreign = run(tmp_path, arms, "foreign", "--concurrency", "4", "--shard", "1/2")
+    whole = run(tmp_path, arms, "whole", "--concurrency", "2")
     cases = {
         (shards[0],): "dfserve: error: merge: shard 1/2 missing (given: 0/2)",
         (shards[0], shards[0], shards[1]): f"dfserve: error: {shards[0]}: shard 0/2 given twice (also {shards[0]})",
@@ -93,20 +117,16 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path) -> N
     assert bad.returncode == 2 and bad.stderr.strip() == "dfserve: error: --shard: '3/3' needs 0 <= I < N"
 
 
-def test_merge_refuses_shards_whose_records_do_not_match_their_summary(tmp_path: Path) -> None:
+def test_merge_refuses_shards_whose_records_do_not_match_their_summary(tmp_path: Path,
+                                                                      two_shards: list[Path]) -> None:
     """A finished shard with its last line cut, a line removed or an empty requests.jsonl used to merge with exit 0
     and fewer pairs; a negative read-lag count was merged as given."""
-    with sim_server("zlab", 0.002, 0) as zlab:
-        arms = ["--arm", f"zlab={zlab}"]
-        pristine = [run(tmp_path / "pristine", arms, f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
-                    for i in range(2)]
+    pristine = copies(two_shards, tmp_path / "pristine")
 
     def damaged(name: str, damage: Any) -> list[Path]:
-        copies = [tmp_path / name / shard.name for shard in pristine]
-        for shard, copy in zip(pristine, copies, strict=True):
-            shutil.copytree(shard, copy)
-        damage(copies[1] / "requests.jsonl")
-        return copies
+        copied = copies(pristine, tmp_path / name)
+        damage(copied[1] / "requests.jsonl")
+        return copied
 
     def summary_edit(path: Path) -> None:
         summary = path.parent / "summary.json"
@@ -146,18 +166,16 @@ def test_merge_refuses_shards_whose_records_do_not_match_their_summary(tmp_path:
     assert json.loads((tmp_path / "merged" / "m" / "summary.json").read_text())["interrupted"] is False
 
 
-def test_a_run_name_is_one_folder_under_out(tmp_path: Path) -> None:
+def test_a_run_name_is_one_folder_under_out(tmp_path: Path, engines: dict[str, str], two_shards: list[Path]) -> None:
     """`--name ../../x` wrote outside `--out`; now refused before any request is sent."""
     out = tmp_path / "a" / "b" / "out"
-    with sim_server("zlab", 0.002, 0) as zlab:
-        for name, problem in [("../../x", "holds a path separator"), ("..", "begins with a dot"),
-                              (".hidden", "begins with a dot"), ("", "is empty"), ("a/b", "holds a path separator")]:
-            refused = dfserve("loadtest", "run", "--out", str(out), "--name", name, "--arm", f"zlab={zlab}", *LOAD,
-                              "--concurrency", "2")
-            assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-            assert refused.stderr.startswith(f"dfserve: error: --name: run name {name!r} {problem}"), refused.stderr
-        shards = [run(out, ["--arm", f"zlab={zlab}"], f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
-                  for i in range(2)]
+    for name, problem in [("../../x", "holds a path separator"), ("..", "begins with a dot"),
+                          (".hidden", "begins with a dot"), ("", "is empty"), ("a/b", "holds a path separator")]:
+        refused = dfserve("loadtest", "run", "--out", str(out), "--name", name, "--arm", f"zlab={engines['zlab']}",
+                          *LOAD, "--concurrency", "2")
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith(f"dfserve: error: --name: run name {name!r} {problem}"), refused.stderr
+    shards = copies(two_shards, out)
     refused = dfserve("loadtest", "merge", *map(str, shards), "--name", "../../x")
     assert refused.returncode == 2 and refused.stderr.startswith("dfserve: error: --name: run name '../../x' holds")
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_dir() and p.parent != out) == ["a", "b", "out"]

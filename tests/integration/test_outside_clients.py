@@ -49,25 +49,42 @@ def sim_and_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
             yield sim, gw
 
 
-def sglang_bench(url: str, backend: str, out: Path, tokenizer: Path, *args: str) -> dict[str, Any]:
-    """One run of SGLang's benchmark; its result line (the JSON it appends to `out`)."""
+def sglang_bench(runs: list[tuple[str, str, Path]], tokenizer: Path, *args: str) -> list[dict[str, Any]]:
+    """SGLang's benchmark once per (url, backend, out) of `runs`, all in one process; the result line of each run
+    (the JSON it appends to its `out`)."""
     assert SGLANG_PYTHON.is_file(), f"{SGLANG_PYTHON} missing: `make .venv-sglang/.installed` builds it"
-    argv = [str(SGLANG_PYTHON), str(BENCH), "--backend", backend, "--base-url", url, "--model", MODEL,
-            "--dataset-name", "random-ids", "--tokenizer", str(tokenizer), "--random-range-ratio", "1",
-            "--disable-tqdm", "--output-file", str(out), *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, cwd=out.parent,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    argv = [str(SGLANG_PYTHON), str(BENCH)]
+    for url, backend, out in runs:
+        argv += ["--then"] if len(argv) > 2 else []
+        argv += ["--backend", backend, "--base-url", url, "--model", MODEL, "--dataset-name", "random-ids",
+                 "--tokenizer", str(tokenizer), "--random-range-ratio", "1", "--disable-tqdm", "--output-file", str(out),
+                 *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180 * len(runs), check=False,
+                          cwd=runs[0][2].parent, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return dict(json.loads(out.read_text().splitlines()[-1]))
+    return [dict(json.loads(out.read_text().splitlines()[-1])) for _, _, out in runs]
 
 
-@pytest.mark.parametrize(("through", "backend"), [("gateway", "sglang"), ("gateway", "sglang-oai-chat"),
-                                                  ("sim", "sglang-oai-chat")])
+THROUGH = [("gateway", "sglang"), ("gateway", "sglang-oai-chat"), ("sim", "sglang-oai-chat")]
+
+
+@pytest.fixture(scope="module")
+def bench_results(sim_and_gateway: tuple[str, str], tokenizer: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    """SGLang's benchmark through each of THROUGH (where, backend), in one process: its imports are most of a run."""
+    urls = dict(zip(("sim", "gateway"), sim_and_gateway, strict=True))
+    folder = tmp_path_factory.mktemp("sglang-bench")
+    runs = [(urls[through], backend, folder / f"{through}-{backend}.jsonl") for through, backend in THROUGH]
+    results = sglang_bench(runs, tokenizer, "--num-prompts", "12", "--random-input-len", "32",
+                           "--random-output-len", "24")
+    return dict(zip(THROUGH, results, strict=True))
+
+
+@pytest.mark.parametrize(("through", "backend"), THROUGH)
 def test_sglang_benchmark_runs_against_the_simulator_and_through_the_gateway(
-        sim_and_gateway: tuple[str, str], tokenizer: Path, tmp_path: Path, backend: str, through: str) -> None:
-    url = dict(zip(("sim", "gateway"), sim_and_gateway, strict=True))[through]
-    result = sglang_bench(url, backend, tmp_path / "bench.jsonl", tokenizer, "--num-prompts", "12",
-                          "--random-input-len", "32", "--random-output-len", "24")
+        bench_results: dict[tuple[str, str], dict[str, Any]], backend: str, through: str) -> None:
+    result = bench_results[through, backend]
+    assert result["backend"] == backend
     assert result["completed"] == 12 and result["total_output_tokens"] == 12 * 24
     assert result["server_info"]["dfserve_simulated"] is True  # /server_info reached the engine (one arm: no header)
 
@@ -84,8 +101,8 @@ def test_sglang_benchmarks_acceptance_is_the_testers_less_the_prefill_token(toke
         subprocess.run(dfserve_argv("loadtest", "run", "--arm", f"eight={sim}", "--num-requests", "40", "--warmup",
                                     "0", "--concurrency", "4", "--max-new-tokens", "33", "--out", str(tmp_path),
                                     "--name", "r", "--quiet"), check=True, timeout=120, capture_output=True)
-        result = sglang_bench(sim, "sglang", tmp_path / "bench.jsonl", tokenizer, "--num-prompts", "4",
-                              "--random-input-len", "16", "--random-output-len", "33")
+        [result] = sglang_bench([(sim, "sglang", tmp_path / "bench.jsonl")], tokenizer, "--num-prompts", "4",
+                                "--random-input-len", "16", "--random-output-len", "33")
     records = [r for r in read_records(tmp_path / "r" / "requests.jsonl") if r.ok]
     tokens = sum(r.completion_tokens or 0 for r in records)
     rounds = sum(r.spec_verify_ct or 0 for r in records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,28 +86,50 @@ def collect(base: str, aborting: str) -> list[dict[str, Any]]:
     return items
 
 
-@pytest.fixture(scope="module")
-def bodies() -> list[dict[str, Any]]:
-    with sim_server("zlab", 0.01, 0) as base, sim_server("zlab", 0.01, 0, "--abort-fraction", "1") as aborting:
-        return collect(base, aborting)
-
-
-def test_every_simulated_shape_is_what_sglangs_own_models_write(bodies: list[dict[str, Any]]) -> None:
-    kinds = {item["kind"] for item in bodies}
-    assert kinds >= {"native", "native_stream_error", "native_error", "contract_error", "chat", "chat_chunk",
-                     "chat_stream_response", "completion", "completion_chunk", "error_response", "json_invalid",
-                     "stream_error_response", "models", "generate_request", "chat_request", "completion_request"}
-    assert sglang_problems(bodies) == []
-
-
-def test_the_checker_finds_what_differs_from_sglang(bodies: list[dict[str, Any]]) -> None:
-    """The check can fail: a key SGLang's model does not write, and one it writes that is missing, are both found."""
+def tampered(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bodies SGLang would not write or take: a key its model does not write, one it writes missing, a reworded
+    error, a sampling parameter it does not know."""
     chat = next(item for item in bodies if item["kind"] == "chat")
     invented = {**chat["body"], "dfserve_extra": 1}
     usage_missing = {**chat["body"], "usage": {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1}}
     contract = next(item for item in bodies if item["kind"] == "contract_error")
     reworded = {**contract["body"], "error": "unknown key"}
-    problems = sglang_problems([{"kind": "chat", "body": invented}, {"kind": "chat", "body": usage_missing},
-                                {"kind": "contract_error", "body": reworded},
-                                {"kind": "generate_request", "body": {"text": "x", "sampling_params": {"x": 1}}}])
-    assert len(problems) == 4
+    return [{"kind": "chat", "body": invented}, {"kind": "chat", "body": usage_missing},
+            {"kind": "contract_error", "body": reworded},
+            {"kind": "generate_request", "body": {"text": "x", "sampling_params": {"x": 1}}}]
+
+
+@dataclass(frozen=True)
+class Checked:
+    bodies: list[dict[str, Any]]
+    """What the simulators answered and dfserve sends."""
+    tampered: list[dict[str, Any]]
+    problems: dict[int, list[dict[str, Any]]]
+    """SGLang's checker on `bodies` followed by `tampered`, in one run (its imports take most of it): the problems
+    of each item, by its place in that list."""
+
+
+@pytest.fixture(scope="module")
+def checked() -> Checked:
+    with sim_server("zlab", 0.01, 0) as base, sim_server("zlab", 0.01, 0, "--abort-fraction", "1") as aborting:
+        bodies = collect(base, aborting)
+    bad = tampered(bodies)
+    problems: dict[int, list[dict[str, Any]]] = {}
+    for problem in sglang_problems(bodies + bad):
+        problems.setdefault(problem["item"], []).append(problem)
+    return Checked(bodies, bad, problems)
+
+
+def test_every_simulated_shape_is_what_sglangs_own_models_write(checked: Checked) -> None:
+    kinds = {item["kind"] for item in checked.bodies}
+    assert kinds >= {"native", "native_stream_error", "native_error", "contract_error", "chat", "chat_chunk",
+                     "chat_stream_response", "completion", "completion_chunk", "error_response", "json_invalid",
+                     "stream_error_response", "models", "generate_request", "chat_request", "completion_request"}
+    assert [problems for item, problems in checked.problems.items() if item < len(checked.bodies)] == []
+
+
+def test_the_checker_finds_what_differs_from_sglang(checked: Checked) -> None:
+    """The check can fail: a key SGLang's model does not write, and one it writes that is missing, are both found."""
+    first = len(checked.bodies)
+    found = [len(checked.problems.get(item, [])) for item in range(first, first + len(checked.tampered))]
+    assert found == [1] * len(checked.tampered)
