@@ -141,7 +141,7 @@ class Completions(OpenAI):
 
     def refusal(self, body: dict[str, Any]) -> str | None:
         prompt = body.get("prompt")
-        if _batch(prompt):
+        if isinstance(prompt, list) and len(prompt) > 1 and _batch(prompt):  # one listed: a batch of one, one choice
             return "is a batch (prompt is a list of prompts); a replayed request carries one prompt"
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
             return None  # text or token ids

@@ -194,6 +194,14 @@ def test_a_request_that_is_not_one_prompt_refuses_naming_the_record(tmp_path: Pa
     assert refusal in str(caught.value)
 
 
+@pytest.mark.parametrize("prompt", [["def f():"], [[1, 2, 3]]])
+def test_a_completions_prompt_listed_alone_is_one_prompt_and_replays_as_captured(tmp_path: Path,
+                                                                                 prompt: list[object]) -> None:
+    tasks, _ = load_capture_tasks(capture(tmp_path, [("/v1/completions", completions(prompt), 0.0)])).for_run(FLAGS)
+    [task] = tasks.tasks
+    assert task.request("served")["prompt"] == prompt
+
+
 def test_an_api_other_than_a_captured_route_refuses_and_none_replays_each_on_its_own(tmp_path: Path) -> None:
     tasks = load_capture_tasks(capture(tmp_path, MIXED))
     with pytest.raises(FieldError, match=r"^api: capture:capture holds requests of other routes than chat \(1 to "
