@@ -84,8 +84,8 @@ class StampedReader:
             return None
         except OSError as exc:
             return self._ended(exc)  # type: ignore[operator]
-        now = time.perf_counter()
-        self._arrival = self._arrival_of(ancillary, now)
+        now, wall_ns = time.perf_counter(), time.time_ns()  # together: a pause between would age the read
+        self._arrival = self._arrival_of(ancillary, now, wall_ns)
         if not data:
             return self._ended(None)  # type: ignore[operator]
         self._reads += 1
@@ -101,12 +101,13 @@ class StampedReader:
         except BaseException as exc:  # as asyncio's transports do: a protocol that failed loses its connection
             return self._ended(exc)  # type: ignore[operator]
 
-    def _arrival_of(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
-        """The kernel's stamp as a date on `perf_counter`'s clock, `now` being its reading after the read; kept
-        between the previous read's date and now, so it never runs backwards."""
+    def _arrival_of(self, ancillary: list[tuple[int, int, bytes]], now: float, wall_ns: int) -> float:
+        """The kernel's stamp as a date on `perf_counter`'s clock, `now` and `wall_ns` being that clock's and the
+        wall clock's readings after the read; kept between the previous read's date and now, so it never runs
+        backwards."""
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == _STAMP_TYPE and len(raw) >= _TIMESPEC.size:
                 seconds, nanoseconds = _TIMESPEC.unpack_from(raw)
-                arrival = now - (time.time_ns() - seconds * 1_000_000_000 - nanoseconds) * 1e-9
+                arrival = now - (wall_ns - seconds * 1_000_000_000 - nanoseconds) * 1e-9
                 return now if arrival > now else max(arrival, self._arrival)
         return now  # the end of the stream, or a segment queued before stamping was asked for
