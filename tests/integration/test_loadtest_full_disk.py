@@ -50,8 +50,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_it_as_interrupted(tmp_pa
                               capture_output=True, text=True, timeout=120, env=env)
     run_dir = tmp_path / "full"
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    line = done.stderr.strip()
+    # The read-lag warning may come too (the engine's chunks are microseconds apart here): not what is tested.
+    [line] = [line for line in done.stderr.splitlines() if not line.startswith("warning: ")]
     prefix = f"dfserve: error: {run_dir / 'requests.jsonl'}: No space left on device: "
     suffix = f" finished requests were not written; run kept, marked interrupted: {run_dir}"
     assert line.startswith(prefix) and line.endswith(suffix), line
