@@ -53,9 +53,17 @@ def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: floa
     """Decode the SSE events of a response's pieces (each with the clock reading of its arrival); `failure` says how
     the stream failed, if it did; the events are read as `api`'s (`Route.read`). OpenAI content chunks are read by
     `sglang.ChunkTemplate` unless `decode_all`; the record is the same either way."""
-    stream = StreamRead()
     try:
         events, times = _events(pieces, t0, decode_all)
+    except ProtocolError as exc:
+        return StreamRead(failure=("protocol", str(exc)))
+    return read_events(api, events, times, decode_all=decode_all)
+
+
+def read_events(api: sglang.Api, events: list[str], times: list[float], *, decode_all: bool = False) -> StreamRead:
+    """`read_stream` of events already decoded (their data, and each one's arrival)."""
+    stream = StreamRead()
+    try:
         ROUTE_FOR[api].read(stream, events, times, decode_all)
     except ProtocolError as exc:
         stream.failure = ("protocol", str(exc))

@@ -24,7 +24,10 @@ class StreamRead:
     prompt_tokens: int | None = None
     verify_ct: int | None = None
     texts: list[str] = field(default_factory=list)
-    """The output in the pieces it came in (chat), or the last event's whole text (native)."""
+    """The output in the pieces it came in (chat, and native from a server streaming deltas), or the last event's
+    whole text (native)."""
+    incremental: bool = False
+    """A native stream whose events carry deltas (`NativeChunk.incremental`, seen once is enough)."""
     finish_reason: str | None = None
     simulated: bool = False
     sim_sent: list[float] | None = None
@@ -53,7 +56,11 @@ class StreamRead:
             self.chunk_times.append(now)
             self.chunk_tokens.append(delta)
             self.completion_tokens = meta.completion_tokens
-        self.texts = [event.text]
+        self.incremental = self.incremental or event.incremental
+        if self.incremental:
+            self.texts.append(event.text)
+        else:
+            self.texts = [event.text]
         self.prompt_tokens = meta.prompt_tokens
         self.simulated = meta.simulated
         finish = meta.finish_reason

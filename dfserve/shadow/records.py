@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.gateway.observers import Exchanged
-from dfserve.loadtest.client import read_stream
+from dfserve.loadtest.client import read_events, read_stream
 from dfserve.loadtest.records import ErrorKind, RequestRecord
 from dfserve.loadtest.stream import StreamRead
 
@@ -48,8 +49,8 @@ def request_temperature(route: str, body: bytes) -> float:
 
 def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
     """The answer's output text where `answer` holds all of it: a whole body, or a native stream's last event
-    (SGLang repeats the whole output in each); None for an OpenAI stream (`answer` is only its end: its text is
-    read from its pieces, `recorded_stream`)."""
+    (SGLang repeats the whole output in each, unless it streams deltas); None for an OpenAI stream (`answer` is only
+    its end: its text is read from its pieces, `recorded_stream`)."""
     try:
         if not streamed:
             if route == "native":
@@ -63,7 +64,7 @@ def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
             if data.strip() == "[DONE]":
                 continue
             chunk = sglang.parse_native_event(data)
-            return chunk.text if isinstance(chunk, sglang.NativeChunk) else None
+            return chunk.text if isinstance(chunk, sglang.NativeChunk) and not chunk.incremental else None
     except ProtocolError:
         return None
     return None
@@ -94,20 +95,36 @@ def recorded_stream(route: str, pieces: Sequence[tuple[float, bytes]], t0_perf_s
     return read_stream(cast(sglang.Api, route), pieces, t0_perf_s)  # only proxied routes' streams are recorded
 
 
+def native_stream_end(answer: bytes) -> StreamRead:
+    """A native stream's output and how it ended, read from its last event and the `[DONE]` after it (`answer`
+    holds its last pieces): SGLang repeats the whole output in every event, and ends a stream that failed with its
+    error event. The events before it are the relay's to have read (`Outcome.error`), not decoded again here."""
+    try:
+        events = sglang.SSEDecoder().feed(answer)
+    except ProtocolError as exc:
+        return StreamRead(failure=("protocol", str(exc)))
+    last = max(len(events) - 1, 0)
+    while last > 0 and events[last] == sglang.DONE:
+        last -= 1
+    return read_events("native", events[last:], [0.0] * (len(events) - last))
+
+
 def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t0_perf_s: float) -> StreamRead:
     """A recorded native stream as the load tester would read it: a chunk per change of the running total (with the
     arrival of its piece, in seconds from `t0_perf_s`), and a total that went back a protocol error, as the tester
     has them; the output text, and how the stream ended, from its last events."""
-    end = read_stream("native", [(t0_perf_s, answer)], t0_perf_s)
-    stream = StreamRead(texts=end.texts, failure=end.failure)
-    for now, total in totals:
-        if total < stream.completion_tokens:
-            stream.failure = ("protocol", f"completion_tokens went backwards: {stream.completion_tokens} -> {total}")
-            break
-        stream.chunk_times.append(now - t0_perf_s)
-        stream.chunk_tokens.append(total - stream.completion_tokens)
-        stream.completion_tokens = total
-    return stream
+    end = native_stream_end(answer)
+    running = [total for _, total in totals]
+    tokens = list(map(operator.sub, running, [0, *running[:-1]]))
+    kept = next((n for n, count in enumerate(tokens) if count < 0), None) if min(tokens, default=0) < 0 else None
+    failure = end.failure
+    if kept is not None:
+        failure = ("protocol", f"completion_tokens went backwards: {running[kept - 1]} -> {running[kept]}")
+    else:
+        kept = len(tokens)
+    return StreamRead(chunk_times=[now - t0_perf_s for now, _ in totals[:kept]], chunk_tokens=tokens[:kept],
+                      completion_tokens=running[kept - 1] if kept else 0, texts=end.texts,
+                      incremental=end.incremental, failure=failure)
 
 
 def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
@@ -124,7 +141,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         else:
             stream = recorded_stream(o.route, cast(Sequence[tuple[float, bytes]], exchanged.pieces), t0_perf_s)
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
-        if kind is None and stream.failure is None:
+        if kind is None and stream.failure is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)

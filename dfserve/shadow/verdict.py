@@ -57,7 +57,8 @@ traffic without streams would leave TPOT undecided. TPOT and ITL are measured on
 names them (`--gate`) is judged on those."""
 NOISE_FLOOR = "noise-floor.json"
 NO_HASH = ("losslessness not applicable: some greedy answers have no output the gateway could read (an OpenAI "
-           "stream recorded without its pieces, or an answer that is not SGLang's)")
+           "stream recorded without its pieces, a native stream from a server that streams deltas "
+           "(--incremental-streaming-output), or an answer that is not SGLang's)")
 
 
 class NoiseFloor(BaseModel):

@@ -180,11 +180,28 @@ def test_malformed_whole_responses_raise_protocol_error(body: bytes) -> None:
         proto.parse_generate_response(body)
 
 
-def test_malformed_simulator_chunk_times_raise_protocol_error() -> None:
-    meta = {"prompt_tokens": 1, "completion_tokens": 1, proto.SIM_CHUNK_SENT_KEY: ["soon"]}
+@pytest.mark.parametrize("times", [["soon"], [1.5, True], [1.5, None], [[1.5]], {"0": 1.5}, 1.5])
+def test_malformed_simulator_chunk_times_raise_protocol_error(times: Any) -> None:
+    meta = {"prompt_tokens": 1, "completion_tokens": 1, proto.SIM_CHUNK_SENT_KEY: times}
     with pytest.raises(ProtocolError, match=proto.SIM_CHUNK_SENT_KEY):
         proto.parse_meta_info(meta)
 
 
+def test_simulator_chunk_times_are_read_as_floats() -> None:
+    meta = {"prompt_tokens": 1, "completion_tokens": 1, proto.SIM_CHUNK_SENT_KEY: [1, 2.5], proto.SIM_CHUNK_DUE_KEY: []}
+    parsed = proto.parse_meta_info(meta)
+    assert parsed.sim_chunk_sent_unix_s == (1.0, 2.5) and type(parsed.sim_chunk_sent_unix_s[0]) is float
+    assert parsed.sim_chunk_due_unix_s == ()
+
+
 def test_acceptance_length_needs_a_verify_round() -> None:
     assert proto.accept_length(34, 4) == 8.5 and proto.accept_length(5, 0) is None
+
+
+@pytest.mark.parametrize("data", ['{"text": ' + "[" * 5000 + "]" * 5000 + "}", '{"text": "\xff', '{"a": 1} x'])
+def test_hostile_json_in_an_event_is_a_protocol_error(data: str) -> None:
+    """Deep nesting, a cut string and trailing bytes are the server's fault, said as one: never a RecursionError."""
+    with pytest.raises(ProtocolError, match="invalid JSON"):
+        proto.parse_native_event(data)
+    with pytest.raises(ProtocolError, match="invalid JSON"):
+        proto.parse_generate_response(data.encode())

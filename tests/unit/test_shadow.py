@@ -142,10 +142,25 @@ def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:
     assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest()
 
 
-def native_stream(tokens: int) -> list[bytes]:
-    """A native `/generate` stream as SGLang writes it: the whole text and ids so far in every event, one to four
-    tokens an event (verify rounds), the finish, latency and spec fields on the last, then `[DONE]`."""
-    encoder, events, sent = NativeStreamEncoder(incremental=False), [], 0
+@pytest.mark.parametrize("end", [b'data: {"error": {"message": "boom", "code": 500}}\n\n', b"data: {\"text\n\n"],
+                         ids=["an error in band", "a malformed last event"])
+def test_a_recorded_native_stream_whose_last_event_is_not_a_finish_has_no_output_hash(end: bytes) -> None:
+    """Only the last event is decoded (each repeats the whole output): one that is an error, malformed or missing
+    leaves the record without a hash, though the events before it finished well."""
+    finished = b"data: " + _native("ab", 2, 2) + b"\n\n"
+    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=finished + end + sglang.SSE_DONE),
+                       pieces=[(101.0, 1), (102.0, 2)])
+    assert shadow_record(exchange, 100.0).output_sha256 is None
+    assert shadow_record(replace(exchange, answer=sglang.SSE_DONE), 100.0).output_sha256 is None
+    whole = replace(exchange, answer=finished + sglang.SSE_DONE)
+    assert shadow_record(whole, 100.0).output_sha256 == hashlib.sha256(b"ab").hexdigest()
+
+
+def native_stream(tokens: int, incremental: bool = False) -> list[bytes]:
+    """A native `/generate` stream as SGLang writes it: the whole text and ids so far in every event (only the new
+    ones, `incremental`), one to four tokens an event (verify rounds), the finish, latency and spec fields on the
+    last, then `[DONE]`."""
+    encoder, events, sent = NativeStreamEncoder(incremental), [], 0
     while sent < tokens:
         step = min(1 + len(events) % 4, tokens - sent)
         sent += step
@@ -394,3 +409,22 @@ def test_shadow_config_needs_shadow_mode_and_a_mirrored_secondary() -> None:
     config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
                                 "shadow.dir": "/tmp/x", "shadow.secondary": "b", "capture.dir": "/tmp/c"})
     assert config.shadow is not None and config.shadow.secondary == "b" and config.capture is not None
+
+
+def test_a_stream_of_deltas_is_read_whole_by_the_tester_and_left_unhashed_by_the_recorder() -> None:
+    """With `--incremental-streaming-output` each native event holds only what is new: the tester, which reads
+    every event, joins them; the gateway, which keeps only a stream's last events, cannot know the output, and
+    leaves it unhashed rather than hash the last delta (losslessness is then not applicable, and says why)."""
+    events = native_stream(64, incremental=True)
+    relay, client = relayed(events, 100.0)
+    exchange = replace(exchanged(3, "zlab", False, streamed=True, answer=relay.tail), pieces=relay.pieces)
+    record = shadow_record(exchange, 100.0)
+    sent = Sent("zlab", record.task_id, 3, False, None, 3.0, 3.0, 103.0, "native")
+    tester = derive(100.0, Finished(sent, 200, client, None))
+    assert tester.error_kind is None and tester.output_sha256 == hashlib.sha256((' é"\\x' * 64).encode()).hexdigest()
+    assert record.error_kind is None and record.output_sha256 is None
+    assert (record.chunk_times_s, record.chunk_tokens) == (tester.chunk_times_s, tester.chunk_tokens)
+    assert shadow_record(replace(exchange, pieces=None), 100.0).output_sha256 is None  # the last event alone
+    cumulative = relayed(native_stream(64), 100.0)[0]
+    whole = shadow_record(replace(exchange, answer=cumulative.tail, pieces=cumulative.pieces), 100.0)
+    assert whole.output_sha256 == tester.output_sha256

@@ -185,6 +185,9 @@ class NativeChunk:
 
     text: str
     meta: MetaInfo
+    incremental: bool = False
+    """The event holds fewer `output_ids` than its `completion_tokens`: the server streams deltas
+    (`--incremental-streaming-output`), so `text` is only what is new. A stream's first event cannot tell."""
 
 
 def parse_native_event(data: str) -> NativeChunk | StreamError:
@@ -194,8 +197,9 @@ def parse_native_event(data: str) -> NativeChunk | StreamError:
         return error
     if "meta_info" not in obj:
         raise ProtocolError("/generate stream: event without 'meta_info'")
-    text = obj.get("text", "")
-    return NativeChunk(text=text if isinstance(text, str) else "", meta=parse_meta_info(obj["meta_info"]))
+    text, ids, meta = obj.get("text", ""), obj.get("output_ids"), parse_meta_info(obj["meta_info"])
+    return NativeChunk(text=text if isinstance(text, str) else "", meta=meta,
+                       incremental=isinstance(ids, list) and len(ids) < meta.completion_tokens)
 
 
 @dataclass(frozen=True)
