@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,27 @@ def test_a_batch_is_flushed_once_after_its_exchanges_each_once_and_in_order(regi
     assert batching.flushed[0][:30] == list(range(30))  # what was queued is one batch, one flush
     assert batching.closed_after == []  # everything was flushed before close
     assert failures(registry, "batching", "failed") == "0.0"
+
+
+def test_exchanges_that_finish_while_the_thread_waits_for_more_are_one_batch(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Woken by one exchange, the thread waits `BATCH_WAIT_S` before it observes: what finished meanwhile is
+    observed with it, in one batch (each batch's first exchange pays for the cold caches of the rest)."""
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 1.0)
+    gate = threading.Event()
+    gate.set()
+    batching = Batching(gate)
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("batching", batching, queue_size=64)
+    seam.finished(exchanged(0))
+    time.sleep(0.05)
+    for i in range(1, 6):
+        seam.finished(exchanged(i))
+    deadline = time.monotonic() + 10
+    while not batching.flushed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batching.flushed == [[0, 1, 2, 3, 4, 5]]
+    seam.close()
 
 
 def test_a_flush_that_raises_is_counted_and_the_lane_goes_on(registry: CollectorRegistry) -> None:
