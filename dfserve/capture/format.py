@@ -49,7 +49,8 @@ class CapturePolicy(_Model):
                                           "(Authorization, Cookie, X-Api-Key, Proxy-Authorization), never written")
     max_bytes: int = Field(1 << 30, ge=4096, description="bytes on disk the segments may take in all")
     max_segments: int = Field(16, ge=1, description="segments at most; each holds up to max_bytes / max_segments")
-    queue_size: int = Field(4096, ge=1, description="requests waiting for the writer before new ones are dropped")
+    queue_size: int = Field(4096, ge=1, description="exchanges waiting for the capture's thread before new ones are "
+                            "dropped (counted as dropped_queue_full)")
 
     @model_validator(mode="after")
     def _check(self) -> CapturePolicy:

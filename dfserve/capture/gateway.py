@@ -11,7 +11,8 @@ It is the gateway's observer kind `capture` (the config's `capture:` block, `--c
 captured once.
 
     observer = CaptureObserver.from_options({"dir": "/var/lib/dfserve/capture", "fraction": 0.1})
-    observer.observe(exchanged)   # from the gateway's observer thread
+    observer.observe(exchanged)   # from the gateway's observer thread, a batch at a time
+    observer.flush()              # after each batch: its lines in one write
     observer.close()              # the gateway stops: the last segment is closed, the manifest marked complete
 """
 
@@ -57,16 +58,22 @@ def header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
     return pairs
 
 
+def is_captured(exchanged: FinishedExchange) -> bool:
+    """A client's request with a body to replay: not a shadow mirror (a copy of one)."""
+    return not exchanged.mirror and exchanged.method == "POST"
+
+
 def captured(exchanged: FinishedExchange, now_unix_s: float, now_perf_s: float) -> Captured | None:
-    """What the writer keeps of an exchange; None for a shadow mirror or a request without a body to replay."""
-    if exchanged.mirror or exchanged.method != "POST":
+    """What the writer keeps of an exchange; None for one not captured (`is_captured`)."""
+    if not is_captured(exchanged):
         return None
     arrival_unix_s = now_unix_s - (now_perf_s - exchanged.start_s)
     return Captured(exchanged.path, exchanged.body, header_pairs(exchanged.headers), arrival_unix_s, exchanged.start_s)
 
 
 class CaptureObserver:
-    """A gateway observer that captures client requests (`observe`, `close`, as the gateway's observers have)."""
+    """A gateway observer that captures client requests (`observe`, `flush`, `close`, as the gateway's observers
+    have, and `missed`, so that the manifest counts what the observer's full queue dropped)."""
 
     def __init__(self, writer: CaptureWriter, *, wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -95,6 +102,13 @@ class CaptureObserver:
         item = captured(exchanged, self._wall(), self._clock())
         if item is not None:
             self.writer.observe(item)
+
+    def missed(self, exchanged: FinishedExchange) -> None:
+        if is_captured(exchanged):
+            self.writer.missed()
+
+    def flush(self) -> None:
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()

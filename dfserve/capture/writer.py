@@ -1,9 +1,9 @@
-"""`CaptureWriter`: the gateway hands it each request it saw (`observe`, cheap and never blocking); a thread of its
-own redacts, serializes and writes them into bounded segments.
+"""`CaptureWriter`: the gateway's capture observer hands it each request it saw (`observe`, on the observer's
+thread, off the event loop); it redacts and serializes them, and `flush` writes each batch into bounded segments.
 
-A capture must never fail or slow a client's request: `observe` only draws the sampling decision and queues;
-when the queue is full, or writing failed (ENOSPC, EACCES), or the capture reached its bound, the request is
-counted as dropped, and each kind of drop is logged once.
+A capture must never fail or slow a client's request: the gateway's observer seam drops an exchange that finds the
+capture's queue full (and tells the writer, `missed`); when writing failed (ENOSPC, EACCES), or the capture
+reached its bound, the request is counted as dropped; each kind of drop is logged once and counted in the manifest.
 
 The bound stops the capture rather than dropping the oldest segments: a capture is a window of traffic to replay,
 and its arrival offsets are measured from its start, so it stays one unbroken window from its first request; a
@@ -13,6 +13,7 @@ Files are created 0600 (set with fchmod, whatever the umask), the folder 0700.
 
     writer = CaptureWriter.open(CapturePolicy(dir=Path("capture"), fraction=0.1))
     writer.observe(Captured("/generate", body, headers, time.time(), time.perf_counter()))
+    writer.flush()   # the batch's lines, in one write
     writer.close()   # writes the last segment and marks the manifest complete
 """
 
@@ -23,9 +24,7 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,8 +148,7 @@ class _Segment:
 
 
 class CaptureWriter:
-    """Writes one capture folder; `observe` from one thread (the gateway's observer, or an event loop), everything
-    else on the writer's own thread."""
+    """Writes one capture folder, called from one thread at a time (the gateway's observer thread)."""
 
     def __init__(self, policy: CapturePolicy, *, clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time) -> None:
@@ -158,7 +156,6 @@ class CaptureWriter:
         self._t0 = clock()
         self._started_unix_s = wall()
         self._rng = random.Random(policy.seed)
-        self._queue: queue.Queue[Captured | None] = queue.Queue(policy.queue_size)
         self._observed = 0
         self._sampled_out = 0
         self._queue_full = 0
@@ -169,7 +166,6 @@ class CaptureWriter:
         self._stop_kind = ""
         self._logged: set[str] = set()
         self._seq = 0
-        self._thread = threading.Thread(target=self._run, name="dfserve-capture", daemon=True)
 
     @classmethod
     def open(cls, policy: CapturePolicy, **clocks: Any) -> CaptureWriter:
@@ -184,28 +180,42 @@ class CaptureWriter:
             raise FieldError("dir", f"{policy.dir} exists; a capture folder is never reused") from None
         except OSError as exc:
             raise FieldError("dir", f"cannot write {policy.dir}: {exc.strerror or exc}") from None
-        writer._thread.start()
         return writer
 
     def observe(self, captured: Captured) -> None:
-        """Sample and queue one request; never blocks and never raises for the capture's own failures."""
+        """Sample one request and keep its line for `flush`; never raises for the capture's own failures."""
         self._observed += 1
         if self._rng.random() >= self.policy.fraction:
             self._sampled_out += 1
             return
+        self._take(captured)
+
+    def missed(self) -> None:
+        """A request was dropped before it reached the writer (the observer's queue was full): counted, logged once.
+        Called on the event loop; only ever adds to a count the writer reads."""
+        self._queue_full += 1
+        self._log_once("queue", f"capture {self.policy.dir}: the writer fell behind; requests are dropped "
+                       "(counted in the manifest as dropped_queue_full)")
+
+    def flush(self) -> None:
+        """Write the batch's lines to the open segment, in one write."""
+        if self._segment is None:
+            return
         try:
-            self._queue.put_nowait(captured)
-        except queue.Full:
-            self._queue_full += 1
-            self._log_once("queue", f"capture {self.policy.dir}: the writer fell behind; requests are dropped "
-                           "(counted in the manifest as dropped_queue_full)")
+            self._segment.flush()
+        except OSError as exc:
+            self._salvage()
+            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
 
     def close(self) -> CaptureManifest:
-        """Write what is queued, close the last segment and mark the capture complete (logged, not raised, when
+        """Write what is pending, close the last segment and mark the capture complete (logged, not raised, when
         the manifest cannot be written: the capture then reads as incomplete)."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        if self._segment is not None:
+            try:
+                self._close_segment()
+            except OSError as exc:
+                self._salvage()
+                self._stop("dropped_write_error", f"cannot close a segment: {exc.strerror or exc}")
         try:
             return self._write_manifest(complete=True)
         except OSError as exc:
@@ -222,25 +232,6 @@ class CaptureWriter:
             self._logged.add(kind)
             log.warning(message)
 
-    def _run(self) -> None:
-        while True:
-            captured = self._queue.get()
-            while captured is not None:  # taken one at a time: the queue's bound stays what is held in memory
-                self._take(captured)
-                try:
-                    captured = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            self._flush()
-            if captured is None:
-                break
-        if self._segment is not None:
-            try:
-                self._close_segment()
-            except OSError as exc:
-                self._salvage()
-                self._stop("dropped_write_error", f"cannot close a segment: {exc.strerror or exc}")
-
     def _take(self, captured: Captured) -> None:
         if self._stopped is not None:
             self._counts[self._stop_kind] += 1
@@ -253,16 +244,6 @@ class CaptureWriter:
             return
         if line is not None:
             self._append(line)
-
-    def _flush(self) -> None:
-        """Write the batch's lines to the open segment, in one write."""
-        if self._segment is None:
-            return
-        try:
-            self._segment.flush()
-        except OSError as exc:
-            self._salvage()
-            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
 
     def _line(self, captured: Captured) -> bytes | None:
         route = ROUTE_OF.get(captured.path)

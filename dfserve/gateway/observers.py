@@ -4,11 +4,12 @@ Every request the gateway sends to an arm (a client's, or a shadow mirror of one
 limits or failed) ends in one `Exchanged` record, handed once to `Observers.finished`; a request the gateway
 refuses before it picks an arm (invalid JSON, an unknown route, an oversize body) is no exchange. Metrics are the
 first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
-it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records) runs on a thread of
-its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an observer's work never
-runs on the hot path. The thread takes its exchanges in batches: woken by one, it waits `BATCH_WAIT_S` for more,
-then observes everything queued by then, and an observer with a `flush` method has it called after each batch, to
-write a batch at once. An exchange that finds the queue full is dropped for that observer, and an observer that
+it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records)
+runs on a thread of its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an
+observer's work never runs on the hot path. The thread takes its exchanges in batches: woken by one, it waits
+`BATCH_WAIT_S` for more, then observes everything queued by then, and an observer with a `flush` method has it
+called after each batch, to write a batch at once. An exchange that finds the queue full is dropped for that
+observer (one with a `missed` method is told, on the loop, to count it in what it writes), and an observer that
 raises loses that exchange: both are counted (`dfserve_gateway_observer_failures_total{observer, reason}`, reason
 `behind` or `failed`) and logged once per observer and reason; neither ever fails or slows a client's request.
 
@@ -91,6 +92,15 @@ class Flushing(Protocol):
         """Write what the batch's exchanges left pending; what it raises is counted and logged."""
 
 
+@runtime_checkable
+class Missing(Protocol):
+    """An observer told of each exchange its full queue dropped, to count it in what it writes (a capture's
+    manifest)."""
+
+    def missed(self, exchanged: Exchanged) -> None:
+        """Called on the event loop: as cheap as adding to a count."""
+
+
 ObserverKind = Callable[[Mapping[str, Any]], Observer]
 """Builds an observer from its `options` in the config, raising `FieldError` for a bad one."""
 
@@ -165,6 +175,7 @@ class _Lane:
         self.observer = observer
         self.faults = faults
         self.queue: queue.Queue[object] = queue.Queue(queue_size)
+        self.missed = observer.missed if isinstance(observer, Missing) else None
         self.thread = threading.Thread(target=self._drain, name=f"dfserve observer {name}", daemon=True)
         self.thread.start()
 
@@ -173,6 +184,11 @@ class _Lane:
             self.queue.put_nowait(exchanged)
         except queue.Full:
             self.faults("behind", None)
+            if self.missed is not None:
+                try:
+                    self.missed(exchanged)
+                except Exception as exc:
+                    self.faults("failed", exc)
 
     def _drain(self) -> None:
         observer, flush = self.observer, self.observer.flush if isinstance(self.observer, Flushing) else None

@@ -47,6 +47,7 @@ class Finished:
 def capturing_server(policy: CapturePolicy) -> Iterator[str]:
     """A loopback HTTP server that captures every POST and answers `{}`; the capture is closed when it stops."""
     observer = CaptureObserver(CaptureWriter.open(policy))
+    turns = threading.Lock()  # the gateway observes from one thread; this server's handlers take turns
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -56,8 +57,10 @@ def capturing_server(policy: CapturePolicy) -> Iterator[str]:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             headers = b"".join(f"{name.lower()}: {value}\r\n".encode() for name, value in self.headers.items())
             self._answer(200, b"{}")
-            observer.observe(Finished(False, "POST", self.path, headers, body, arrived))
-            observer.observe(Finished(True, "POST", self.path, headers, body, arrived))  # a shadow copy: not kept
+            with turns:
+                observer.observe(Finished(False, "POST", self.path, headers, body, arrived))
+                observer.observe(Finished(True, "POST", self.path, headers, body, arrived))  # a shadow copy: not kept
+                observer.flush()
 
         def do_GET(self) -> None:
             self._answer(404, b"")

@@ -12,8 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dfserve.capture import writer as writer_module
 from dfserve.capture.format import MANIFEST, CapturePolicy, CaptureRecord
@@ -22,6 +24,8 @@ from dfserve.capture.read import read_capture
 from dfserve.capture.redact import kept_headers, redact, sampling_of, text_hash
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError, UserError
+from dfserve.gateway.observers import Exchanged, Observers
+from dfserve.metrics import ObserverMetrics
 
 CHAT = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}],
         "temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "user": "alice", "stream": True}
@@ -206,35 +210,24 @@ def test_a_failing_disk_never_raises_into_observe_and_is_logged_once(
 
 def test_a_write_that_fails_mid_batch_leaves_whole_lines_and_a_true_manifest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_flush, real_line, real_write = writer_module._Segment.flush, CaptureWriter._line, writer_module._write_all
-    flushed, queued, failing = threading.Event(), threading.Event(), threading.Event()
-
-    def noted_flush(segment: writer_module._Segment) -> None:
-        real_flush(segment)
-        flushed.set()
-
-    def held_line(self: CaptureWriter, item: Captured) -> bytes | None:
-        if failing.is_set():
-            queued.wait(10)  # the rest of the batch is queued before the first of it is written
-        return real_line(self, item)
+    real_write = writer_module._write_all
+    failing = False
 
     def torn_write(fd: int, data: bytes) -> None:
-        if failing.is_set() and "segment-" in os.readlink(f"/proc/self/fd/{fd}"):
+        if failing and "segment-" in os.readlink(f"/proc/self/fd/{fd}"):
             os.write(fd, data[: len(data) // 2 + 1])  # the batch's first lines whole, the next one torn
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(fd, data)
 
-    monkeypatch.setattr(writer_module._Segment, "flush", noted_flush)
-    monkeypatch.setattr(CaptureWriter, "_line", held_line)
     monkeypatch.setattr(writer_module, "_write_all", torn_write)
     writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 0.0)
     for i in range(2):
         writer.observe(captured(NATIVE, at=i))
-    assert flushed.wait(10)  # the first batch is on disk
-    failing.set()
+    writer.flush()  # the first batch is on disk
+    failing = True
     for i in range(2, 6):
         writer.observe(captured({**NATIVE, "text": f"batch {i}"}, at=i))
-    queued.set()
+    writer.flush()
     manifest = writer.close()
     assert (manifest.counts.written, manifest.counts.dropped_write_error) == (2, 4)
     manifest_read, records = read_capture(tmp_path / "capture")  # checks each segment's size and sha256
@@ -252,8 +245,10 @@ def test_every_request_of_a_batch_is_written_once_and_in_order(tmp_path: Path) -
     assert [r.seq for r in records] == list(range(200)) and len(manifest.segments) > 1  # batches cross segments
 
 
-def test_a_full_queue_drops_without_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_full_queue_drops_without_blocking_and_the_manifest_counts_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Behind the gateway's observer seam: while the capture's thread is held, the loop's hand-offs never wait,
+    and the client requests its full queue dropped (not their shadow copies) are counted in the manifest."""
     release = threading.Event()
     real_line = CaptureWriter._line
 
@@ -262,16 +257,21 @@ def test_a_full_queue_drops_without_blocking(tmp_path: Path, monkeypatch: pytest
         return real_line(self, item)
 
     monkeypatch.setattr(CaptureWriter, "_line", slow_line)
-    writer = CaptureWriter.open(policy(tmp_path, queue_size=2))
+    observer = CaptureObserver(CaptureWriter.open(policy(tmp_path)))
+    seam = Observers(ObserverMetrics.build(CollectorRegistry()))
+    seam.add("capture", observer, queue_size=2)
+    body = json.dumps(NATIVE).encode()
     with caplog.at_level(logging.WARNING, "dfserve.capture"):
         started = time.perf_counter()
-        for _ in range(20):
-            writer.observe(captured(NATIVE))
+        for i in range(20):
+            for mirror in (False, True):
+                seam.finished(cast(Exchanged, Finished(mirror, "POST", "/generate", b"x-team: infra\r\n", body, i)))
         elapsed = time.perf_counter() - started
         release.set()
-        manifest = writer.close()
-    assert elapsed < 5  # the worker held every write for up to 10 s; observe waited for none of them
-    assert manifest.counts.dropped_queue_full >= 17
+        seam.close()
+    manifest, _ = read_capture(tmp_path / "capture")
+    assert elapsed < 5  # the thread held every write for up to 10 s; the hand-offs waited for none of them
+    assert manifest.counts.dropped_queue_full >= 15
     assert manifest.counts.written + manifest.counts.dropped_queue_full == 20
     assert len([r for r in caplog.records if "fell behind" in r.getMessage()]) == 1
 
