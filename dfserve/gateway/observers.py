@@ -164,8 +164,8 @@ _STOP = object()
 BATCH_WAIT_S = 0.1
 """How long an observer's thread, woken by an exchange, waits for more before it observes them. Between two
 exchanges the event loop's work evicts an observer's code and data from the CPU's caches: a shadow record costs
-about three times as much alone (330 µs) as in a batch of sixteen (100 µs), so the first exchange of a batch pays
-for the rest. A live decision or a capture on disk is later by as much."""
+three to four times as much made alone as in a batch of sixteen (bench/record_batches.py), so the first exchange
+of a batch pays for the rest. A live decision or a capture on disk is later by as much."""
 
 
 class _Lane:
