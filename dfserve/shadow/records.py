@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -51,23 +50,17 @@ def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
     """The answer's output text where `answer` holds all of it: a whole body, or a native stream's last event
     (SGLang repeats the whole output in each, unless it streams deltas); None for an OpenAI stream (`answer` is only
     its end: its text is read from its pieces, `recorded_stream`)."""
-    try:
-        if not streamed:
+    if not streamed:
+        try:
             if route == "native":
                 return "\x00".join(r.text for r in sglang.parse_generate_response(answer))
             return sglang.parse_openai_response(answer).text
-        if route != "native":
+        except ProtocolError:
             return None
-        decoder = sglang.SSEDecoder()
-        events = decoder.feed(answer)
-        for data in reversed(events):
-            if data.strip() == "[DONE]":
-                continue
-            chunk = sglang.parse_native_event(data)
-            return chunk.text if isinstance(chunk, sglang.NativeChunk) and not chunk.incremental else None
-    except ProtocolError:
+    if route != "native":
         return None
-    return None
+    end = native_stream_end(answer)
+    return end.text if end.failure is None and not end.incremental else None
 
 
 def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
@@ -114,17 +107,15 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
     arrival of its piece, in seconds from `t0_perf_s`), and a total that went back a protocol error, as the tester
     has them; the output text, and how the stream ended, from its last events."""
     end = native_stream_end(answer)
-    running = [total for _, total in totals]
-    tokens = list(map(operator.sub, running, [0, *running[:-1]]))
-    kept = next((n for n, count in enumerate(tokens) if count < 0), None) if min(tokens, default=0) < 0 else None
-    failure = end.failure
-    if kept is not None:
-        failure = ("protocol", f"completion_tokens went backwards: {running[kept - 1]} -> {running[kept]}")
-    else:
-        kept = len(tokens)
-    return StreamRead(chunk_times=[now - t0_perf_s for now, _ in totals[:kept]], chunk_tokens=tokens[:kept],
-                      completion_tokens=running[kept - 1] if kept else 0, texts=end.texts,
-                      incremental=end.incremental, failure=failure)
+    stream = StreamRead(texts=end.texts, incremental=end.incremental, failure=end.failure)
+    for now, total in totals:
+        if total < stream.completion_tokens:
+            stream.failure = ("protocol", f"completion_tokens went backwards: {stream.completion_tokens} -> {total}")
+            break
+        stream.chunk_times.append(now - t0_perf_s)
+        stream.chunk_tokens.append(total - stream.completion_tokens)
+        stream.completion_tokens = total
+    return stream
 
 
 def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
