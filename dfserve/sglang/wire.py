@@ -1,9 +1,10 @@
 """What both sides of SGLang's protocol share: compact JSON as SGLang sends it, the SSE end marker, and JSON
 decoding that fails as a `ProtocolError` naming what was read.
 
-JSON is decoded by pydantic-core's parser (Rust): two to three times as fast as `json.loads` on SGLang's events,
-which a load tester and a recording gateway decode by the thousand a second; too deep a nesting is its
-`ValueError`, not a `RecursionError`."""
+SSE events are decoded by pydantic-core's parser (Rust): two to three times as fast as `json.loads` on SGLang's
+events, which a load tester and a recording gateway decode by the thousand a second. What it refuses, `json.loads`
+decides, so an event is read exactly when `json.loads` reads it (a lone surrogate escaped in a string, deep
+nesting up to the recursion limit), and never raises more than a `ProtocolError`."""
 
 from __future__ import annotations
 
@@ -30,16 +31,19 @@ def decode_json(body: bytes | str | Any, what: str) -> Any:
     if not isinstance(body, bytes | str):
         return body
     try:
-        return from_json(body)
-    except ValueError as exc:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"{what}: invalid JSON ({exc})") from None
 
 
 def event_json(data: str, what: str) -> dict[str, Any]:
     try:
         obj = from_json(data)
-    except ValueError as exc:
-        raise ProtocolError(f"{what}: invalid JSON in SSE data ({exc})") from None
+    except ValueError:
+        try:
+            obj = json.loads(data)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ProtocolError(f"{what}: invalid JSON in SSE data ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: SSE data is not an object")
     return obj

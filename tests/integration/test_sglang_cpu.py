@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import fnmatch
+import hashlib
 import json
 import os
 import subprocess
@@ -140,15 +141,18 @@ def loadtest(world: World, out: Path, name: str, api: str, arm_url: str, *extra:
     return [RequestRecord.model_validate_json(line) for line in lines]
 
 
-def sglang_counts(url: str, api: str, task_text: str, messages: list[dict[str, str]]) -> tuple[int, int]:
-    """(completion tokens, verify rounds) as SGLang reports them for the request, asked directly and whole."""
+def sglang_answer(url: str, api: str, task_text: str, messages: list[dict[str, str]]) -> tuple[int, int, str]:
+    """(completion tokens, verify rounds, sha256 of the output) as SGLang reports them for the request, asked
+    directly and whole."""
     if api == "native":
-        meta = httpx.post(f"{url}/generate", json=sglang.generate_body(task_text, SAMPLING, stream=False),
-                          timeout=600).raise_for_status().json()["meta_info"]
+        reply = httpx.post(f"{url}/generate", json=sglang.generate_body(task_text, SAMPLING, stream=False),
+                           timeout=600).raise_for_status().json()
+        meta, text = reply["meta_info"], reply["text"]
     else:
         body = sglang.chat_body("default", messages, SAMPLING, stream=False, return_meta_info=True)
-        meta = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status().json()["choices"][0]["meta_info"]
-    return int(meta["completion_tokens"]), int(meta["spec_verify_ct"])
+        choice = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status().json()["choices"][0]
+        meta, text = choice["meta_info"], choice["message"]["content"]
+    return int(meta["completion_tokens"]), int(meta["spec_verify_ct"]), hashlib.sha256(text.encode()).hexdigest()
 
 
 def gateway_config(path: Path, arms: dict[str, str]) -> Path:
@@ -166,7 +170,7 @@ def gateway_config(path: Path, arms: dict[str, str]) -> Path:
 def test_loadtest_records_the_verify_rounds_sglang_reports_direct_and_through_the_gateway(
         world: World, servers: Servers, tmp_path: Path, api: str) -> None:
     tasks = load_tasks(str(world.tasks)).tasks
-    expected = {t.id: sglang_counts(servers.long.url, api, t.as_text(), t.as_messages()) for t in tasks}
+    expected = {t.id: sglang_answer(servers.long.url, api, t.as_text(), t.as_messages()) for t in tasks}
     direct = loadtest(world, tmp_path / "runs", f"direct-{api}", api, servers.long.url)
     with gateway_server(gateway_config(tmp_path / "gateway.yaml", {"long": servers.long.url})) as url:
         relayed = loadtest(world, tmp_path / "runs", f"gateway-{api}", api, url)
@@ -174,8 +178,10 @@ def test_loadtest_records_the_verify_rounds_sglang_reports_direct_and_through_th
         assert len(records) == len(tasks)
         for record in records:
             assert record.ok and record.acceptance == "exact", record
-            assert (record.completion_tokens, record.spec_verify_ct) == expected[record.task_id], record.task_id
-    assert any(rounds < tokens for tokens, rounds in expected.values())  # the drafter was accepted somewhere
+            # the output read from the stream is the whole answer's: a native stream's events are not taken for
+            # deltas (each holds all its output_ids), nor a chat stream's deltas for anything but deltas
+            assert (record.completion_tokens, record.spec_verify_ct, record.output_sha256) == expected[record.task_id]
+    assert any(rounds < tokens for tokens, rounds, _ in expected.values())  # the drafter was accepted somewhere
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -190,7 +196,7 @@ def test_a_plain_clients_streamed_chat_through_the_gateway_is_measured_exactly(w
     """A client asking neither spec details nor usage: SGLang sends the details the gateway asked for in a chunk of
     their own (`choices: []`), and no usage chunk follows; the gateway's figure must still be exact."""
     (task,) = load_tasks(str(world.tasks)).tasks[:1]
-    tokens, rounds = sglang_counts(servers.long.url, "chat", task.as_text(), task.as_messages())
+    tokens, rounds, _ = sglang_answer(servers.long.url, "chat", task.as_text(), task.as_messages())
     body = sglang.chat_body("default", task.as_messages(), SAMPLING, stream=True)
     with gateway_server(gateway_config(tmp_path / "gateway.yaml", {"long": servers.long.url})) as url:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as reply:

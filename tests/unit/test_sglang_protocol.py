@@ -203,5 +203,11 @@ def test_hostile_json_in_an_event_is_a_protocol_error(data: str) -> None:
     """Deep nesting, a cut string and trailing bytes are the server's fault, said as one: never a RecursionError."""
     with pytest.raises(ProtocolError, match="invalid JSON"):
         proto.parse_native_event(data)
-    with pytest.raises(ProtocolError, match="invalid JSON"):
-        proto.parse_generate_response(data.encode())
+
+
+def test_an_event_is_read_whenever_json_loads_reads_it() -> None:
+    """The fast parser refuses a lone surrogate and nesting past 200 deep, which `json.loads` reads: so does dfserve."""
+    lone = proto.parse_native_event('{"text": "\\ud800 hi", "meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}')
+    assert isinstance(lone, proto.NativeChunk) and lone.text == "\ud800 hi"
+    deep = '{"text": "x", "nested": ' + "[" * 300 + "]" * 300 + ', "meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}'
+    assert isinstance(proto.parse_native_event(deep), proto.NativeChunk)
