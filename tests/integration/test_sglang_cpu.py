@@ -184,6 +184,25 @@ def test_loadtest_records_the_verify_rounds_sglang_reports_direct_and_through_th
     assert any(rounds < tokens for tokens, rounds, _ in expected.values())  # the drafter was accepted somewhere
 
 
+def test_a_native_stream_of_deltas_is_read_whole(world: World, servers: Servers, tmp_path: Path) -> None:
+    """The reference server streams deltas: each native event holds only its new output_ids and text. The load
+    tester's output is still the whole answer's, and its token counts SGLang's."""
+    tasks = load_tasks(str(world.tasks)).tasks
+    whole = {t.id: reply for t, reply in zip(tasks, generate(servers.plain.url, [t.as_text() for t in tasks]),
+                                             strict=True)}
+    records = loadtest(world, tmp_path / "runs", "deltas", "native", servers.plain.url)
+    assert len(records) == len(tasks)
+    for record in records:
+        reply = whole[record.task_id]
+        assert record.ok and record.completion_tokens == reply["meta_info"]["completion_tokens"], record
+        assert record.output_sha256 == hashlib.sha256(reply["text"].encode()).hexdigest(), record.task_id
+    with httpx.stream("POST", f"{servers.plain.url}/generate", timeout=600,
+                      json=sglang.generate_body(tasks[0].as_text(), SAMPLING, stream=True)) as response:
+        events = sglang.SSEDecoder().feed(response.read())
+    ids = [len(json.loads(data)["output_ids"]) for data in events if data != sglang.DONE]
+    assert len(ids) > 1 and sum(ids) == whole[tasks[0].id]["meta_info"]["completion_tokens"]  # deltas, not totals
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
