@@ -99,7 +99,9 @@ class CaptureCounts(_Model):
     not_a_route: int = Field(0, description="a path other than /generate, /v1/chat/completions, /v1/completions")
     unreadable: int = Field(0, description="a body that is not a JSON object")
     written: int = 0
-    dropped_queue_full: int = 0
+    dropped_queue_full: int = Field(0, description="client requests the capture's thread could not take in time "
+                                    "(its queue was full), dropped before sampling: with a fraction below 1, more "
+                                    "than would have been written")
     dropped_write_error: int = 0
     dropped_over_bound: int = Field(0, description="after the capture reached max_bytes or max_segments")
     dropped_too_large: int = Field(0, description="one record larger than a segment")

@@ -90,7 +90,11 @@ class CaptureObserver:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> CaptureObserver:
-        """From the gateway config's `capture:` block (`CapturePolicy`'s fields); `FieldError` naming the field."""
+        """From an `observers:` entry's options (`CapturePolicy`'s fields, but for `queue_size`: the entry's own
+        sizes the queue); `FieldError` naming the field."""
+        if "queue_size" in options:
+            raise FieldError("capture.queue_size", "an observers entry's queue is sized by the entry's own "
+                             "queue_size, not by its options")
         try:
             policy = CapturePolicy.model_validate(dict(options))
         except ValidationError as exc:

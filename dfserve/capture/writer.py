@@ -148,7 +148,8 @@ class _Segment:
 
 
 class CaptureWriter:
-    """Writes one capture folder, called from one thread at a time (the gateway's observer thread)."""
+    """Writes one capture folder, called from one thread at a time (the gateway's observer thread), but for
+    `missed`, which the event loop calls: it only adds to a count (and may log its warning twice, at worst)."""
 
     def __init__(self, policy: CapturePolicy, *, clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time) -> None:
@@ -224,8 +225,8 @@ class CaptureWriter:
 
     @property
     def counts(self) -> CaptureCounts:
-        return CaptureCounts(**{**self._counts, "observed": self._observed, "sampled_out": self._sampled_out,
-                                "dropped_queue_full": self._queue_full})
+        return CaptureCounts(**{**self._counts, "observed": self._observed + self._queue_full,
+                                "sampled_out": self._sampled_out, "dropped_queue_full": self._queue_full})
 
     def _log_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:

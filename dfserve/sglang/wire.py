@@ -39,10 +39,10 @@ def decode_json(body: bytes | str | Any, what: str) -> Any:
 def event_json(data: str, what: str) -> dict[str, Any]:
     try:
         obj = from_json(data)
-    except ValueError:
+    except (ValueError, TypeError):
         try:
             obj = json.loads(data)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4300 digits
             raise ProtocolError(f"{what}: invalid JSON in SSE data ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: SSE data is not an object")

@@ -272,7 +272,7 @@ def test_a_full_queue_drops_without_blocking_and_the_manifest_counts_it(
     manifest, _ = read_capture(tmp_path / "capture")
     assert elapsed < 5  # the thread held every write for up to 10 s; the hand-offs waited for none of them
     assert manifest.counts.dropped_queue_full >= 15
-    assert manifest.counts.written + manifest.counts.dropped_queue_full == 20
+    assert manifest.counts.written + manifest.counts.dropped_queue_full == manifest.counts.observed == 20
     assert len([r for r in caplog.records if "fell behind" in r.getMessage()]) == 1
 
 
@@ -370,3 +370,6 @@ def test_the_observers_options_are_the_policy_and_a_bad_one_names_its_field(tmp_
         CaptureObserver.from_options({"dir": str(tmp_path / "d"), "max_segment": 2})
     with pytest.raises(FieldError, match=r"^capture\.dir: .* exists; a capture folder is never reused"):
         CaptureObserver.from_options({"dir": str(tmp_path / "c")})
+    with pytest.raises(FieldError, match=r"^capture\.queue_size: an observers entry's queue is sized by the entry's"):
+        CaptureObserver.from_options({"dir": str(tmp_path / "e"), "queue_size": 8})
+    assert not (tmp_path / "e").exists()

@@ -182,6 +182,37 @@ def test_exchanges_that_finish_while_the_thread_waits_for_more_are_one_batch(
     seam.close()
 
 
+def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exchanges that queued while the thread was busy are a batch already: it does not wait `BATCH_WAIT_S` for
+    more, so the wait never caps how fast an observer keeps up."""
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
+    flushing, release = threading.Event(), threading.Event()
+
+    class SlowFlush(Batching):
+        def flush(self) -> None:
+            super().flush()
+            flushing.set()
+            release.wait(10)
+
+    gate = threading.Event()
+    gate.set()
+    slow = SlowFlush(gate)
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("slow", slow, queue_size=64)
+    seam.finished(exchanged(0))
+    assert flushing.wait(10)
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 30.0)
+    for i in range(1, 4):
+        seam.finished(exchanged(i))  # queued while the thread is busy flushing
+    started = time.monotonic()
+    release.set()
+    while len(slow.flushed) < 2 and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    assert slow.flushed == [[0], [1, 2, 3]] and time.monotonic() - started < 10
+    seam.close()
+
+
 def test_a_flush_that_raises_is_counted_and_the_lane_goes_on(registry: CollectorRegistry) -> None:
     class FailingFlush(Recorder):
         def flush(self) -> None:

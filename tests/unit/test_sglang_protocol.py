@@ -211,3 +211,7 @@ def test_an_event_is_read_whenever_json_loads_reads_it() -> None:
     assert isinstance(lone, proto.NativeChunk) and lone.text == "\ud800 hi"
     deep = '{"text": "x", "nested": ' + "[" * 300 + "]" * 300 + ', "meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}'
     assert isinstance(proto.parse_native_event(deep), proto.NativeChunk)
+    raw = proto.parse_native_event('{"text": "\ud800", "meta_info": {"prompt_tokens": 1, "completion_tokens": 2}}')
+    assert isinstance(raw, proto.NativeChunk) and raw.text == "\ud800"  # a str holding the surrogate itself
+    with pytest.raises(ProtocolError, match="invalid JSON"):  # json.loads' own ValueError, over 4300 digits
+        proto.parse_native_event('{"text": "x", "n": ' + "1" * 5000 + ', "meta_info": {}}')

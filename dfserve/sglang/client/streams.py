@@ -187,7 +187,9 @@ class NativeChunk:
     meta: MetaInfo
     incremental: bool = False
     """The event holds fewer `output_ids` than its `completion_tokens`: the server streams deltas
-    (`--incremental-streaming-output`), so `text` is only what is new. A stream's first event cannot tell."""
+    (`--incremental-streaming-output`), so `text` is only what is new. A stream's first event cannot tell. SGLang
+    0.5.23 sends text and ids alike, whole or new (`tokenizer_manager.py`); older releases that sent new ids with
+    the whole text would be read as deltas, and their outputs joined wrongly."""
 
 
 def parse_native_event(data: str) -> NativeChunk | StreamError:
