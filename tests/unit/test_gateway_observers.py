@@ -161,23 +161,34 @@ def test_a_batch_is_flushed_once_after_its_exchanges_each_once_and_in_order(regi
     assert failures(registry, "batching", "failed") == "0.0"
 
 
+def opened() -> threading.Event:
+    gate = threading.Event()
+    gate.set()
+    return gate
+
+
+def seconds_until_flushed(batching: Batching, batches: int, timeout_s: float = 20.0) -> float:
+    """How long until `batching` has flushed `batches` batches; fails past `timeout_s`."""
+    started = time.monotonic()
+    while len(batching.flushed) < batches:
+        assert time.monotonic() - started < timeout_s, f"{len(batching.flushed)} of {batches} batches flushed"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
 def test_exchanges_that_finish_while_the_thread_waits_for_more_are_one_batch(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """Woken by one exchange, the thread waits `BATCH_WAIT_S` before it observes: what finished meanwhile is
     observed with it, in one batch (each batch's first exchange pays for the cold caches of the rest)."""
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 1.0)
-    gate = threading.Event()
-    gate.set()
-    batching = Batching(gate)
+    batching = Batching(opened())
     seam = Observers(ObserverMetrics.build(registry))
     seam.add("batching", batching, queue_size=64)
     seam.finished(exchanged(0))
     time.sleep(0.05)
     for i in range(1, 6):
         seam.finished(exchanged(i))
-    deadline = time.monotonic() + 10
-    while not batching.flushed and time.monotonic() < deadline:
-        time.sleep(0.01)
+    seconds_until_flushed(batching, 1)
     assert batching.flushed == [[0, 1, 2, 3, 4, 5]]
     seam.close()
 
@@ -195,9 +206,7 @@ def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
             flushing.set()
             release.wait(10)
 
-    gate = threading.Event()
-    gate.set()
-    slow = SlowFlush(gate)
+    slow = SlowFlush(opened())
     seam = Observers(ObserverMetrics.build(registry))
     seam.add("slow", slow, queue_size=64)
     seam.finished(exchanged(0))
@@ -205,11 +214,9 @@ def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 30.0)
     for i in range(1, 4):
         seam.finished(exchanged(i))  # queued while the thread is busy flushing
-    started = time.monotonic()
     release.set()
-    while len(slow.flushed) < 2 and time.monotonic() - started < 10:
-        time.sleep(0.01)
-    assert slow.flushed == [[0], [1, 2, 3]] and time.monotonic() - started < 10
+    assert seconds_until_flushed(slow, 2) < 10  # not the 30 s wait
+    assert slow.flushed == [[0], [1, 2, 3]]
     seam.close()
 
 

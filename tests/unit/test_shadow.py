@@ -428,3 +428,14 @@ def test_a_stream_of_deltas_is_read_whole_by_the_tester_and_left_unhashed_by_the
     cumulative = relayed(native_stream(64), 100.0)[0]
     whole = shadow_record(replace(exchange, answer=cumulative.tail, pieces=cumulative.pieces), 100.0)
     assert whole.output_sha256 == tester.output_sha256
+
+
+def test_greedy_streams_of_deltas_never_pass_losslessness_on_outputs_the_gateway_cannot_know(tmp_path: Path) -> None:
+    """Both arms stream deltas with identical outputs: hashing each stream's last delta would call them identical
+    (and different outputs ending alike too); the records have no hash, so the rule does not apply, and says why."""
+    relay, _ = relayed(native_stream(64, incremental=True), 100.0)
+    traffic = [replace(exchanged(rid, arm, mirror, streamed=True, answer=relay.tail), pieces=relay.pieces)
+               for rid in range(30) for arm, mirror in (("zlab", False), ("inhouse", True))]
+    judged = compare_shadow(_record(tmp_path, traffic), None, None, False, tmp_path / "v")
+    assert judged.notes == [NO_HASH] and "--incremental-streaming-output" in NO_HASH
+    assert next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction").status == "NOT_APPLICABLE"
