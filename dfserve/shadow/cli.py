@@ -13,6 +13,7 @@ from rich.console import Console
 from dfserve.errors import FieldError, Untrusted, UserError, flags_for
 from dfserve.shadow.verdict import compare_shadow
 from dfserve.verdict.printer import metrics_table, print_verdict
+from dfserve.verdict.report import REPORT
 from dfserve.verdict.verdict import EXIT
 
 
@@ -36,4 +37,5 @@ def compare_shadow_folder(run: Path, baseline: str | None, candidate: str | None
     for note in judged.notes:
         click.echo(note)
     click.echo(f"verdict: {judged.path}")
+    click.echo(f"report:  {judged.path.parent / REPORT}")
     sys.exit(EXIT[judged.verdict.verdict])

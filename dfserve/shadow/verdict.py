@@ -41,6 +41,7 @@ from dfserve.verdict.design import SequentialDesign, SequentialReport
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import Pairs
+from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.sequential import check_sequential_gate
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
@@ -233,6 +234,10 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
                       incomplete=missing,
                       judgement=judgement, gate=rules, provenance=Provenance.here(), sequential=outcome.sequential)
     file = write_verdict(verdict, out or path.parent)
+    said = list(notes)
     if floor is not None:
         write_model(file.parent / NOISE_FLOOR, floor)
+        said.insert(0, f"Noise floor: {floor.judgement.candidate} against {floor.judgement.baseline}, the same drafter, "
+                       f"under the same gate: {floor.judgement.verdict} ({NOISE_FLOOR}).")
+    write_verdict_report(verdict, file.parent, said, f"live traffic mirrored by the gateway ({path.name})")
     return ShadowJudged(verdict, file, floor, notes)

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dfserve.verdict import stats
-from dfserve.verdict.pairs import MetricSpec, Pairs
+from dfserve.verdict.pairs import MetricSpec, Pairs, known_outputs
 from dfserve.verdict.results import Lossless, MetricResult
 
 
@@ -110,11 +110,10 @@ def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArr
 
 def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
     """The share of finished pairs whose outputs agree, and the tasks where they differ."""
-    assert spec.output is not None
-    output = spec.output
-    both = [(t, b, c) for t, b, c in zip(pairs.task_ids, pairs.base, pairs.cand, strict=True) if b.ok and c.ok]
-    differing = sorted({t for t, b, c in both if output(b) != output(c)})
-    same = sum(1 for _, b, c in both if output(b) == output(c))
+    compared = ((t, known_outputs(spec, b, c)) for t, b, c in zip(pairs.task_ids, pairs.base, pairs.cand, strict=True))
+    both = [(t, outputs) for t, outputs in compared if outputs is not None]
+    differing = sorted({t for t, (b, c) in both if b != c})
+    same = sum(1 for _, (b, c) in both if b == c)
     interval = stats.wilson(same, len(both))
     return Lossless(applicable=pairs.deterministic, pairs=len(both), identical=same,
                     fraction=interval.estimate if interval else None, low=interval.low if interval else None,

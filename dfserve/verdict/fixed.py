@@ -21,7 +21,15 @@ from dfserve.verdict.design import Outcome
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec, Pairs
-from dfserve.verdict.results import Judgement, Lossless, MetricResult, RuleResult, overall, tasks_needed
+from dfserve.verdict.results import (
+    NOT_JUDGED,
+    Judgement,
+    Lossless,
+    MetricResult,
+    RuleResult,
+    overall,
+    tasks_needed,
+)
 
 
 def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
@@ -30,7 +38,7 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
     limit = rule.limit
     if not lossless.applicable:
         return RuleResult(metric=rule.metric, limit=limit, status="NOT_APPLICABLE",
-                          detail="temperature > 0: outputs may differ by design")
+                          detail=NOT_JUDGED)
     if lossless.fraction is None or lossless.high is None or lossless.low is None:
         return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE", detail="no pair finished")
     detail = f"{lossless.identical}/{lossless.pairs} identical, interval [{lossless.low:.4f}, {lossless.high:.4f}]"

@@ -34,8 +34,8 @@ U = TypeVar("U", bound=Unit)
 class MetricSpec(Generic[U]):
     """How one metric is read from units; `kind` names an entry of `kinds.KINDS`: `ratio` (Σ numerator /
     Σ denominator over finished units), `quantile` of one value per unit (`value`) or of many (`samples`),
-    `error_rate` (units not ok), `identical` (the share of finished pairs whose `output` agrees; gated by
-    `at_least`, every other kind by `max_worse`).
+    `error_rate` (units not ok), `identical` (the share of finished pairs, their outputs known, whose `output`
+    agrees; gated by `at_least`, every other kind by `max_worse`).
     `fixed_by_task`: when the units are deterministic, a repeated task repeats this metric's value, so only
     distinct tasks add evidence."""
 
@@ -57,6 +57,16 @@ def check_same_task(index: int, base_task: str, cand_task: str) -> None:
     if base_task != cand_task:
         raise UserError(f"pair {index}: the baseline ran task {base_task!r}, the candidate {cand_task!r}; the two "
                         "sides did not replay the same schedule")
+
+
+def known_outputs(spec: MetricSpec[U], base: U, cand: U) -> tuple[str, str] | None:
+    """A finished pair's two outputs, or None where either side failed or its output is not known: two unknown
+    outputs are never counted as identical."""
+    assert spec.output is not None
+    if not (base.ok and cand.ok):
+        return None
+    outputs = spec.output(base), spec.output(cand)
+    return None if outputs[0] is None or outputs[1] is None else (outputs[0], outputs[1])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dfserve.verdict import wording
 from dfserve.verdict.design import SequentialReport
-from dfserve.verdict.results import Judgement
+from dfserve.verdict.results import NOT_JUDGED, Judgement
 from dfserve.verdict.verdict import Verdict
 
 
@@ -32,7 +32,7 @@ def print_judgement(console: Console, j: Judgement, sequential: SequentialReport
     loss = j.lossless
     if loss is not None:
         console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs"
-                      + ("" if loss.applicable else " (temperature > 0: not judged)")
+                      + ("" if loss.applicable else f" ({NOT_JUDGED})")
                       + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
     rules = Table.grid(padding=(0, 1), pad_edge=True)
     rules.add_column(no_wrap=True)

@@ -9,19 +9,20 @@ a load test's verdict and an offline evaluation's.
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from pathlib import Path
 
 from dfserve.runs import write_atomic
 from dfserve.svg import page, svg_forest, svg_interval, table
 from dfserve.verdict import wording
 from dfserve.verdict.gate import Rule
-from dfserve.verdict.results import Judgement, Lossless, MetricResult, RuleResult
+from dfserve.verdict.results import NOT_JUDGED, Judgement, Lossless, MetricResult, RuleResult
 from dfserve.verdict.verdict import Side, Verdict
 
 _COLOUR = {"PASS": "#1e7b34", "FAIL": "#b3261e", "INCONCLUSIVE": "#8a5a00", "NOT_APPLICABLE": "#666"}
 _STYLE = (".verdict{font-size:3em;font-weight:700;margin:0.2em 0}.stamp{display:inline-block;border:3px solid "
           "#b3261e;color:#b3261e;font-weight:700;padding:0 0.4em;margin-right:0.5em;font-size:1.2em}"
-          ".status{font-weight:700}.why{color:#b3261e}")
+          ".status{font-weight:700}.why{color:#b3261e}.note{color:#5f6368}")
 REPORT = "report.html"
 
 
@@ -107,9 +108,10 @@ def _lossless(loss: Lossless | None) -> str:
     interval = (f" (95% interval [{loss.low:.4f}, {loss.high:.4f}])"
                 if loss.low is not None and loss.high is not None else "")
     fraction = f"{loss.fraction:.4f}" if loss.fraction is not None else "n/a"
-    note = "" if loss.applicable else " Temperature > 0: outputs may differ by design, so this is not judged."
+    note = "" if loss.applicable else f" Losslessness is {NOT_JUDGED}."
     differing = ("<p>Differing tasks: " + ", ".join(f"<code>{_e(t)}</code>" for t in loss.differing_tasks) + "</p>"
-                 if loss.differing_tasks else "<p>No task's outputs differ.</p>")
+                 if loss.differing_tasks else "<p>No task's outputs differ.</p>" if loss.pairs
+                 else "<p>No pair's outputs could be compared.</p>")
     return (f"<h2>Losslessness</h2><p>{loss.identical} of {loss.pairs} paired outputs identical: fraction {fraction}"
             f"{_e(interval)}.{_e(note)}</p>{differing}")
 
@@ -147,13 +149,15 @@ def _plot(j: Judgement) -> str:
                          "change, candidate vs baseline (% relative; points for rates)") + "</div>")
 
 
-def render_verdict_html(verdict: Verdict) -> str:
+def render_verdict_html(verdict: Verdict, notes: Sequence[str] = (), judged: str | None = None) -> str:
+    """`notes`: what the source of the pairs says beside the verdict; `judged`: what was judged, where the verdict's
+    source does not say it (live traffic is judged as a load test is)."""
     j = verdict.judgement
     stamps = (["FORCED"] if verdict.forced else []) + (["INCOMPLETE DATA"] if verdict.incomplete else []) + (
         ["SIMULATED"] if verdict.baseline.simulated or verdict.candidate.simulated else [])
     why = ([f"Forced comparison of runs that differ: {'; '.join(verdict.mismatches)}"] if verdict.mismatches else []) + (
         [f"Forced verdict on incomplete data: {'; '.join(verdict.incomplete)}"] if verdict.incomplete else [])
-    kind = "a load test" if verdict.source == "loadtest" else "an offline evaluation"
+    kind = judged or ("a load test" if verdict.source == "loadtest" else "an offline evaluation")
     needed = f" About {j.tasks_needed} distinct tasks would decide it." if j.tasks_needed else ""
     body = (
         f"<p>Verdict of {kind}</p>"
@@ -162,13 +166,14 @@ def render_verdict_html(verdict: Verdict) -> str:
         + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
         f"{_e(wording.pairs_in_words(j))}.{_e(needed)}</p>"
         + "".join(f"<p class='why'><strong>{_e(w)}</strong></p>" for w in why)
+        + "".join(f"<p class='note'>{_e(n)}</p>" for n in notes)
         + _rules(verdict) + _metrics(verdict) + _lossless(j.lossless) + _plot(j) + _provenance(verdict)
     )
     return page(f"{verdict.verdict}: {j.candidate} vs {j.baseline}", body, _STYLE)
 
 
-def write_verdict_report(verdict: Verdict, folder: Path) -> Path:
-    """report.html into the verdict's folder; returns the file."""
+def write_verdict_report(verdict: Verdict, folder: Path, notes: Sequence[str] = (), judged: str | None = None) -> Path:
+    """report.html into the verdict's folder (`render_verdict_html`); returns the file."""
     path = folder / REPORT
-    write_atomic(path, render_verdict_html(verdict))
+    write_atomic(path, render_verdict_html(verdict, notes, judged))
     return path

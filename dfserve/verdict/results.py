@@ -57,6 +57,11 @@ class RuleResult(_Model):
                                    "adds nothing (temperature 0: same output, same verify rounds)")
 
 
+NOT_JUDGED = ("not judged: outputs sampled above temperature 0 may differ by design, and outputs that were not "
+              "recorded cannot be compared")
+"""Why losslessness does not apply (the run's notes say which, where it is not the temperature)."""
+
+
 class Lossless(_Model):
     applicable: bool
     pairs: int

@@ -46,7 +46,7 @@ from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules
 from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec, Pairs, U, check_same_task
-from dfserve.verdict.results import RuleResult, RuleStatus, Status, fold
+from dfserve.verdict.results import NOT_JUDGED, RuleResult, RuleStatus, Status, fold
 from dfserve.verdict.tracks import Track
 
 StopReason = Literal["decided", "task_set"]
@@ -213,7 +213,7 @@ class Monitor(Generic[U]):
         limit = rule.limit
         identical = rule.at_least is not None
         if identical and not self.deterministic:
-            return RuleState(rule.metric, limit, "NOT_APPLICABLE", "temperature > 0: outputs may differ by design")
+            return RuleState(rule.metric, limit, "NOT_APPLICABLE", NOT_JUDGED)
         per_task = self.deterministic and spec.fixed_by_task
         units = track.tasks if per_task else self.pairs
         reading = track.read(alpha)

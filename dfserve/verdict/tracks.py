@@ -13,7 +13,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from dfserve.verdict import confseq, stats
-from dfserve.verdict.pairs import MetricSpec, U
+from dfserve.verdict.pairs import MetricSpec, U, known_outputs
 
 SCALE_FLOOR = 0.01
 U_contra = TypeVar("U_contra", contravariant=True)
@@ -168,8 +168,7 @@ class LosslessTrack(Generic[U]):
     """Distinct tasks whose outputs were identical in every finished pair; the fraction, not a change."""
 
     def __init__(self, spec: MetricSpec[U]) -> None:
-        assert spec.output is not None
-        self.output = spec.output
+        self.spec = spec
         self.identical: dict[int, bool] = {}
         self.same = 0
 
@@ -178,10 +177,11 @@ class LosslessTrack(Generic[U]):
         return len(self.identical)
 
     def add(self, task: int, base: U, cand: U) -> None:
-        if not (base.ok and cand.ok):
+        outputs = known_outputs(self.spec, base, cand)
+        if outputs is None:
             return
         before = self.identical.get(task, True)
-        now = before and self.output(base) == self.output(cand)
+        now = before and outputs[0] == outputs[1]
         self.same += int(now) - int(before and task in self.identical)
         self.identical[task] = now
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,11 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.runner import RunPlan
 from dfserve.loadtest.sequential import SequentialMonitor, judge_sequential
 from dfserve.tasks import TaskSet
+from dfserve.verdict import bootstrap
 from dfserve.verdict.gate import Gate, Rule
+from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.sequential import units_to_decide
+from dfserve.verdict.tracks import LosslessTrack
 from tests.synthetic import run_config, synthetic
 
 ACCEPT = Gate(rules=(Rule(metric="accept_length", max_worse=0.02),))
@@ -203,3 +207,24 @@ def test_the_live_view_shows_each_rule_interval_and_the_requests_to_a_decision()
     assert "accept_length" in text and "error_rate" in text and "more requests" in text
     error_rule = next(r for r in m.latest.rules if r.metric == "error_rate")  # type: ignore[union-attr]
     assert f"{error_rule.estimate:+.3f} [{error_rule.low:+.3f}, {error_rule.high:+.3f}]" in text
+
+
+@dataclass(frozen=True)
+class Unit:
+    ok: bool
+    output: str | None
+
+
+def test_pairs_whose_outputs_are_not_known_are_never_counted_identical() -> None:
+    """Both designs count only finished pairs whose two outputs are known: two unknowns are not two equal outputs."""
+    spec: MetricSpec[Unit] = MetricSpec("identical outputs", "identical", output=lambda u: u.output)
+    rows = [(Unit(True, "a"), Unit(True, "a")), (Unit(True, None), Unit(True, None)), (Unit(True, "b"), Unit(True, None)),
+            (Unit(False, "c"), Unit(True, "c")), (Unit(True, "d"), Unit(True, "e"))]
+    pairs = Pairs.match(("base", "cand"), ((i, f"t{i}", b) for i, (b, _) in enumerate(rows)),
+                        ((i, f"t{i}", c) for i, (_, c) in enumerate(rows)), deterministic=True)
+    lossless = bootstrap.identical(spec, pairs)
+    assert (lossless.pairs, lossless.identical, lossless.differing_tasks) == (2, 1, ["t4"])
+    track = LosslessTrack(spec)
+    for i, (b, c) in enumerate(rows):
+        track.add(i, b, c)
+    assert (track.tasks, track.same) == (2, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import html
 import json
 import re
 import weakref
@@ -28,6 +29,7 @@ from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.records import error_kind, output_text, request_temperature, shadow_record
 from dfserve.shadow.verdict import NO_HASH, compare_shadow
+from dfserve.verdict.results import NOT_JUDGED
 
 
 def _native(text: str, tokens: int, verify: int) -> bytes:
@@ -344,6 +346,7 @@ def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: P
     assert judged.verdict.candidate.target == "Qwen/Qwen3-8B" and not judged.verdict.forced
     assert judged.noise_floor is not None and judged.noise_floor.judgement.candidate == "zlab2"
     assert judged.noise_floor.judgement.verdict != "FAIL"
+    assert "Noise floor: zlab2 against zlab" in (judged.path.parent / "report.html").read_text()
     assert (judged.path.parent / "noise-floor.json").exists()
 
 
@@ -438,4 +441,10 @@ def test_greedy_streams_of_deltas_never_pass_losslessness_on_outputs_the_gateway
                for rid in range(30) for arm, mirror in (("zlab", False), ("inhouse", True))]
     judged = compare_shadow(_record(tmp_path, traffic), None, None, False, tmp_path / "v")
     assert judged.notes == [NO_HASH] and "--incremental-streaming-output" in NO_HASH
-    assert next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction").status == "NOT_APPLICABLE"
+    lossless = judged.verdict.judgement.lossless
+    assert lossless is not None and (lossless.pairs, lossless.identical) == (0, 0)  # unknown outputs never match
+    rule = next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction")
+    assert rule.status == "NOT_APPLICABLE" and rule.detail == NOT_JUDGED
+    page = (judged.path.parent / "report.html").read_text()  # the verdict's page says what the terminal says
+    assert "live traffic mirrored by the gateway" in page and html.escape(NO_HASH) in page
+    assert "No pair's outputs could be compared" in page
