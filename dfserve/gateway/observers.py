@@ -6,12 +6,13 @@ refuses before it picks an arm (invalid JSON, an unknown route, an oversize body
 first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
 it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records)
 runs on a thread of its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an
-observer's work never runs on the hot path. The thread takes its exchanges in batches: woken by one with none
-behind it, it waits `BATCH_WAIT_S` for more, then observes everything queued by then, and an observer with a `flush` method has it
-called after each batch, to write a batch at once. An exchange that finds the queue full is dropped for that
-observer (one with a `missed` method is told, on the loop, to count it in what it writes), and an observer that
-raises loses that exchange: both are counted (`dfserve_gateway_observer_failures_total{observer, reason}`, reason
-`behind` or `failed`) and logged once per observer and reason; neither ever fails or slows a client's request.
+observer's work never runs on the hot path. The thread takes its exchanges in batches: woken by one with no
+backlog behind it (`BATCH_BACKLOG`), it waits `BATCH_WAIT_S` for more, then observes everything queued by then, and
+an observer with a `flush` method has it called after each batch, to write a batch at once. An exchange that
+finds the queue full is dropped for that observer (one with a `missed` method is told, on the loop, to count it in
+what it writes), and an observer that raises loses that exchange: both are counted
+(`dfserve_gateway_observer_failures_total{observer, reason}`, reason `behind` or `failed`) and logged once per
+observer and reason; neither ever fails or slows a client's request.
 
 Observer kinds are entries of a registry (`register`), named in the gateway's YAML::
 
@@ -161,12 +162,16 @@ class _Faults:
 
 _STOP = object()
 
-BATCH_WAIT_S = 0.1
-"""How long an observer's thread, woken by an exchange with none behind it, waits for more before it observes
-them (a thread that finds a backlog takes it at once, so the wait never caps how fast it keeps up). Between two
-exchanges the event loop's work evicts an observer's code and data from the CPU's caches: a shadow record costs
-three to four times as much made alone as in a batch of sixteen (bench/record_batches.py), so the first exchange
-of a batch pays for the rest. A live decision or a capture on disk is later by as much."""
+BATCH_WAIT_S = 0.25
+"""How long an observer's thread, woken by an exchange, waits for more before it observes them. Between two
+batches the event loop's work evicts an observer's code and data from the CPU's caches: a shadow record costs three
+to four times as much made alone as in a batch of sixteen (bench/record_batches.py), so the first exchange of a
+batch pays for the rest. A live decision or a capture on disk is later by as much."""
+
+BATCH_BACKLOG = 64
+"""Exchanges queued that make a batch at once: a thread that finds this many behind the one it took is behind, and
+does not wait, so the wait never caps how fast an observer keeps up. A few queued while the last batch was observed
+are no backlog: taken at once, they were a batch of two or three on cold caches, as dear as a batch of one each."""
 
 
 class _Lane:
@@ -195,7 +200,7 @@ class _Lane:
         observer, flush = self.observer, self.observer.flush if isinstance(self.observer, Flushing) else None
         while True:
             item = self.queue.get()
-            if item is not _STOP and self.queue.empty():  # behind already: the backlog is the batch
+            if item is not _STOP and self.queue.qsize() < BATCH_BACKLOG:
                 time.sleep(BATCH_WAIT_S)
             while item is not _STOP:  # taken one at a time: the queue's bound stays what the loop may hold
                 try:

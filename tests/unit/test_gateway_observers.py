@@ -195,9 +195,10 @@ def test_exchanges_that_finish_while_the_thread_waits_for_more_are_one_batch(
 
 def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exchanges that queued while the thread was busy are a batch already: it does not wait `BATCH_WAIT_S` for
-    more, so the wait never caps how fast an observer keeps up."""
+    """A backlog (`BATCH_BACKLOG` exchanges queued while the thread was busy) is a batch already: it does not wait
+    `BATCH_WAIT_S` for more, so the wait never caps how fast an observer keeps up."""
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
+    monkeypatch.setattr(observers, "BATCH_BACKLOG", 2)
     flushing, release = threading.Event(), threading.Event()
 
     class SlowFlush(Batching):
@@ -217,6 +218,36 @@ def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
     release.set()
     assert seconds_until_flushed(slow, 2) < 10  # not the 30 s wait
     assert slow.flushed == [[0], [1, 2, 3]]
+    seam.close()
+
+
+def test_a_few_exchanges_queued_while_busy_wait_for_the_batch(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two or three exchanges that queued while the last batch was observed are no backlog: the thread waits
+    `BATCH_WAIT_S` for the rest of the batch rather than observing them alone on cold caches."""
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
+    flushing, release = threading.Event(), threading.Event()
+
+    class SlowFlush(Batching):
+        def flush(self) -> None:
+            super().flush()
+            flushing.set()
+            release.wait(10)
+
+    slow = SlowFlush(opened())
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("slow", slow, queue_size=64)
+    seam.finished(exchanged(0))
+    assert flushing.wait(10)
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.5)
+    for i in range(1, 3):
+        seam.finished(exchanged(i))  # queued while the thread is busy flushing: fewer than BATCH_BACKLOG
+    release.set()
+    time.sleep(0.2)
+    for i in range(3, 5):
+        seam.finished(exchanged(i))  # during the wait: the same batch
+    seconds_until_flushed(slow, 2)
+    assert slow.flushed == [[0], [1, 2, 3, 4]]
     seam.close()
 
 
