@@ -24,7 +24,8 @@ starts afresh, and one closed undecided is judged after the fact, with the same 
 reaches the recorder (dropped behind a full queue) would hold the prefix forever: past `max_pending` requests
 waiting behind it the live decision is given up, said once (state `abandoned`), while mirroring and recording go
 on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
-greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`).
+greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`): losslessness is judged
+on the greedy pairs, the other metrics as for sampled requests once one pair is not greedy.
 
     decider = DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending=10_000), metrics, stop)
     gateway.observers.add("shadow", decider)
@@ -46,6 +47,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.metrics import ShadowDecisionMetrics
 from dfserve.runs import write_model
 from dfserve.shadow.recorder import ShadowRecorder
+from dfserve.shadow.records import greedy_held
 from dfserve.verdict.design import Outcome, SequentialDesign
 from dfserve.verdict.gate import Gate
 from dfserve.verdict.pairs import Pairs
@@ -73,10 +75,6 @@ class Decided(BaseModel):
     design: SequentialDesign
 
 
-def greedy_held(base: RequestRecord, cand: RequestRecord) -> bool:
-    """A pair whose outputs must agree: both requests greedy and, where both finished, both outputs held."""
-    return (base.temperature == 0 and cand.temperature == 0
-            and (not (base.ok and cand.ok) or (base.output_sha256 is not None and cand.output_sha256 is not None)))
 
 
 def judge_live(pairs: Pairs[RequestRecord], design: SequentialDesign, gate: Gate) -> Outcome:

@@ -63,6 +63,12 @@ def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
     return end.text if end.failure is None and not end.incremental else None
 
 
+def greedy_held(base: RequestRecord, cand: RequestRecord) -> bool:
+    """A pair whose outputs must agree: both requests greedy and, where both finished, both outputs held."""
+    return (base.temperature == 0 and cand.temperature == 0
+            and (not (base.ok and cand.ok) or (base.output_sha256 is not None and cand.output_sha256 is not None)))
+
+
 def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
     if error is None:

@@ -37,6 +37,7 @@ from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.monitor import DECISION, Decided, judge_live
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRunConfig
+from dfserve.shadow.records import greedy_held
 from dfserve.verdict.design import SequentialDesign, SequentialReport
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
@@ -57,9 +58,10 @@ DEFAULT_GATE = Gate(rules=(
 traffic without streams would leave TPOT undecided. TPOT and ITL are measured on recorded streams: a gate that
 names them (`--gate`) is judged on those."""
 NOISE_FLOOR = "noise-floor.json"
-NO_HASH = ("losslessness not applicable: some greedy answers have no output the gateway could read (an OpenAI "
-           "stream recorded without its pieces, a native stream from a server that streams deltas "
-           "(--incremental-streaming-output), or an answer that is not SGLang's)")
+NO_HASH = ("losslessness is judged without the greedy answers that have no output the gateway could read (an "
+           "OpenAI stream recorded without its pieces, a native stream from a server that streams deltas "
+           "(--incremental-streaming-output), or an answer that is not SGLang's), and not at all without a greedy "
+           "pair left")
 
 
 class NoiseFloor(BaseModel):
@@ -143,8 +145,9 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
 
 
 def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tuple[Pairs[RequestRecord], list[str]]:
-    """`base` and `cand`'s records paired by request; losslessness applies only on greedy requests whose outputs
-    both sides hold. A request recorded twice for one arm is refused."""
+    """`base` and `cand`'s records paired by request; losslessness is judged on the greedy requests whose outputs
+    both sides hold (`greedy_held`), however many others are sampled. A request recorded twice for one arm is
+    refused."""
     sides: dict[str, list[RequestRecord]] = {base: [], cand: []}
     for r in records:
         if r.arm in sides and not r.cancelled:
@@ -156,13 +159,13 @@ def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tup
                             "times; a shadow folder is never judged with duplicated records")
     by_index = {r.index: r for r in sides[cand]}
     paired = [(b, by_index[b.index]) for b in sides[base] if b.index in by_index]
-    greedy = all(b.temperature == 0 and c.temperature == 0 for b, c in paired)
-    hashed = all(b.output_sha256 is not None and c.output_sha256 is not None for b, c in paired if b.ok and c.ok)
+    unhashed = any(b.temperature == 0 and c.temperature == 0 and not greedy_held(b, c) for b, c in paired)
     pairs = Pairs.match((base, cand), ((r.index, r.task_id, r) for r in sides[base]),
-                        ((r.index, r.task_id, r) for r in sides[cand]), deterministic=greedy and hashed)
+                        ((r.index, r.task_id, r) for r in sides[cand]),
+                        deterministic=all(greedy_held(b, c) for b, c in paired), greedy=greedy_held)
     if not len(pairs):
         raise UserError(f"no request was answered by both {base} and {cand}: nothing to compare")
-    return pairs, [NO_HASH] if greedy and not hashed else []
+    return pairs, [NO_HASH] if unhashed else []
 
 
 def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], candidate: str | None) -> str:

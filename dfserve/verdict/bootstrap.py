@@ -109,12 +109,16 @@ def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArr
 
 
 def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
-    """The share of finished pairs whose outputs agree, and the tasks where they differ."""
-    compared = ((t, known_outputs(spec, b, c)) for t, b, c in zip(pairs.task_ids, pairs.base, pairs.cand, strict=True))
+    """The share of finished pairs whose outputs must agree (`Pairs.must_agree`) that do, and the tasks where they
+    differ."""
+    agree = pairs.must_agree
+    compared = ((t, known_outputs(spec, b, c))
+                for t, b, c, must in zip(pairs.task_ids, pairs.base, pairs.cand, agree, strict=True) if must)
     both = [(t, outputs) for t, outputs in compared if outputs is not None]
     differing = sorted({t for t, (b, c) in both if b != c})
     same = sum(1 for _, (b, c) in both if b == c)
     interval = stats.wilson(same, len(both))
-    return Lossless(applicable=pairs.deterministic, pairs=len(both), identical=same,
+    return Lossless(applicable=any(agree), pairs=len(both), identical=same,
                     fraction=interval.estimate if interval else None, low=interval.low if interval else None,
-                    high=interval.high if interval else None, differing_tasks=differing)
+                    high=interval.high if interval else None, differing_tasks=differing,
+                    greedy_of=len(pairs) if not all(agree) else None)

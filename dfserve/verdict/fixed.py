@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dfserve.verdict import stats
+from dfserve.verdict import stats, wording
 from dfserve.verdict.design import Outcome
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.kinds import kind_of
@@ -41,7 +41,8 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
                           detail=NOT_JUDGED)
     if lossless.fraction is None or lossless.high is None or lossless.low is None:
         return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE", detail="no pair finished")
-    detail = f"{lossless.identical}/{lossless.pairs} identical, interval [{lossless.low:.4f}, {lossless.high:.4f}]"
+    detail = (f"{lossless.identical}/{lossless.pairs} identical{wording.greedy_subset(lossless)}, "
+              f"interval [{lossless.low:.4f}, {lossless.high:.4f}]")
     if lossless.high < limit:
         return RuleResult(metric=rule.metric, limit=limit, status="FAIL", detail=detail)
     if lossless.fraction >= limit:

@@ -72,7 +72,9 @@ def known_outputs(spec: MetricSpec[U], base: U, cand: U) -> tuple[str, str] | No
 @dataclass(frozen=True)
 class Pairs(Generic[U]):
     """Paired units in schedule order. `deterministic`: repeating a task repeats its outcome (greedy decoding),
-    so identical-output fractions apply and some metrics gain only from distinct tasks."""
+    so identical-output fractions apply and some metrics gain only from distinct tasks. `greedy`, where the pairs
+    mix greedy and sampled requests (live traffic): per pair, whether its outputs must agree; the identical-output
+    fraction is then judged on those pairs alone."""
 
     names: tuple[str, str]
     index: tuple[int, ...]
@@ -80,6 +82,7 @@ class Pairs(Generic[U]):
     base: tuple[U, ...]
     cand: tuple[U, ...]
     deterministic: bool
+    greedy: tuple[bool, ...] | None = None
     cluster: NDArray[np.int64] = field(init=False, repr=False, compare=False)
     tasks: int = field(init=False)
 
@@ -91,10 +94,16 @@ class Pairs(Generic[U]):
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def must_agree(self) -> tuple[bool, ...]:
+        """Per pair, whether its outputs must agree: every pair of a deterministic run, or the greedy ones."""
+        return self.greedy if self.greedy is not None else (self.deterministic,) * len(self)
+
     @classmethod
     def match(cls, names: tuple[str, str], base: Iterable[tuple[int, str, U]], cand: Iterable[tuple[int, str, U]],
-              deterministic: bool) -> Pairs[U]:
-        """Pair `(index, task_id, unit)` of both sides by index; an index one side lacks pairs nothing."""
+              deterministic: bool, greedy: Callable[[U, U], bool] | None = None) -> Pairs[U]:
+        """Pair `(index, task_id, unit)` of both sides by index; an index one side lacks pairs nothing. `greedy`:
+        whether one pair's outputs must agree, where that is decided pair by pair."""
         by_index = {index: (task, unit) for index, task, unit in base}
         rows = []
         for index, task, unit in cand:
@@ -104,4 +113,5 @@ class Pairs(Generic[U]):
                 rows.append((index, task, base_unit, unit))
         rows.sort(key=lambda row: row[0])
         return cls(names, tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows),
-                   tuple(r[3] for r in rows), deterministic)
+                   tuple(r[3] for r in rows), deterministic,
+                   tuple(greedy(r[2], r[3]) for r in rows) if greedy is not None else None)

@@ -112,7 +112,8 @@ def _lossless(loss: Lossless | None) -> str:
     differing = ("<p>Differing tasks: " + ", ".join(f"<code>{_e(t)}</code>" for t in loss.differing_tasks) + "</p>"
                  if loss.differing_tasks else "<p>No task's outputs differ.</p>" if loss.pairs
                  else "<p>No pair's outputs could be compared.</p>")
-    return (f"<h2>Losslessness</h2><p>{loss.identical} of {loss.pairs} paired outputs identical: fraction {fraction}"
+    return (f"<h2>Losslessness</h2><p>{loss.identical} of {loss.pairs} paired outputs identical"
+            f"{_e(wording.greedy_subset(loss))}: fraction {fraction}"
             f"{_e(interval)}.{_e(note)}</p>{differing}")
 
 

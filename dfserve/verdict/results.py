@@ -70,6 +70,8 @@ class Lossless(_Model):
     low: float | None
     high: float | None
     differing_tasks: list[str]
+    greedy_of: int | None = Field(None, description="where only some pairs were greedy (live traffic): how many "
+                                  "pairs there were in all; `pairs` counts the greedy ones compared")
 
 
 class Judgement(_Model):

@@ -125,8 +125,9 @@ class Monitor(Generic[U]):
     is measured in bench/RESULTS.md). `stopped` turns true at the first look that decides the verdict or finds
     every undecided rule limited by the task set. `deterministic`: a repeated task repeats its outcome
     (temperature 0). `deterministic_pair`, where the pairs mix greedy and sampled requests (live traffic): whether
-    one pair is deterministic; the first pair before the decision that is not makes the rest of the run
-    non-deterministic, so the looks stay a function of the pairs in order."""
+    one pair is deterministic. The identical-output fraction is then judged on those pairs alone, and the first
+    pair before the decision that is not makes the rest of the run non-deterministic for every other metric (whose
+    repeated tasks then add evidence), so the looks stay a function of the pairs in order."""
 
     def __init__(self, design: SequentialDesign, metrics: Mapping[str, MetricSpec[U]], deterministic: bool,
                  task_count: int, first_index: int = 0,
@@ -140,6 +141,8 @@ class Monitor(Generic[U]):
         self.tracks = [kind_of(spec).track(spec, rule.limit, task_count)
                        for rule, spec in zip(design.gate.rules, self.specs, strict=True)]
         self.pairs = 0
+        self.greedy_pairs = 0
+        """Pairs whose outputs must agree: every pair while `deterministic` (without `deterministic_pair`)."""
         self.latest: Look | None = None
         self.decision: Look | None = None
         self._looks = 0
@@ -168,12 +171,15 @@ class Monitor(Generic[U]):
 
     def _add(self, index: int, base: tuple[str, U], cand: tuple[str, U]) -> None:
         check_same_task(index, base[0], cand[0])
-        if (self.deterministic and self.deterministic_pair is not None and self.decision is None
-                and not self.deterministic_pair(base[1], cand[1])):
+        greedy = (self.deterministic_pair(base[1], cand[1]) if self.deterministic_pair is not None
+                  else self.deterministic)
+        if self.deterministic and not greedy and self.decision is None:
             self.deterministic = False
         task = self._task_index.setdefault(base[0], len(self._task_index))
-        for track in self.tracks:
-            track.add(task, base[1], cand[1])
+        for rule, track in zip(self.design.gate.rules, self.tracks, strict=True):
+            if greedy or rule.at_least is None:  # outputs are compared only where they must agree
+                track.add(task, base[1], cand[1])
+        self.greedy_pairs += greedy
         self.pairs += 1
 
     def finish(self) -> Look:
@@ -212,7 +218,7 @@ class Monitor(Generic[U]):
         alpha = self.design.alpha
         limit = rule.limit
         identical = rule.at_least is not None
-        if identical and not self.deterministic:
+        if identical and not self.deterministic and not self.greedy_pairs:
             return RuleState(rule.metric, limit, "NOT_APPLICABLE", NOT_JUDGED)
         per_task = self.deterministic and spec.fixed_by_task
         units = track.tasks if per_task else self.pairs

@@ -361,6 +361,26 @@ def test_losslessness_on_live_traffic(tmp_path: Path) -> None:
     assert lossless.status == "NOT_APPLICABLE" and sampled.verdict.verdict == "PASS"
 
 
+def test_a_candidate_that_changes_greedy_outputs_fails_in_mixed_traffic(tmp_path: Path) -> None:
+    """Sampled requests beside greedy ones never make losslessness unjudged: it is judged on the greedy pairs (a
+    PASS here, on acceptance and latency alone, would promote a candidate that changes outputs)."""
+    traffic = [e for rid in range(40) for e in (exchanged(rid, "zlab", False, temperature=0.7 if rid % 2 else 0),
+                                                 exchanged(rid, "inhouse", True, temperature=0.7 if rid % 2 else 0,
+                                                           text="other"))]
+    judged = compare_shadow(_record(tmp_path, traffic), None, None, False, tmp_path / "v")
+    lossless = next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction")
+    assert lossless.status == "FAIL" and judged.verdict.verdict == "FAIL"
+    assert lossless.detail.startswith("0/20 identical (the greedy pairs of 40)")
+    assert judged.verdict.judgement.lossless is not None and judged.verdict.judgement.lossless.greedy_of == 40
+    assert "0 of 20 paired outputs identical (the greedy pairs of 40)" in (judged.path.parent / "report.html").read_text()
+    same = [e for rid in range(40) for e in (exchanged(rid, "zlab", False, temperature=0.7 if rid % 2 else 0),
+                                             exchanged(rid, "inhouse", True, temperature=0.7 if rid % 2 else 0,
+                                                       text="other" if rid % 2 else "out"))]
+    judged = compare_shadow(_record(tmp_path / "same", same), None, None, False, tmp_path / "v")
+    lossless = next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction")
+    assert lossless.status == "PASS" and lossless.detail.startswith("20/20 identical (the greedy pairs of 40)")
+
+
 def test_greedy_openai_streams_make_losslessness_not_applicable_and_say_why(tmp_path: Path) -> None:
     stream_end = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
     traffic = [e for rid in range(30) for e in (exchanged(rid, "zlab", False),

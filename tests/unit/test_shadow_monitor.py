@@ -144,21 +144,31 @@ def test_once_decided_the_folder_is_complete_nothing_more_is_recorded_and_compar
 LOSSLESS = Gate(rules=(Rule(metric="lossless_fraction", at_least=0.99),))
 
 
-def test_losslessness_applies_only_while_every_pair_so_far_is_greedy(tmp_path: Path) -> None:
+def test_losslessness_is_judged_on_the_greedy_pairs_of_mixed_traffic(tmp_path: Path) -> None:
+    """A candidate that changes greedy outputs fails however much sampled traffic is mixed in; only traffic with
+    no greedy pair leaves losslessness unjudged (and nothing decided, the gate's only rule)."""
     differing = [e for rid in range(80) for e in request(rid, 4, cand_text="other")]
     decider, _, _ = deciding(tmp_path / "greedy", gate=LOSSLESS)
     for e in differing:
         decider.observe(e)
     decider.close()
     assert decider.decision.decision is not None and decider.decision.decision.verdict == "FAIL"
-    sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7 if rid == 2 else 0)]
-    decider, metrics, _ = deciding(tmp_path / "mixed", gate=LOSSLESS)
+    mixed = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7 if rid % 2 else 0)]
+    decider, _, _ = deciding(tmp_path / "mixed", gate=LOSSLESS)
+    for e in mixed:
+        decider.observe(e)
+    decider.close()
+    assert decider.decision.decision is not None and decider.decision.decision.verdict == "FAIL"
+    [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
+    verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
+    assert verdict.judgement.verdict == "FAIL" and not verdict.forced  # the replayed looks reach the same decision
+    sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7)]
+    decider, metrics, _ = deciding(tmp_path / "sampled", gate=LOSSLESS)
     for e in sampled:
         decider.observe(e)
     decider.close()
-    # a sampled pair: the only rule no longer applies, so nothing is judged and nothing is decided
     assert decider.decision.decision is None and state(metrics) == "deciding"
-    [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
+    [folder] = sorted((tmp_path / "sampled" / "shadow").iterdir())
     verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
     assert [r.status for r in verdict.judgement.rules] == ["NOT_APPLICABLE"] and not verdict.forced
     assert verdict.judgement.verdict == "INCONCLUSIVE"
