@@ -55,6 +55,10 @@ class Task:
         and the run's sampling."""
         return None
 
+    def temperature(self) -> float | None:
+        """The temperature it is sent at where it has its own (a replayed request's), or None: the run's."""
+        return None
+
 
 @dataclass(frozen=True)
 class TaskSet:

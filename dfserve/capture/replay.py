@@ -54,6 +54,10 @@ class ReplayTask(Task):
         """The body to send on its route to an arm serving `model`."""
         return ROUTE_FOR[self.route].streamed(self.body, model)
 
+    def temperature(self) -> float | None:
+        value = ROUTE_FOR[self.route].settings(self.body)["temperature"]
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
 
 @dataclass(frozen=True)
 class CaptureTaskSet(TaskSet):

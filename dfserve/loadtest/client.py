@@ -89,6 +89,8 @@ class Sent:
     end_s: float
     api: sglang.Api
     """The route it was sent on."""
+    temperature: float | None = None
+    """Its own temperature (a replayed capture's request); None: the run's."""
 
 
 def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error: Failure | None) -> RequestRecord:
@@ -118,6 +120,7 @@ def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error:
         acceptance=acceptance if finished else "unknown",
         finish_reason=stream.finish_reason,
         output_sha256=hashlib.sha256(stream.text.encode()).hexdigest() if finished else None,
+        temperature=sent.temperature,
         http_status=http_status or None,
         error_kind=error[0] if error else None,
         error_message=error[1][:500] if error else None,
@@ -144,7 +147,8 @@ class Finished:
     def wire(self) -> Wire:
         """Plain tuples, which `marshal` writes fastest (a few microseconds for a 64-chunk stream)."""
         s = self.sent
-        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s, s.api),
+        return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s, s.api,
+                 s.temperature),
                 self.http_status, self.pieces, self.error)
 
     @classmethod
@@ -217,7 +221,7 @@ class ArmClient:
         def finish(error: Failure | None) -> None:
             sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
                         response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0,
-                        route.api)
+                        route.api, task.temperature())
             self._sink(Finished(sent, response.status, list(response.pieces), error))
 
         try:

@@ -10,7 +10,7 @@ badly, it was not waited for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,22 @@ def judged(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     return [r for r in rec.measured_records(records) if not r.cancelled]
 
 
+def greedy_pair(temperature: float) -> Callable[[RequestRecord, RequestRecord], bool]:
+    """Whether a pair's outputs must agree: both requests greedy, at their own temperature (a replayed capture's)
+    or the run's."""
+    def greedy(base: RequestRecord, cand: RequestRecord) -> bool:
+        return all((r.temperature if r.temperature is not None else temperature) == 0 for r in (base, cand))
+    return greedy
+
+
 def pairs_of(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecord],
              temperature: float) -> Pairs[RequestRecord]:
-    """Both arms' records paired by schedule index; refused when no index has both."""
+    """Both arms' records paired by schedule index; refused when no index has both. `temperature`: the run's (the
+    loosest replayed, for a capture); losslessness is judged on the pairs that are greedy."""
     arms = (baseline[0].arm if baseline else "baseline", candidate[0].arm if candidate else "candidate")
     pairs = Pairs.match(arms, ((r.index, r.task_id, r) for r in judged(baseline)),
-                        ((r.index, r.task_id, r) for r in judged(candidate)), deterministic=temperature == 0)
+                        ((r.index, r.task_id, r) for r in judged(candidate)), deterministic=temperature == 0,
+                        greedy=greedy_pair(temperature))
     if not len(pairs):
         raise UserError("no request index appears in both arms: nothing to compare")
     return pairs

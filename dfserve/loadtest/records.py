@@ -56,7 +56,7 @@ class RequestRecord(BaseModel):
     finish_reason: str | None = None
     output_sha256: str | None = None
     temperature: float | None = Field(None, description="the request's own sampling temperature (a shadow run's "
-                                      "live requests); None: the run's `sampling`")
+                                      "live requests, a replayed capture's); None: the run's `sampling`")
     http_status: int | None = None
     error_kind: ErrorKind | None = None
     error_message: str | None = None

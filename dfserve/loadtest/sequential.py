@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from dfserve.errors import FieldError
 from dfserve.loadtest.config import RunConfig
-from dfserve.loadtest.judge import METRICS, pairs_of
+from dfserve.loadtest.judge import METRICS, greedy_pair, pairs_of
 from dfserve.loadtest.records import RequestRecord
 from dfserve.verdict.design import Outcome, SequentialDesign
 from dfserve.verdict.gate import Gate
@@ -27,7 +27,7 @@ class SequentialMonitor(Monitor[RequestRecord]):
 
     def __init__(self, design: SequentialDesign, baseline: str, candidate: str, temperature: float, task_count: int,
                  warmup: int = 0) -> None:
-        super().__init__(design, METRICS, temperature == 0, task_count, warmup)
+        super().__init__(design, METRICS, temperature == 0, task_count, warmup, greedy_pair(temperature))
         self.arms = (baseline, candidate)
 
     def observe(self, record: RequestRecord) -> None:
@@ -39,7 +39,7 @@ def design_of(config: RunConfig) -> Sequential:
     """The sequential design a run was run with."""
     if config.sequential is None:
         raise FieldError("sequential", f"run {config.run_id} has no sequential design (a fixed-size run)")
-    return Sequential(config.sequential, config.tasks.size, config.warmup)
+    return Sequential(config.sequential, config.tasks.size, config.warmup, greedy_pair(config.sampling.temperature))
 
 
 def judge_sequential(records: Sequence[RequestRecord], baseline: str, candidate: str, gate: Gate,

@@ -121,4 +121,4 @@ def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
     return Lossless(applicable=any(agree), pairs=len(both), identical=same,
                     fraction=interval.estimate if interval else None, low=interval.low if interval else None,
                     high=interval.high if interval else None, differing_tasks=differing,
-                    greedy_of=len(pairs) if not all(agree) else None)
+                    greedy_of=len(pairs) if any(agree) and not all(agree) else None)

@@ -10,6 +10,7 @@ import pytest
 from dfserve.errors import UserError
 from dfserve.loadtest.config import Sampling, SequentialDesign
 from dfserve.loadtest.judge import DEFAULT_GATE, comparability, judge, load_gate
+from dfserve.loadtest.records import RequestRecord
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.results import tasks_needed
 from tests.synthetic import run_config, synthetic
@@ -62,6 +63,21 @@ def test_lossy_candidate_is_caught_and_differing_tasks_listed() -> None:
 def test_losslessness_is_not_judged_above_temperature_zero() -> None:
     j = judge(synthetic("a", 100, 9.0, seed=1), synthetic("b", 100, 9.0, seed=1, lossy=0.5), DEFAULT_GATE, 0.7)
     assert statuses(j)["lossless_fraction"] == "NOT_APPLICABLE"
+
+
+def test_a_replayed_captures_greedy_requests_are_judged_for_losslessness_among_sampled_ones() -> None:
+    """A capture's requests carry their own temperature; the run's is the loosest replayed (0.7 here). The greedy
+    ones are judged: a candidate that changes them fails, where the run-wide temperature alone would not judge
+    losslessness at all."""
+    def mixed(records: list[RequestRecord]) -> list[RequestRecord]:
+        return [r.model_copy(update={"temperature": 0.0 if r.index % 2 else 0.7}) for r in records]
+
+    j = judge(mixed(synthetic("a", 100, 9.0, seed=1)), mixed(synthetic("b", 100, 9.0, seed=1, lossy=0.5)),
+              DEFAULT_GATE, 0.7)
+    assert statuses(j)["lossless_fraction"] == "FAIL" and j.verdict == "FAIL"
+    assert j.lossless is not None and (j.lossless.greedy_of, j.lossless.pairs) == (100, 50)
+    same = judge(mixed(synthetic("a", 100, 9.0, seed=1)), mixed(synthetic("b", 100, 9.0, seed=1)), DEFAULT_GATE, 0.7)
+    assert statuses(same)["lossless_fraction"] == "PASS"
 
 
 def test_error_rate_regression_fails() -> None:

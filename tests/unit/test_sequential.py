@@ -130,6 +130,26 @@ def test_losslessness_passes_on_the_whole_task_set_and_a_lossy_candidate_fails()
     assert hot.latest is not None and hot.latest.rules[0].status == "NOT_APPLICABLE"
 
 
+def test_a_replayed_captures_greedy_requests_decide_losslessness_among_sampled_ones() -> None:
+    """The run's temperature is the loosest replayed; the requests that were greedy still decide losslessness, live
+    and when the run is replayed from its records."""
+    gate = Gate(rules=(Rule(metric="lossless_fraction", at_least=0.99),))
+
+    def mixed(records: list[RequestRecord]) -> list[RequestRecord]:
+        return [r.model_copy(update={"temperature": 0.0 if r.index % 3 == 0 else 0.7}) for r in records]
+
+    records = pair_up(mixed(synthetic("a", 200, 9.0, seed=1, tasks=200)),
+                      mixed(synthetic("b", 200, 9.0, seed=1, tasks=200, lossy=0.5)))
+    lossy = feed(monitor(gate, temperature=0.7, look_every=4), records)
+    assert lossy.decision is not None and lossy.decision.verdict == "FAIL"
+    config = run_config("mixed").model_copy(update={
+        "sequential": SequentialDesign(gate=gate, look_every=4),
+        "sampling": run_config("mixed").sampling.model_copy(update={"temperature": 0.7})})
+    replayed = judge_sequential(records[: 2 * lossy.decision.pairs], "a", "b", gate, config)
+    assert replayed.judgement.verdict == "FAIL" and replayed.sequential is not None
+    assert replayed.sequential.stopped_after_pairs == lossy.decision.pairs
+
+
 def test_error_rates_fail_on_errors_and_need_many_requests_to_pass() -> None:
     gate = Gate(rules=(Rule(metric="error_rate", max_worse=0.01),))
     base = synthetic("a", 400, 9.0, seed=1)
