@@ -68,6 +68,12 @@ def read_events(api: sglang.Api, events: list[str], times: list[float], *, decod
     except ProtocolError as exc:
         stream.failure = ("protocol", str(exc))
         return stream
+    return ended(stream)
+
+
+def ended(stream: StreamRead) -> StreamRead:
+    """`stream` read to its end, failed by the tester's rules where it did not end well: without `[DONE]`, or
+    without a finish reason."""
     if stream.failure is None and not stream.done:
         stream.failure = ("disconnect", "stream ended before [DONE]")
     elif stream.failure is None and stream.finish_reason is None:

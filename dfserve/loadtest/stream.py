@@ -77,6 +77,20 @@ class StreamRead:
         if meta.sim_chunk_due_unix_s is not None:
             self.sim_due = list(meta.sim_chunk_due_unix_s)
 
+    def native_end(self, end: sglang.NativeStreamEnd) -> None:
+        """A native stream's last event, read alone (`sglang.native_stream_end`): its output and how it ended."""
+        self.done = end.done
+        if end.error is not None:
+            self._in_band(end.error)
+            return
+        self.incremental = end.incremental
+        self.texts = [end.text]
+        finish = end.finish_reason
+        if finish is not None and finish.error is not None:
+            self._in_band(finish.error)
+        elif finish is not None:
+            self.finish_reason = finish.kind
+
     def chat_events(self, events: list[str], times: list[float], template: sglang.ChunkTemplate | None) -> None:
         """Runs of content chunks that fit `template` are read without decoding them; every other event is decoded
         whole and may become the template."""

@@ -25,7 +25,7 @@ from typing import Any, cast
 from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.gateway.observers import Exchanged
-from dfserve.loadtest.client import read_events, read_stream
+from dfserve.loadtest.client import ended, read_stream
 from dfserve.loadtest.records import ErrorKind, RequestRecord
 from dfserve.loadtest.stream import StreamRead
 
@@ -98,14 +98,12 @@ def native_stream_end(answer: bytes) -> StreamRead:
     """A native stream's output and how it ended, read from its last event and the `[DONE]` after it (`answer`
     holds its last pieces): SGLang repeats the whole output in every event, and ends a stream that failed with its
     error event. The events before it are the relay's to have read (`Outcome.error`), not decoded again here."""
+    stream = StreamRead()
     try:
-        events = sglang.SSEDecoder().feed(answer)
+        stream.native_end(sglang.native_stream_end(answer))
     except ProtocolError as exc:
         return StreamRead(failure=("protocol", str(exc)))
-    last = max(len(events) - 1, 0)
-    while last > 0 and events[last] == sglang.DONE:
-        last -= 1
-    return read_events("native", events[last:], [0.0] * (len(events) - last))
+    return ended(stream)
 
 
 def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t0_perf_s: float) -> StreamRead:

@@ -19,7 +19,7 @@ from dfserve import sglang
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
-from dfserve.loadtest.client import Finished, Sent, derive
+from dfserve.loadtest.client import Finished, Sent, derive, read_events
 from dfserve.loadtest.records import read_records, tpot_s
 from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.relay_core import EventRelay
@@ -27,7 +27,13 @@ from dfserve.sglang.server import NativeStreamEncoder, meta_info_body
 from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
-from dfserve.shadow.records import error_kind, output_text, request_temperature, shadow_record
+from dfserve.shadow.records import (
+    error_kind,
+    native_stream_end,
+    output_text,
+    request_temperature,
+    shadow_record,
+)
 from dfserve.shadow.verdict import NO_HASH, compare_shadow
 from dfserve.verdict.results import NOT_JUDGED
 
@@ -133,6 +139,45 @@ def test_a_failed_or_unfinished_recorded_stream_has_chunk_times_but_no_hash() ->
     assert failed.error_kind == "disconnect" and failed.output_sha256 is None and len(failed.chunk_times_s) == 3
     unfinished = shadow_record(streamed_chat(1, "zlab", False, gap=0.01, cut=1), 100.0)  # no [DONE]: not whole
     assert unfinished.ok and unfinished.output_sha256 is None and len(unfinished.chunk_times_s) == 3
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+META = {"prompt_tokens": 3, "completion_tokens": 2, "finish_reason": {"type": "stop"}, "spec_verify_ct": 1}
+FINISHED = {"text": "ab", "output_ids": [1, 2], "meta_info": META}
+ENDS = {
+    "finished": _event(FINISHED) + sglang.SSE_DONE,
+    "finished, no [DONE]": _event(FINISHED),
+    "only [DONE]": sglang.SSE_DONE,
+    "nothing": b"",
+    "an error event": _event({"error": {"message": "boom", "code": 503}}) + sglang.SSE_DONE,
+    "an abort": _event({**FINISHED, "meta_info": {**META, "finish_reason": {
+        "type": "abort", "message": "Aborted", "status_code": None}}}) + sglang.SSE_DONE,
+    "no finish reason": _event({**FINISHED, "meta_info": {**META, "finish_reason": None}}) + sglang.SSE_DONE,
+    "a delta": _event({"text": "b", "output_ids": [2], "meta_info": {**META, "finish_reason": {"type": "length"}}}),
+    "malformed JSON": b'data: {"text\n\n' + sglang.SSE_DONE,
+    "no meta_info": _event({"text": "ab"}) + sglang.SSE_DONE,
+    "a bad completion_tokens": _event({**FINISHED, "meta_info": {**META, "completion_tokens": "2"}}) + sglang.SSE_DONE,
+    "a bad finish_reason": _event({**FINISHED, "meta_info": {**META, "finish_reason": 3}}),
+    "an event before the last": _event({"text": "a", "meta_info": {**META, "completion_tokens": 1}})
+    + _event(FINISHED) + sglang.SSE_DONE,
+}
+
+
+@pytest.mark.parametrize("answer", ENDS.values(), ids=ENDS.keys())
+def test_a_native_streams_end_is_read_as_the_load_tester_reads_its_last_event(answer: bytes) -> None:
+    """A shadow record reads only what an end needs of the last event (not its spec fields, which the relay read);
+    what it reads of it (output, deltas, how it failed) is what the load tester's whole reading of that event
+    gives."""
+    events = sglang.SSEDecoder().feed(answer)
+    last = max(len(events) - 1, 0)
+    while last > 0 and events[last] == sglang.DONE:
+        last -= 1
+    tester = read_events("native", events[last:], [0.0] * (len(events) - last))
+    end = native_stream_end(answer)
+    assert (end.text, end.incremental, end.failure) == (tester.text, tester.incremental, tester.failure)
 
 
 def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:

@@ -22,7 +22,7 @@ from dfserve.sglang.client.meta import (
     stream_error,
 )
 from dfserve.sglang.client.responses import Usage, parse_sglext_spec, parse_usage
-from dfserve.sglang.wire import DONE, event_json
+from dfserve.sglang.wire import DONE, event_json, int_field
 
 
 class SSEDecoder:
@@ -202,6 +202,43 @@ def parse_native_event(data: str) -> NativeChunk | StreamError:
     text, ids, meta = obj.get("text", ""), obj.get("output_ids"), parse_meta_info(obj["meta_info"])
     return NativeChunk(text=text if isinstance(text, str) else "", meta=meta,
                        incremental=isinstance(ids, list) and len(ids) < meta.completion_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStreamEnd:
+    """What a native stream's last event shows, read alone (`native_stream_end`)."""
+
+    text: str
+    """The whole output, unless `incremental` (then only the last delta)."""
+    incremental: bool
+    finish_reason: FinishReason | None
+    error: StreamError | None
+    """The last event was an error event."""
+    done: bool
+    """`[DONE]` followed it."""
+
+
+def native_stream_end(events: bytes) -> NativeStreamEnd:
+    """Read a native stream's end (`events`: its last pieces): its last event and the `[DONE]` after it. SGLang
+    repeats the whole output in every event, so the last holds it; only what an end needs is read of it (the text,
+    the ids' count against `completion_tokens`, the finish reason), not the spec fields, which the relay read."""
+    datas = SSEDecoder().feed(events)
+    done = bool(datas) and datas[-1] == DONE
+    while datas and datas[-1] == DONE:
+        datas.pop()
+    if not datas:
+        return NativeStreamEnd("", False, None, None, done)
+    obj = event_json(datas[-1], "/generate stream")
+    error = stream_error(obj)
+    if error is not None:
+        return NativeStreamEnd("", False, None, error, done)
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ProtocolError("/generate stream: event without 'meta_info'")
+    text, ids = obj.get("text", ""), obj.get("output_ids")
+    incremental = isinstance(ids, list) and len(ids) < int_field(meta, "completion_tokens")
+    return NativeStreamEnd(text if isinstance(text, str) else "", incremental,
+                           parse_finish_reason(meta.get("finish_reason")), None, done)
 
 
 @dataclass(frozen=True)
