@@ -80,8 +80,9 @@ class Decided(BaseModel):
 def judge_live(pairs: Pairs[RequestRecord], design: SequentialDesign, gate: Gate) -> Outcome:
     """A folder's verdict with its looks replayed as the gateway took them: its pairs in request-id order."""
     ordered = Pairs(pairs.names, tuple(range(len(pairs))), pairs.task_ids, pairs.base, pairs.cand,
-                    pairs.deterministic)
-    outcome = Sequential(design, LIVE_TASKS, deterministic_pair=greedy_held).judge(ordered, METRICS, gate)
+                    pairs.deterministic, pairs.greedy)
+    outcome = Sequential(design, LIVE_TASKS, deterministic_pair=greedy_held,
+                         started_deterministic=True).judge(ordered, METRICS, gate)
     assert outcome.sequential is not None
     return Outcome(outcome.judgement, outcome.sequential.model_copy(update={"live": True}))
 

@@ -110,10 +110,11 @@ def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArr
 
 def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
     """The share of finished pairs whose outputs must agree (`Pairs.must_agree`) that do, and the tasks where they
-    differ."""
+    differ; where no pair must agree, of every pair, for reading only (not applicable)."""
     agree = pairs.must_agree
+    counted = agree if any(agree) else (True,) * len(pairs)
     compared = ((t, known_outputs(spec, b, c))
-                for t, b, c, must in zip(pairs.task_ids, pairs.base, pairs.cand, agree, strict=True) if must)
+                for t, b, c, must in zip(pairs.task_ids, pairs.base, pairs.cand, counted, strict=True) if must)
     both = [(t, outputs) for t, outputs in compared if outputs is not None]
     differing = sorted({t for t, (b, c) in both if b != c})
     same = sum(1 for _, (b, c) in both if b == c)

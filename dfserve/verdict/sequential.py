@@ -240,8 +240,11 @@ class Monitor(Generic[U]):
 
             estimate = reading.change
             low, high = self._narrowed(index, track, reading.low, reading.high)
-            detail = (f"{estimate:.4f} identical over {track.tasks} tasks, always-valid interval "
-                      f"[{low:.4f}, {high:.4f}]" + (", every task of the set seen" if census else ""))
+            detail = (f"{estimate:.4f} identical over {track.tasks} tasks"
+                      + (f" (of the greedy pairs, {self.greedy_pairs} of {self.pairs})"
+                         if self.greedy_pairs < self.pairs else "")
+                      + f", always-valid interval [{low:.4f}, {high:.4f}]"
+                      + (", every task of the set seen" if census else ""))
         else:
             sign = -1.0 if spec.higher_is_better else 1.0
 
@@ -299,11 +302,14 @@ class Sequential:
     task_count: int
     first_index: int = 0
     deterministic_pair: Callable[[Any, Any], bool] | None = None
+    started_deterministic: bool | None = None
+    """Whether the run's monitor started deterministic, where it read determinism pair by pair without knowing it
+    up front (live traffic); None: `pairs.deterministic`, the run's own."""
 
     def replay(self, pairs: Pairs[U], metrics: Mapping[str, MetricSpec[U]], gate: Gate) -> Monitor[U]:
         """The monitor as it was during the run: the looks depend only on the pairs in schedule order."""
-        monitor = Monitor(self.design.model_copy(update={"gate": gate}), metrics,
-                          pairs.deterministic or self.deterministic_pair is not None, self.task_count,
+        started = pairs.deterministic if self.started_deterministic is None else self.started_deterministic
+        monitor = Monitor(self.design.model_copy(update={"gate": gate}), metrics, started, self.task_count,
                           self.first_index, self.deterministic_pair)
         for index, task, base, cand in zip(pairs.index, pairs.task_ids, pairs.base, pairs.cand, strict=True):
             monitor.offer(0, index, task, base)

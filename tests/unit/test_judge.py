@@ -63,6 +63,8 @@ def test_lossy_candidate_is_caught_and_differing_tasks_listed() -> None:
 def test_losslessness_is_not_judged_above_temperature_zero() -> None:
     j = judge(synthetic("a", 100, 9.0, seed=1), synthetic("b", 100, 9.0, seed=1, lossy=0.5), DEFAULT_GATE, 0.7)
     assert statuses(j)["lossless_fraction"] == "NOT_APPLICABLE"
+    assert j.lossless is not None and not j.lossless.applicable and j.lossless.greedy_of is None
+    assert j.lossless.pairs == 100 and j.lossless.differing_tasks  # counted over every pair, for reading only
 
 
 def test_a_replayed_captures_greedy_requests_are_judged_for_losslessness_among_sampled_ones() -> None:

@@ -22,7 +22,7 @@ from dfserve.tasks import TaskSet
 from dfserve.verdict import bootstrap
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.pairs import MetricSpec, Pairs
-from dfserve.verdict.sequential import units_to_decide
+from dfserve.verdict.sequential import rule_result, units_to_decide
 from dfserve.verdict.tracks import LosslessTrack
 from tests.synthetic import run_config, synthetic
 
@@ -148,6 +148,27 @@ def test_a_replayed_captures_greedy_requests_decide_losslessness_among_sampled_o
     replayed = judge_sequential(records[: 2 * lossy.decision.pairs], "a", "b", gate, config)
     assert replayed.judgement.verdict == "FAIL" and replayed.sequential is not None
     assert replayed.sequential.stopped_after_pairs == lossy.decision.pairs
+
+
+def test_a_replayed_capture_run_is_judged_from_its_records_as_it_was_live() -> None:
+    """The run's monitor started as the run's temperature says (the loosest replayed); its verdict replayed from
+    the records starts the same, so a rule's needs read the same: requests, not tasks, where sampled tasks exist
+    even if only greedy ones were sent."""
+    def mixed(records: list[RequestRecord]) -> list[RequestRecord]:
+        return [r.model_copy(update={"temperature": 0.0 if int(r.task_id[1:]) < 30 else 0.7}) for r in records]
+
+    base, cand = mixed(synthetic("a", 30, 9.0, seed=1)), mixed(synthetic("b", 30, 9.0, seed=2))
+    design = SequentialDesign(gate=DEFAULT_GATE, look_every=4)
+    live = monitor(temperature=0.7, tasks=40, look_every=4)
+    feed(live, pair_up(base, cand))
+    config = run_config("mixed").model_copy(update={
+        "sequential": design, "sampling": run_config("mixed").sampling.model_copy(update={"temperature": 0.7})})
+    config = config.model_copy(update={"tasks": config.tasks.model_copy(update={"size": 40})})
+    replayed = judge_sequential(pair_up(base, cand), "a", "b", DEFAULT_GATE, config).judgement
+    ended = [rule_result(state, 40) for state in live.finish().rules]
+    assert [(r.status, r.tasks_needed, r.requests_needed, r.task_set_limited) for r in replayed.rules] == [
+        (r.status, r.tasks_needed, r.requests_needed, r.task_set_limited) for r in ended]
+    assert all(r.tasks_needed is None for r in ended)
 
 
 def test_error_rates_fail_on_errors_and_need_many_requests_to_pass() -> None:

@@ -162,6 +162,11 @@ def test_losslessness_is_judged_on_the_greedy_pairs_of_mixed_traffic(tmp_path: P
     [folder] = sorted((tmp_path / "mixed" / "shadow").iterdir())
     verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
     assert verdict.judgement.verdict == "FAIL" and not verdict.forced  # the replayed looks reach the same decision
+    lossless = verdict.judgement.lossless  # the fixed-n table beside it: of the greedy pairs too
+    assert lossless is not None and lossless.applicable and lossless.greedy_of == verdict.judgement.pairs
+    assert lossless.pairs and lossless.identical == 0 and lossless.differing_tasks
+    detail = next(r.detail for r in verdict.judgement.rules)
+    assert f"(of the greedy pairs, {lossless.pairs} of {verdict.judgement.pairs})" in detail
     sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7)]
     decider, metrics, _ = deciding(tmp_path / "sampled", gate=LOSSLESS)
     for e in sampled:
