@@ -3,7 +3,9 @@ falls behind is counted and logged once, and never reaches the caller."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -311,3 +313,40 @@ def test_an_unknown_kind_is_refused_naming_its_field(tmp_path: Path, recorder_ki
         assemble(load_config(path, {}))
     with pytest.raises(ValueError, match="registered twice"):
         observers.register("test_recorder")(lambda options: Recorder())
+
+
+def test_a_batch_lets_the_event_loop_run_between_two_exchanges(
+        registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An observer thread holds the GIL for `GIL_SLICE_S`, or one exchange past it, not for the interpreter's
+    switch interval: a batch of slow observations never holds the event loop back longer than that."""
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.2)  # without a yield per exchange, the loop would wait this long for the GIL
+
+    class Busy(Recorder):
+        def observe(self, exchanged: Exchanged) -> None:
+            until = time.perf_counter() + 0.002
+            while time.perf_counter() < until:
+                pass
+            super().observe(exchanged)
+
+    async def longest_lag_s() -> float:
+        longest = 0.0
+        for _ in range(100):
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            longest = max(longest, time.perf_counter() - before - 0.001)
+        return longest
+
+    busy = Busy()
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("busy", busy, queue_size=512)
+    try:
+        for i in range(200):
+            seam.finished(exchanged(i))  # 0.4 s of observing, in one batch
+        lag_s = asyncio.run(longest_lag_s())
+    finally:
+        sys.setswitchinterval(switch)
+        seam.close()
+    assert len(busy.seen) == 200
+    assert lag_s < 0.1, f"the loop waited {lag_s * 1000:.0f} ms for the GIL"
