@@ -72,9 +72,9 @@ def judged(records: Sequence[RequestRecord]) -> list[RequestRecord]:
 
 def greedy_pair(temperature: float) -> Callable[[RequestRecord, RequestRecord], bool]:
     """Whether a pair's outputs must agree: both requests greedy, at their own temperature (a replayed capture's)
-    or the run's."""
+    or the run's. In a run whose loosest temperature is 0 every pair is greedy, whatever a record says."""
     def greedy(base: RequestRecord, cand: RequestRecord) -> bool:
-        return all((r.temperature if r.temperature is not None else temperature) == 0 for r in (base, cand))
+        return temperature == 0 or all(r.temperature == 0 for r in (base, cand))
     return greedy
 
 

@@ -80,6 +80,10 @@ def test_a_replayed_captures_greedy_requests_are_judged_for_losslessness_among_s
     assert j.lossless is not None and (j.lossless.greedy_of, j.lossless.pairs) == (100, 50)
     same = judge(mixed(synthetic("a", 100, 9.0, seed=1)), mixed(synthetic("b", 100, 9.0, seed=1)), DEFAULT_GATE, 0.7)
     assert statuses(same)["lossless_fraction"] == "PASS"
+    claimed = judge(mixed(synthetic("a", 100, 9.0, seed=1)), mixed(synthetic("b", 100, 9.0, seed=1, lossy=0.5)),
+                    DEFAULT_GATE, 0.0)  # a greedy run: no record's own temperature takes a pair out
+    assert statuses(claimed)["lossless_fraction"] == "FAIL" and claimed.lossless is not None
+    assert (claimed.lossless.pairs, claimed.lossless.greedy_of) == (100, None)
 
 
 def test_error_rate_regression_fails() -> None:
