@@ -5,8 +5,9 @@ came on (`/generate`, chat, completions: one run sends them all, each built by i
 `loadtest.routes`) with its own sampling settings; settings it did not set are taken from the run's flags
 (`--max-new-tokens`, `--temperature`, `--top-p`), so the load stays bounded, and the run's config.json records the
 loosest settings of the replay (the largest of each); each record keeps its request's own temperature, so
-losslessness is judged on the greedy ones. What the load tester changes in each body is its route's (`Route.streamed`). Task ids carry a hash of the
-route and the body it is sent with, so the task set's hash changes with any setting. A body is never converted
+losslessness is judged on the greedy ones. What the load tester changes in each body is its route's
+(`Route.streamed`). Task ids carry a hash of the route and the body it is sent with, so the task set's hash changes
+with any setting. A body is never converted
 from one API to another: a run told `--api` replays a capture only when every request came on that route. A capture
 that cannot be replayed (user text hashed, prompt dropped, a batch), or one that is incomplete or tampered with, is
 refused in one line.

@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dfserve.errors import UserError
 from dfserve.runs import read_jsonl
 from dfserve.sglang import Api, accept_length, estimated_accept_length
 
@@ -154,6 +155,15 @@ def round_tokens(r: RequestRecord) -> list[int]:
 def measured_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
     """The records that count: warm-up excluded."""
     return [r for r in records if not r.warmup]
+
+
+def check_same_temperature(pairs: Iterable[tuple[RequestRecord, RequestRecord]]) -> None:
+    """Both sides of one request were sent at one temperature (a shadow mirror is a copy of its request, a task has
+    one body): records that disagree were edited, and could take a pair out of losslessness."""
+    for base, cand in pairs:
+        if base.temperature != cand.temperature:
+            raise UserError(f"request {base.index}: arm {base.arm} records temperature {base.temperature}, arm "
+                            f"{cand.arm} {cand.temperature}; records of one request that disagree are never judged")
 
 
 def read_records(path: Path) -> Iterator[RequestRecord]:

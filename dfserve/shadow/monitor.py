@@ -75,8 +75,6 @@ class Decided(BaseModel):
     design: SequentialDesign
 
 
-
-
 def judge_live(pairs: Pairs[RequestRecord], design: SequentialDesign, gate: Gate) -> Outcome:
     """A folder's verdict with its looks replayed as the gateway took them: its pairs in request-id order."""
     ordered = Pairs(pairs.names, tuple(range(len(pairs))), pairs.task_ids, pairs.base, pairs.cand,

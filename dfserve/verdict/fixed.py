@@ -41,7 +41,7 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
                           detail=NOT_JUDGED)
     if lossless.fraction is None or lossless.high is None or lossless.low is None:
         return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE", detail="no pair finished")
-    detail = (f"{lossless.identical}/{lossless.pairs} identical{wording.greedy_subset(lossless)}, "
+    detail = (f"{lossless.identical}/{lossless.pairs} identical{wording.greedy_subset(lossless.greedy_of)}, "
               f"interval [{lossless.low:.4f}, {lossless.high:.4f}]")
     if lossless.high < limit:
         return RuleResult(metric=rule.metric, limit=limit, status="FAIL", detail=detail)

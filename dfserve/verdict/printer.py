@@ -31,7 +31,7 @@ def print_judgement(console: Console, j: Judgement, sequential: SequentialReport
                                 + (" (SIMULATED)" if simulated else ""), sequential is not None))
     loss = j.lossless
     if loss is not None:
-        console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs{wording.greedy_subset(loss)}"
+        console.print(f"lossless: {loss.identical}/{loss.pairs} identical outputs{wording.greedy_subset(loss.greedy_of)}"
                       + ("" if loss.applicable else f" ({NOT_JUDGED})")
                       + (f"; differing tasks: {', '.join(loss.differing_tasks[:20])}" if loss.differing_tasks else ""))
     rules = Table.grid(padding=(0, 1), pad_edge=True)

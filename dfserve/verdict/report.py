@@ -113,7 +113,7 @@ def _lossless(loss: Lossless | None) -> str:
                  if loss.differing_tasks else "<p>No task's outputs differ.</p>" if loss.pairs
                  else "<p>No pair's outputs could be compared.</p>")
     return (f"<h2>Losslessness</h2><p>{loss.identical} of {loss.pairs} paired outputs identical"
-            f"{_e(wording.greedy_subset(loss))}: fraction {fraction}"
+            f"{_e(wording.greedy_subset(loss.greedy_of))}: fraction {fraction}"
             f"{_e(interval)}.{_e(note)}</p>{differing}")
 
 

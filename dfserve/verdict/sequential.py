@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal
 
 from dfserve.errors import FieldError
+from dfserve.verdict import wording
 from dfserve.verdict.design import Outcome, SequentialDesign, SequentialReport
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules
@@ -241,8 +242,7 @@ class Monitor(Generic[U]):
             estimate = reading.change
             low, high = self._narrowed(index, track, reading.low, reading.high)
             detail = (f"{estimate:.4f} identical over {track.tasks} tasks"
-                      + (f" (of the greedy pairs, {self.greedy_pairs} of {self.pairs})"
-                         if self.greedy_pairs < self.pairs else "")
+                      + wording.greedy_subset(self.pairs if self.greedy_pairs < self.pairs else None)
                       + f", always-valid interval [{low:.4f}, {high:.4f}]"
                       + (", every task of the set seen" if census else ""))
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dfserve.verdict.design import SequentialReport
-from dfserve.verdict.results import Judgement, Lossless, MetricResult, RuleResult
+from dfserve.verdict.results import Judgement, MetricResult, RuleResult
 
 
 def metric_value(m: MetricResult, value: float | None) -> str:
@@ -40,9 +40,9 @@ def pairs_in_words(j: Judgement) -> str:
     return f"{j.tasks} paired tasks" if j.pairs == j.tasks else f"{j.pairs} pairs over {j.tasks} tasks"
 
 
-def greedy_subset(loss: Lossless) -> str:
-    """Which pairs an identical-output count is of, where only some were greedy."""
-    return f" (the greedy pairs of {loss.greedy_of})" if loss.greedy_of is not None else ""
+def greedy_subset(of_pairs: int | None) -> str:
+    """Which pairs an identical-output count is of, where only some of `of_pairs` were greedy."""
+    return f" (the greedy pairs of {of_pairs})" if of_pairs is not None else ""
 
 
 def rule_needs(rule: RuleResult) -> str:

@@ -198,9 +198,24 @@ def test_a_native_stream_of_deltas_is_read_whole(world: World, servers: Servers,
         assert record.output_sha256 == hashlib.sha256(reply["text"].encode()).hexdigest(), record.task_id
     with httpx.stream("POST", f"{servers.plain.url}/generate", timeout=600,
                       json=sglang.generate_body(tasks[0].as_text(), SAMPLING, stream=True)) as response:
-        events = sglang.SSEDecoder().feed(response.read())
+        raw = response.read()
+    events = sglang.SSEDecoder().feed(raw)
     ids = [len(json.loads(data)["output_ids"]) for data in events if data != sglang.DONE]
     assert len(ids) > 1 and sum(ids) == whole[tasks[0].id]["meta_info"]["completion_tokens"]  # deltas, not totals
+    assert sglang.native_stream_end(raw).incremental  # a shadow record's end reading tells deltas too
+
+
+def test_a_native_streams_end_holds_the_whole_answer(world: World, servers: Servers) -> None:
+    """What a shadow record reads of a native stream, its last event alone (`sglang.native_stream_end`), is real
+    SGLang's whole answer: a drafter server repeats the output so far in every event."""
+    task = load_tasks(str(world.tasks)).tasks[0]
+    [reply] = generate(servers.long.url, [task.as_text()])
+    with httpx.stream("POST", f"{servers.long.url}/generate", timeout=600,
+                      json=sglang.generate_body(task.as_text(), SAMPLING, stream=True)) as response:
+        raw = response.read()
+    end = sglang.native_stream_end(b"\n\n".join(raw.split(b"\n\n")[-3:]))  # the last event, then [DONE]
+    assert (end.text, end.incremental, end.error, end.done) == (reply["text"], False, None, True)
+    assert end.finish_reason is not None and end.finish_reason.kind == reply["meta_info"]["finish_reason"]["type"]
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

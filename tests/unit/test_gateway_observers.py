@@ -195,25 +195,38 @@ def test_exchanges_that_finish_while_the_thread_waits_for_more_are_one_batch(
     seam.close()
 
 
+class SlowFlush(Batching):
+    """Holds its thread in its first flush until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(opened())
+        self.flushing, self.release = threading.Event(), threading.Event()
+
+    def flush(self) -> None:
+        super().flush()
+        self.flushing.set()
+        self.release.wait(10)
+
+
+def flushing_the_first(registry: CollectorRegistry,
+                       monkeypatch: pytest.MonkeyPatch) -> tuple[SlowFlush, Observers, threading.Event]:
+    """A lane whose thread has observed exchange 0 without waiting and is held in its flush: what is offered now
+    queues behind it."""
+    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
+    slow = SlowFlush()
+    seam = Observers(ObserverMetrics.build(registry))
+    seam.add("slow", slow, queue_size=64)
+    seam.finished(exchanged(0))
+    assert slow.flushing.wait(10)
+    return slow, seam, slow.release
+
+
 def test_a_thread_that_finds_a_backlog_takes_it_without_waiting(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backlog (`BATCH_BACKLOG` exchanges queued while the thread was busy) is a batch already: it does not wait
     `BATCH_WAIT_S` for more, so the wait never caps how fast an observer keeps up."""
-    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
     monkeypatch.setattr(observers, "BATCH_BACKLOG", 2)
-    flushing, release = threading.Event(), threading.Event()
-
-    class SlowFlush(Batching):
-        def flush(self) -> None:
-            super().flush()
-            flushing.set()
-            release.wait(10)
-
-    slow = SlowFlush(opened())
-    seam = Observers(ObserverMetrics.build(registry))
-    seam.add("slow", slow, queue_size=64)
-    seam.finished(exchanged(0))
-    assert flushing.wait(10)
+    slow, seam, release = flushing_the_first(registry, monkeypatch)
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 30.0)
     for i in range(1, 4):
         seam.finished(exchanged(i))  # queued while the thread is busy flushing
@@ -227,20 +240,7 @@ def test_a_few_exchanges_queued_while_busy_wait_for_the_batch(
         registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two or three exchanges that queued while the last batch was observed are no backlog: the thread waits
     `BATCH_WAIT_S` for the rest of the batch rather than observing them alone on cold caches."""
-    monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
-    flushing, release = threading.Event(), threading.Event()
-
-    class SlowFlush(Batching):
-        def flush(self) -> None:
-            super().flush()
-            flushing.set()
-            release.wait(10)
-
-    slow = SlowFlush(opened())
-    seam = Observers(ObserverMetrics.build(registry))
-    seam.add("slow", slow, queue_size=64)
-    seam.finished(exchanged(0))
-    assert flushing.wait(10)
+    slow, seam, release = flushing_the_first(registry, monkeypatch)
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.5)
     for i in range(1, 3):
         seam.finished(exchanged(i))  # queued while the thread is busy flushing: fewer than BATCH_BACKLOG
@@ -321,13 +321,13 @@ def test_a_batch_lets_the_event_loop_run_between_two_exchanges(
     switch interval: a batch of slow observations never holds the event loop back longer than that."""
     monkeypatch.setattr(observers, "BATCH_WAIT_S", 0.0)
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(0.2)  # without a yield per exchange, the loop would wait this long for the GIL
+    sys.setswitchinterval(0.2)  # were the GIL never handed over, the loop would wait this long for it
 
     class Busy(Recorder):
         def observe(self, exchanged: Exchanged) -> None:
             until = time.perf_counter() + 0.002
-            while time.perf_counter() < until:
-                pass
+            while time.perf_counter() < until:  # pure Python: the GIL held throughout
+                continue
             super().observe(exchanged)
 
     async def longest_lag_s() -> float:

@@ -86,6 +86,16 @@ def test_a_replayed_captures_greedy_requests_are_judged_for_losslessness_among_s
     assert (claimed.lossless.pairs, claimed.lossless.greedy_of) == (100, None)
 
 
+def test_a_request_whose_arms_record_different_temperatures_is_refused() -> None:
+    """A task has one body: an arm's record that says it was sampled where the other's says greedy was edited (it
+    would take its pair out of losslessness)."""
+    base = [r.model_copy(update={"temperature": 0.0}) for r in synthetic("a", 20, 9.0, seed=1)]
+    cand = [r.model_copy(update={"temperature": 0.7 if r.index == 3 else 0.0})
+            for r in synthetic("b", 20, 9.0, seed=1, lossy=0.5)]
+    with pytest.raises(UserError, match=r"request 3: arm a records temperature 0.0, arm b 0.7"):
+        judge(base, cand, DEFAULT_GATE, 0.7)
+
+
 def test_error_rate_regression_fails() -> None:
     j = judge(synthetic("a", 300, 9.0, seed=1), synthetic("b", 300, 9.0, seed=1, errors=0.3), DEFAULT_GATE, 0.0)
     assert statuses(j)["error_rate"] == "FAIL"

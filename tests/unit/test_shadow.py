@@ -452,6 +452,15 @@ def test_refusals(tmp_path: Path) -> None:
         compare_shadow(folder, None, None, False, tmp_path / "v")
     with pytest.raises(UserError, match="recorded 2 times"):
         compare_shadow(folder, None, None, True, tmp_path / "v")
+    edited = _record(tmp_path / "c", _traffic(10, 4, cand_text="other"))  # lossy: FAIL as recorded
+    requests = edited / "requests.jsonl"
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    for record in records:
+        if record["arm"] == "inhouse" and record["index"] == 2:
+            record["temperature"] = 0.7  # would take request 2 out of losslessness
+    requests.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(UserError, match=r"request 2: arm zlab records temperature 0\.0, arm inhouse 0\.7"):
+        compare_shadow(edited, None, None, True, tmp_path / "v")
 
 
 def test_arms_whose_engines_differ_or_are_unknown_are_refused_unless_forced(

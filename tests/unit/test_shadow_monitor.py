@@ -166,7 +166,7 @@ def test_losslessness_is_judged_on_the_greedy_pairs_of_mixed_traffic(tmp_path: P
     assert lossless is not None and lossless.applicable and lossless.greedy_of == verdict.judgement.pairs
     assert lossless.pairs and lossless.identical == 0 and lossless.differing_tasks
     detail = next(r.detail for r in verdict.judgement.rules)
-    assert f"(of the greedy pairs, {lossless.pairs} of {verdict.judgement.pairs})" in detail
+    assert f"identical over {len(lossless.differing_tasks)} tasks (the greedy pairs of {verdict.judgement.pairs})" in detail
     sampled = [e for rid in range(80) for e in request(rid, 4, cand_text="other", temperature=0.7)]
     decider, metrics, _ = deciding(tmp_path / "sampled", gate=LOSSLESS)
     for e in sampled:
