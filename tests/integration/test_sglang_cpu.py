@@ -413,9 +413,11 @@ def aborted_whole(url: str, path: str, body: dict[str, Any], rid: str) -> tuple[
     """A whole request aborted through `/abort_request` while it runs: its status, finish reason and field set, how
     dfserve reads it, and the requests aborted. SGLang ignores an abort of a rid it does not hold yet, so the abort
     is repeated until the answer arrives; one that finds the request still queued (a thinner answer, "Abort in
-    waiting queue") is tried again with a new request. `body` asks for the native meta_info."""
+    waiting queue"), or one that finished before an abort landed (a slow machine), is tried again with a new
+    request. `body` asks for the native meta_info."""
+    aborts = 0
     with httpx.Client(base_url=url, timeout=600) as client, httpx.Client(base_url=url, timeout=60) as admin:
-        for attempt in range(1, 4):
+        for attempt in range(1, 6):
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 answer = pool.submit(client.post, path, json={**body, "rid": f"{rid}-{attempt}"})
                 while True:
@@ -427,11 +429,13 @@ def aborted_whole(url: str, path: str, body: dict[str, Any], rid: str) -> tuple[
                         continue
             obj = reply.json()
             meta = obj["meta_info"] if "meta_info" in obj else obj["choices"][0]["meta_info"]
-            if meta["finish_reason"].get("message") != "Abort in waiting queue":
+            aborted = meta["finish_reason"].get("type") == "abort"
+            aborts += aborted
+            if aborted and meta["finish_reason"].get("message") != "Abort in waiting queue":
                 break
     finish = obj["meta_info"]["finish_reason"] if "meta_info" in obj else obj["choices"][0]["finish_reason"]
     seen = (reply.status_code, [finish_kind(finish) if isinstance(finish, dict) else str(finish)], keys(obj))
-    return seen, dfserve_reading("native" if path == "/generate" else "chat", reply.content, streamed=False), attempt
+    return seen, dfserve_reading("native" if path == "/generate" else "chat", reply.content, streamed=False), aborts
 
 
 def aborted_count(client: httpx.Client) -> float:
