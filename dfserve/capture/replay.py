@@ -72,12 +72,13 @@ class CaptureTaskSet(TaskSet):
         return Counter(task.route for task in self.tasks if isinstance(task, ReplayTask))
 
     def for_run(self, sampling: Sampling) -> tuple[CaptureTaskSet, Sampling]:
-        """Tasks whose unset sampling settings are the run's, and the loosest settings among them (what the run
-        records)."""
+        """Tasks whose unset sampling settings are the run's, and the loosest settings among them, with the lowest
+        temperature (what the run records)."""
         tasks = tuple(_with_defaults(task, sampling) for task in self.tasks if isinstance(task, ReplayTask))
         settings = [_settings(task) for task in tasks]
         loosest = Sampling(max_new_tokens=max(s.max_new_tokens for s in settings),
-                           temperature=max(s.temperature for s in settings), top_p=max(s.top_p for s in settings))
+                           temperature=max(s.temperature for s in settings), top_p=max(s.top_p for s in settings),
+                           min_temperature=min(s.temperature for s in settings))
         return replace(self, tasks=tasks), loosest
 
     def check(self, api: sglang.Api | None, trace: bool, count: int) -> None:

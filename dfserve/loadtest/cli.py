@@ -193,7 +193,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
                        model=model, pin_arms=pin_arms, sequential=_design(until_decided, gate, look_every),
                        shard=None if shard is None else parse_shard(shard), headers=request_headers(headers, api_key))
         monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], plan.sampling.temperature,
-                                     len(plan.task_set.tasks), warmup) if plan.sequential else None)
+                                     len(plan.task_set.tasks), warmup, plan.sampling.mixes_greedy)
+                   if plan.sequential else None)
     if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=plan.default_api)

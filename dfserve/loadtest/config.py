@@ -23,9 +23,19 @@ class Sampling(_Model):
     max_new_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
+    min_temperature: float | None = Field(None, ge=0, description="a replayed capture's lowest temperature "
+                                          "(`temperature` is its highest); None: every request at `temperature`")
 
     def describe(self) -> str:
-        return f"at most {self.max_new_tokens} new tokens, temperature {self.temperature:g}, top-p {self.top_p:g}"
+        low = self.min_temperature
+        temperature = f"{self.temperature:g}" if low is None or low == self.temperature else \
+            f"{low:g} to {self.temperature:g}"
+        return f"at most {self.max_new_tokens} new tokens, temperature {temperature}, top-p {self.top_p:g}"
+
+    @property
+    def mixes_greedy(self) -> bool:
+        """Greedy requests among sampled ones: a sequential run awaits greedy pairs before losslessness can pass."""
+        return self.temperature > 0 and self.min_temperature == 0
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)

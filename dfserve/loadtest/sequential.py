@@ -3,7 +3,7 @@ monitor as they are written, and the verdict of such a run replayed from request
 
 The method, what each rule's interval assumes and why looks see only the schedule's complete prefix are told in
 `dfserve.verdict.sequential`; here are only which records count (measured ones of the two arms; a request the
-tester cancelled at its stop is no pair) and the run's settings (temperature, task set, warm-up).
+tester cancelled at its stop is no pair) and the run's settings (temperatures, task set, warm-up).
 
     monitor = SequentialMonitor(design, "zlab", "inhouse", temperature=0.0, task_count=164, warmup=8)
     runner observers: [monitor.observe]; stop sending when monitor.stopped
@@ -26,8 +26,11 @@ class SequentialMonitor(Monitor[RequestRecord]):
     """The monitor of one run's baseline and candidate arms."""
 
     def __init__(self, design: SequentialDesign, baseline: str, candidate: str, temperature: float, task_count: int,
-                 warmup: int = 0) -> None:
-        super().__init__(design, METRICS, temperature == 0, task_count, warmup, greedy_pair(temperature))
+                 warmup: int = 0, mixes_greedy: bool = False) -> None:
+        """`temperature`: the run's (the loosest, for a replayed capture); `mixes_greedy`: its requests mix greedy
+        and sampled ones (`Sampling.mixes_greedy`)."""
+        super().__init__(design, METRICS, temperature == 0, task_count, warmup, greedy_pair(temperature),
+                         mixes_greedy)
         self.arms = (baseline, candidate)
 
     def observe(self, record: RequestRecord) -> None:
@@ -39,7 +42,8 @@ def design_of(config: RunConfig) -> Sequential:
     """The sequential design a run was run with."""
     if config.sequential is None:
         raise FieldError("sequential", f"run {config.run_id} has no sequential design (a fixed-size run)")
-    return Sequential(config.sequential, config.tasks.size, config.warmup, greedy_pair(config.sampling.temperature))
+    return Sequential(config.sequential, config.tasks.size, config.warmup, greedy_pair(config.sampling.temperature),
+                      awaits_greedy=config.sampling.mixes_greedy)
 
 
 def judge_sequential(records: Sequence[RequestRecord], baseline: str, candidate: str, gate: Gate,

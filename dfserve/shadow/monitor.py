@@ -25,7 +25,10 @@ reaches the recorder (dropped behind a full queue) would hold the prefix forever
 waiting behind it the live decision is given up, said once (state `abandoned`), while mirroring and recording go
 on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
 greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`): losslessness is judged
-on the greedy pairs, the other metrics as for sampled requests once one pair is not greedy.
+on the greedy pairs, the other metrics as for sampled requests once one pair is not greedy. A greedy request may
+come at any time, so a gate with an identical-output rule passes only once that rule has judged greedy pairs
+(traffic that never asks for temperature 0 is decided by `dfserve compare` when its folder closes, or by a gate
+without the rule).
 
     decider = DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending=10_000), metrics, stop)
     gateway.observers.add("shadow", decider)
@@ -79,14 +82,14 @@ def judge_live(pairs: Pairs[RequestRecord], design: SequentialDesign, gate: Gate
     """A folder's verdict with its looks replayed as the gateway took them: its pairs in request-id order."""
     ordered = Pairs(pairs.names, tuple(range(len(pairs))), pairs.task_ids, pairs.base, pairs.cand,
                     pairs.deterministic, pairs.greedy)
-    outcome = Sequential(design, LIVE_TASKS, deterministic_pair=greedy_held,
-                         started_deterministic=True).judge(ordered, METRICS, gate)
+    outcome = Sequential(design, LIVE_TASKS, deterministic_pair=greedy_held, started_deterministic=True,
+                         awaits_greedy=True).judge(ordered, METRICS, gate)
     assert outcome.sequential is not None
     return Outcome(outcome.judgement, outcome.sequential.model_copy(update={"live": True}))
 
 
 def live_monitor(design: SequentialDesign) -> Monitor[RequestRecord]:
-    return Monitor(design, METRICS, True, LIVE_TASKS, deterministic_pair=greedy_held)
+    return Monitor(design, METRICS, True, LIVE_TASKS, deterministic_pair=greedy_held, awaits_greedy=True)
 
 
 @dataclass

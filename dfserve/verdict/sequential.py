@@ -128,16 +128,20 @@ class Monitor(Generic[U]):
     (temperature 0). `deterministic_pair`, where the pairs mix greedy and sampled requests (live traffic): whether
     one pair is deterministic. The identical-output fraction is then judged on those pairs alone, and the first
     pair before the decision that is not makes the rest of the run non-deterministic for every other metric (whose
-    repeated tasks then add evidence), so the looks stay a function of the pairs in order."""
+    repeated tasks then add evidence), so the looks stay a function of the pairs in order. `awaits_greedy`: greedy
+    pairs may still come where none has yet (live traffic; a replayed capture mixing temperatures), so until the
+    first the identical-output rule is undecided, not inapplicable, and nothing passes before losslessness has been
+    judged; only a run that ended without one (`finish`) leaves it not applicable."""
 
     def __init__(self, design: SequentialDesign, metrics: Mapping[str, MetricSpec[U]], deterministic: bool,
                  task_count: int, first_index: int = 0,
-                 deterministic_pair: Callable[[U, U], bool] | None = None) -> None:
+                 deterministic_pair: Callable[[U, U], bool] | None = None, awaits_greedy: bool = False) -> None:
         check_sequential_gate(design.gate, metrics)
         self.design = design
         self.specs = [metrics[rule.metric] for rule in design.gate.rules]
         self.deterministic = deterministic
         self.deterministic_pair = deterministic_pair
+        self.awaits_greedy = awaits_greedy
         self.task_count = task_count
         self.tracks = [kind_of(spec).track(spec, rule.limit, task_count)
                        for rule, spec in zip(design.gate.rules, self.specs, strict=True)]
@@ -188,6 +192,7 @@ class Monitor(Generic[U]):
         base, cand = self._waiting
         for index in sorted(base.keys() & cand.keys()):
             self._add(index, base.pop(index), cand.pop(index))
+        self.awaits_greedy = False  # the run is over: none will come
         return self.look()
 
     def look(self) -> Look:
@@ -220,6 +225,9 @@ class Monitor(Generic[U]):
         limit = rule.limit
         identical = rule.at_least is not None
         if identical and not self.deterministic and not self.greedy_pairs:
+            if self.awaits_greedy:
+                return RuleState(rule.metric, limit, "INCONCLUSIVE", f"no greedy pair yet in {self.pairs} pairs: "
+                                 "outputs are compared on greedy requests (not applicable if none comes)")
             return RuleState(rule.metric, limit, "NOT_APPLICABLE", NOT_JUDGED)
         per_task = self.deterministic and spec.fixed_by_task
         units = track.tasks if per_task else self.pairs
@@ -305,12 +313,14 @@ class Sequential:
     started_deterministic: bool | None = None
     """Whether the run's monitor started deterministic, where it read determinism pair by pair without knowing it
     up front (live traffic); None: `pairs.deterministic`, the run's own."""
+    awaits_greedy: bool = False
+    """As the run's monitor: greedy pairs could come while none had (`Monitor`)."""
 
     def replay(self, pairs: Pairs[U], metrics: Mapping[str, MetricSpec[U]], gate: Gate) -> Monitor[U]:
         """The monitor as it was during the run: the looks depend only on the pairs in schedule order."""
         started = pairs.deterministic if self.started_deterministic is None else self.started_deterministic
         monitor = Monitor(self.design.model_copy(update={"gate": gate}), metrics, started, self.task_count,
-                          self.first_index, self.deterministic_pair)
+                          self.first_index, self.deterministic_pair, self.awaits_greedy)
         for index, task, base, cand in zip(pairs.index, pairs.task_ids, pairs.base, pairs.cand, strict=True):
             monitor.offer(0, index, task, base)
             monitor.offer(1, index, task, cand)

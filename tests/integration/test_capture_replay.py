@@ -153,7 +153,8 @@ def test_a_trace_replay_sends_the_captured_tasks_on_the_captured_schedule(captur
     assert "schedule fidelity, sim: sent late by p50" in result.stdout
     config = json.loads((run / "config.json").read_text())
     assert config["load"]["kind"] == "trace" and config["load"]["speed"] == 4.0
-    assert config["sampling"] == {"max_new_tokens": 24, "temperature": 0.7, "top_p": 1.0}  # the loosest replayed
+    assert config["sampling"] == {"max_new_tokens": 24, "temperature": 0.7, "top_p": 1.0,  # the loosest replayed
+                                  "min_temperature": 0.0}
 
 
 def test_the_replayed_bodies_are_the_captured_ones(captures: Path, tmp_path: Path) -> None:

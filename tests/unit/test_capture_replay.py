@@ -63,7 +63,8 @@ def test_each_task_keeps_its_settings_and_unset_ones_come_from_the_flags(tmp_pat
     assert first.request("m") == {"text": "a", "stream": True,
                                   "sampling_params": {"max_new_tokens": 7, "temperature": 0.5, "top_p": 1.0, "seed": 3}}
     assert second.request("m")["sampling_params"] == {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0}
-    assert recorded == Sampling(max_new_tokens=128, temperature=0.5, top_p=1.0)  # the loosest: not judged lossless
+    assert recorded == Sampling(max_new_tokens=128, temperature=0.5, top_p=1.0, min_temperature=0.0)
+    assert recorded.mixes_greedy  # the loosest, and the lowest: a sequential run awaits the greedy pairs
 
 
 def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path: Path) -> None:
@@ -135,7 +136,7 @@ def test_a_mixed_capture_keeps_each_requests_route_and_settings(tmp_path: Path) 
     captured = load_capture_tasks(capture(tmp_path, MIXED))
     assert captured.routes == {"native": 1, "chat": 1, "completions": 2}
     tasks, loosest = captured.for_run(FLAGS)
-    assert loosest == Sampling(max_new_tokens=128, temperature=0.3, top_p=1.0)
+    assert loosest == Sampling(max_new_tokens=128, temperature=0.3, top_p=1.0, min_temperature=0.0)
     sent = [(t.route, t.request("served")) for t in tasks.tasks if isinstance(t, ReplayTask)]
     openai = {"stream": True, "return_spec_tokens_details": True, "stream_options": {"include_usage": True},
               "model": "served"}

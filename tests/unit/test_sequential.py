@@ -150,6 +150,36 @@ def test_a_replayed_captures_greedy_requests_decide_losslessness_among_sampled_o
     assert replayed.sequential.stopped_after_pairs == lossy.decision.pairs
 
 
+def test_a_run_mixing_temperatures_passes_only_once_its_greedy_pairs_are_judged() -> None:
+    """Sampled requests first, greedy ones later: acceptance alone would pass before the first greedy pair, on a
+    candidate that changes greedy outputs. A run that mixes them awaits the greedy pairs (live and replayed), and
+    one that ended without any leaves losslessness not applicable."""
+    gate = Gate(rules=(*ACCEPT.rules, Rule(metric="lossless_fraction", at_least=0.99)))
+
+    def mixed(records: list[RequestRecord]) -> list[RequestRecord]:
+        return [r.model_copy(update={"temperature": 0.7 if r.index < 120 else 0.0}) for r in records]
+
+    records = pair_up(mixed(synthetic("a", 200, 9.0, seed=1, tasks=200)),
+                      mixed(synthetic("b", 200, 9.0, seed=1, tasks=200, lossy=0.5)))
+    blind = feed(SequentialMonitor(SequentialDesign(gate=gate, look_every=4), "a", "b", 0.7, 200), records)
+    assert blind.decision is not None and blind.decision.verdict == "PASS" and blind.decision.pairs <= 120
+    awaiting = feed(SequentialMonitor(SequentialDesign(gate=gate, look_every=4), "a", "b", 0.7, 200,
+                                      mixes_greedy=True), records)
+    assert awaiting.decision is not None and awaiting.decision.verdict == "FAIL" and awaiting.decision.pairs > 120
+    early = SequentialMonitor(SequentialDesign(gate=gate, look_every=4), "a", "b", 0.7, 200, mixes_greedy=True)
+    feed(early, records[:200])
+    lossless = early.look().rules[1]
+    assert lossless.status == "INCONCLUSIVE" and "no greedy pair yet in 100 pairs" in lossless.detail
+    assert early.finish().rules[1].status == "NOT_APPLICABLE"
+    sampling = run_config("mixed").sampling.model_copy(update={"temperature": 0.7, "min_temperature": 0.0})
+    assert sampling.mixes_greedy and "temperature 0 to 0.7" in sampling.describe()
+    config = run_config("mixed").model_copy(update={"sequential": SequentialDesign(gate=gate, look_every=4),
+                                                    "sampling": sampling})
+    replayed = judge_sequential(records[: 2 * awaiting.decision.pairs], "a", "b", gate, config)
+    assert replayed.judgement.verdict == "FAIL" and replayed.sequential is not None
+    assert replayed.sequential.stopped_after_pairs == awaiting.decision.pairs
+
+
 def test_a_replayed_capture_run_is_judged_from_its_records_as_it_was_live() -> None:
     """The run's monitor started as the run's temperature says (the loosest replayed); its verdict replayed from
     the records starts the same, so a rule's needs read the same: requests, not tasks, where sampled tasks exist

@@ -179,6 +179,30 @@ def test_losslessness_is_judged_on_the_greedy_pairs_of_mixed_traffic(tmp_path: P
     assert verdict.judgement.verdict == "INCONCLUSIVE"
 
 
+def test_a_live_decision_awaits_greedy_requests_before_it_passes(tmp_path: Path) -> None:
+    """Sampled requests first, on which the candidate's acceptance is better: greedy ones may still come, so the
+    gate is not passed on acceptance alone; the greedy requests that came, whose outputs differ, fail it."""
+    gate = Gate(rules=(*ACCEPTANCE.rules, *LOSSLESS.rules))
+    decider, metrics, stops = deciding(tmp_path, gate=gate)
+    for rid in range(80):
+        for e in request(rid, 1, temperature=0.7):
+            decider.observe(e)
+    latest = decider.decision.monitor.latest
+    assert decider.decision.decision is None and state(metrics) == "deciding" and not stops.calls
+    assert latest is not None and [r.status for r in latest.rules] == ["PASS", "INCONCLUSIVE"]
+    assert "no greedy pair yet in 80 pairs" in latest.rules[1].detail
+    for rid in range(80, 200):
+        for e in request(rid, 1, cand_text="other"):
+            decider.observe(e)
+    decider.close()
+    decided = decider.decision.decision
+    assert decided is not None and decided.verdict == "FAIL" and decided.pairs > 80 and stops.calls == 1
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
+    assert verdict.judgement.verdict == "FAIL" and not verdict.forced and verdict.sequential is not None
+    assert verdict.sequential.stopped_after_pairs == decided.pairs
+
+
 def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:
     _decide(tmp_path, _traffic(80))
     [folder] = sorted((tmp_path / "shadow").iterdir())
