@@ -26,7 +26,9 @@ OPENAI_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p"
 
 
 def text_hash(value: Any) -> str:
-    return "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    """A lone surrogate (a client's JSON escape) is hashed as its code point rather than failing the capture."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def kept_headers(headers: Iterable[tuple[bytes | str, bytes | str]], drop: Iterable[str] = ()) -> \

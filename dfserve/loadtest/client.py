@@ -30,7 +30,7 @@ from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Response
-from dfserve.loadtest.records import Acceptance, RequestRecord
+from dfserve.loadtest.records import Acceptance, RequestRecord, output_sha256
 from dfserve.loadtest.routes import ROUTE_FOR, Route
 from dfserve.loadtest.stream import Failure, StreamRead
 from dfserve.tasks import Task
@@ -125,7 +125,7 @@ def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error:
         spec_verify_ct=stream.verify_ct,
         acceptance=acceptance if finished else "unknown",
         finish_reason=stream.finish_reason,
-        output_sha256=hashlib.sha256(stream.text.encode()).hexdigest() if finished else None,
+        output_sha256=output_sha256(stream.text) if finished else None,
         temperature=sent.temperature,
         http_status=http_status or None,
         error_kind=error[0] if error else None,

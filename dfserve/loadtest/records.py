@@ -14,6 +14,7 @@ arrive); TTFT, ITL, TPOT, E2E and acceptance are derived here, so every figure h
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -77,6 +78,12 @@ class RequestRecord(BaseModel):
     def cancelled(self) -> bool:
         """Cancelled by the tester when it was stopped (Ctrl-C): not answered, and not a failure of the arm."""
         return self.error_kind == "cancelled"
+
+
+def output_sha256(text: str) -> str:
+    """The output's hash, of its UTF-8; a lone surrogate (a JSON escape a server may send alone) is hashed as its
+    code point rather than failing the record."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def ttft_s(r: RequestRecord) -> float | None:

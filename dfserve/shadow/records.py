@@ -26,7 +26,7 @@ from dfserve import sglang
 from dfserve.errors import ProtocolError
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.client import ended, read_stream
-from dfserve.loadtest.records import ErrorKind, RequestRecord
+from dfserve.loadtest.records import ErrorKind, RequestRecord, output_sha256
 from dfserve.loadtest.stream import StreamRead
 
 GREEDY_DEFAULT_TEMPERATURE = 1.0
@@ -147,7 +147,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         end_s=start + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
         completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
         acceptance="exact" if exact else "unknown",
-        output_sha256=hashlib.sha256(text.encode()).hexdigest() if text is not None else None,
+        output_sha256=output_sha256(text) if text is not None else None,
         http_status=o.status or None, error_kind=kind, error_message=o.error if kind is not None else None,
         temperature=request_temperature(o.route, exchanged.body),
     )

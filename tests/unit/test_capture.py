@@ -77,6 +77,8 @@ def test_hash_replaces_every_message_text_and_says_it_cannot_replay(tmp_path: Pa
     native, fields, _ = redact("native", {**NATIVE, "input_ids": [1, 2]}, policy(tmp_path, redact="hash"))
     assert native["text"] == text_hash("def f():") and native["input_ids"] == text_hash([1, 2])
     assert fields == ("text", "input_ids")
+    lone, _, _ = redact("native", {**NATIVE, "text": "a\ud800"}, policy(tmp_path, redact="hash"))  # a client's escape
+    assert lone["text"].startswith("sha256:") and lone["text"] != text_hash("a")
 
 
 def test_drop_removes_named_fields_and_a_dropped_prompt_cannot_replay(tmp_path: Path) -> None:

@@ -64,6 +64,23 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
     "chat with invalid JSON": ("chat", chat("a") + b'data: {"choices":[{"delta":{"content":"b"}}]\n\n' + chat_end(2)),
     "chat with a bad escape in a fitting chunk": ("chat", chat("a") + chat("b").replace(b'"b"', b'"\\q"')
                                                   + chat(None, finish=True) + chat_end(2)),
+    "chat with a raw control character in a fitting chunk": ("chat", chat("a") + chat("b").replace(b'"b"', b'"b\tc"')
+                                                             + chat(None, finish=True) + chat_end(2)),
+    "chat with a short unicode escape in a fitting chunk": ("chat", chat("a") + chat("b").replace(b'"b"', b'"\\u12"')
+                                                            + chat(None, finish=True) + chat_end(2)),
+    "chat with escaped surrogates, paired and alone": ("chat", chat("a") + chat("b").replace(b'"b"', b'"\\ud83d\\ude00"')
+                                                       + chat("c").replace(b'"c"', b'"\\ud83d"')
+                                                       + chat("d").replace(b'"d"', b'"\\ude00x"')
+                                                       + chat(None, finish=True) + chat_end(4)),
+    "chat with invalid UTF-8 in content": ("chat", chat("a") + chat("b").replace(b'"b"', b'"b\xff\xc3"')
+                                           + chat("\u00e9") + chat(None, finish=True) + chat_end(3)),
+    "chat with a quote that ends content early": ("chat", chat("a") + chat("b").replace(b'"b"', b'"b","x":"y"')
+                                                  + chat(None, finish=True) + chat_end(2)),
+    "chat with a field after data": ("chat", chat("a") + b"event: x\n\n" + chat("b") + chat(None, finish=True)
+                                     + chat_end(2)),
+    "chat with data without its space": ("chat", chat("a") + chat("b").replace(b"data: ", b"data:")
+                                         + chat(None, finish=True) + chat_end(2)),
+    "chat with an extra blank line": ("chat", chat("a") + b"\n" + chat("b") + chat(None, finish=True) + chat_end(2)),
     "native": ("native", native("a", 1) + native("ab\u00e9", 3) + native('ab\u00e9"q"', 7, final=True)
                + sglang.SSE_DONE),
 }

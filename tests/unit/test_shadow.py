@@ -66,6 +66,13 @@ def test_an_exchange_becomes_the_load_testers_record() -> None:
     assert failed.error_kind == "disconnect" and failed.output_sha256 is None
 
 
+def test_an_output_with_a_lone_escaped_surrogate_is_hashed_not_lost() -> None:
+    """A server may send `\\ud83d` alone: the record hashes it as its code point, and differs from one without it."""
+    lone = shadow_record(exchanged(7, "zlab", False, answer=_native("a\ud83d", 16, 4)), t0_perf_s=100.0)
+    assert lone.ok and lone.output_sha256 == hashlib.sha256("a\ud83d".encode("utf-8", "surrogatepass")).hexdigest()
+    assert lone.output_sha256 != shadow_record(exchanged(7, "zlab", False, text="a"), 100.0).output_sha256
+
+
 def test_outputs_the_gateway_holds() -> None:
     event = b'data: ' + _native("whole so far", 3, 1) + b'\n\ndata: [DONE]\n\n'
     assert output_text("native", event, streamed=True) == "whole so far"
