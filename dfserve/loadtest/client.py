@@ -19,7 +19,6 @@ event takes the arrival time of the read that completed it. A stream that SGLang
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence

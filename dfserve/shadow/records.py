@@ -127,6 +127,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     o = exchanged.outcome
     start = exchanged.start_s - t0_perf_s
     kind = error_kind(o.error, o.status)
+    message = o.error if kind is not None else None
     exact = o.measure == "exact" and o.verify_rounds is not None
     text, chunk_times, chunk_tokens = None, [], None
     if exchanged.pieces is not None:
@@ -136,6 +137,8 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         else:
             stream = recorded_stream(o.route, cast(Sequence[tuple[float, bytes]], exchanged.pieces), t0_perf_s)
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
+        if kind is None and stream.failure is not None and stream.failure[0] == "stream_error":
+            kind, message = stream.failure  # an error event further back than the last events the relay kept
         if kind is None and stream.failure is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
     elif kind is None:
@@ -148,7 +151,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,
-        http_status=o.status or None, error_kind=kind, error_message=o.error if kind is not None else None,
+        http_status=o.status or None, error_kind=kind, error_message=message,
         temperature=request_temperature(o.route, exchanged.body),
     )
 

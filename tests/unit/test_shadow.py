@@ -148,6 +148,17 @@ def test_a_failed_or_unfinished_recorded_stream_has_chunk_times_but_no_hash() ->
     assert unfinished.ok and unfinished.output_sha256 is None and len(unfinished.chunk_times_s) == 3
 
 
+def test_an_error_event_before_a_streams_closing_chunks_fails_its_record() -> None:
+    """SGLang follows an in-band error with the usage chunk and `[DONE]`; read apart, they push the error out of the
+    last events the relay keeps. The record reads every piece, as the tester would: a stream error."""
+    exchange = streamed_chat(2, "inhouse", True, gap=0.01)
+    error = _event({"error": {"object": "error", "message": "retracted", "type": "SERVICE_UNAVAILABLE", "code": 503}})
+    pieces = [*exchange.pieces[:3], (102.05, error), *((102.06 + i / 100, p) for i, (_, p) in enumerate(exchange.pieces[-2:]))]
+    record = shadow_record(replace(exchange, pieces=pieces, answer=b"".join(p for _, p in pieces[-2:])), 100.0)
+    assert record.error_kind == "stream_error" and record.error_message == "retracted" and record.output_sha256 is None
+    assert shadow_record(exchange, 100.0).ok
+
+
 def _event(obj: object) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
