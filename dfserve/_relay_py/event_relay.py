@@ -19,7 +19,8 @@ class EventRelay:
     histogram buckets (`gap_bounds`, then +Inf). An event still incomplete past `max_event_bytes` raises
     `EventTooLarge` and ends the relay, letting go of what it held. With `strip`, the members whose key it is are
     cut out of every event before it goes out (an event left with an empty object goes whole), and the last piece
-    they were cut from is kept as it came (`stripped`). With `keep_pieces`, every piece of whole events relayed is
+    they were cut from is kept as it came (`stripped`). With `alarm`, a tuple of keys, the first and the latest
+    piece relayed in which one occurs are kept (`alarmed`): an event the last pieces (`tail`) may have left behind. With `keep_pieces`, every piece of whole events relayed is
     kept, by reference, with its arrival time (`pieces`): what a client would have read, for a record of the
     stream decoded later, off the loop; `cumulative`, each event's running total where it changed (from 0) is kept
     instead of the events, which repeat the whole output so far (their bytes grow with the square of its length).
@@ -33,6 +34,8 @@ class EventRelay:
     _cumulative = False
     _strip: bytes | None = None
     _stripped = b""
+    _alarm: tuple[bytes, ...] | None = None
+    _alarmed = (b"", b"")
     _held = bytearray()  # never written: an initialised relay holds its bytes in a bytearray of its own
     _max_event_bytes = 2**63 - 1
     _tail = (b"", b"")
@@ -48,7 +51,8 @@ class EventRelay:
 
     def __init__(self, write: Callable[[bytes], object] | None, chunked: bool, keys: tuple[bytes, ...],
                  cumulative: bool, gap_bounds: Sequence[float], max_event_bytes: int | None = None,
-                 strip: bytes | None = None, keep_pieces: bool = False) -> None:
+                 strip: bytes | None = None, keep_pieces: bool = False,
+                 alarm: tuple[bytes, ...] | None = None) -> None:
         self._closed = True
         chunked, cumulative = bool(chunked), bool(cumulative)
         if strip is not None and not (isinstance(strip, bytes) and strip):
@@ -59,12 +63,16 @@ class EventRelay:
             if limit <= 0:
                 raise ValueError("max_event_bytes must be positive")
         check_keys(keys)
+        if alarm is not None:
+            check_keys(alarm)
         self._chunk_gaps = Bins(gap_bounds)
         self._token_gaps = Bins(gap_bounds)
         self._write = write
         self._keys = keys
         self._strip = bytes(strip) if strip is not None else None
         self._stripped = b""
+        self._alarm = alarm
+        self._alarmed = (b"", b"")
         self._held = bytearray()
         self._max_event_bytes = limit
         self._tail = (b"", b"")
@@ -116,6 +124,9 @@ class EventRelay:
         try:
             self._meter(now, events)
         finally:
+            if self._alarm is not None and any(key in events for key in self._alarm):
+                first, _ = self._alarmed
+                self._alarmed = (first, events) if first else (events, b"")
             self._tail = (self._tail[1], events)
         if self._pieces is not None and events:
             if self._cumulative:
@@ -184,6 +195,12 @@ class EventRelay:
     def stripped(self) -> bytes:
         """The last piece of whole events that had members cut (`strip`), as it came; empty if none."""
         return self._stripped
+
+    @property
+    def alarmed(self) -> bytes:
+        """The first and the latest piece of whole events relayed (as relayed) in which a key of `alarm` occurs;
+        empty if none."""
+        return self._alarmed[0] + self._alarmed[1]
 
     @property
     def pieces(self) -> list[tuple[float, bytes]] | list[tuple[float, int]] | None:

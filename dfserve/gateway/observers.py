@@ -63,7 +63,8 @@ class Exchanged:
     """Why a 200 answer could not be read as SGLang's, if it could not (acceptance is then unknown)."""
     answer: bytes = b""
     """What the relay already held of the answer, at no cost to it: a whole body as the replica sent it, or a
-    stream's last events (the whole output of a native stream, only the end of an OpenAI one)."""
+    stream's last events (the whole output of a native stream, only the end of an OpenAI one, after the pieces of it
+    that held an error or an abort)."""
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
     """On a client's exchange: the arms its shadow copies were sent to (none skipped for a down arm)."""

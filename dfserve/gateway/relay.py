@@ -20,7 +20,9 @@ Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, prin
 
 A stream that SGLang ends with an in-band error (HTTP 200, then an error event, or a final chunk whose finish reason
 is an abort, with a status or through `/abort_request`) is a failure: its last events are read once it is complete
-(`EventRelay.tail`), with no work per chunk. So is a whole 200 answer whose finish reason is an abort.
+(`EventRelay.tail`), with the pieces before them in which an OpenAI stream's error or abort occurs (SGLang sends
+closing chunks after them; `EventRelay.alarmed`, a byte search per piece). So is a whole 200 answer whose finish
+reason is an abort.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ class StreamKind(Protocol):
     def marks(self) -> sglang.TokenMarks:
         """What the relay counts in each piece: tokens (cumulative marks) or chunks of text."""
 
+    @property
+    def alarm(self) -> tuple[bytes, ...] | None:
+        """Keys of events the stream's end is read with wherever they came (`EventRelay.alarmed`)."""
+
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
         """Acceptance and the in-band error, if any, from the relay's count and the stream's last events."""
 
@@ -123,6 +129,7 @@ class NativeStream:
     `spec_verify_ct`, both read from the bytes (no JSON decoding unless the stream ended with an error)."""
 
     marks = sglang.NATIVE_TOKENS
+    alarm = None  # SGLang ends a stream that failed with its error, or its abort, then `[DONE]`
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
         error = sglang.native_stream_error(tail)
@@ -138,6 +145,7 @@ class OpenAIStream:
     """Streamed chat/completions: content chunks counted; spec details, usage and errors read from the last events."""
 
     marks = sglang.CONTENT_CHUNKS
+    alarm = sglang.OPENAI_ALARM
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
         end = sglang.openai_stream_end(tail)
@@ -171,7 +179,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     nothing of this coroutine's, so a finished request leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
     relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes,
-                       strip, exchange.keep_pieces)
+                       strip, exchange.keep_pieces, kind.alarm)
     reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
     opened.call.attach(relay)
     failure: Exception | None = None
@@ -193,7 +201,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
             message = f"upstream replica failed mid-stream ({type(failure).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
-    exchange.answer, exchange.streamed = relay.stripped + relay.tail, True
+    exchange.answer, exchange.streamed = relay.alarmed + relay.stripped + relay.tail, True
     try:
         exchange.acceptance, in_band = kind.read_end(relay.tokens, exchange.answer)
     except ProtocolError as exc:

@@ -11,6 +11,8 @@ typedef struct {
     int cumulative;
     PyObject *strip;    /* the key of members cut from every event before it goes out (strip_members), or None */
     PyObject *stripped; /* the last piece of whole events that had members cut, as it came */
+    PyObject *alarm;    /* keys that mark a piece to keep wherever it comes (a tuple of bytes, or None) */
+    PyObject *alarmed[2]; /* the first and the latest piece of whole events relayed in which an alarm key occurs */
     char *held;         /* bytes after the last whole event, kept until their event is complete */
     Py_ssize_t held_length, held_capacity;
     Py_ssize_t max_event_bytes; /* the most it holds: an event still incomplete past it ends the relay */
@@ -195,6 +197,8 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
     }
     int64_t found = read_marks(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->keys, self->cumulative);
     int failed = relay_meter(self, now, found);
+    if (self->alarm != Py_None && contains_key(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->alarm))
+        Py_SETREF(self->alarmed[PyBytes_GET_SIZE(self->alarmed[0]) > 0], Py_NewRef(events));
     Py_SETREF(self->tail[0], self->tail[1]);
     self->tail[1] = events;
     if (failed)
@@ -220,8 +224,11 @@ EventRelay_reset_fields(EventRelay *self)
     Py_XSETREF(self->write, Py_NewRef(Py_None));
     Py_XSETREF(self->keys, no_keys);
     Py_XSETREF(self->strip, Py_NewRef(Py_None));
+    Py_XSETREF(self->alarm, Py_NewRef(Py_None));
     Py_XSETREF(self->pieces, Py_NewRef(Py_None));
     Py_XSETREF(self->stripped, Py_NewRef(empty));
+    Py_XSETREF(self->alarmed[0], Py_NewRef(empty));
+    Py_XSETREF(self->alarmed[1], Py_NewRef(empty));
     Py_XSETREF(self->tail[0], Py_NewRef(empty));
     Py_XSETREF(self->tail[1], empty);
     return 0;
@@ -245,12 +252,12 @@ static int
 EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"write",           "chunked", "keys",        "cumulative", "gap_bounds",
-                            "max_event_bytes", "strip",   "keep_pieces", NULL};
-    PyObject *write, *keys, *gap_bounds, *limit = Py_None, *strip = Py_None;
+                            "max_event_bytes", "strip",   "keep_pieces", "alarm",      NULL};
+    PyObject *write, *keys, *gap_bounds, *limit = Py_None, *strip = Py_None, *alarm = Py_None;
     int chunked, cumulative, keep_pieces = 0;
     self->closed = 1; /* until this succeeds */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|OOp", names, &write, &chunked, &keys, &cumulative,
-                                     &gap_bounds, &limit, &strip, &keep_pieces))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOpO|OOpO", names, &write, &chunked, &keys, &cumulative,
+                                     &gap_bounds, &limit, &strip, &keep_pieces, &alarm))
         return -1;
     if (strip != Py_None && (!PyBytes_Check(strip) || PyBytes_GET_SIZE(strip) == 0)) {
         PyErr_SetString(PyExc_TypeError, "strip must be a non-empty bytes key or None");
@@ -266,11 +273,13 @@ EventRelay_init(EventRelay *self, PyObject *args, PyObject *kwargs)
             return -1;
         }
     }
-    if (check_keys(keys) < 0 || bins_init(&self->chunk_gaps, gap_bounds) < 0
-        || bins_init(&self->token_gaps, gap_bounds) < 0 || EventRelay_reset_fields(self) < 0)
+    if (check_keys(keys) < 0 || (alarm != Py_None && check_keys(alarm) < 0)
+        || bins_init(&self->chunk_gaps, gap_bounds) < 0 || bins_init(&self->token_gaps, gap_bounds) < 0
+        || EventRelay_reset_fields(self) < 0)
         return -1;
     Py_SETREF(self->write, Py_NewRef(write));
     Py_SETREF(self->keys, Py_NewRef(keys));
+    Py_SETREF(self->alarm, Py_NewRef(alarm));
     if (strip != Py_None) {
         PyObject *key = PyBytes_FromStringAndSize(PyBytes_AS_STRING(strip), PyBytes_GET_SIZE(strip));
         if (key == NULL)
@@ -348,6 +357,12 @@ EventRelay_get_stripped(EventRelay *self, void *closure)
 }
 
 static PyObject *
+EventRelay_get_alarmed(EventRelay *self, void *closure)
+{
+    return PySequence_Concat(self->alarmed[0], self->alarmed[1]);
+}
+
+static PyObject *
 EventRelay_get_pieces(EventRelay *self, void *closure)
 {
     return Py_NewRef(self->pieces);
@@ -390,6 +405,9 @@ EventRelay_traverse(EventRelay *self, visitproc visit, void *arg)
     Py_VISIT(self->keys);
     Py_VISIT(self->strip);
     Py_VISIT(self->stripped);
+    Py_VISIT(self->alarm);
+    Py_VISIT(self->alarmed[0]);
+    Py_VISIT(self->alarmed[1]);
     Py_VISIT(self->pieces);
     Py_VISIT(self->tail[0]);
     Py_VISIT(self->tail[1]);
@@ -411,6 +429,9 @@ EventRelay_dealloc(EventRelay *self)
     Py_CLEAR(self->keys);
     Py_CLEAR(self->strip);
     Py_CLEAR(self->stripped);
+    Py_CLEAR(self->alarm);
+    Py_CLEAR(self->alarmed[0]);
+    Py_CLEAR(self->alarmed[1]);
     Py_CLEAR(self->pieces);
     Py_CLEAR(self->tail[0]);
     Py_CLEAR(self->tail[1]);
@@ -436,6 +457,9 @@ static PyGetSetDef EventRelay_getset[] = {
     {"tail", (getter)EventRelay_get_tail, NULL, "The last two pieces of whole events relayed.", NULL},
     {"stripped", (getter)EventRelay_get_stripped, NULL,
      "The last piece of whole events that had members cut (strip), as it came; empty if none.", NULL},
+    {"alarmed", (getter)EventRelay_get_alarmed, NULL,
+     "The first and the latest piece of whole events relayed (as relayed) in which a key of alarm occurs; empty if "
+     "none.", NULL},
     {"pieces", (getter)EventRelay_get_pieces, NULL,
      "keep_pieces: every piece of whole events relayed (as the client got them, none empty), with the clock reading "
      "of its arrival, as a list of (now, events), by reference: what a client would have read; cumulative, "
@@ -458,10 +482,11 @@ PyTypeObject EventRelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "dfserve._relay.EventRelay",
     .tp_doc = "EventRelay(write, chunked, keys, cumulative, gap_bounds, max_event_bytes=None, strip=None, "
-              "keep_pieces=False): relays a server-sent-event body to a client whole events at a time, less the "
-              "members whose key is strip (an event left with an empty object goes whole), and meters the gaps "
-              "between the pieces that carried tokens; with keep_pieces, it also keeps each piece relayed with its "
-              "arrival time, or, cumulative, each changed running total (pieces).",
+              "keep_pieces=False, alarm=None): relays a server-sent-event body to a client whole events at a time, "
+              "less the members whose key is strip (an event left with an empty object goes whole), and meters the "
+              "gaps between the pieces that carried tokens; with keep_pieces, it also keeps each piece relayed with "
+              "its arrival time, or, cumulative, each changed running total (pieces); with alarm, a tuple of keys, "
+              "the first and the latest piece in which one occurs (alarmed).",
     .tp_basicsize = sizeof(EventRelay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = EventRelay_new,

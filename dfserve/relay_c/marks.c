@@ -63,6 +63,17 @@ read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative)
     return found;
 }
 
+int
+contains_key(const char *buf, Py_ssize_t length, PyObject *keys)
+{
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(keys); k++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, k);
+        if (memmem(buf, length, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)) != NULL)
+            return 1;
+    }
+    return 0;
+}
+
 PyObject *
 relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {

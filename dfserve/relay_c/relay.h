@@ -37,6 +37,7 @@ PyObject *relay_frame(PyObject *module, PyObject *body);
 /* marks.c */
 int check_keys(PyObject *keys);
 int64_t read_marks(const char *buf, Py_ssize_t length, PyObject *keys, int cumulative);
+int contains_key(const char *buf, Py_ssize_t length, PyObject *keys); /* any of the tuple's keys occurs in buf */
 PyObject *relay_read_marks(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* members.c: `events` less each member whose key is `key` (a new reference; `events` itself if nothing was cut),

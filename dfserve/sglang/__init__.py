@@ -62,6 +62,7 @@ from dfserve.sglang.client.responses import (
 from dfserve.sglang.client.streams import (
     CONTENT_CHUNKS,
     NATIVE_TOKENS,
+    OPENAI_ALARM,
     ChunkTemplate,
     NativeChunk,
     NativeStreamEnd,
@@ -98,6 +99,7 @@ __all__ = [
     "CONTENT_CHUNKS",
     "DONE",
     "NATIVE_TOKENS",
+    "OPENAI_ALARM",
     "RETURN_META_INFO",
     "RETURN_SPEC_DETAILS",
     "ROUTES",

@@ -134,6 +134,13 @@ class Stub:
                 events = [*CHAT_EVENTS[:-1], SPEC_CHUNK, CHAT_EVENTS[-1]]
             if mode == "in-band":  # aborted after two chunks: the error event, then usage (SGLang sends it still)
                 events = [*CHAT_EVENTS[:2], IN_BAND, CHAT_EVENTS[-1]]
+            if mode == "in-band-apart":  # the same with spec details, each event read apart: the error is 4 back
+                spec = [SPEC_CHUNK] if body.get("return_spec_tokens_details") else []
+                for event in [*CHAT_EVENTS[:2], IN_BAND, *spec, CHAT_EVENTS[-1], None]:
+                    await response.write(sse(event) if event is not None else b"data: [DONE]\n\n")
+                    await asyncio.sleep(0.02)
+                await response.write_eof()
+                return response
             frames = [sse(e) for e in events] + [b"data: [DONE]\n\n"]
             wire = b": ping\n\n" + b"".join(frames)
             # Awkward framing: an event split across writes, and several events in one write.
@@ -268,16 +275,18 @@ def test_spec_details_a_client_asked_for_stay_and_a_server_without_them_leaves_a
     assert metric(text, "dfserve_accept_length_sum", arm="a", route="chat", measure="estimated") == 4.0
 
 
-@pytest.mark.parametrize(("route", "body", "status"), [
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}, "4xx"),
-    ("/v1/chat/completions", CHAT_STREAM, "5xx")])
+@pytest.mark.parametrize(("route", "body", "status", "mode"), [
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}, "4xx", "in-band"),
+    ("/v1/chat/completions", CHAT_STREAM, "5xx", "in-band"),
+    ("/v1/chat/completions", CHAT_STREAM, "5xx", "in-band-apart")])
 def test_a_stream_ended_by_an_error_in_band_is_a_failure(one_arm: tuple[Stub, str], route: str,
-                                                         body: dict[str, Any], status: str) -> None:
+                                                         body: dict[str, Any], status: str, mode: str) -> None:
     """HTTP 200, then an error event: the client gets the bytes as sent, the metrics count a failure with the class
-    of the error's code, and none of its latencies or tokens."""
+    of the error's code, and none of its latencies or tokens; also when the closing chunks after the error came in
+    reads of their own."""
     stub, gw = one_arm
-    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": "in-band"})
-    via = httpx.post(gw + route, json=body, headers={"x-stub": "in-band"})
+    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": mode})
+    via = httpx.post(gw + route, json=body, headers={"x-stub": mode})
     assert via.status_code == 200 and via.content == direct.content
     text = httpx.get(gw + "/metrics").text
     api = "native" if route == "/generate" else "chat"

@@ -506,6 +506,28 @@ def test_strip_is_a_key_or_nothing(impl: Relay) -> None:
     assert relay.tail == b'data: {"spec_tokens_details":1}\n\n' and relay.stripped == b""
 
 
+def test_an_alarm_keeps_the_first_and_latest_pieces_it_marks_wherever_they_come(impl: Relay) -> None:
+    """An error event followed by more pieces than the tail holds is still read with the stream's end; a key quoted
+    in generated text (escaped) marks nothing."""
+    error = b'data: {"error":{"message":"retracted","code":503}}\n\n'
+    quoted = chat_event({"choices": [{"index": 0, "delta": {"content": '"error": "finish_reason":"abort"'}}]})
+    abort = chat_event({"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
+    marks = sglang.CONTENT_CHUNKS
+    relay = impl.EventRelay(None, False, marks.keys, marks.cumulative, (), None, None, False, sglang.OPENAI_ALARM)
+    for n, piece in enumerate([CONTENT, quoted, error, CONTENT, abort, USAGE, DONE]):
+        relay.received(float(n), piece)
+        assert relay.alarmed == (b"" if n < 2 else error if n < 4 else error + abort)
+    assert relay.tail == USAGE + DONE
+    assert sglang.openai_stream_end(relay.alarmed + relay.tail).error is not None
+    silent = impl.EventRelay(None, False, marks.keys, marks.cumulative, (), None, None, False)
+    silent.received(1.0, error)
+    assert silent.alarmed == b""
+    for alarm in ((), (b"",), (b'"error":', "x"), b'"error":'):
+        with pytest.raises(TypeError, match="keys"):
+            impl.EventRelay(None, False, marks.keys, marks.cumulative, (), None, None, False, alarm)
+    assert impl.EventRelay.__new__(impl.EventRelay).alarmed == b""
+
+
 def test_kept_pieces_are_what_the_client_read_with_their_arrival_times(impl: Relay) -> None:
     """A recorded stream: each piece of whole events as it went out (spec details cut, an event cut to nothing
     left out, a half event kept only once it is whole), by reference, with the clock reading it came with."""

@@ -1,8 +1,9 @@
 """The C relay and its pure-Python twin, run on the same generated inputs, must do the same: the same payload
 pieces, the same bytes written to the client, the same counts, gaps and errors (type and message), read after read,
 also on chunked framing that was broken on purpose (bytes flipped, inserted, deleted), on events longer than the
-relay's cap, with spec details cut out of events (whole, beside other fields, malformed, or quoted in text), and
-with what is kept for a record of the stream (the pieces, or each event's changed running total where totals are
+relay's cap, with spec details cut out of events (whole, beside other fields, malformed, or quoted in text), with
+the pieces an alarm key marks (error events, aborts, the key quoted in text), and with what is kept for a record of
+the stream (the pieces, or each event's changed running total where totals are
 cumulative: several events to a piece, totals that go back, events with none).
 
 `make test` runs this file twice: as part of the suite (a few hundred inputs per test, the same ones every run) and
@@ -29,6 +30,7 @@ KEYS = [sglang.NATIVE_TOKENS, sglang.CONTENT_CHUNKS]
 NOISE = b'\r\n\n"0123456789:; {}\tdata,abcfF-'
 SPEC = sglang.SPEC_DETAILS_KEY
 STRIPS = [None, SPEC]
+ALARMS = [None, sglang.OPENAI_ALARM]
 SPEC_VALUES = [b'{"spec_verify_ct":4,"spec_correct_drafts_histogram":[1,0,3]}', b'[{"a":1},{"b":"}]\\""}]', b"7",
                b"null", b" {} ", b"", b'{"a":', b'"x', b'{"a":\n1}', b'"\\\\"']
 """Spec details as SGLang sends them (one object, or a list for n > 1), and values that do not end or cross a line."""
@@ -52,7 +54,7 @@ def events(draw: st.DrawFn) -> bytes:
     parts = []
     total = 0
     for _ in range(draw(st.integers(0, 12))):
-        kind = draw(st.sampled_from(["native", "chat", "sglext", "comment", "done", "noise"]))
+        kind = draw(st.sampled_from(["native", "chat", "sglext", "error", "comment", "done", "noise"]))
         total += draw(st.integers(0, 4))
         if kind == "native":
             number = draw(st.sampled_from([str(total), "null", " 12", "0" * 25 + "7", "1" + "0" * 18,
@@ -64,6 +66,10 @@ def events(draw: st.DrawFn) -> bytes:
             body = b'data: {"choices":[{"delta":{"content":"%b"}}]}' % text
         elif kind == "sglext":
             body = sglext_event(draw)
+        elif kind == "error":
+            body = draw(st.sampled_from([b'data: {"error":{"message":"x","code":503}}', b'data: {"error": "x"}',
+                                         b'data: {"choices":[{"delta":{},"finish_reason":"abort"}]}',
+                                         b'data: {"choices":[{"delta":{"content":"\\"error\\":"}}]}']))
         elif kind == "comment":
             body = b": ping"
         elif kind == "done":
@@ -139,17 +145,17 @@ class Owner:
 
 def relay_state(relay: Any) -> tuple[object, ...]:
     pieces = relay.pieces
-    return (relay.pending, relay.tail, relay.stripped, relay.tokens, relay.first, relay.chunk_gaps, relay.token_gaps,
-            relay.last_chunk_written, None if pieces is None else list(pieces))
+    return (relay.pending, relay.tail, relay.stripped, relay.alarmed, relay.tokens, relay.first, relay.chunk_gaps,
+            relay.token_gaps, relay.last_chunk_written, None if pieces is None else list(pieces))
 
 
 def through_relay(impl: ModuleType, reads: list[bytes], marks: sglang.TokenMarks, chunked_out: bool,
                   bounds: tuple[float, ...], max_event_bytes: int | None, as_protocol: bool,
-                  strip: bytes | None, keep_pieces: bool) -> list[object]:
+                  strip: bytes | None, keep_pieces: bool, alarm: tuple[bytes, ...] | None) -> list[object]:
     """Every read through a de-chunker into a relay; what each read did, and the state after it."""
     written: list[bytes] = []
     relay = impl.EventRelay(written.append, chunked_out, marks.keys, marks.cumulative, bounds, max_event_bytes,
-                            strip, keep_pieces)
+                            strip, keep_pieces, alarm)
     ticks = itertools.count()
     dechunker = impl.Dechunker(relay, lambda: next(ticks) / 7)
     owner = Owner()
@@ -176,7 +182,7 @@ def test_chunked_bodies_through_dechunker_and_relay(data: st.DataObject) -> None
     max_event_bytes = data.draw(st.sampled_from([None, 1, 16, 64, 1 << 20]))
     chunked_out, as_protocol = data.draw(st.booleans()), data.draw(st.booleans())
     args = (reads, marks, chunked_out, bounds, max_event_bytes, as_protocol, data.draw(st.sampled_from(STRIPS)),
-            data.draw(st.booleans()))
+            data.draw(st.booleans()), data.draw(st.sampled_from(ALARMS)))
     assert through_relay(_relay, *args) == through_relay(_relay_py, *args)
 
 
@@ -203,10 +209,11 @@ def test_chunked_bodies_into_any_sink(data: st.DataObject) -> None:
 
 
 def fed_directly(impl: ModuleType, pieces: list[tuple[bytes, bool]], marks: sglang.TokenMarks,
-                 max_event_bytes: int | None, strip: bytes | None, keep_pieces: bool) -> list[object]:
+                 max_event_bytes: int | None, strip: bytes | None, keep_pieces: bool,
+                 alarm: tuple[bytes, ...] | None) -> list[object]:
     written: list[bytes] = []
     relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.25, 1.0), max_event_bytes, strip,
-                            keep_pieces)
+                            keep_pieces, alarm)
     return [(outcome(lambda n=n, piece=piece, last=last: relay.received(n * 0.3, piece, last)), list(written),
              relay_state(relay)) for n, (piece, last) in enumerate(pieces)]
 
@@ -218,7 +225,8 @@ def test_events_fed_to_a_relay_piece_by_piece(data: st.DataObject) -> None:
     pieces = [(piece, data.draw(st.booleans())) for piece in cuts(data.draw, stream)]
     marks = data.draw(st.sampled_from(KEYS))
     max_event_bytes = data.draw(st.sampled_from([None, 2, 40, 200]))
-    args = (pieces, marks, max_event_bytes, data.draw(st.sampled_from(STRIPS)), data.draw(st.booleans()))
+    args = (pieces, marks, max_event_bytes, data.draw(st.sampled_from(STRIPS)), data.draw(st.booleans()),
+            data.draw(st.sampled_from(ALARMS)))
     assert fed_directly(_relay, *args) == fed_directly(_relay_py, *args)
 
 

@@ -155,8 +155,12 @@ class OpenAIStreamEnd:
     spec: SpecStats | None = None
 
 
-_OPENAI_END_KEYS = ('"error":', '"usage":{', '"usage": {', '"sglext":', '"finish_reason":"abort"',
-                    '"finish_reason": "abort"')
+OPENAI_ALARM = (b'"error":', b'"finish_reason":"abort"', b'"finish_reason": "abort"')
+"""What marks an OpenAI stream's event as an error or an abort. SGLang follows either with closing chunks (the usage
+chunk, spec details) and `[DONE]`, which may come in reads of their own and push it out of a stream's last pieces, so
+a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with them (`openai_stream_end`)."""
+
+_OPENAI_END_KEYS = (*(key.decode() for key in OPENAI_ALARM), '"usage":{', '"usage": {', '"sglext":')
 
 
 def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
