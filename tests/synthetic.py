@@ -45,6 +45,17 @@ def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, token
     return records
 
 
+def twin(records: list[RequestRecord], arm: str) -> list[RequestRecord]:
+    """The same answers from another arm: every time 1 µs later (two servers never answer at the same instants, and
+    a candidate whose records time out as the baseline's is refused as a copy)."""
+    def later(at: float | None) -> float | None:
+        return at + 1e-6 if at is not None else None
+
+    return [r.model_copy(update={"arm": arm, "sent_s": later(r.sent_s), "first_token_s": later(r.first_token_s),
+                                 "end_s": later(r.end_s), "chunk_times_s": [t + 1e-6 for t in r.chunk_times_s]})
+            for r in records]
+
+
 def run_config(run_id: str, num_requests: int = 100, max_running: int = 48) -> RunConfig:
     """A run's config with two arms, zlab and inhouse, on the same target."""
     info = {"model_path": "Qwen/Qwen3.6-27B", "max_running_requests": max_running,

@@ -26,7 +26,7 @@ from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
 from dfserve.http1 import is_base_url
-from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign
+from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, shared_servers
 from dfserve.loadtest.exporter import Exporter
 from dfserve.loadtest.judge import load_gate
 from dfserve.loadtest.merge import merge, read_shard
@@ -77,11 +77,7 @@ def same_server_warning(arms: Sequence[tuple[str, str]], pin_arms: bool) -> str 
     run then compares one mix with itself. Warned, not refused: the same server twice is also an A/A test."""
     if pin_arms:
         return None
-    by_server: dict[tuple[str, str, int | None], list[str]] = {}
-    for name, url in arms:
-        parts = urlsplit(url)
-        by_server.setdefault((parts.scheme, parts.hostname or "", parts.port), []).append(name)
-    shared = [names for names in by_server.values() if len(names) > 1]
+    shared = shared_servers(arms)
     if not shared:
         return None
     return ("warning: " + "; ".join(f"arms {', '.join(names)}" for names in shared) + " share one URL without "

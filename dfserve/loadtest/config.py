@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +47,15 @@ class TaskSetInfo(_Model):
     name: str
     sha256: str
     size: int
+
+
+def shared_servers(arms: Sequence[tuple[str, str]]) -> list[list[str]]:
+    """The names of arms (name, URL) that reach one server (scheme, host and port), where any do."""
+    by_server: dict[tuple[str, str, int | None], list[str]] = {}
+    for name, url in arms:
+        parts = urlsplit(url)
+        by_server.setdefault((parts.scheme, parts.hostname or "", parts.port), []).append(name)
+    return [names for names in by_server.values() if len(names) > 1]
 
 
 class ArmInfo(_Model):

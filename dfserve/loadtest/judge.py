@@ -16,7 +16,7 @@ from typing import Any
 
 from dfserve.errors import UserError
 from dfserve.loadtest import records as rec
-from dfserve.loadtest.config import RunConfig
+from dfserve.loadtest.config import RunConfig, shared_servers
 from dfserve.loadtest.records import RequestRecord
 from dfserve.sglang import parse_server_info
 from dfserve.verdict.fixed import FixedN
@@ -102,10 +102,13 @@ def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand
     """What differs between the two sides beyond the drafter under test, one short line each; empty when they
     are comparable."""
     problems: list[str] = []
+    infos = [baseline.arm(base_arm), candidate.arm(cand_arm)]
     if baseline.run_id != candidate.run_id:
         a, b = baseline.shape(), candidate.shape()
         problems.extend(line for key in a for line in differences(key, a[key], b[key]))
-    infos = [baseline.arm(base_arm), candidate.arm(cand_arm)]
+    elif not baseline.pin_arms and shared_servers([(i.name, i.url) for i in infos]):
+        problems.append(f"arms {base_arm} and {cand_arm} are one server ({infos[0].url}) and were not pinned "
+                        "(pin_arms): they got the same traffic, and the run compared it with itself")
     servers = [parse_server_info(i.server_info) if i.server_info is not None else None for i in infos]
     if servers[0] and servers[1]:
         for field in ("model_path", "max_running_requests"):

@@ -1,10 +1,13 @@
 """`dfserve compare` as a library call: load the runs, refuse what must not be judged, pick the design, judge,
 write verdict.json and its report.html.
 
-Refused always: a run judged against itself (one folder twice, or two folders of one run id). Refused unless
-forced, and then stamped in the verdict (`forced`, with `mismatches` and `incomplete`): runs that differ in what
-shapes their numbers, and a run whose data is not whole (interrupted, killed before its summary, or with fewer
-records than its schedule or its summary counts). A run that stopped on its own always-valid intervals
+Refused always: a run judged against itself (one folder twice, two folders of one run id, a merged run and one of
+its shards). Refused unless forced, and then stamped in the verdict (`forced`, with `mismatches` and
+`incomplete`): runs that differ in what shapes their numbers (two arms of one run on one server, unpinned, among
+them: they got the same traffic), a run whose data is not whole (interrupted, killed before its summary, one shard
+of a schedule, or with fewer records than its schedule or its summary counts), records that cannot be the run's
+(an index recorded twice or outside its schedule, figures of summary.json that its records do not give), and a
+candidate whose records time out as the baseline's did, to the bit (a copy of the same requests). A run that stopped on its own always-valid intervals
 (`--until-decided`) is judged on them again; any other on the fixed-n bootstrap.
 
     verdict, path = compare_runs([Path("runs/ab")], None, None, gate=None, force=False, out=None)
@@ -12,6 +15,7 @@ records than its schedule or its summary counts). A run that stopped on its own 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +24,7 @@ from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
-from dfserve.loadtest.report import Summary
+from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.loadtest.sequential import design_of
 from dfserve.runs import Provenance, read_model
 from dfserve.sglang import parse_server_info
@@ -59,17 +63,52 @@ def incomplete(run: Run) -> list[str]:
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     problems = [f"run {name} was interrupted before its end"] if summary.interrupted else []
     config = run.config
+    if config.shard is not None:
+        problems.append(f"run {name} is shard {config.shard.index}/{config.shard.count} of a schedule: merge its "
+                        "shards to judge the whole")
+    schedule = shard_indices(config.warmup + config.num_requests, config.shard)
     expected = None
     if config.sequential is None and config.duration_s is None:
-        expected = sum(1 for i in shard_indices(config.warmup + config.num_requests, config.shard) if i >= config.warmup)
+        expected = sum(1 for i in schedule if i >= config.warmup)
     for arm in summary.arms:
-        recorded = len(measured_records(r for r in run.records if r.arm == arm.arm))
+        measured = measured_records(r for r in run.records if r.arm == arm.arm)
+        recorded = len(measured)
         if recorded != arm.requests:
             problems.append(f"run {name} arm {arm.arm}: requests.jsonl holds {recorded} measured records, "
                             f"summary.json counts {arm.requests}")
         elif expected is not None and recorded < expected:
             problems.append(f"run {name} arm {arm.arm}: {recorded} of the {expected} scheduled requests recorded")
+        problems.extend(f"run {name} arm {arm.arm}: {line}" for line in _foreign(measured, schedule, config))
+        exclude = {"tester_read_lag"}
+        if (summarize_arm(arm.arm, measured).model_dump_json(exclude=exclude)
+                != arm.model_dump_json(exclude=exclude)):
+            problems.append(f"run {name} arm {arm.arm}: summary.json's figures are not those of its records in "
+                            "requests.jsonl (edited?)")
     return problems
+
+
+def _foreign(measured: Sequence[RequestRecord], schedule: range, config: RunConfig) -> list[str]:
+    """Records that cannot be the run's own: an index twice, or one its schedule never sent (measured)."""
+    counts = Counter(r.index for r in measured)
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    outside = sorted(i for i in counts if i not in schedule or i < config.warmup) if config.duration_s is None else []
+    return [f"index {found[0]} {what}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+            for found, what in ((twice, "recorded twice"), (outside, "is not a measured request of its schedule"))
+            if found]
+
+
+COPIED_SHARE = 0.5
+"""Pairs whose candidate record times out exactly as its baseline's, from send to last chunk, beyond which the
+candidate's records are a copy of the baseline's: two servers' answers never arrive at the same instants."""
+
+
+def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool:
+    """The candidate's records are the baseline's (relabelled, or a copy of the run): a run judged against itself."""
+    def timing(r: RequestRecord) -> tuple[object, ...]:
+        return r.sent_s, r.first_token_s, r.end_s, tuple(r.chunk_times_s)
+
+    same = sum(timing(b) == timing(c) for b, c in zip(base, cand, strict=True) if b.end_s is not None)
+    return same > COPIED_SHARE * len(base)
 
 
 def pick_arms(runs: Sequence[Run], baseline: str | None, candidate: str | None) -> tuple[str, str]:
@@ -101,6 +140,10 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
     if len(runs) == 2 and runs[0].config.run_id == runs[1].config.run_id:
         raise UserError(f"{paths[0]} and {paths[1]} are one run ({runs[0].config.run_id}): a run is never judged "
                         "against itself")
+    if len(runs) == 2 and {runs[0].config.run_id, *runs[0].config.merged_from} & {runs[1].config.run_id,
+                                                                                  *runs[1].config.merged_from}:
+        raise UserError(f"{paths[0]} and {paths[1]} share a shard (merged_from): a run is never judged against "
+                        "itself")
     base_arm, cand_arm = pick_arms(runs, baseline, candidate)
     base, cand = runs[0], runs[-1]
     mismatches = comparability(base.config, base_arm, cand.config, cand_arm)
@@ -115,6 +158,11 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
         rules = base.config.sequential.gate if gate is None else rules
     pairs = pairs_of([r for r in base.records if r.arm == base_arm], [r for r in cand.records if r.arm == cand_arm],
                      base.config.sampling.temperature)
+    if copied(pairs.base, pairs.cand):
+        missing.append(f"the records of {cand_arm} ({cand.config.run_id}) are those of {base_arm} "
+                       f"({base.config.run_id}), to the microsecond: a run judged against itself")
+        if not force:
+            raise Untrusted(missing[-1])
     outcome = design.judge(pairs, METRICS, rules)
     verdict = Verdict(source="loadtest", verdict=outcome.judgement.verdict, baseline=base.side(base_arm),
                       candidate=cand.side(cand_arm), forced=bool(mismatches or missing), mismatches=mismatches,

@@ -276,7 +276,9 @@ def test_a_mixed_replay_records_each_route_with_exact_acceptance(live_capture: P
     config = json.loads((run / "config.json").read_text())
     counts = {route: sum(1 for r in records if r.arm == "a" and r.route == route) for route in set(routes.values())}
     assert config["api"] == "mixed" and config["routes"] == counts and sum(counts.values()) == 12
-    compared = subprocess.run(dfserve_argv("compare", str(run)), capture_output=True, text=True, timeout=120)
+    # both arms are one server: refused unless forced (then stamped)
+    compared = subprocess.run(dfserve_argv("compare", str(run), "--force"), capture_output=True, text=True,
+                              timeout=120)
     assert compared.returncode in (0, 1, 3), compared.stderr  # a verdict, not a refusal
     assert "12 pairs over 6 tasks" in compared.stdout
     assert "lossless: 10/10 identical outputs (the greedy pairs of 12)" in compared.stdout  # the sampled task's two

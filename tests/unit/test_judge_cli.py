@@ -11,16 +11,16 @@ from click.testing import CliRunner
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.loadtest.cli import baseline, compare, promote
 from dfserve.loadtest.records import RequestRecord
-from tests.synthetic import run_config, synthetic, write_run
+from dfserve.shard import Shard
+from tests.synthetic import run_config, synthetic, twin, write_run
 
 
 def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], *, interrupted: bool = False,
              summary: bool = True, **config: object) -> Path:
     """A finished run of these arms' records; its schedule is as long as the longest arm's unless given."""
-    config.setdefault("num_requests", max(len(records) for records in arms.values()))
-    base = run_config(name, **config)  # type: ignore[arg-type]
+    base = run_config(name, max(len(records) for records in arms.values()))
     keep = tuple(a for a in base.arms if a.name in arms) or base.arms[:1]
-    return write_run(out, base.model_copy(update={"arms": keep}), [r for rs in arms.values() for r in rs],
+    return write_run(out, base.model_copy(update={"arms": keep, **config}), [r for rs in arms.values() for r in rs],
                      interrupted=interrupted, summary=summary)
 
 
@@ -44,7 +44,7 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
     assert document["candidate"]["drafter"] == "z-lab/Qwen3.6-27B-DFlash"
 
     same = synthetic("zlab", 150, 9.0, seed=1)
-    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
 
     few = make_run(runs, "few", {"zlab": synthetic("zlab", 30, 9.0, seed=1, noise=0.4),
@@ -71,7 +71,7 @@ def test_two_runs_must_be_comparable_unless_forced(tmp_path: Path) -> None:
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     same = synthetic("zlab", 120, 9.0, seed=1)
-    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / "v")]).exit_code == 0
     passed = next((runs / "v").glob("verdict-*"))
     result = CliRunner().invoke(promote, [str(passed), "--registry", str(runs)])
@@ -98,7 +98,7 @@ def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_pat
     runs = tmp_path / "runs"
     BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "inhouse-step-9000", "run-0", "inhouse"))
     same = synthetic("zlab", 120, 9.0, seed=1)
-    aa = make_run(runs, "aa", {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]})
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
     passed = next(runs.glob("verdict-*"))
     refused = CliRunner().invoke(promote, [str(passed)], standalone_mode=False)
@@ -110,7 +110,7 @@ def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_pat
 
 def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
     same = synthetic("zlab", n, 9.0, seed=1)
-    return make_run(runs, name, {"zlab": same, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in same]},
+    return make_run(runs, name, {"zlab": same, "inhouse": twin(same, "inhouse")},
                     **how)
 
 
@@ -126,6 +126,59 @@ def test_a_run_is_never_judged_against_itself(tmp_path: Path) -> None:
             assert refused.exception is not None
             assert "are one run (one): a run is never judged against itself" in str(refused.exception)
     assert not list(runs.glob("verdict-*"))
+
+
+def refusal(args: list[str]) -> str:
+    """The one line `dfserve compare` refuses with; and with --force, the verdict is stamped."""
+    refused = CliRunner().invoke(compare, args, standalone_mode=False)
+    assert refused.exception is not None
+    forced = CliRunner().invoke(compare, [*args, "--force", "--out", str(Path(args[0]).parent / "forced")],
+                                standalone_mode=False)
+    assert forced.exception is None or isinstance(forced.exception, SystemExit)  # judged: its verdict's exit code
+    [verdict] = (Path(args[0]).parent / "forced").glob("verdict-*/verdict.json")
+    assert json.loads(verdict.read_text())["forced"] is True
+    shutil.rmtree(Path(args[0]).parent / "forced")
+    return str(refused.exception)
+
+
+def test_records_that_cannot_be_the_runs_own_are_refused(tmp_path: Path) -> None:
+    """A copy of the baseline's records as the candidate's, an index twice or outside the schedule, summary.json's
+    figures against its records (arm labels swapped), two unpinned arms on one server: refused, or stamped."""
+    runs = tmp_path / "runs"
+    base, cand = synthetic("zlab", 60, 9.0, seed=1), synthetic("inhouse", 60, 6.0, seed=2)
+    copy = make_run(runs, "copy", {"zlab": base, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in base]})
+    assert "the records of inhouse (copy) are those of zlab (copy), to the microsecond" in refusal([str(copy)])
+    twice = make_run(runs, "twice", {"zlab": base, "inhouse": [*cand[:-1], cand[0]]}, num_requests=60)
+    assert "arm inhouse: index 0 recorded twice" in refusal([str(twice)])
+    moved = make_run(runs, "moved", {"zlab": base, "inhouse": [r.model_copy(update={"index": r.index + 1000})
+                                                               if r.index % 2 else r for r in cand]})
+    assert "arm inhouse: index 1001 is not a measured request of its schedule (and 29 more)" in refusal([str(moved)])
+    swapped = make_run(runs, "swapped", {"zlab": base, "inhouse": cand})
+    lines = (swapped / "requests.jsonl").read_text().replace('"arm":"zlab"', '"arm":"x"')
+    (swapped / "requests.jsonl").write_text(lines.replace('"arm":"inhouse"', '"arm":"zlab"')
+                                            .replace('"arm":"x"', '"arm":"inhouse"'))
+    assert "arm zlab: summary.json's figures are not those of its records" in refusal([str(swapped)])
+    shared = make_run(runs, "shared", {"zlab": base, "inhouse": cand})
+    config = json.loads((shared / "config.json").read_text())
+    config["arms"][1]["url"] = config["arms"][0]["url"]
+    (shared / "config.json").write_text(json.dumps(config))
+    assert "arms zlab and inhouse are one server (http://127.0.0.1:1) and were not pinned" in refusal([str(shared)])
+    config["pin_arms"] = True
+    (shared / "config.json").write_text(json.dumps(config))
+    assert CliRunner().invoke(compare, [str(shared)]).exit_code == 1  # FAIL, judged: pinned arms behind a gateway
+
+
+def test_a_shard_is_judged_only_merged_and_never_against_its_merged_run(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    base, cand = synthetic("zlab", 60, 9.0, seed=1), synthetic("inhouse", 60, 6.0, seed=2)
+    halves = [make_run(runs, f"half{i}", {"zlab": base[i::2], "inhouse": cand[i::2]}, num_requests=60,
+                       shard=Shard(index=i, count=2)) for i in range(2)]
+    assert "run half0 is shard 0/2 of a schedule: merge its shards to judge the whole" in refusal([str(halves[0])])
+    merged = make_run(runs, "merged", {"zlab": base, "inhouse": cand}, merged_from=("half0", "half1"))
+    for force in ([], ["--force"]):
+        refused = CliRunner().invoke(compare, [str(merged), str(halves[1]), "--baseline", "zlab", "--candidate",
+                                               "zlab", *force], standalone_mode=False)
+        assert "share a shard (merged_from): a run is never judged against itself" in str(refused.exception)
 
 
 def test_promoting_one_verdict_twice_records_it_once(tmp_path: Path) -> None:
