@@ -20,7 +20,7 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Literal
@@ -157,9 +157,10 @@ class Promotion:
     """What `force` overrode; empty for a promotion on its own merits."""
 
 
-def refusals(registry: BaselineRegistry, verdict: Verdict) -> list[str]:
-    """Why this verdict may not promote its candidate unless forced; empty when it may."""
-    found = []
+def refusals(registry: BaselineRegistry, verdict: Verdict, unfounded: Sequence[str] = ()) -> list[str]:
+    """Why this verdict may not promote its candidate unless forced; empty when it may. `unfounded`: why it is not
+    what its runs give (`loadtest.verdict.unfounded`)."""
+    found = list(unfounded)
     if verdict.verdict != "PASS":
         found.append(f"the verdict is {verdict.verdict}, only PASS promotes")
     if verdict.forced:
@@ -172,7 +173,7 @@ def refusals(registry: BaselineRegistry, verdict: Verdict) -> list[str]:
 
 
 def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *, force: bool = False,
-                    reason: str | None = None) -> Promotion:
+                    reason: str | None = None, unfounded: Sequence[str] = ()) -> Promotion:
     """Record the candidate of an online verdict as its target's baseline (the first promotion of a target
     records its baseline first). Refused always: an offline verdict, one that judged a run against itself, and one
 promoted before; unless `force`
@@ -185,11 +186,13 @@ promoted before; unless `force`
     base, cand = verdict.baseline, verdict.candidate
     if base.run_id == cand.run_id and (base.name == cand.name or base.run_dir != cand.run_dir):
         raise UserError(f"{file}: the verdict judged run {base.run_id} against itself; it promotes nothing")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
-    before = next((e for e in registry.history() if e.verdict == str(file) or e.verdict_sha256 == digest), None)
+    digest = hashlib.sha256(verdict.model_dump_json().encode()).hexdigest()  # of its content, however laid out
+    raw = hashlib.sha256(file.read_bytes()).hexdigest()  # what promotions recorded before the content's hash
+    before = next((e for e in registry.history() if e.verdict == str(file) or e.verdict_sha256 in (digest, raw)),
+                  None)
     if before is not None:
         raise UserError(f"{file}: this verdict was promoted on {before.recorded_at}; a verdict promotes once")
-    refused = refusals(registry, verdict)
+    refused = refusals(registry, verdict, unfounded)
     if refused and not force:
         raise Untrusted("promote: " + "; ".join(refused))
     new = []

@@ -82,6 +82,9 @@ CLIENT_CONNECTIONS_REFUSED = "dfserve_client_connections_refused"
 REFUSAL_REASONS = ("over_capacity", "head_timeout", "body_timeout")
 """Why the gateway closed a client's connection on its own: it came with `max_connections` already open (answered
 503), or it did not send a whole request head or body in time (answered 408)."""
+REQUESTS_ANSWERED_BY_GATEWAY = "dfserve_gateway_answered_requests"
+"""Requests the gateway answered itself before an arm took them, by status: 4xx (unreadable, too large, too slow,
+or not allowed) or 500 (failed inside the gateway); `dfserve_requests_total` counts those an arm took."""
 ROUTING_VERSION = "dfserve_gateway_routing_version"
 """1 on the one series whose `version` label is the hash of the routing a gateway runs (`gateway.watch`), so
 `count by (version) (dfserve_gateway_routing_version)` counts the replicas on each version during a rollout."""
@@ -314,6 +317,7 @@ class DfserveMetrics:
     arm_weight: Gauge
     arm_windowed_accept_length: Gauge
     client_connections_refused: Counter
+    answered_by_gateway: Counter
     _children: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def child(self, family: Family, *labels: str) -> Family:
@@ -372,6 +376,11 @@ class DfserveMetrics:
                 CLIENT_CONNECTIONS_REFUSED, "Client connections the gateway closed on its own; reason: over_capacity "
                 "(answered 503), head_timeout or body_timeout (a request not sent in time, answered 408).",
                 ("reason",), registry=registry),
+            answered_by_gateway=Counter(
+                REQUESTS_ANSWERED_BY_GATEWAY, "Requests the gateway answered itself before an arm took them, by "
+                "status: 4xx (unreadable, too large, too slow or not allowed) or 500 (failed inside the gateway).",
+                ("status",),
+                registry=registry),
         )
 
 

@@ -1,7 +1,7 @@
 """httpx's client API over dfserve's stamping HTTP/1.1 client (`dfserve.http1`).
 
 httpx's own transport wakes a task and runs several Python layers per read, which at 128 synchronized streams
-delays the stamp of the last arrival by tens of milliseconds (PEERS.md). `StampingTransport` keeps httpx's client
+delays the stamp of the last arrival by tens of milliseconds. `StampingTransport` keeps httpx's client
 API (headers, auth, TLS verification, timeouts, event hooks) and puts `dfserve.http1` under it: the clock is read
 the moment bytes arrive, and a caller that only needs the whole body with its stamps waits once for its end
 (`wait_complete`) instead of once per read.

@@ -1,10 +1,10 @@
 """The gateway's request handler: routes, arm choice, shadow mirrors, client disconnects.
 
 A plain handler on the gateway's own server (`gateway.server`) rather than a framework: the proxy path is the hot
-path, and every microsecond per request or chunk is added latency (PEERS.md). Routes: `POST /v1/chat/completions`,
+path, and every microsecond per request or chunk is added latency (bench/RESULTS.md). Routes: `POST /v1/chat/completions`,
 `POST /v1/completions`, `POST /generate` (relayed), `GET /v1/models` (relayed), `GET /health`, `GET /ready` (as
 /health, but 503 until the first round of health checks has finished), `GET /metrics` (health and metrics also
-answer HEAD). Every response names the arm
+answer HEAD; /ready does not). Every response names the arm
 and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway's own errors are OpenAI-style JSON.
 """
 
@@ -170,13 +170,13 @@ class GatewayApp:
                 pinned = router.sole_arm()
                 if pinned is None:
                     arms = ", ".join(f"{name} ({weight:g})" for name, weight in router.weights.items())
-                    send_error(reply, 409, f"{path}: traffic is split between arms {arms}, and one engine's state is "
-                               f"not the split's; name an arm with the {ARM} header", "invalid_request_error")
+                    self.refuse(reply, 409, f"{path}: traffic is split between arms {arms}, and one engine's state "
+                                f"is not the split's; name an arm with the {ARM} header")
                     return
             try:
                 arm = router.decide(self.gateway.rng, pinned=pinned).arm
             except UnknownArm as exc:
-                send_error(reply, 400, str(exc), "invalid_request_error")
+                self.refuse(reply, 400, str(exc))
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path], request_id=next(self.gateway.request_ids))
             await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
@@ -190,9 +190,15 @@ class GatewayApp:
         elif path == "/metrics" and method in ("GET", "HEAD"):
             reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
         elif api is not None or path in FORWARDED_GETS or path in ("/health", "/ready", "/metrics"):
-            send_error(reply, 405, f"{method} {path}: method not allowed", "invalid_request_error")
+            self.refuse(reply, 405, f"{method} {path}: method not allowed")
         else:
-            send_error(reply, 404, f"{method} {path}: no such route", "invalid_request_error")
+            self.refuse(reply, 404, f"{method} {path}: no such route")
+
+    def refuse(self, reply: Reply, status: int, message: str) -> None:
+        """The gateway's own answer to a request no arm takes, counted (`dfserve_gateway_answered_requests_total`)."""
+        metrics = self.gateway.metrics
+        metrics.child(metrics.answered_by_gateway, str(status)).inc()
+        send_error(reply, status, message, "invalid_request_error")
 
     def health(self, reply: Reply) -> None:
         down = self.gateway.upstream.down()
@@ -228,17 +234,17 @@ class GatewayApp:
         try:
             inspected = sglang.inspect_request(request.body)
         except ProtocolError as exc:
-            send_error(reply, 400, str(exc), "invalid_request_error")
+            self.refuse(reply, 400, str(exc))
             return
         except RecursionError:
-            send_error(reply, 400, TOO_DEEP, "invalid_request_error")
+            self.refuse(reply, 400, TOO_DEEP)
             return
         key, pinned = self._routing_keys(request, inspected.user)
         down = gateway.upstream.down()
         try:
             decision = gateway.router.decide(gateway.rng, key, down, pinned)
         except UnknownArm as exc:
-            send_error(reply, 400, str(exc), "invalid_request_error")
+            self.refuse(reply, 400, str(exc))
             return
         headers = self._headers(request)
         path = request.path

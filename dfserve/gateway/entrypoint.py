@@ -82,7 +82,8 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     _raise_descriptor_limit(limits.max_connections)
     metrics = gateway.metrics
     refusals = {reason: metrics.child(metrics.client_connections_refused, reason) for reason in REFUSAL_REASONS}
-    listeners = [(Server(GatewayApp(gateway), client_limits, lambda reason: refusals[reason].inc()),
+    listeners = [(Server(GatewayApp(gateway), client_limits, lambda reason: refusals[reason].inc(),
+                         lambda status: metrics.child(metrics.answered_by_gateway, str(status)).inc()),
                   bind(config.host, config.port, "port"))]
     if config.admin.port is not None and token is not None:
         admin_limits = replace(client_limits, max_body_bytes=MAX_ADMIN_BODY_BYTES,

@@ -7,7 +7,7 @@ client, then counts the tokens it carried, found by the JSON keys `dfserve.sglan
 counts the gap since the last piece with tokens into histogram buckets; the buckets go into the metrics once per
 request (`outcome`, by the metrics observer). Whole responses are read, measured and sent.
 
-Acceptance per request, as exactly as the protocol allows (ARCHITECTURE.md, principle 6):
+Acceptance per request, as exactly as the protocol allows:
 - native `/generate`: `completion_tokens / spec_verify_ct` from the final `meta_info` (exact);
 - chat and completions: the same, from `sglext.spec_tokens_details`, which the gateway asks SGLang for where the
   client did not, and cuts out again before the client gets the answer: from a whole body (`strip_spec_details`),

@@ -49,8 +49,9 @@ class WeightedChoice:
 
 
 def _unit_hash(key: str, name: str) -> float:
-    """A stable hash of (key, arm) in (0, 1): the same on every host and every process."""
-    digest = hashlib.blake2b(f"{name}\x00{key}".encode(), digest_size=8).digest()
+    """A stable hash of (key, arm) in (0, 1): the same on every host and every process, for any key a client's JSON
+    can spell (a lone surrogate escape included)."""
+    digest = hashlib.blake2b(f"{name}\x00{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return (int.from_bytes(digest, "big") + 1) / (2**64 + 1)
 
 

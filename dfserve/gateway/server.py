@@ -387,7 +387,7 @@ class ClientConnection(asyncio.Protocol):
             self._wait(_BODY, self._read_at)
         size, hosts, length, coded, expects = len(incoming.url), 0, b"", False, False
         for name, value in incoming.headers:
-            size += len(name) + len(value)
+            size += len(name) + len(value) + 4  # ": " and CRLF at the least: 50,000 empty headers are 250 KB
             if name == b"host":
                 hosts += 1
             elif name == b"content-length":
@@ -470,6 +470,7 @@ class ClientConnection(asyncio.Protocol):
             if not reply.started:
                 reply.keep_alive = False
                 send_error(reply, 500, "internal error in the gateway", "internal_error")
+                self.server.answered(500)
             elif not reply.complete:
                 self.abort()
         finally:
@@ -499,6 +500,7 @@ class ClientConnection(asyncio.Protocol):
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
         it cannot be parsed)."""
         self.refusal = _last_answer(status, message, "invalid_request_error")
+        self.server.answered(status)
         if self.task is None:
             self._linger(self.refusal)
         else:
@@ -583,7 +585,7 @@ class _Refused(Exception):
         self.status = status
 
 
-def _not_counted(reason: str) -> None:
+def _not_counted(reason: str | int) -> None:
     pass
 
 
@@ -591,13 +593,16 @@ class Server:
     """The client listener: accepts connections on a bound socket and, on `stop`, lets answers under way finish.
 
     `refused` is called with the reason (`dfserve.metrics.REFUSAL_REASONS`) whenever it closes a client's
-    connection on its own."""
+    connection on its own; `answered` with the status of each request it answers itself (unreadable, or the
+    handler failed)."""
 
     def __init__(self, handler: Handler, limits: ServerLimits,
-                 refused: Callable[[str], object] = _not_counted) -> None:
+                 refused: Callable[[str], object] = _not_counted,
+                 answered: Callable[[int], object] = _not_counted) -> None:
         self.handler = handler
         self.limits = limits
         self.refused = refused
+        self.answered = answered
         self.connections: set[ClientConnection] = set()
         self.lingering: set[_Linger] = set()
         self._server: asyncio.Server | None = None

@@ -37,7 +37,7 @@ from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
-from dfserve.loadtest.verdict import compare_runs
+from dfserve.loadtest.verdict import compare_runs, unfounded
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
 from dfserve.sglang import Api
 from dfserve.shadow.cli import compare_shadow_folder
@@ -172,7 +172,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     trace = arrival == "trace"
     if concurrency is None and rate is None and not trace:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
-    flags = command_flags(run_command) | {"duration_s": "--duration", "sequential": "--until-decided"}
+    flags = command_flags(run_command) | {"duration_s": "--duration", "request_timeout_s": "--request-timeout",
+                                          "sequential": "--until-decided"}
     with flags_for(flags):
         try:
             load = LoadShape(kind=arrival if trace or rate is not None else "closed", concurrency=concurrency,
@@ -407,8 +408,9 @@ def promote(verdict_path: Path, registry: Path | None, force: bool, reason: str 
     file = verdict_file(verdict_path).resolve()
     try:
         with flags_for(command_flags(promote)):
-            promotion = promote_verdict(BaselineRegistry(registry or file.parent.parent), read_verdict(file), file,
-                                        force=force, reason=reason)
+            verdict = read_verdict(file)
+            promotion = promote_verdict(BaselineRegistry(registry or file.parent.parent), verdict, file,
+                                        force=force, reason=reason, unfounded=unfounded(verdict))
     except Untrusted as exc:
         raise UserError(f"{exc} (--force --reason TEXT overrides)") from None
     cand = promotion.candidate

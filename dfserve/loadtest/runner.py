@@ -13,6 +13,7 @@ requests in flight finish (they complete pairs the verdict uses).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -72,8 +73,10 @@ class RunPlan:
             raise FieldError("arms", "arm names must be unique")
         if self.warmup < 0:
             raise FieldError("warmup", "must be >= 0")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise FieldError("duration_s", "must be > 0")
+        if self.duration_s is not None and not 0 < self.duration_s < math.inf:
+            raise FieldError("duration_s", "must be a finite number > 0")
+        if not 0 < self.request_timeout_s < math.inf:
+            raise FieldError("request_timeout_s", "must be a finite number > 0")
         if self.sequential is not None and len(names) != 2:
             raise FieldError("sequential", "give exactly two arms, the baseline then the candidate")
         if self.sequential is not None and self.shard is not None:

@@ -32,8 +32,9 @@ class LoadShape(BaseModel):
                               "(trace) arrivals")
     concurrency: int | None = Field(None, validate_default=True,
                                     description="closed loop: requests in flight; open loop: optional cap")
-    rate: float | None = Field(None, validate_default=True, description="open loop: requests per second")
-    speed: float | None = Field(None, validate_default=True,
+    rate: float | None = Field(None, validate_default=True, allow_inf_nan=False,
+                               description="open loop: requests per second")
+    speed: float | None = Field(None, validate_default=True, allow_inf_nan=False,
                                 description="trace: how many times faster than captured (2.0: twice)")
     seed: int = Field(0, description="seeds the Poisson gaps and the task order")
 

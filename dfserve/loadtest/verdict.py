@@ -15,6 +15,7 @@ candidate whose records time out as the baseline's did, to the bit (a copy of th
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.loadtest.sequential import design_of
 from dfserve.runs import Provenance, read_model
 from dfserve.sglang import parse_server_info
+from dfserve.shadow.verdict import compare_shadow, is_shadow_folder
 from dfserve.shard import shard_indices
 from dfserve.verdict.design import Design
 from dfserve.verdict.fixed import FixedN
@@ -171,3 +173,26 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
     file = write_verdict(verdict, out or paths[0].parent)
     write_verdict_report(verdict, file.parent)
     return verdict, file
+
+
+def unfounded(verdict: Verdict) -> list[str]:
+    """Why `verdict` is not what its runs give, judged again as `dfserve compare` judged them (the same arms, gate
+    and `--force`); empty when it is. A verdict edited by hand, or whose runs changed since, says so here."""
+    base, cand = verdict.baseline, verdict.candidate
+    folders = [Path(base.run_dir)] if base.run_dir == cand.run_dir else [Path(base.run_dir), Path(cand.run_dir)]
+    if not all((folder / "config.json").is_file() for folder in folders):
+        return [f"the runs it judged are not at {', '.join(map(str, folders))}: it cannot be judged again"]
+    with tempfile.TemporaryDirectory(prefix="dfserve-rejudge-") as scratch:
+        gate = Path(scratch) / "gate.yaml"
+        gate.write_text(verdict.gate.model_dump_json())  # JSON is YAML
+        try:
+            if is_shadow_folder(folders[0]):
+                again = compare_shadow(folders[0], cand.name, gate, verdict.forced, Path(scratch)).verdict
+            else:
+                again = compare_runs(folders, base.name, cand.name, gate, verdict.forced, Path(scratch))[0]
+        except UserError as exc:
+            return [f"its runs are refused now ({exc})"]
+    if again.verdict != verdict.verdict or again.judgement != verdict.judgement:
+        return [f"its runs give {again.verdict}, not the {verdict.verdict} it says, judged again (edited, or the "
+                "runs changed since)"]
+    return []

@@ -31,8 +31,8 @@ class _Model(BaseModel):
 
 class Rule(_Model):
     metric: str
-    max_worse: float | None = Field(None, ge=0, allow_inf_nan=False)
-    at_least: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    max_worse: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
+    at_least: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, strict=True)
 
     @model_validator(mode="after")
     def _one_limit(self) -> Rule:
@@ -47,11 +47,16 @@ class Rule(_Model):
         return limit
 
 
+MAX_BOOTSTRAP_DRAWS = 100_000
+"""The most draws a gate may ask for: the bootstrap holds a weight per draw and task in memory (100,000 draws of
+1,000 tasks are 800 MB)."""
+
+
 class Gate(_Model):
     schema_version: Literal[1] = 1
     rules: tuple[Rule, ...]
-    bootstrap_draws: int = Field(2000, ge=200)
-    seed: int = 0
+    bootstrap_draws: int = Field(2000, ge=200, le=MAX_BOOTSTRAP_DRAWS, strict=True)
+    seed: int = Field(0, ge=0, strict=True)
 
     @field_validator("rules")
     @classmethod

@@ -336,6 +336,7 @@ def test_bad_input_gets_4xx_json_never_500(one_arm: tuple[Stub, str], tmp_path: 
     cases = [
         (httpx.post(gw + "/v1/chat/completions", content=b"{not json"), 400),
         (httpx.post(gw + "/v1/chat/completions", content=b"[1, 2]"), 400),
+        (httpx.post(gw + "/v1/chat/completions", content=b'{"max_tokens": ' + b"9" * 5000 + b"}"), 400),  # > 4300 digits
         (httpx.post(gw + "/v1/nope", json={}), 404),
         (httpx.get(gw + "/generate"), 405),
         (httpx.post(gw + "/generate", content=b"x" * (5 * 1024 * 1024)), 413),
@@ -343,6 +344,11 @@ def test_bad_input_gets_4xx_json_never_500(one_arm: tuple[Stub, str], tmp_path: 
     for response, status in cases:
         assert response.status_code == status
         assert response.json()["error"]["message"]
+    text = httpx.get(gw + "/metrics").text  # counted as the gateway's own answers, not as any arm's
+    answered = {status: metric(text, "dfserve_gateway_answered_requests_total", status=str(status))
+                for status in (400, 404, 405, 413)}
+    assert answered == {400: 3, 404: 1, 405: 1, 413: 1}
+    assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="4xx") == 0
 
 
 def test_5xx_before_first_byte_retries_on_same_arm(tmp_path: Path) -> None:

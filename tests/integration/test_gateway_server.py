@@ -31,21 +31,22 @@ LIMITS = ServerLimits(max_body_bytes=1000, max_connections=100, head_timeout_s=3
 
 
 async def listen(handler: Callable[[Request, Reply], Awaitable[None]], limits: ServerLimits = LIMITS,
-                 refused: Callable[[str], object] = lambda reason: None) -> tuple[Server, int]:
+                 refused: Callable[[str], object] = lambda reason: None,
+                 answered: Callable[[int], object] = lambda status: None) -> tuple[Server, int]:
     """A started server on a free loopback port, and the port."""
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
     sock.listen()
-    listener = Server(handler, limits, refused)
+    listener = Server(handler, limits, refused, answered)
     await listener.start(sock)
     return listener, sock.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
 async def server(handler: Callable[[Request, Reply], Awaitable[None]], refused: Callable[[str], object] = lambda reason: None,
-                 **limits: float) -> AsyncIterator[int]:
+                 answered: Callable[[int], object] = lambda status: None, **limits: float) -> AsyncIterator[int]:
     """`listen` with `LIMITS` changed where named; stopped after the block."""
-    listener, port = await listen(handler, replace(LIMITS, **limits), refused)
+    listener, port = await listen(handler, replace(LIMITS, **limits), refused, answered)
     try:
         yield port
     finally:
@@ -119,6 +120,7 @@ def test_refusals_are_json_errors_that_close_the_connection() -> None:
         "malformed": b"POST /x HTTP/9\r\n\r\n",
         "bad target": b"GET http:// HTTP/1.1\r\nHost: x\r\n\r\n",
         "head too large": b"GET /x HTTP/1.1\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n",
+        "many empty headers in one read": b"GET /x HTTP/1.1\r\nHost: x\r\n" + b"a:\r\n" * 50_000 + b"\r\n",
     }
 
     async def scenario() -> dict[str, tuple[int, dict[bytes, bytes], bytes, bytes]]:
@@ -135,7 +137,7 @@ def test_refusals_are_json_errors_that_close_the_connection() -> None:
     answers = asyncio.run(scenario())
     assert {name: a[0] for name, a in answers.items()} == {
         "declared too large": 413, "chunked too large": 413, "malformed": 400, "bad target": 400,
-        "head too large": 431}
+        "head too large": 431, "many empty headers in one read": 431}
     for status, headers, body, after in answers.values():
         assert headers[b"connection"] == b"close" and after == b""
         assert json.loads(body)["error"]["code"] == status
@@ -262,8 +264,10 @@ def test_a_handler_bug_is_a_500_json_error() -> None:
     async def broken(request: Request, reply: Reply) -> None:
         raise RuntimeError("bug")
 
+    answered: list[int] = []
+
     async def scenario() -> tuple[int, bytes]:
-        async with server(broken) as port:
+        async with server(broken, answered=answered.append) as port:
             reader, writer = await asyncio.open_connection(LOOPBACK, port)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             status, _, body = await read_response(reader)
@@ -271,7 +275,7 @@ def test_a_handler_bug_is_a_500_json_error() -> None:
         return status, body
 
     status, body = asyncio.run(scenario())
-    assert status == 500 and json.loads(body)["error"]["code"] == 500
+    assert status == 500 and json.loads(body)["error"]["code"] == 500 and answered == [500]
 
 
 def test_an_idle_kept_alive_connection_is_closed_a_full_idle_period_after_its_last_answer() -> None:

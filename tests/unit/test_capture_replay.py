@@ -256,6 +256,9 @@ def test_a_trace_load_shape_takes_its_offsets_from_the_capture() -> None:
     ({"kind": "trace", "speed": 1, "rate": 2}, "rate", "trace arrivals take none"),
     ({"kind": "poisson", "rate": 2, "speed": 2}, "speed", "only with trace arrivals"),
     ({"kind": "trace", "speed": 1, "concurrency": 0}, "concurrency", "must be >= 1"),
+    ({"kind": "trace", "speed": float("inf")}, "speed", "finite number"),
+    ({"kind": "poisson", "rate": float("nan")}, "rate", "finite number"),
+    ({"kind": "constant", "rate": float("inf")}, "rate", "finite number"),
 ])
 def test_trace_load_shape_refuses_naming_the_field(fields: dict[str, object], field: str, message: str) -> None:
     with pytest.raises(ValidationError, match=message) as refused:

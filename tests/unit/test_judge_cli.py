@@ -181,6 +181,38 @@ def test_a_shard_is_judged_only_merged_and_never_against_its_merged_run(tmp_path
         assert "share a shard (merged_from): a run is never judged against itself" in str(refused.exception)
 
 
+def test_a_verdict_promotes_only_as_its_runs_give_it_and_once_however_laid_out(tmp_path: Path) -> None:
+    """Promote judges the runs again: a FAIL edited into a PASS, or a verdict whose runs are gone, is refused unless
+    forced; a copy of a promoted verdict laid out otherwise is the same verdict."""
+    runs = tmp_path / "runs"
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    assert CliRunner().invoke(compare, [str(ab), "--out", str(runs / "w")]).exit_code == 1
+    failed = next((runs / "w").glob("verdict-*")) / "verdict.json"
+    edited = runs / "edited" / "verdict.json"
+    edited.parent.mkdir()
+    edited.write_text(failed.read_text().replace('"verdict": "FAIL"', '"verdict": "PASS"'))
+    refused = CliRunner().invoke(promote, [str(edited), "--registry", str(runs)], standalone_mode=False)
+    assert "its runs give FAIL, not the PASS it says, judged again" in str(refused.exception)
+    assert not BaselineRegistry(runs).history()
+    aa = aa_run(runs, "aa")
+    assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / "v")]).exit_code == 0
+    passed = next((runs / "v").glob("verdict-*")) / "verdict.json"
+    copy = runs / "copy" / "verdict.json"
+    copy.parent.mkdir()
+    copy.write_text(json.dumps(json.loads(passed.read_text()), indent=4))
+    assert CliRunner().invoke(promote, [str(passed), "--registry", str(runs)]).exit_code == 0
+    again = CliRunner().invoke(promote, [str(copy), "--registry", str(runs)], standalone_mode=False)
+    assert "a verdict promotes once" in str(again.exception)
+    shutil.move(str(aa), str(tmp_path / "moved"))
+    aa2 = aa_run(runs, "aa2")
+    assert CliRunner().invoke(compare, [str(aa2), "--out", str(runs / "x")]).exit_code == 0
+    shutil.rmtree(aa2)
+    gone = CliRunner().invoke(promote, [str(next((runs / "x").glob("verdict-*"))), "--registry", str(runs)],
+                              standalone_mode=False)
+    assert "the runs it judged are not at" in str(gone.exception) and "cannot be judged again" in str(gone.exception)
+
+
 def test_promoting_one_verdict_twice_records_it_once(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0

@@ -39,6 +39,13 @@ def test_no_positive_weight_is_refused() -> None:
         WeightedChoice({"a": 0})
 
 
+def test_a_sticky_key_with_a_lone_surrogate_is_routed() -> None:
+    """A client's JSON may escape a lone surrogate in `user`: the key is hashed, not refused with a 500."""
+    weights = {"a": 1.0, "b": 1.0}
+    assert sticky_choice("\ud800", weights) == sticky_choice("\ud800", weights) in weights
+    assert {sticky_choice(f"\ud800{i}", weights) for i in range(64)} == {"a", "b"}
+
+
 def test_sticky_keys_are_stable_and_shares_follow_weights() -> None:
     weights = {"baseline": 75, "candidate": 25}
     keys = [f"user-{i}" for i in range(8000)]

@@ -231,6 +231,17 @@ def test_a_sequential_plan_needs_exactly_two_arms() -> None:
                 load=run_config("r").load, out=Path("."), sequential=design)
 
 
+@pytest.mark.parametrize(("field", "value"), [("duration_s", float("nan")), ("duration_s", 0.0),
+                                            ("request_timeout_s", 0.0), ("request_timeout_s", float("nan")),
+                                            ("request_timeout_s", float("inf"))])
+def test_a_plan_refuses_times_that_are_not_finite_and_positive(field: str, value: float) -> None:
+    with pytest.raises(FieldError, match="must be a finite number > 0") as caught:
+        RunPlan(arms=(("a", "http://x"), ("b", "http://y")), api="native", task_set=TaskSet("t", ()), num_requests=10,
+                warmup=0, sampling=run_config("r").sampling, load=run_config("r").load, out=Path("."),
+                **{field: value})  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
 def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair() -> None:
     config = run_config("seq").model_copy(update={"sequential": SequentialDesign(gate=DEFAULT_GATE)})
     base = synthetic("zlab", 70, 9.0, seed=1, tasks=164)

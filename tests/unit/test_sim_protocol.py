@@ -97,6 +97,8 @@ def test_request_bodies_round_trip_into_engine_requests() -> None:
     [
         (engine.parse_generate_request, b'{"text": ["a", "b"]}', "Batched", "body"),
         (engine.parse_generate_request, b"not json", "json_invalid", "body"),
+        (engine.parse_generate_request, b'{"text": "a", "x": ' + b"9" * 5000 + b"}", "json_invalid", "body"),
+        (engine.parse_generate_request, b"[" * 990 + b"]" * 990, "json_invalid", "body"),
         (engine.parse_generate_request, b'{"text": "a", "sampling_params": {"max_tokens": 8}}',
          "unknown field `max_tokens`, expected one of `max_new_tokens`", "contract"),
         (engine.parse_generate_request, b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}',

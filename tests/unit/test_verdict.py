@@ -23,6 +23,12 @@ from tests.synthetic import synthetic
     ("rules:\n  - {metric: accept_length, max_worse: .inf}\n", "rules.0.max_worse: Input should be a finite number"),
     ("rules:\n  - {metric: accept_length, max_worse: .nan}\n", "rules.0.max_worse: Input should be a finite number"),
     ("rules:\n  - {metric: lossless_fraction, at_least: .nan}\n", "rules.0.at_least: Input should be a finite number"),
+    ("rules:\n  - {metric: accept_length, max_worse: true}\n", "rules.0.max_worse: Input should be a valid number"),
+    ("rules:\n  - {metric: accept_length, max_worse: '0.02'}\n", "rules.0.max_worse: Input should be a valid number"),
+    ("seed: -1\nrules:\n  - {metric: accept_length, max_worse: 0.02}\n",
+     "seed: Input should be greater than or equal to 0"),
+    ("bootstrap_draws: 100000000000\nrules:\n  - {metric: accept_length, max_worse: 0.02}\n",
+     "bootstrap_draws: Input should be less than or equal to 100000"),
 ])
 def test_a_gate_that_would_decide_nothing_is_refused_when_read(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "gate.yaml"

@@ -122,7 +122,7 @@ def _request_json(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode()
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4300 digits
         raise _json_invalid(getattr(exc, "msg", str(exc)), getattr(exc, "pos", 0)) from None
     if (refused := _lone_surrogate(text)) is not None:
         raise refused
