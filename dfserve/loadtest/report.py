@@ -196,6 +196,14 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     )
 
 
+def figures_differ(summary: ArmSummary, records: Sequence[RequestRecord]) -> bool:
+    """The figures summary.json gives an arm are not those of its records (one or the other was edited): all but
+    the tester's read lag, which its records do not hold."""
+    exclude = {"tester_read_lag"}
+    return summarize_arm(summary.arm, records).model_dump_json(exclude=exclude) != summary.model_dump_json(
+        exclude=exclude)
+
+
 def summarize(config: RunConfig, records: Sequence[RequestRecord], interrupted: bool,
               read_lag: Mapping[str, ReadLag]) -> Summary:
     arms = tuple(summarize_arm(arm.name, [r for r in records if r.arm == arm.name]).model_copy(

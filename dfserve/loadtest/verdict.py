@@ -25,7 +25,7 @@ from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
-from dfserve.loadtest.report import Summary, summarize_arm
+from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.loadtest.sequential import design_of
 from dfserve.runs import Provenance, read_model
 from dfserve.sglang import parse_server_info
@@ -81,9 +81,7 @@ def incomplete(run: Run) -> list[str]:
         elif expected is not None and recorded < expected:
             problems.append(f"run {name} arm {arm.arm}: {recorded} of the {expected} scheduled requests recorded")
         problems.extend(f"run {name} arm {arm.arm}: {line}" for line in _foreign(measured, schedule, config))
-        exclude = {"tester_read_lag"}
-        if (summarize_arm(arm.arm, measured).model_dump_json(exclude=exclude)
-                != arm.model_dump_json(exclude=exclude)):
+        if figures_differ(arm, measured):
             problems.append(f"run {name} arm {arm.arm}: summary.json's figures are not those of its records in "
                             "requests.jsonl (edited?)")
     return problems

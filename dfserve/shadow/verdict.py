@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
 from dfserve.loadtest.records import RequestRecord, check_same_temperature, read_records
-from dfserve.loadtest.report import Summary
+from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.runs import Provenance, read_model, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.monitor import DECISION, Decided, judge_live
@@ -141,6 +141,9 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
                 f"summary.json counts {arm.requests}" for arm in summary.arms if held[arm.arm] != arm.requests]
     problems += [f"shadow folder {config.run_id}: arm {arm} has records but no summary"
                  for arm in held if arm not in {a.arm for a in summary.arms}]
+    problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "
+                 "in requests.jsonl (edited?)" for arm in summary.arms
+                 if held[arm.arm] == arm.requests and figures_differ(arm, [r for r in records if r.arm == arm.arm])]
     return problems
 
 

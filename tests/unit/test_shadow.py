@@ -479,6 +479,16 @@ def test_refusals(tmp_path: Path) -> None:
     requests.write_text("".join(json.dumps(record) + "\n" for record in records))
     with pytest.raises(UserError, match=r"request 2: arm zlab records temperature 0\.0, arm inhouse 0\.7"):
         compare_shadow(edited, None, None, True, tmp_path / "v")
+    reindexed = _record(tmp_path / "d", _traffic(10, 4))  # a candidate's requests moved off their pairs
+    requests = reindexed / "requests.jsonl"
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    for record in records:
+        if record["arm"] == "inhouse" and record["index"] % 2:
+            record["index"] += 1000
+            record["spec_verify_ct"] = 1  # and its acceptance made better
+    requests.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(Untrusted, match=r"arm inhouse: summary\.json's figures are not those of its records"):
+        compare_shadow(reindexed, None, None, False, tmp_path / "v")
 
 
 def test_arms_whose_engines_differ_or_are_unknown_are_refused_unless_forced(
