@@ -370,6 +370,10 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     paths = [run] if run2 is None else [run, run2]
     if run2 is None and is_shadow_folder(run):
         compare_shadow_folder(run, baseline, candidate, gate, force, out, command_flags(compare))
+    shadow = next((path for path in paths if is_shadow_folder(path)), None)
+    if shadow is not None:
+        raise UserError(f"{shadow} is a shadow record folder: it holds both arms and is judged alone "
+                        "(dfserve compare DIR)")
     try:
         with flags_for(command_flags(compare)):
             verdict, path = compare_runs(paths, baseline, candidate, gate, force, out)

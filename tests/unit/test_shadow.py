@@ -13,12 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 from dfserve import sglang
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
+from dfserve.loadtest.cli import compare
 from dfserve.loadtest.client import Finished, Sent, derive, read_events
 from dfserve.loadtest.records import read_records, tpot_s
 from dfserve.metrics import ObserverMetrics, Outcome
@@ -489,6 +491,14 @@ def test_refusals(tmp_path: Path) -> None:
     requests.write_text("".join(json.dumps(record) + "\n" for record in records))
     with pytest.raises(Untrusted, match=r"arm inhouse: summary\.json's figures are not those of its records"):
         compare_shadow(reindexed, None, None, False, tmp_path / "v")
+
+
+def test_a_shadow_folder_is_judged_alone(tmp_path: Path) -> None:
+    folder = _record(tmp_path / "a", _traffic(10, 4))
+    other = _record(tmp_path / "b", _traffic(10, 4))
+    refused = CliRunner().invoke(compare, [str(folder), str(other)], standalone_mode=False)
+    assert str(refused.exception) == (f"{folder} is a shadow record folder: it holds both arms and is judged alone "
+                                      "(dfserve compare DIR)")
 
 
 def test_arms_whose_engines_differ_or_are_unknown_are_refused_unless_forced(
