@@ -7,8 +7,8 @@ its shards). Refused unless forced, and then stamped in the verdict (`forced`, w
 them: they got the same traffic), a run whose data is not whole (interrupted, killed before its summary, one shard
 of a schedule, or with fewer records than its schedule or its summary counts), records that cannot be the run's
 (an index recorded twice or outside its schedule, figures of summary.json that its records do not give), and a
-candidate whose records time out as the baseline's did, to the bit (a copy of the same requests). A run that stopped on its own always-valid intervals
-(`--until-decided`) is judged on them again; any other on the fixed-n bootstrap.
+candidate whose records are timed as the baseline's, to the bit (a copy of the same requests). A run that stopped
+on its own always-valid intervals (`--until-decided`) is judged on them again; any other on the fixed-n bootstrap.
 
     verdict, path = compare_runs([Path("runs/ab")], None, None, gate=None, force=False, out=None)
 """
@@ -98,8 +98,8 @@ def _foreign(measured: Sequence[RequestRecord], schedule: range, config: RunConf
 
 
 COPIED_SHARE = 0.5
-"""Pairs whose candidate record times out exactly as its baseline's, from send to last chunk, beyond which the
-candidate's records are a copy of the baseline's: two servers' answers never arrive at the same instants."""
+"""The share of pairs whose candidate record is timed exactly as its baseline's, from send to last chunk, beyond
+which the candidate's records are a copy of the baseline's: two servers' answers never arrive at the same instants."""
 
 
 def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool:
@@ -190,7 +190,7 @@ def unfounded(verdict: Verdict) -> list[str]:
                 again = compare_runs(folders, base.name, cand.name, gate, verdict.forced, Path(scratch))[0]
         except UserError as exc:
             return [f"its runs are refused now ({exc})"]
-    if again.verdict != verdict.verdict or again.judgement != verdict.judgement:
+    if again.verdict != verdict.verdict or again.judgement.model_dump_json() != verdict.judgement.model_dump_json():
         return [f"its runs give {again.verdict}, not the {verdict.verdict} it says, judged again (edited, or the "
                 "runs changed since)"]
     return []

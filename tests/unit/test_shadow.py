@@ -20,7 +20,7 @@ from dfserve import sglang
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
-from dfserve.loadtest.cli import compare
+from dfserve.loadtest.cli import compare, promote
 from dfserve.loadtest.client import Finished, Sent, derive, read_events
 from dfserve.loadtest.records import read_records, tpot_s
 from dfserve.metrics import ObserverMetrics, Outcome
@@ -491,6 +491,17 @@ def test_refusals(tmp_path: Path) -> None:
     requests.write_text("".join(json.dumps(record) + "\n" for record in records))
     with pytest.raises(Untrusted, match=r"arm inhouse: summary\.json's figures are not those of its records"):
         compare_shadow(reindexed, None, None, False, tmp_path / "v")
+
+
+def test_a_shadow_verdict_edited_into_a_pass_is_not_promoted(tmp_path: Path) -> None:
+    folder = _record(tmp_path / "a", _traffic(10, 4, cand_text="other"))  # lossy: FAIL
+    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert judged.verdict.verdict == "FAIL"
+    edited = tmp_path / "edited" / "verdict.json"
+    edited.parent.mkdir()
+    edited.write_text(judged.path.read_text().replace('"verdict": "FAIL"', '"verdict": "PASS"'))
+    refused = CliRunner().invoke(promote, [str(edited), "--registry", str(tmp_path)], standalone_mode=False)
+    assert "its runs give FAIL, not the PASS it says, judged again" in str(refused.exception)
 
 
 def test_a_shadow_folder_is_judged_alone(tmp_path: Path) -> None:
