@@ -48,6 +48,9 @@ class Raising:
         """Nothing is held."""
 
 
+RAISED = 'dfserve_gateway_observer_failures_total{observer="raising",reason="failed"} 36.0'
+
+
 def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     requests = 12
     listening: list[str] = []
@@ -80,7 +83,13 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
                     for i in range(requests)]
                 statuses = [(await client.post("/generate", json=body)).status_code for body in bodies]
                 await asyncio.to_thread(recorder.all_seen.wait, 20)
-                text = (await client.get("/metrics")).text
+                # each observer's thread takes its batches on its own: the raising one may still be waiting for its
+                # last batch (BATCH_WAIT_S) when the recorder has seen every exchange
+                for _ in range(100):
+                    text = (await client.get("/metrics")).text
+                    if RAISED in text:
+                        break
+                    await asyncio.sleep(0.1)
             gate.set()
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
@@ -101,7 +110,7 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
         assert arms["baseline"].outcome.status == arms["candidate"].outcome.status == 200
         assert arms["baseline"].outcome.measure == "exact" and arms["baseline"].outcome.accept_length
         assert arms["dead"].outcome.error == "connect" and arms["dead"].outcome.status == 502
-    assert 'dfserve_gateway_observer_failures_total{observer="raising",reason="failed"} 36.0' in metrics
+    assert RAISED in metrics
     (behind,) = [line for line in metrics.splitlines()
                  if line.startswith('dfserve_gateway_observer_failures_total{observer="test_stalled",reason="behind"}')]
     assert float(behind.rsplit(" ", 1)[1]) >= 3 * requests - 3 and stalled.closed
