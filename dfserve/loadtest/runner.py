@@ -41,6 +41,8 @@ from dfserve.transport import StampingTransport
 
 Halt = Callable[[], bool]
 
+CONNECT_TIMEOUT_S = 10.0
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -218,7 +220,9 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     order, offsets = plan.order()
     routes = routes_of(order, plan.default_api)
     asks_model = any(ROUTE_FOR[api].asks_model for api in routes)
-    async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=10,
+    # A busy server answers its documents when its scheduler gets to them: as long as a request may take.
+    probe_timeout = httpx.Timeout(plan.request_timeout_s, connect=CONNECT_TIMEOUT_S)
+    async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=probe_timeout,
                                  trust_env=False) as http:
         arms = [await probe_arm(http, name, url, asks_model, plan.model, plan.pin_arms) for name, url in plan.arms]
     stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts

@@ -310,12 +310,18 @@ def test_failures_are_classified(tmp_path: Path) -> None:
                  "--max-error-rate", "1")
         with refusing_port() as gone:
             refused = loadtest(tmp_path, "--arm", f"gone={url_of(gone)}", "--concurrency", "1", "--quiet", check=False)
+            gone.listen()  # accepts, never answers: the probe waits as long as a request may, not a fixed 10 s
+            started = time.monotonic()
+            mute = loadtest(tmp_path, "--arm", f"mute={url_of(gone)}", "--concurrency", "1", "--quiet",
+                            "--request-timeout", "1", check=False)
+            mute_s = time.monotonic() - started
     kinds = [r.error_kind for r in records(tmp_path / "f")]
     assert 5 <= kinds.count("http_status") <= 35 and 5 <= kinds.count("disconnect") <= 35 and None in kinds
     assert all(r.http_status == 500 for r in records(tmp_path / "f") if r.error_kind == "http_status")
     assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
     assert refused.returncode == 2 and "does not answer" in refused.stderr
     assert "Traceback" not in refused.stderr
+    assert mute.returncode == 2 and "mute=" in mute.stderr and "ReadTimeout" in mute.stderr and mute_s < 8
 
 
 @pytest.mark.parametrize("api", ["native", "chat", "completions"])
