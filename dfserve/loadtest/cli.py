@@ -273,8 +273,8 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the merged run directory goes (default: beside the first shard).")
 @click.option("--name", default=None, help="Merged run directory name (must not exist).")
-@click.option("--force", is_flag=True, help="Merge shards that lost records (cut, missing lines); the merged run "
-              "is marked interrupted, so it is judged only as an incomplete run.")
+@click.option("--force", is_flag=True, help="Merge shards that lost records (cut, missing lines) or were not started "
+              "together; the merged run is marked interrupted, so it is judged only as an incomplete run.")
 def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, force: bool) -> None:
     """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole, or a
     shard whose records do not match its summary and schedule."""
@@ -291,7 +291,7 @@ def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, 
     write_atomic(run_dir / "requests.jsonl", "".join(r.model_dump_json() + "\n" for r in merged.records))
     _finish_run(run_dir, merged.config, merged.records, merged.interrupted, merged.read_lag)
     if merged.interrupted:
-        click.echo("interrupted: " + ("shards lost records, merged by --force" if merged.incomplete
+        click.echo("interrupted: " + ("shards merged by --force" if merged.incomplete
                                       else "a shard stopped early"), err=True)
 
 

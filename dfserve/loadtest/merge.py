@@ -1,15 +1,16 @@
 """One run from the shards of a sharded load test (`dfserve loadtest run --shard I/N`), judged like any other.
 
-The shards must be the whole set of one configuration: every shard index of one count exactly once, and the same
-arms, tasks, load, sampling and limits in each (server documents aside: they hold live figures that differ from
-one read to the next). Anything else is refused with one line naming the shard. Each shard's records are checked
-against what the shard says it sent, since a lost line would otherwise drop a request from the verdict unseen:
-every record's index in the shard's part of the schedule, no (arm, index) twice, each arm's measured records as many
-as its summary.json counts, requests.jsonl not cut mid-line, and a shard that ran to its end (not interrupted, no
-duration bound, no early stop) holding every index of its part for every arm. Records missing or cut are refused
-unless forced (`force`): the merged run then holds what the shards held and its summary says `interrupted`, so it
-is judged only as an incomplete run. Duplicated or foreign records are refused even then: no merge can tell which
-copy is the request that was sent.
+The shards must be the whole set of one launch of one configuration: every shard index of one count exactly once,
+and the same arms, tasks, load, sampling and limits in each (server documents aside: they hold live figures that
+differ from one read to the next). Anything else is refused with one line naming the shard. Each shard's records are
+checked against what the shard says it sent, since a lost line would otherwise drop a request from the verdict
+unseen: every record's index in the shard's part of the schedule, no (arm, index) twice, each arm's measured records
+as many as its summary.json counts, requests.jsonl not cut mid-line, and a shard that ran to its end (not
+interrupted, no duration bound, no early stop) holding every index of its part for every arm. Records missing or cut
+are refused unless forced (`force`): the merged run then holds what the shards held and its summary says
+`interrupted`, so it is judged only as an incomplete run. So are shards whose first requests were sent over a minute
+apart (two launches of one configuration, or a shard run again): their load together is not the run's. Duplicated or
+foreign records are refused even then: no merge can tell which copy is the request that was sent.
 
 Records keep their schedule index and task; their times are moved from their shard's time zero to the earliest
 shard's, so the merged run has one clock. The merged config.json names the shards it came from; the shards
@@ -124,6 +125,26 @@ def incomplete(shard: ShardRun) -> list[str]:
     return problems
 
 
+SHARDS_START_WITHIN_S = 60.0
+"""How far apart the shards of one launch may send their first requests (hosts and pods start unevenly)."""
+
+
+def _first_sent_unix_s(shard: ShardRun) -> float | None:
+    return shard.config.t0_unix_s + min(r.dispatched_s for r in shard.records) if shard.records else None
+
+
+def apart(shards: Sequence[ShardRun]) -> str | None:
+    """Why the shards are not of one launch, if they are not: the load of a run is its shards' load together, so
+    shards of two launches of one configuration (or a shard run again later) never make one run."""
+    starts = sorted(((start, shard) for shard in shards if (start := _first_sent_unix_s(shard)) is not None),
+                    key=lambda item: item[0])
+    if len(starts) < 2 or starts[-1][0] - starts[0][0] <= SHARDS_START_WITHIN_S:
+        return None
+    (first, early), (last, late) = starts[0], starts[-1]
+    return (f"shard {late.config.shard} ({late.path}) sent its first request {last - first:.1f} s after shard "
+            f"{early.config.shard} ({early.path}): the shards of one run start within {SHARDS_START_WITHIN_S:.0f} s")
+
+
 def _identity(config: RunConfig) -> dict[str, Any]:
     """What every shard of one run shares."""
     arms = [(a.name, a.url, a.model, a.simulated, a.arrival_stamps) for a in config.arms]
@@ -162,6 +183,8 @@ def check_shards(shards: Sequence[ShardRun], force: bool = False) -> list[ShardR
                             "merged")
         if not force and (problems := incomplete(shard)):
             raise Untrusted(f"{shard.path}: shard {shard.config.shard} lost records ({'; '.join(problems)})")
+    if not force and (why := apart(ordered)):
+        raise Untrusted(why)
     return ordered
 
 
@@ -181,6 +204,8 @@ def merge(shards: Sequence[ShardRun], run_id: str, force: bool = False) -> Merge
     Forced, shards that lost records are merged too, and the run is marked interrupted."""
     ordered = check_shards(shards, force)
     lost = tuple(f"{s.path}: {'; '.join(problems)}" for s in ordered if (problems := incomplete(s)))
+    if why := apart(ordered):
+        lost += (why,)
     t0 = min(s.config.t0_unix_s for s in ordered)
     arm_order = {arm.name: i for i, arm in enumerate(ordered[0].config.arms)}
     records = [shifted(r, s.config.t0_unix_s - t0) for s in ordered for r in s.records]

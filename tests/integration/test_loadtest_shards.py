@@ -4,6 +4,7 @@ same seed, judged by `dfserve compare` like any run; an incomplete or mixed set 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -31,6 +32,17 @@ def run(out: Path, arms: list[str], name: str, *extra: str) -> Path:
     return out / name
 
 
+def run_shards(out: Path, arms: list[str], prefix: str, count: int, *extra: str) -> list[Path]:
+    """The `count` shards of one run, launched together as their processes would be on several hosts."""
+    argvs = [dfserve_argv("loadtest", "run", "--out", str(out), "--name", f"{prefix}{i}", *arms, *LOAD, *extra,
+                          "--shard", f"{i}/{count}") for i in range(count)]
+    processes = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argvs]
+    for process in processes:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+    return [out / f"{prefix}{i}" for i in range(count)]
+
+
 def comparable(path: Path) -> list[dict[str, object]]:
     """The records apart from timings, in schedule order."""
     records: list[RequestRecord] = sorted(read_records(path / "requests.jsonl"), key=lambda r: (r.index, r.arm))
@@ -49,8 +61,7 @@ def engines() -> Iterator[dict[str, str]]:
 def two_shards(engines: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """A run of the zlab engine in two shards, each shard complete; tests copy them before changing anything."""
     out = tmp_path_factory.mktemp("two-shards")
-    return [run(out, ["--arm", f"zlab={engines['zlab']}"], f"s{i}", "--concurrency", "2", "--shard", f"{i}/2")
-            for i in range(2)]
+    return run_shards(out, ["--arm", f"zlab={engines['zlab']}"], "s", 2, "--concurrency", "2")
 
 
 def copies(shards: list[Path], out: Path) -> list[Path]:
@@ -66,7 +77,7 @@ def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[s
                                                    engines: dict[str, str]) -> None:
     arms = ["--arm", f"zlab={engines['zlab']}", "--arm", f"inhouse={engines['inhouse']}"]
     whole = run(tmp_path, arms, "whole", *load)
-    shards = [run(tmp_path / "shards", arms, f"shard-{i}", *load, "--shard", f"{i}/3") for i in range(3)]
+    shards = run_shards(tmp_path / "shards", arms, "shard-", 3, *load)
     for i, shard in enumerate(shards):
         assert {r.index for r in read_records(shard / "requests.jsonl")} == set(range(i, 33, 3))
     merged = dfserve("loadtest", "merge", *map(str, reversed(shards)), "--out", str(tmp_path), "--name", "merged")
@@ -105,6 +116,18 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engi
         refused = dfserve("loadtest", "merge", *map(str, given), "--out", str(tmp_path / "merged"))
         assert refused.returncode == 2 and refused.stderr.strip() == line, refused.stderr
     assert not (tmp_path / "merged").exists()
+    config = shards[1] / "config.json"  # shard 1 of a launch an hour later
+    document = json.loads(config.read_text())
+    document["t0_unix_s"] += 3600
+    config.write_text(json.dumps(document))
+    apart = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "merged"))
+    assert apart.returncode == 2 and apart.stderr.count("\n") == 1, apart.stderr
+    assert re.fullmatch(rf"dfserve: error: shard 1/2 \({shards[1]}\) sent its first request 3[56]\d\d\.\d s after shard "
+                        rf"0/2 \({shards[0]}\): the shards of one run start within 60 s; --force merges what the "
+                        r"shards hold, marked interrupted\n", apart.stderr), apart.stderr
+    assert not (tmp_path / "merged").exists()
+    document["t0_unix_s"] -= 3600
+    config.write_text(json.dumps(document))
     summary = shards[1] / "summary.json"  # an edited summary: a count with nothing to count it of
     document = json.loads(summary.read_text())
     document["arms"][0]["read_with_next"]["of_chunks"] = 0

@@ -10,7 +10,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from dfserve.errors import FieldError, Untrusted, UserError
-from dfserve.loadtest.merge import ShardRun, check_shards, merge, read_shard
+from dfserve.loadtest.merge import SHARDS_START_WITHIN_S, ShardRun, check_shards, merge, read_shard
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
@@ -135,6 +135,25 @@ def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
     stopped = replace(whole[1], records=lost_one, counted={"zlab": 4, "inhouse": 3}, interrupted=True)
     assert merge([whole[0], stopped, whole[2]], "m").incomplete == ()  # Ctrl-C: fewer records, all counted
     assert not merge(whole, "m").interrupted
+
+
+def test_shards_not_started_together_are_refused_unless_forced() -> None:
+    """Shard 1 of another launch of the same configuration, an hour later: its load never met shard 0's."""
+    shards = shard_runs(2)
+    first_sent = [min(r.dispatched_s for r in shard.records) for shard in shards]
+
+    def started(late_s: float) -> ShardRun:
+        """Shard 1 sending its first request `late_s` after shard 0's."""
+        t0 = 100.0 + first_sent[0] - first_sent[1] + late_s
+        return replace(shards[1], config=shards[1].config.model_copy(update={"t0_unix_s": t0}))
+
+    assert merge([shards[0], started(SHARDS_START_WITHIN_S)], "m").incomplete == ()  # pods start unevenly
+    refusal = (f"shard 1/2 (runs/shard-1) sent its first request 3600.0 s after shard 0/2 (runs/shard-0): the "
+               f"shards of one run start within {SHARDS_START_WITHIN_S:.0f} s")
+    with pytest.raises(Untrusted, match=f"^{re.escape(refusal)}$"):
+        merge([shards[0], started(3600.0)], "m")
+    forced = merge([started(3600.0), shards[0]], "m", force=True)
+    assert forced.interrupted and forced.incomplete == (refusal,)
 
 
 def test_duplicated_or_foreign_records_are_never_merged() -> None:
