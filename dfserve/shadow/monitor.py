@@ -7,9 +7,10 @@ Which pairs a look sees. The gateway numbers every client request in the order i
 mirrored ones are recorded, and exchanges finish out of order. A look sees the complete prefix of request ids: the
 pairs of every request up to the last one whose fate is known in full, taken in request-id order. A request's fate
 is known once its client's exchange has come (it names the arms it was mirrored to, `Exchanged.mirrors`) and, if it
-was mirrored to the candidate, the candidate's too. It is then a pair (both records in the folder being decided,
-neither cancelled by the client or the gateway's stop) or it is not (never mirrored, its mirror skipped for a down
-arm, its records split by a rotation or not written), and which it is never depends on what the answers were. A
+was mirrored to the candidate, once the recorder has written its records (together, when every arm's exchange has
+come). It is then a pair (both records in the folder being decided, neither cancelled by the client or the
+gateway's stop) or it is not (never mirrored, its mirror skipped for a down arm, its records not written), and
+which it is never depends on what the answers were. A
 mirror that failed is a pair whose candidate failed: it counts towards `error_rate`, it is not left out.
 
 Why not pairs in the order they finish: at any moment the requests still in flight are the slow ones, so every
@@ -97,12 +98,13 @@ class _Request:
     primary: str | None = None
     """The arm of the client's exchange, once it has come."""
     mirrored: bool = False
-    candidate_seen: bool = False
+    recorded: bool = False
+    """The recorder wrote its records (all at once, or what it had when it let the request go)."""
     records: dict[str, tuple[RequestRecord, Path]] = field(default_factory=dict)
 
     @property
     def known(self) -> bool:
-        return self.primary is not None and (self.candidate_seen or not self.mirrored)
+        return self.primary is not None and (self.recorded or not self.mirrored)
 
 
 class LiveDecision:
@@ -134,18 +136,19 @@ class LiveDecision:
         if folder != self.folder:
             self.folder, self._primary = folder, primary
             self.monitor = live_monitor(self.design) if primary != self.candidate else None
-        if record.arm in (primary, self.candidate) and record.index >= self._next:
-            self._requests.setdefault(record.index, _Request()).records[record.arm] = (record, folder)
+        if record.index >= self._next:
+            request = self._requests.setdefault(record.index, _Request())
+            request.recorded = True
+            if record.arm in (primary, self.candidate):
+                request.records[record.arm] = (record, folder)
 
     def seen(self, exchanged: Exchanged) -> Look | None:
-        """One exchange, after the recorder took it; the look that decided, if this one completed it."""
-        if (self.state != "deciding" or exchanged.request_id < self._next
-                or (exchanged.mirror and exchanged.outcome.arm != self.candidate)):
+        """One exchange, after the recorder took it (and wrote its request's records, if it completed them); the look
+        that decided, if this one completed it."""
+        if self.state != "deciding" or exchanged.request_id < self._next:
             return None
-        request = self._requests.setdefault(exchanged.request_id, _Request())
-        if exchanged.mirror:
-            request.candidate_seen = True
-        else:
+        if not exchanged.mirror:
+            request = self._requests.setdefault(exchanged.request_id, _Request())
             request.primary, request.mirrored = exchanged.outcome.arm, self.candidate in exchanged.mirrors
         while (first := self._requests.get(self._next)) is not None and first.known:
             del self._requests[self._next]

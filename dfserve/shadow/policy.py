@@ -19,7 +19,8 @@ class ShadowPolicy(_Model):
     records_per_folder: int = Field(10_000, ge=2, description="records in a folder before the next is opened")
     folder_bytes: int = Field(64 << 20, ge=4096, description="bytes of requests.jsonl before the next is opened")
     max_folders: int = Field(16, ge=1, description="folders at most; then recording stops (logged once)")
-    max_pending: int = Field(10_000, ge=1, description="primaries' records held waiting for a mirror's")
+    max_pending: int = Field(10_000, ge=1, description="requests whose records wait for their other arms' exchanges; past it the oldest is written "
+                             "without them and its folder is incomplete")
     queue_size: int = Field(4096, ge=1, description="exchanges waiting for the recorder's thread")
     until_decided: bool = Field(False, description="decide the gate on the mirrored pairs as they are recorded "
                                 "(sequential design) and stop mirroring once it is decided (`shadow.monitor`)")

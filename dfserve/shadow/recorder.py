@@ -4,15 +4,15 @@ load tester's format (config.json, requests.jsonl of `RequestRecord`s, summary.j
 A folder holds up to `records_per_folder` records or `folder_bytes` of them; then it is closed (its summary
 written: complete, and judgeable by `dfserve compare` while recording goes on) and the next one is opened. At most
 `max_folders` are written: then recording stops, logged once, rather than deleting a folder a verdict may be
-reading. Records land in the folder open when they are written (a primary's goes with its first mirror's), so a
-request whose mirror was written before a rotation and its primary after has its arms in two folders and pairs in
-neither. The records of a batch of exchanges (what the observer's thread took from its queue at once) are written
+reading. The records of a batch of exchanges (what the observer's thread took from its queue at once) are written
 in one write at `flush`.
 
 Only requests that were mirrored are recorded (a client's exchange names the arms it was mirrored to; one pinned
-to an arm by `x-dfserve-arm`, or sent after mirroring stopped, is no pair and does not rotate the folder): a
-primary's record is held until its first mirror's arrives (or written with it if the mirror finished first), and
-let go, oldest first, when the held count passes `max_pending` (its mirrors' exchanges were lost).
+to an arm by `x-dfserve-arm`, or sent after mirroring stopped, is no pair and does not rotate the folder). A
+request's records wait, as records, until its primary's and every mirror's have come, and are then written
+together, so a rotation never splits a request between two folders. Past `max_pending` waiting requests the oldest
+is written with the records it has (its other exchanges were lost, or are slower than `max_pending` requests),
+logged once per folder, and the folder's summary says `interrupted`: a verdict on it is refused unless forced.
 
     gateway:
       mode: shadow
@@ -25,6 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -103,6 +104,8 @@ class _Folder:
         self.records: list[RequestRecord] = []
         self.bytes = 0
         self.pending: list[str] = []
+        self.unpaired = 0
+        """Requests written without all their records (let go past `max_pending`): the folder is then incomplete."""
 
     def write(self, record: RequestRecord) -> None:
         """Held until `flush`: a batch of records is one write."""
@@ -120,9 +123,18 @@ class _Folder:
         self.flush()
         self.appender.close()
         arms = dict.fromkeys(r.arm for r in self.records)
-        summary = Summary(run_id=self.config.run_id, interrupted=False,
+        summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired > 0,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms))
         write_model(self.path / "summary.json", summary)
+
+
+@dataclass
+class _Request:
+    """One request's records so far (`mirror`, record, the time zero it was timed from); `expected` is known once
+    its primary's exchange, which names its mirrors, has come."""
+
+    records: list[tuple[bool, RequestRecord, float]] = field(default_factory=list)
+    expected: int | None = None
 
 
 class ShadowRecorder:
@@ -139,8 +151,7 @@ class ShadowRecorder:
         """Told of each record written, with its folder and the folder's primary (`shadow.monitor`)."""
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
-        self._held: OrderedDict[int, tuple[RequestRecord, float]] = OrderedDict()
-        self._mirrored: OrderedDict[int, None] = OrderedDict()
+        self._waiting: OrderedDict[int, _Request] = OrderedDict()
 
     def _open(self, primary: str) -> _Folder | None:
         if self.folders >= self.policy.max_folders:
@@ -152,32 +163,40 @@ class ShadowRecorder:
 
     def observe(self, exchanged: Exchanged) -> None:
         rid = exchanged.request_id
-        folder = self._folder
         if not exchanged.mirror and not exchanged.mirrors:
             return  # not mirrored (pinned to an arm, mirroring stopped, or its mirrors' arms down): no pair
-        if not exchanged.mirror and folder is not None and exchanged.outcome.arm != folder.config.primary:
+        if not exchanged.mirror and self._folder is not None and exchanged.outcome.arm != self._folder.config.primary:
             self._rotate(exchanged.outcome.arm)  # the routing changed: a folder has one baseline
         folder = self._folder
         if folder is None:
             return  # recording has stopped
-        # the record, not the exchange, waits for its pair: a native stream's answer is its whole output
-        made = shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s
+        # the record, not the exchange, waits for the request's other arms: a native stream's answer is its output
+        request = self._waiting.pop(rid, None) or _Request()
+        request.records.append((exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s))
         if not exchanged.mirror:
-            if rid in self._mirrored:
-                self._write(*made)
-            else:
-                self._held[rid] = made
-                while len(self._held) > self.policy.max_pending:
-                    self._held.popitem(last=False)
+            request.expected = len(exchanged.mirrors) + 1
+        if len(request.records) == request.expected:
+            self._write_request(request)
             return
-        primary = self._held.pop(rid, None)
-        if primary is not None:
-            self._write(*primary)
-        else:
-            self._mirrored[rid] = None
-            while len(self._mirrored) > self.policy.max_pending:
-                self._mirrored.popitem(last=False)
-        self._write(*made)
+        self._waiting[rid] = request
+        while len(self._waiting) > self.policy.max_pending:
+            rid, request = self._waiting.popitem(last=False)
+            if self._folder is not None and not self._folder.unpaired:
+                log.error("shadow.max_pending: request %d's records never all came (an exchange lost behind the "
+                          "recorder's queue, or slower than %d later requests); it is written unpaired, and record "
+                          "folder %s is incomplete", rid, self.policy.max_pending, self._folder.path)
+            if self._folder is not None:
+                self._folder.unpaired += 1
+            self._write_request(request)
+
+    def _write_request(self, request: _Request) -> None:
+        """A request's records, its primary's first, into the open folder; the folder rotates only after them."""
+        for _, record, t0_perf_s in sorted(request.records, key=lambda made: made[0]):
+            self._write(record, t0_perf_s)
+        folder = self._folder
+        if folder is not None and (len(folder.records) >= self.policy.records_per_folder
+                                   or folder.bytes >= self.policy.folder_bytes):
+            self._rotate(folder.config.primary)
 
     def _write(self, record: RequestRecord, t0_perf_s: float) -> None:
         """`record`, its times from `t0_perf_s`, into the open folder (from its time zero, if another opened since)."""
@@ -189,8 +208,6 @@ class ShadowRecorder:
         folder.write(record)
         if self.on_record is not None:
             self.on_record(record, folder.path, folder.config.primary)
-        if len(folder.records) >= self.policy.records_per_folder or folder.bytes >= self.policy.folder_bytes:
-            self._rotate(folder.config.primary)
 
     def _rotate(self, primary: str) -> None:
         if self._folder is not None:

@@ -15,7 +15,9 @@ it was decided on live traffic, and where the gateway wrote its decision the rep
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
 be asked (`/server_info` unrecorded), a folder still being written (no summary.json) or whose records do not
-match its summary, a decided folder whose records or design do not replay the gateway's decision (decision.json).
+match its summary, one where the gateway wrote requests without all their records (summary `interrupted`) or
+holding mirrors' records without their primary's (the gateway writes a request's records together), a decided
+folder whose records or design do not replay the gateway's decision (decision.json).
 """
 
 from __future__ import annotations
@@ -137,10 +139,17 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
                 "was killed"]
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     held = Counter(r.arm for r in records)
-    problems = [f"shadow folder {config.run_id} arm {arm.arm}: requests.jsonl holds {held[arm.arm]} records, "
+    problems = [f"shadow folder {config.run_id}: the gateway wrote requests whose records never all came (an "
+                "exchange lost behind the recorder's queue, or slower than shadow.max_pending later requests)"
+                ] if summary.interrupted else []
+    problems += [f"shadow folder {config.run_id} arm {arm.arm}: requests.jsonl holds {held[arm.arm]} records, "
                 f"summary.json counts {arm.requests}" for arm in summary.arms if held[arm.arm] != arm.requests]
     problems += [f"shadow folder {config.run_id}: arm {arm} has records but no summary"
                  for arm in held if arm not in {a.arm for a in summary.arms}]
+    primaries = {r.index for r in records if r.arm == config.primary}
+    if not summary.interrupted and (orphans := {r.index for r in records if r.arm != config.primary} - primaries):
+        problems.append(f"shadow folder {config.run_id}: {len(orphans)} requests have mirrors' records and no "
+                        "primary's, which the gateway writes together (edited?)")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "
                  "in requests.jsonl (edited?)" for arm in summary.arms
                  if held[arm.arm] == arm.requests and figures_differ(arm, [r for r in records if r.arm == arm.arm])]
@@ -148,9 +157,9 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
 
 
 def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tuple[Pairs[RequestRecord], list[str]]:
-    """`base` and `cand`'s records paired by request; losslessness is judged on the greedy requests whose outputs
-    both sides hold (`greedy_held`), however many others are sampled. A request recorded twice for one arm is
-    refused."""
+    """`base` and `cand`'s records paired by request, with what the verdict must say of them; losslessness is judged
+    on the greedy requests whose outputs both sides hold (`greedy_held`), however many others are sampled. A request
+    recorded twice for one arm is refused."""
     sides: dict[str, list[RequestRecord]] = {base: [], cand: []}
     for r in records:
         if r.arm in sides and not r.cancelled:
@@ -169,7 +178,12 @@ def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tup
                         deterministic=all(greedy_held(b, c) for b, c in paired), greedy=greedy_held)
     if not len(pairs):
         raise UserError(f"no request was answered by both {base} and {cand}: nothing to compare")
-    return pairs, [NO_HASH] if unhashed else []
+    alone = [f"{len(sides[arm]) - len(pairs)} of {arm}" for arm in (base, cand) if len(sides[arm]) > len(pairs)]
+    said = [NO_HASH] if unhashed else []
+    if alone:
+        said.append(f"requests recorded without a pair are not judged ({' and '.join(alone)}): not mirrored to "
+                    f"{cand} while its arm was down, or written without their other records")
+    return pairs, said
 
 
 def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], candidate: str | None) -> str:

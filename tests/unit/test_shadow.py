@@ -23,6 +23,7 @@ from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.cli import compare, promote
 from dfserve.loadtest.client import Finished, Sent, derive, read_events
 from dfserve.loadtest.records import read_records, tpot_s
+from dfserve.loadtest.report import summarize_arm
 from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.relay_core import EventRelay
 from dfserve.sglang.server import NativeStreamEncoder, meta_info_body
@@ -47,7 +48,7 @@ def _native(text: str, tokens: int, verify: int) -> bytes:
 
 def exchanged(rid: int, arm: str, mirror: bool, *, text: str = "out", verify: int = 4, temperature: float = 0,
               error: str | None = None, streamed: bool = False, answer: bytes | None = None,
-              mirrors: tuple[str, ...] = ("inhouse", "zlab2")) -> Exchanged:
+              mirrors: tuple[str, ...] = ("inhouse",)) -> Exchanged:
     """A client's exchange (mirrored to `mirrors`) or a mirror's."""
     body = json.dumps({"text": f"prompt {rid % 3}", "sampling_params": {"temperature": temperature}}).encode()
     outcome = Outcome(arm=arm, route="native", replica="r", status=200, error=error, ttft_s=0.01, e2e_s=0.1,
@@ -307,7 +308,7 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     first = _folders(tmp_path)
     assert len(first) == 2 and (first[0] / "summary.json").exists() and not (first[1] / "summary.json").exists()
     assert [(r.index, r.arm) for r in read_records(first[0] / "requests.jsonl")] == [
-        (1, "inhouse"), (1, "zlab"), (2, "zlab"), (2, "inhouse")]
+        (1, "zlab"), (1, "inhouse"), (2, "zlab"), (2, "inhouse")]  # a request's records together, primary first
     for rid in (3, 4):
         recorder.observe(exchanged(rid, "inhouse", True))
         recorder.observe(exchanged(rid, "zlab", False))
@@ -354,6 +355,61 @@ def test_a_primary_paired_after_a_rotation_is_timed_from_its_new_folders_time_ze
     assert primary.chunk_times_s[0] == pytest.approx(mirror.chunk_times_s[0] - 0.002, abs=1e-9)
 
 
+def test_a_requests_records_are_written_together_and_one_let_go_unpaired_makes_its_folder_incomplete(
+        tmp_path: Path) -> None:
+    """Request 1's candidate finishes before a rotation and its primary and secondary after: all three land in one
+    folder. Request 2's secondary never comes: past max_pending waiting requests it is written without it, and
+    its folder is judged only by force."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", records_per_folder=4, max_pending=2,
+                                           secondary="zlab2"), "zlab", ENGINES)
+    both = ("inhouse", "zlab2")
+    recorder.observe(exchanged(0, "zlab", False, mirrors=("inhouse",)))  # the secondary's arm was down
+    recorder.observe(exchanged(1, "inhouse", True))
+    recorder.observe(exchanged(0, "inhouse", True))  # request 0 written: 2 records
+    recorder.observe(exchanged(1, "zlab", False, mirrors=both))
+    recorder.observe(exchanged(1, "zlab2", True))  # request 1 written: 5 records, the folder is closed after it
+    recorder.observe(exchanged(2, "zlab", False, mirrors=both))
+    recorder.observe(exchanged(2, "inhouse", True))
+    for rid in (3, 4):
+        recorder.observe(exchanged(rid, "zlab", False, mirrors=both))
+    for rid in (3, 4):
+        for arm in both:
+            recorder.observe(exchanged(rid, arm, True))
+    recorder.close()
+    first, second, third = _folders(tmp_path / "shadow")
+    assert [(r.index, r.arm) for r in read_records(first / "requests.jsonl")] == [
+        (0, "zlab"), (0, "inhouse"), (1, "zlab"), (1, "inhouse"), (1, "zlab2")]
+    assert [(r.index, r.arm) for r in read_records(second / "requests.jsonl")] == [
+        (2, "zlab"), (2, "inhouse"), (3, "zlab"), (3, "inhouse"), (3, "zlab2")]
+    assert [(r.index, r.arm) for r in read_records(third / "requests.jsonl")] == [
+        (4, "zlab"), (4, "inhouse"), (4, "zlab2")]
+    assert not compare_shadow(third, None, None, False, tmp_path / "v").verdict.forced
+    judged = compare_shadow(first, None, None, False, tmp_path / "v")
+    assert not judged.verdict.forced
+    assert "requests recorded without a pair are not judged (1 of zlab): not mirrored to zlab2" in " ".join(
+        judged.notes)
+    with pytest.raises(Untrusted, match=r"wrote requests whose records never all came"):
+        compare_shadow(second, None, None, False, tmp_path / "v")
+    forced = compare_shadow(second, None, None, True, tmp_path / "v")
+    assert forced.verdict.forced and "never all came" in forced.verdict.incomplete[0]
+
+
+def test_mirrors_records_without_their_primarys_are_refused_unless_forced(tmp_path: Path) -> None:
+    folder = _record(tmp_path, _traffic(10, 4))
+    requests = folder / "requests.jsonl"
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    kept = [r for r in records if not (r["arm"] == "zlab" and r["index"] in (3, 7))]
+    requests.write_text("".join(json.dumps(record) + "\n" for record in kept))
+    summary = json.loads((folder / "summary.json").read_text())
+    summary["arms"][0] = json.loads(summarize_arm("zlab", [r for r in read_records(requests) if r.arm == "zlab"])
+                                    .model_dump_json())
+    (folder / "summary.json").write_text(json.dumps(summary))  # the summary edited to match
+    with pytest.raises(Untrusted, match=r"2 requests have mirrors' records and no primary's"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v")
+    assert forced.verdict.forced and len(forced.verdict.judgement.rules) and "2 of inhouse" in " ".join(forced.notes)
+
+
 def test_records_written_in_batches_are_each_on_disk_once_in_order_and_rotation_flushes(tmp_path: Path) -> None:
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=6), "zlab")
     seam = Observers(ObserverMetrics.build(CollectorRegistry()))
@@ -396,14 +452,16 @@ def _record(tmp_path: Path, exchanges: list[Exchanged], secondary: str | None = 
     return _folders(tmp_path / "shadow")[0]
 
 
-def _traffic(n: int, cand_verify: int, temperature: float = 0, cand_text: str = "out") -> list[Exchanged]:
-    return [e for rid in range(n) for e in (exchanged(rid, "zlab", False, temperature=temperature),
+def _traffic(n: int, cand_verify: int, temperature: float = 0, cand_text: str = "out",
+             mirrors: tuple[str, ...] = ("inhouse",)) -> list[Exchanged]:
+    return [e for rid in range(n) for e in (exchanged(rid, "zlab", False, temperature=temperature, mirrors=mirrors),
                                             exchanged(rid, "inhouse", True, verify=cand_verify, text=cand_text,
                                                       temperature=temperature))]
 
 
 def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: Path) -> None:
-    traffic = _traffic(30, cand_verify=8) + [exchanged(rid, "zlab2", True) for rid in range(30)]
+    traffic = _traffic(30, cand_verify=8, mirrors=("inhouse", "zlab2")) + [exchanged(rid, "zlab2", True)
+                                                                          for rid in range(30)]
     judged = compare_shadow(_record(tmp_path, traffic, secondary="zlab2"), None, None, False, tmp_path / "v")
     assert judged.verdict.verdict == "FAIL" and judged.verdict.judgement.pairs == 30
     assert judged.verdict.candidate.name == "inhouse" and judged.verdict.baseline.name == "zlab"

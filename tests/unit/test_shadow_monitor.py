@@ -84,6 +84,21 @@ def test_a_look_sees_only_the_complete_prefix_of_request_ids(tmp_path: Path) -> 
     decider.close()
 
 
+def test_a_pair_waits_for_its_requests_secondary_and_is_taken_once_its_records_are_written(tmp_path: Path) -> None:
+    """With a noise-floor arm, a request's records are written when its secondary's exchange has come too: the
+    candidate's pair is taken then, not lost."""
+    decider, _, _ = deciding(tmp_path, look_every=1)
+    for rid in range(3):
+        primary, mirror = request(rid)
+        decider.observe(replace(primary, mirrors=("inhouse", "zlab2")))
+        decider.observe(mirror)
+    assert decider.decision.pairs == 0
+    for rid in range(3):
+        decider.observe(exchanged(rid, "zlab2", True))
+    assert (decider.decision.pairs, decider.decision.last_request_id) == (3, 2)
+    decider.close()
+
+
 def test_requests_never_mirrored_or_left_by_their_client_are_no_pairs_and_a_failed_mirror_is_one(
         tmp_path: Path) -> None:
     decider, _, _ = deciding(tmp_path, look_every=1)
@@ -230,16 +245,20 @@ def test_each_folder_is_a_decision_of_its_own(tmp_path: Path) -> None:
         for e in request(rid):
             decider.observe(e)
     (primary3, mirror3), (primary4, mirror4) = request(3), request(4)
-    decider.observe(mirror3)                      # mirrors first: the seventh record
-    decider.observe(mirror4)                      # the eighth: the folder rotates
-    decider.observe(primary4)                     # both primaries land in the next folder: 3 and 4 pair nowhere
-    decider.observe(primary3)
+    decider.observe(mirror3)                      # mirrors first: their records wait for their primaries'
+    decider.observe(mirror4)
+    decider.observe(primary4)                     # request 4, the seventh and eighth records: the folder rotates
+    decider.observe(primary3)                     # request 3 pairs in the next folder
     for rid in range(5, 7):
         for e in request(rid):
             decider.observe(e)
+    decider.flush()
     folders = sorted((tmp_path / "shadow").iterdir())
+    held = [[(r.index, r.arm) for r in read_records(folder / "requests.jsonl")] for folder in folders]
+    assert held == [[(rid, arm) for rid in (0, 1, 2, 4) for arm in ARMS], [(rid, arm) for rid in (3, 5, 6)
+                                                                           for arm in ARMS]]
     assert len(folders) == 2 and decider.decision.folder == folders[1]
-    assert (decider.decision.pairs, decider.decision.last_request_id) == (2, 6)
+    assert (decider.decision.pairs, decider.decision.last_request_id) == (3, 6)
     assert stops.calls == 0 and state(metrics) == "deciding"
     decider.close()
 
