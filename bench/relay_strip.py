@@ -1,12 +1,14 @@
-"""Benchmark: what cutting spec details out of a stream costs the relay per piece.
+"""Benchmark: what cutting spec details out of a stream, and watching it for error events, cost the relay per piece.
 
 The gateway asks SGLang for spec details on every chat and completions stream whose client did not, and the relay
 (`EventRelay`, `strip`) cuts them out again: one byte search per piece, where only the last events carry the key.
-This times `EventRelay.received` on one streamed-chat chunk per piece, CPU time per piece (the best and the median
-of `--rounds` rounds of `--pieces` pieces), for the relay without `strip` (native streams, and streams whose client
-asked) and with it, in C and in the pure-Python twin; `--baseline` names another build of the C extension (a
-`_relay*.so`, say the main branch's) to time beside this one without `strip`. Target: without `strip`, no change
-against the baseline beyond the rounds' spread.
+On the same streams it looks for an error or abort event wherever it comes (`alarm`: SGLang sends the error, then
+the usage chunk and `[DONE]`, so the last events alone may not hold it): one more search per piece. This times
+`EventRelay.received` on one streamed-chat chunk per piece, CPU time per piece (the best and the median of
+`--rounds` rounds of `--pieces` pieces), for the relay without either (native streams), with `strip`, and with both
+(an OpenAI stream through the gateway), in C and in the pure-Python twin; `--baseline` names another build of the C
+extension (a `_relay*.so`, say the main branch's) to time beside this one without either. Target: without them,
+no change against the baseline beyond the rounds' spread.
 
     flock /tmp/dfserve-bench.lock .venv/bin/python bench/relay_strip.py --baseline /path/to/main/dfserve/_relay.so
 
@@ -51,14 +53,22 @@ def load_build(path: Path) -> ModuleType:
     return module
 
 
-def per_piece_ns(impl: ModuleType, strip: bytes | None, pieces: int, rounds: int) -> tuple[float, float]:
+WATCHES: dict[str, dict[str, object]] = {
+    "none": {},
+    "spec details": {"strip": sglang.SPEC_DETAILS_KEY},
+    "spec details, error events": {"strip": sglang.SPEC_DETAILS_KEY, "alarm": sglang.OPENAI_ALARM},
+}
+"""What the relay does beside relaying, by name: its keyword arguments."""
+
+
+def per_piece_ns(impl: ModuleType, watch: str, pieces: int, rounds: int) -> tuple[float, float]:
     """Best and median CPU nanoseconds per piece over the rounds."""
     marks = sglang.CONTENT_CHUNKS
     written: list[bytes] = []
     times = []
     for _ in range(rounds):
-        extra = {} if strip is None else {"strip": strip}
-        relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.01, 0.1), None, **extra)
+        relay = impl.EventRelay(written.append, True, marks.keys, marks.cumulative, (0.01, 0.1), None,
+                                **WATCHES[watch])
         start = time.process_time_ns()
         for i in range(pieces):
             relay.received(0.001 * i, CHUNK)
@@ -75,33 +85,34 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     if args.baseline is not None:
-        rows.append(("C, baseline build", load_build(args.baseline), None))
-    rows += [("C", _relay, None), ("C", _relay, sglang.SPEC_DETAILS_KEY), ("Python twin", _relay_py, None),
-             ("Python twin", _relay_py, sglang.SPEC_DETAILS_KEY)]
-    lines = ["| relay | strip | best ns per piece | median ns per piece |", "|---|---|---|---|"]
+        rows.append(("C, baseline build", load_build(args.baseline), "none"))
+    rows += [(name, impl, watch) for name, impl in (("C", _relay), ("Python twin", _relay_py)) for watch in WATCHES]
+    lines = ["| relay | beside relaying | best ns per piece | median ns per piece |", "|---|---|---|---|"]
     medians = {}
-    for name, impl, strip in rows:
+    for name, impl, watch in rows:
         pieces = args.pieces if impl is not _relay_py else args.pieces // 10
-        best, median = per_piece_ns(impl, strip, pieces, args.rounds)
-        medians[name, strip] = median
-        lines.append(f"| {name} | {'spec details' if strip else 'none'} | {best:.0f} | {median:.0f} |")
+        best, median = per_piece_ns(impl, watch, pieces, args.rounds)
+        medians[name, watch] = median
+        lines.append(f"| {name} | {watch} | {best:.0f} | {median:.0f} |")
         print(lines[-1], flush=True)
-    cut = medians["C", sglang.SPEC_DETAILS_KEY] - medians["C", None]
-    reading = f"In C, cutting costs {cut:+.0f} ns per piece ({cut / medians['C', None]:+.0%})"
+    bare, cut, both = (medians["C", watch] for watch in WATCHES)
+    reading = (f"In C, cutting costs {cut - bare:+.0f} ns per piece ({(cut - bare) / bare:+.0%}), and watching for "
+               f"error events {both - cut:+.0f} more ({(both - cut) / bare:+.0%})")
     if args.baseline is not None:
-        change = medians["C", None] - medians["C, baseline build", None]
-        reading += f"; without it, this build against the baseline: {change:+.0f} ns per piece"
+        change = bare - medians["C, baseline build", "none"]
+        reading += f"; without either, this build against the baseline: {change:+.0f} ns per piece"
     print(reading)
     command = "flock /tmp/dfserve-bench.lock .venv/bin/python bench/relay_strip.py" + (
         " --baseline MAIN/dfserve/_relay.so" if args.baseline else "")
     write_section(SECTION, "\n".join([
-        "## Relay: cutting spec details out of a stream, per piece (`bench/relay_strip.py`)",
+        "## Relay: cutting spec details out of a stream and watching for error events, per piece "
+        "(`bench/relay_strip.py`)",
         "",
         f"`{command}` on {datetime.date.today()} ({platform.machine()}, Python {platform.python_version()}; the "
         "machine was shared with other work). CPU time of `EventRelay.received` per piece, one "
         f"{len(CHUNK)}-byte streamed-chat chunk per piece, {args.rounds} rounds of {args.pieces} pieces (the twin: "
-        f"{args.pieces // 10}). Without `strip` (native streams, and streams whose client asked for spec details) "
-        "the relay does what it did before; with it, one byte search per piece.",
+        f"{args.pieces // 10}). Native streams get neither; OpenAI streams through the gateway get both (`alarm`, "
+        "error events, is one more byte search per piece for each of its keys).",
         "",
         *lines,
         "",
