@@ -60,7 +60,8 @@ def _shadow_observer(gateway: Gateway, config: GatewayConfig) -> Observer:
                                                 if arm.replicas}, deciding)
     if deciding is None:
         return recorder
-    decision = LiveDecision(deciding[0], deciding[1], policy.max_pending)
+    # the recorder writes a request whose exchange was lost max_pending requests later: the decision waits longer
+    decision = LiveDecision(deciding[0], deciding[1], 2 * policy.max_pending)
     return DecidingRecorder(recorder, decision, ShadowDecisionMetrics.build(gateway.registry), gateway.stop_mirroring)
 
 

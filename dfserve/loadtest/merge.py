@@ -8,9 +8,10 @@ unseen: every record's index in the shard's part of the schedule, no (arm, index
 as many as its summary.json counts, requests.jsonl not cut mid-line, and a shard that ran to its end (not
 interrupted, no duration bound, no early stop) holding every index of its part for every arm. Records missing or cut
 are refused unless forced (`force`): the merged run then holds what the shards held and its summary says
-`interrupted`, so it is judged only as an incomplete run. So are shards whose first requests were sent over a minute
-apart (two launches of one configuration, or a shard run again): their load together is not the run's. Duplicated or
-foreign records are refused even then: no merge can tell which copy is the request that was sent.
+`interrupted`, so it is judged only as an incomplete run. So are shards of which one started over a minute after
+another had started and ended (two launches of one configuration, or a shard run again): their load together is not
+the run's. Duplicated or foreign records are refused even then: no merge can tell which copy is the request that was
+sent.
 
 Records keep their schedule index and task; their times are moved from their shard's time zero to the earliest
 shard's, so the merged run has one clock. The merged config.json names the shards it came from; the shards
@@ -126,23 +127,28 @@ def incomplete(shard: ShardRun) -> list[str]:
 
 
 SHARDS_START_WITHIN_S = 60.0
-"""How far apart the shards of one launch may send their first requests (hosts and pods start unevenly)."""
+"""How far apart the shards of one launch may start whatever their length (hosts and pods start unevenly, and a
+shard's probes wait for a busy server)."""
 
 
-def _first_sent_unix_s(shard: ShardRun) -> float | None:
-    return shard.config.t0_unix_s + min(r.dispatched_s for r in shard.records) if shard.records else None
+def _ended_unix_s(shard: ShardRun) -> float:
+    """When the shard's last answer ended (its start, without records)."""
+    return shard.config.t0_unix_s + max((max(r.dispatched_s, r.end_s or 0.0) for r in shard.records), default=0.0)
 
 
 def apart(shards: Sequence[ShardRun]) -> str | None:
-    """Why the shards are not of one launch, if they are not: the load of a run is its shards' load together, so
-    shards of two launches of one configuration (or a shard run again later) never make one run."""
-    starts = sorted(((start, shard) for shard in shards if (start := _first_sent_unix_s(shard)) is not None),
-                    key=lambda item: item[0])
-    if len(starts) < 2 or starts[-1][0] - starts[0][0] <= SHARDS_START_WITHIN_S:
+    """Why the shards are not of one launch, if they are not: the last to start started over a minute after the
+    first and after it had ended. The load of a run is its shards' load together, so shards of two launches of one
+    configuration (or a shard run again later) never make one run."""
+    if len(shards) < 2:
         return None
-    (first, early), (last, late) = starts[0], starts[-1]
-    return (f"shard {late.config.shard} ({late.path}) sent its first request {last - first:.1f} s after shard "
-            f"{early.config.shard} ({early.path}): the shards of one run start within {SHARDS_START_WITHIN_S:.0f} s")
+    first = min(shards, key=lambda shard: shard.config.t0_unix_s)
+    late = max(shards, key=lambda shard: shard.config.t0_unix_s)
+    after_s = late.config.t0_unix_s - first.config.t0_unix_s
+    if after_s <= SHARDS_START_WITHIN_S or late.config.t0_unix_s <= _ended_unix_s(first):
+        return None
+    return (f"shard {late.config.shard} ({late.path}) started {after_s:.1f} s after shard {first.config.shard} "
+            f"({first.path}), which had ended by then: the shards of one run run together")
 
 
 def _identity(config: RunConfig) -> dict[str, Any]:

@@ -22,9 +22,11 @@ requests.jsonl (`judge_live`), finding the gateway's decision at the same look, 
 
 Each folder is its own decision (it holds one baseline and is judged alone): after a rotation the next folder
 starts afresh, and one closed undecided is judged after the fact, with the same design. An exchange that never
-reaches the recorder (dropped behind a full queue) would hold the prefix forever: past `max_pending` requests
-waiting behind it the live decision is given up, said once (state `abandoned`), while mirroring and recording go
-on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
+reaches the recorder (dropped behind a full queue) would hold the prefix forever: the recorder writes its request
+without it `max_pending` requests later (no pair, and the folder is then incomplete: its verdict needs forcing), and
+a request never written at all gives the live decision up once `max_pending` requests wait behind it (the gateway
+gives it twice the recorder's bound), said once (state `abandoned`), as does recording stopping at `max_folders`;
+mirroring and recording go on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
 greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`): losslessness is judged
 on the greedy pairs, the other metrics as for sampled requests once one pair is not greedy. A greedy request may
 come at any time, so a gate with an identical-output rule passes only once that rule has judged greedy pairs
@@ -104,7 +106,7 @@ class _Request:
 
     @property
     def known(self) -> bool:
-        return self.primary is not None and (self.recorded or not self.mirrored)
+        return self.recorded or (self.primary is not None and not self.mirrored)
 
 
 class LiveDecision:
@@ -157,9 +159,13 @@ class LiveDecision:
             if look is not None:
                 return look
         if len(self._requests) > self.max_pending:
-            self.state, self.stalled_at = "abandoned", self._next
-            self._requests.clear()
+            self.abandon()
         return None
+
+    def abandon(self) -> None:
+        """Give the decision up: the requests behind the prefix will not all be known."""
+        self.state, self.stalled_at = "abandoned", self._next
+        self._requests.clear()
 
     def _take(self, request_id: int, request: _Request) -> Look | None:
         monitor, folder = self.monitor, self.folder
@@ -200,16 +206,21 @@ class DecidingRecorder:
         decision = self.decision
         if decision.state != "deciding":
             return
+        if self.recorder.stopped:
+            decision.abandon()
+            self.metrics.set_state("abandoned")
+            log.error("shadow.until_decided: recording stopped (shadow.max_folders) before the gate was decided; the "
+                      "live decision is given up, and dfserve compare judges each folder")
+            return
         look = decision.seen(exchanged)
         self.metrics.pairs.set(decision.pairs)
         if look is not None:
             self._decided(look)
         elif decision.state == "abandoned":
             self.metrics.set_state("abandoned")
-            log.error("shadow.until_decided: request %s never finished on both arms it was sent to (its exchange "
-                      "was lost behind the recorder's queue) and %d later ones wait behind it; the live decision is "
-                      "given up, mirroring and recording go on, and dfserve compare judges each folder",
-                      decision.stalled_at, decision.max_pending)
+            log.error("shadow.until_decided: request %s was never recorded and %d later ones wait behind it; the "
+                      "live decision is given up, mirroring and recording go on, and dfserve compare judges each "
+                      "folder", decision.stalled_at, decision.max_pending)
 
     def _decided(self, look: Look) -> None:
         decision = self.decision

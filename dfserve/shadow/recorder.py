@@ -10,9 +10,11 @@ in one write at `flush`.
 Only requests that were mirrored are recorded (a client's exchange names the arms it was mirrored to; one pinned
 to an arm by `x-dfserve-arm`, or sent after mirroring stopped, is no pair and does not rotate the folder). A
 request's records wait, as records, until its primary's and every mirror's have come, and are then written
-together, so a rotation never splits a request between two folders. Past `max_pending` waiting requests the oldest
-is written with the records it has (its other exchanges were lost, or are slower than `max_pending` requests),
-logged once per folder, and the folder's summary says `interrupted`: a verdict on it is refused unless forced.
+together, so a rotation never splits a request between two folders (one whose primary stops being the folder's
+while it waits, a routing change, is written nowhere). A request still waiting `max_pending` requests later (or
+past `max_pending` waiting) is written with the records it has: its other exchanges were lost, or are that slow.
+That is logged once per folder, and the folder's summary says `interrupted`: a verdict on it is refused unless
+forced. A request still waiting when recording ends (the gateway's stop) is written nowhere.
 
     gateway:
       mode: shadow
@@ -130,11 +132,16 @@ class _Folder:
 
 @dataclass
 class _Request:
-    """One request's records so far (`mirror`, record, the time zero it was timed from); `expected` is known once
-    its primary's exchange, which names its mirrors, has come."""
+    """One request's records so far, by arm: (`mirror`, record, the time zero it was timed from). `arms` and
+    `primary` are known once its primary's exchange, which names its mirrors, has come."""
 
-    records: list[tuple[bool, RequestRecord, float]] = field(default_factory=list)
-    expected: int | None = None
+    records: dict[str, tuple[bool, RequestRecord, float]] = field(default_factory=dict)
+    arms: frozenset[str] | None = None
+    primary: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.arms is not None and self.arms <= self.records.keys()
 
 
 class ShadowRecorder:
@@ -152,6 +159,13 @@ class ShadowRecorder:
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
         self._waiting: OrderedDict[int, _Request] = OrderedDict()
+        self._let_go: OrderedDict[int, None] = OrderedDict()
+        """Requests written without all their records: an exchange of theirs that comes after is not recorded."""
+
+    @property
+    def stopped(self) -> bool:
+        """Recording has stopped (`max_folders`, or closed)."""
+        return self._folder is None
 
     def _open(self, primary: str) -> _Folder | None:
         if self.folders >= self.policy.max_folders:
@@ -162,40 +176,57 @@ class ShadowRecorder:
         return _Folder(self.policy, primary, self.folders - 1, self.arms, self.deciding)
 
     def observe(self, exchanged: Exchanged) -> None:
-        rid = exchanged.request_id
+        rid, arm = exchanged.request_id, exchanged.outcome.arm
         if not exchanged.mirror and not exchanged.mirrors:
             return  # not mirrored (pinned to an arm, mirroring stopped, or its mirrors' arms down): no pair
-        if not exchanged.mirror and self._folder is not None and exchanged.outcome.arm != self._folder.config.primary:
-            self._rotate(exchanged.outcome.arm)  # the routing changed: a folder has one baseline
+        if not exchanged.mirror and self._folder is not None and arm != self._folder.config.primary:
+            self._rotate(arm)  # the routing changed: a folder has one baseline
         folder = self._folder
-        if folder is None:
-            return  # recording has stopped
-        # the record, not the exchange, waits for the request's other arms: a native stream's answer is its output
-        request = self._waiting.pop(rid, None) or _Request()
-        request.records.append((exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s))
-        if not exchanged.mirror:
-            request.expected = len(exchanged.mirrors) + 1
-        if len(request.records) == request.expected:
+        if folder is None or rid in self._let_go:
+            return  # recording has stopped, or the request was written without this exchange
+        request = self._waiting.get(rid)
+        if request is None:
+            request = self._waiting[rid] = _Request()
+        if arm not in request.records:  # an arm's second exchange for one request is not a record
+            # the record, not the exchange, waits: a native stream's answer is its whole output
+            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s)
+        if not exchanged.mirror and request.primary is None:
+            request.arms, request.primary = frozenset((arm, *exchanged.mirrors)), arm
+        if request.complete:
+            del self._waiting[rid]
             self._write_request(request)
-            return
-        self._waiting[rid] = request
-        while len(self._waiting) > self.policy.max_pending:
-            rid, request = self._waiting.popitem(last=False)
-            if self._folder is not None and not self._folder.unpaired:
+        self._let_go_before(rid - self.policy.max_pending)
+
+    def _let_go_before(self, oldest: int) -> None:
+        """Write without their missing records the requests that wait behind `max_pending` later ones, or past
+        `max_pending` waiting: the exchanges they wait for were lost (or are that slow)."""
+        while self._waiting:
+            rid = next(iter(self._waiting))
+            if rid >= oldest and len(self._waiting) <= self.policy.max_pending:
+                return
+            request = self._waiting.pop(rid)
+            self._let_go[rid] = None
+            while len(self._let_go) > self.policy.max_pending:
+                self._let_go.popitem(last=False)
+            folder = self._folder
+            if folder is None or request.primary not in (None, folder.config.primary):
+                continue
+            if not folder.unpaired:
                 log.error("shadow.max_pending: request %d's records never all came (an exchange lost behind the "
-                          "recorder's queue, or slower than %d later requests); it is written unpaired, and record "
-                          "folder %s is incomplete", rid, self.policy.max_pending, self._folder.path)
-            if self._folder is not None:
-                self._folder.unpaired += 1
+                          "recorder's queue, or slower than %d later requests); it is written without them, and "
+                          "record folder %s is incomplete", rid, self.policy.max_pending, folder.path)
+            folder.unpaired += 1
             self._write_request(request)
 
     def _write_request(self, request: _Request) -> None:
-        """A request's records, its primary's first, into the open folder; the folder rotates only after them."""
-        for _, record, t0_perf_s in sorted(request.records, key=lambda made: made[0]):
-            self._write(record, t0_perf_s)
+        """A request's records, its primary's first, into the open folder; the folder rotates only after them. One
+        whose primary is not the folder's (the routing changed while it waited) belongs to no folder."""
         folder = self._folder
-        if folder is not None and (len(folder.records) >= self.policy.records_per_folder
-                                   or folder.bytes >= self.policy.folder_bytes):
+        if folder is None or request.primary not in (None, folder.config.primary):
+            return
+        for _, record, t0_perf_s in sorted(request.records.values(), key=lambda made: made[0]):
+            self._write(record, t0_perf_s)
+        if len(folder.records) >= self.policy.records_per_folder or folder.bytes >= self.policy.folder_bytes:
             self._rotate(folder.config.primary)
 
     def _write(self, record: RequestRecord, t0_perf_s: float) -> None:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from dfserve.errors import FieldError, Untrusted, UserError
-from dfserve.loadtest.merge import SHARDS_START_WITHIN_S, ShardRun, check_shards, merge, read_shard
+from dfserve.loadtest.merge import SHARDS_START_WITHIN_S, ShardRun, apart, check_shards, merge, read_shard
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
@@ -140,16 +140,19 @@ def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
 def test_shards_not_started_together_are_refused_unless_forced() -> None:
     """Shard 1 of another launch of the same configuration, an hour later: its load never met shard 0's."""
     shards = shard_runs(2)
-    first_sent = [min(r.dispatched_s for r in shard.records) for shard in shards]
+    ended = max(max(r.dispatched_s, r.end_s or 0.0) for r in shards[0].records)
 
     def started(late_s: float) -> ShardRun:
-        """Shard 1 sending its first request `late_s` after shard 0's."""
-        t0 = 100.0 + first_sent[0] - first_sent[1] + late_s
-        return replace(shards[1], config=shards[1].config.model_copy(update={"t0_unix_s": t0}))
+        """Shard 1 started `late_s` after shard 0."""
+        return replace(shards[1], config=shards[1].config.model_copy(update={"t0_unix_s": 100.0 + late_s}))
 
-    assert merge([shards[0], started(SHARDS_START_WITHIN_S)], "m").incomplete == ()  # pods start unevenly
-    refusal = (f"shard 1/2 (runs/shard-1) sent its first request 3600.0 s after shard 0/2 (runs/shard-0): the "
-               f"shards of one run start within {SHARDS_START_WITHIN_S:.0f} s")
+    assert ended < SHARDS_START_WITHIN_S
+    assert merge([shards[0], started(SHARDS_START_WITHIN_S)], "m").incomplete == ()  # short shards start unevenly
+    long_shard = replace(shards[0], records=[r.model_copy(update={"end_s": 900.0}) if r.index == 0 else r
+                                             for r in shards[0].records])
+    assert apart([long_shard, started(600.0)]) is None  # a slow start, while shard 0 was still running
+    refusal = ("shard 1/2 (runs/shard-1) started 3600.0 s after shard 0/2 (runs/shard-0), which had ended by then: the "
+               "shards of one run run together")
     with pytest.raises(Untrusted, match=f"^{re.escape(refusal)}$"):
         merge([shards[0], started(3600.0)], "m")
     forced = merge([started(3600.0), shards[0]], "m", force=True)

@@ -394,6 +394,52 @@ def test_a_requests_records_are_written_together_and_one_let_go_unpaired_makes_i
     assert forced.verdict.forced and "never all came" in forced.verdict.incomplete[0]
 
 
+def test_a_request_waiting_behind_max_pending_later_ones_is_let_go_once_and_duplicates_are_no_records(
+        tmp_path: Path) -> None:
+    """Request 0's secondary exchange is lost (it comes only after its request was let go), and its candidate's
+    exchange comes twice; every later request completes."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", max_pending=3, secondary="zlab2"), "zlab", ENGINES)
+    both = ("inhouse", "zlab2")
+    recorder.observe(exchanged(0, "inhouse", True))
+    recorder.observe(exchanged(0, "inhouse", True, verify=1))  # a second exchange of one arm: not a record
+    recorder.observe(exchanged(0, "zlab", False, mirrors=both))
+    for rid in range(1, 6):
+        if rid == 5:
+            recorder.observe(exchanged(0, "zlab2", True))  # request 0 was let go at request 4: not recorded
+        recorder.observe(exchanged(rid, "zlab", False, mirrors=both))
+        for arm in both:
+            recorder.observe(exchanged(rid, arm, True))
+    recorder.close()
+    [folder] = _folders(tmp_path / "shadow")
+    records = list(read_records(folder / "requests.jsonl"))
+    assert [(r.index, r.arm) for r in records] == [
+        *[(rid, arm) for rid in (1, 2, 3) for arm in ("zlab", *both)], (0, "zlab"), (0, "inhouse"),
+        *[(rid, arm) for rid in (4, 5) for arm in ("zlab", *both)]]
+    assert next(r for r in records if (r.index, r.arm) == (0, "inhouse")).spec_verify_ct == 4  # the first exchange
+    with pytest.raises(Untrusted, match="never all came"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.judgement.pairs == 6
+
+
+def test_a_request_waiting_when_the_primary_changes_is_recorded_nowhere(tmp_path: Path) -> None:
+    """Request 3 waits for its mirror while the routing makes zlab2 the primary: it is no pair of zlab2's folder
+    (and zlab's is closed), so neither holds it, and neither is incomplete."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow"), "zlab", ENGINES)
+    for e in _traffic(3, 4):
+        recorder.observe(e)
+    recorder.observe(exchanged(3, "zlab", False))
+    recorder.observe(exchanged(4, "zlab2", False))  # the routing changed: the folder rotates
+    recorder.observe(exchanged(3, "inhouse", True))
+    recorder.observe(exchanged(4, "inhouse", True))
+    recorder.close()
+    first, second = _folders(tmp_path / "shadow")
+    assert [(r.index, r.arm) for r in read_records(first / "requests.jsonl")] == [
+        (rid, arm) for rid in range(3) for arm in ("zlab", "inhouse")]
+    assert [(r.index, r.arm) for r in read_records(second / "requests.jsonl")] == [(4, "zlab2"), (4, "inhouse")]
+    for folder in (first, second):
+        assert not compare_shadow(folder, None, None, False, tmp_path / "v").verdict.forced
+
+
 def test_mirrors_records_without_their_primarys_are_refused_unless_forced(tmp_path: Path) -> None:
     folder = _record(tmp_path, _traffic(10, 4))
     requests = folder / "requests.jsonl"

@@ -59,7 +59,7 @@ def deciding(tmp_path: Path, look_every: int = 4, max_pending: int = 10_000, rec
     metrics = ShadowDecisionMetrics.build(CollectorRegistry())
     stops = Stops()
     recorder = ShadowRecorder(policy, "zlab", ENGINES, (design, "inhouse"))
-    return DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending), metrics, stops), metrics, stops
+    return DecidingRecorder(recorder, LiveDecision(design, "inhouse", 2 * max_pending), metrics, stops), metrics, stops
 
 
 def state(metrics: ShadowDecisionMetrics) -> str:
@@ -263,14 +263,47 @@ def test_each_folder_is_a_decision_of_its_own(tmp_path: Path) -> None:
     decider.close()
 
 
-def test_an_exchange_that_never_comes_gives_the_decision_up(tmp_path: Path) -> None:
-    decider, metrics, stops = deciding(tmp_path, max_pending=4)
-    decider.observe(request(0)[0])                # request 0's mirror is lost
+def test_a_lost_mirror_is_written_unpaired_later_and_the_decision_goes_on(tmp_path: Path) -> None:
+    """Request 0's mirror is lost: four requests later the recorder writes it without it (its folder then needs
+    forcing), and the prefix moves on."""
+    decider, metrics, stops = deciding(tmp_path, look_every=1, max_pending=4)
+    decider.observe(request(0)[0])
     for rid in range(1, 7):
+        for e in request(rid):
+            decider.observe(e)
+    assert state(metrics) == "deciding" and stops.calls == 0
+    assert (decider.decision.pairs, decider.decision.last_request_id) == (6, 6)
+    decider.close()
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    assert json.loads((folder / "summary.json").read_text())["interrupted"] is True
+    with pytest.raises(Untrusted, match="never all came"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+
+
+def test_a_request_never_recorded_gives_the_decision_up(tmp_path: Path) -> None:
+    """Request 0's exchanges are all lost: nothing of it is ever written, and the decision gives up once twice
+    max_pending requests wait behind it."""
+    decider, metrics, stops = deciding(tmp_path, max_pending=4)
+    for rid in range(1, 11):
         for e in request(rid):
             decider.observe(e)
     assert decider.decision.state == "abandoned" and state(metrics) == "abandoned" and stops.calls == 0
     assert decider.decision.stalled_at == 0
+    decider.close()
+
+
+def test_recording_stopped_at_max_folders_gives_the_decision_up(tmp_path: Path) -> None:
+    policy = ShadowPolicy(dir=tmp_path / "shadow", until_decided=True, look_every=16, records_per_folder=2,
+                          max_folders=1)
+    live = live_design(policy, ARMS, "zlab")
+    assert live is not None
+    metrics = ShadowDecisionMetrics.build(CollectorRegistry())
+    recorder = ShadowRecorder(policy, "zlab", ENGINES, live)
+    decider = DecidingRecorder(recorder, LiveDecision(live[0], "inhouse", 8), metrics, Stops())
+    for rid in range(3):
+        for e in request(rid):
+            decider.observe(e)
+    assert recorder.stopped and decider.decision.state == "abandoned" and state(metrics) == "abandoned"
     decider.close()
 
 
