@@ -243,6 +243,13 @@ class _Connection(asyncio.Protocol):
             self._dechunker.sink = sink
 
     @property
+    def heard_nothing(self) -> bool:
+        """Not a byte of the response has come: a kept-alive connection that ends so was closed by the server as
+        the request went out (its keep-alive timeout, or a close it did not announce), and the request may go again
+        on a new one."""
+        return not self._buffer and not self._head_bytes and not self._head_done
+
+    @property
     def reusable(self) -> bool:
         return self._finished and self._keep_alive and not self.closed and self.transport is not None \
             and not self.transport.is_closing()
@@ -476,18 +483,25 @@ class Pool:
         self.read_timeout_s = read_timeout_s
         self._idle: list[_Connection] = []
 
-    async def _connection(self) -> _Connection:
+    def _kept(self) -> _Connection | None:
+        """A kept-alive connection to reuse, if one is open."""
         while self._idle:
             connection = self._idle.pop()
             if connection.reusable:
                 return connection
+        return None
+
+    async def _connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
         new = partial(_Connection, self.clock, self.read_timeout_s)
         opening = (connect(loop, self.host, self.port, new, self.read_lag) if self.kernel_stamps
                    else loop.create_connection(new, self.host, self.port, ssl=self.ssl,
                                                server_hostname=self.host if self.ssl else None))
         try:
-            _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
+            # not wait_for: on Python 3.11 it swallows a cancellation that comes as the connection is made, and the
+            # request then goes out on it (a stopped load test waited for its probe's answer)
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, protocol = await opening
         except OSError as exc:
             raise ConnectFailed(f"{self.host}:{self.port}: {exc.strerror or exc}") from None
         except TimeoutError:
@@ -504,14 +518,26 @@ class Pool:
         """POST one request and fill `response` until it is complete, with no wake-up at its head (the load tester's
         hot path). Whatever arrived, and `response.sent`, stay in `response` when this raises (disconnect,
         cancellation, timeout)."""
-        connection = await self._connection()
-        _, done = connection.start(self.request_bytes(path, body, b"POST", headers), response)
-        try:
-            await done
-        except BaseException:
-            connection.abort()
-            raise
-        self.recycle(connection)
+        request = self.request_bytes(path, body, b"POST", headers)
+        connection = self._kept()
+        retry = connection is not None
+        while True:
+            if connection is None:
+                connection, retry = await self._connection(), False
+            _, done = connection.start(request, response)
+            try:
+                await done
+            except Disconnected:
+                connection.abort()
+                if retry and connection.heard_nothing:
+                    connection = None
+                    continue
+                raise
+            except BaseException:
+                connection.abort()
+                raise
+            self.recycle(connection)
+            return
 
     async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
         """Send one request and return once its final response head has arrived (`response.status`, `.headers`);
@@ -521,17 +547,27 @@ class Pool:
     async def send(self, request: bytes, response: Response, no_body: bool = False) -> Call:
         """`open` for a request already in bytes; `no_body`: the response has none (the request's method is HEAD).
         Whatever arrived stays in `response` when this raises (disconnect, cancellation, timeout)."""
-        connection = await self._connection()
-        _, done = connection.start(request, response, no_body)
-        assert connection.head is not None
-        try:
-            await connection.head
-        except BaseException:
-            connection.abort()
-            raise
-        if done.done():
-            done.result()  # the response ended before its head: raise why
-        return Call(self, connection, done)
+        connection = self._kept()
+        retry = connection is not None
+        while True:
+            if connection is None:
+                connection, retry = await self._connection(), False
+            _, done = connection.start(request, response, no_body)
+            assert connection.head is not None
+            try:
+                await connection.head
+                if done.done():
+                    done.result()  # the response ended before its head: raise why
+            except Disconnected:
+                connection.abort()
+                if retry and connection.heard_nothing:
+                    connection = None
+                    continue
+                raise
+            except BaseException:
+                connection.abort()
+                raise
+            return Call(self, connection, done)
 
     def recycle(self, connection: _Connection) -> None:
         if connection.reusable:

@@ -54,9 +54,19 @@ def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: floa
     `sglang.ChunkTemplate` unless `decode_all`; the record is the same either way."""
     try:
         events, times = _events(pieces, t0, decode_all)
-    except ProtocolError as exc:
-        return StreamRead(failure=("protocol", str(exc)))
+    except UNREADABLE as exc:
+        return StreamRead(failure=("protocol", unreadable(exc)))
     return read_events(api, events, times, decode_all=decode_all)
+
+
+UNREADABLE = (ProtocolError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+              RecursionError)
+"""What a server's answer can make its reading raise: JSON of unexpected shapes and sizes is the server's fault, a
+`protocol` failure of its request, never the end of the run's record writer."""
+
+
+def unreadable(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ProtocolError) else f"unreadable answer ({type(exc).__name__}: {exc})"
 
 
 def read_events(api: sglang.Api, events: list[str], times: list[float], *, decode_all: bool = False) -> StreamRead:
@@ -64,19 +74,23 @@ def read_events(api: sglang.Api, events: list[str], times: list[float], *, decod
     stream = StreamRead()
     try:
         ROUTE_FOR[api].read(stream, events, times, decode_all)
-    except ProtocolError as exc:
-        stream.failure = ("protocol", str(exc))
+    except UNREADABLE as exc:
+        stream.failure = ("protocol", unreadable(exc))
         return stream
     return ended(stream)
 
 
 def ended(stream: StreamRead) -> StreamRead:
-    """`stream` read to its end, failed by the tester's rules where it did not end well: without `[DONE]`, or
-    without a finish reason."""
+    """`stream` read to its end, failed by the tester's rules where it did not end well: without `[DONE]`, without
+    a finish reason, or with more verify rounds than tokens (each round commits one at least: such counts would make
+    an acceptance below 1)."""
     if stream.failure is None and not stream.done:
         stream.failure = ("disconnect", "stream ended before [DONE]")
     elif stream.failure is None and stream.finish_reason is None:
         stream.failure = ("protocol", "stream finished without a finish_reason")
+    elif stream.failure is None and stream.verify_ct is not None and stream.verify_ct > stream.completion_tokens:
+        stream.failure = ("protocol", f"spec_verify_ct {stream.verify_ct} is more than completion_tokens "
+                                      f"{stream.completion_tokens}: each verify round commits a token at least")
     return stream
 
 

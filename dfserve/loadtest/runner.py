@@ -25,7 +25,7 @@ import httpx
 
 from dfserve import sglang, stamped_socket
 from dfserve.capture.replay import CaptureTaskSet
-from dfserve.errors import FieldError
+from dfserve.errors import FieldError, UserError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
@@ -212,6 +212,39 @@ async def _open_loop(
             await asyncio.gather(*in_flight, return_exceptions=True)
 
 
+async def _probe_arms(plan: RunPlan, asks_model: bool, stop: asyncio.Event) -> list[ArmInfo]:
+    """Every arm probed (`probe_arm`), each given as long as a request may take in all (a busy server answers its
+    documents when its scheduler gets to them; one that trickles them is cut off all the same); a `UserError` when
+    `stop` comes first."""
+    probe_timeout = httpx.Timeout(plan.request_timeout_s, connect=CONNECT_TIMEOUT_S)
+
+    async def probe_all() -> list[ArmInfo]:
+        async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=probe_timeout,
+                                     trust_env=False) as http:
+            arms = []
+            for name, url in plan.arms:
+                try:
+                    async with asyncio.timeout(plan.request_timeout_s):
+                        arms.append(await probe_arm(http, name, url, asks_model, plan.model, plan.pin_arms))
+                except TimeoutError:
+                    raise FieldError("arms", f"{name}={url}: server does not answer (its documents took over "
+                                     f"{plan.request_timeout_s:g} s)") from None
+            return arms
+
+    probing, stopping = asyncio.ensure_future(probe_all()), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((probing, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (probing, stopping):
+            task.cancel()
+        await asyncio.gather(probing, stopping, return_exceptions=True)
+    if not probing.cancelled() and probing.exception() is None:
+        return probing.result()
+    if stop.is_set():
+        raise UserError("stopped while asking the arms' servers for their documents; nothing was sent")
+    raise probing.exception() or UserError("probing the arms was cancelled")
+
+
 async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None) -> RunOutcome:
     """Probe the arms, create the run directory, drive the load until done, `stop`, `halt`, the duration bound or
     the record writer's stopping (its file could not be written: the run is then interrupted)."""
@@ -220,11 +253,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     order, offsets = plan.order()
     routes = routes_of(order, plan.default_api)
     asks_model = any(ROUTE_FOR[api].asks_model for api in routes)
-    # A busy server answers its documents when its scheduler gets to them: as long as a request may take.
-    probe_timeout = httpx.Timeout(plan.request_timeout_s, connect=CONNECT_TIMEOUT_S)
-    async with httpx.AsyncClient(transport=StampingTransport(), headers=dict(plan.headers), timeout=probe_timeout,
-                                 trust_env=False) as http:
-        arms = [await probe_arm(http, name, url, asks_model, plan.model, plan.pin_arms) for name, url in plan.arms]
+    arms = await _probe_arms(plan, asks_model, stop)
     stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts
     run_dir = create_run_dir(plan.out, plan.name)
     writer = await RecordWriter.start(run_dir / "requests.jsonl", observers)

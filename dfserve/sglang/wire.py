@@ -49,12 +49,20 @@ def event_json(data: str, what: str) -> dict[str, Any]:
     return obj
 
 
+MAX_COUNT = 2**53
+"""More tokens or rounds than any server counts: a count past it (or below 0) is a broken or hostile answer, and
+the figures derived from it would be nonsense, or past what a float holds."""
+
+
 def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
+    """A count: an integer from 0 to `MAX_COUNT`."""
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         if value is None and default is not None:
             return default
         raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
+    if not 0 <= value <= MAX_COUNT:
+        raise ProtocolError(f"{where}.{key}: expected a count from 0 to 2**53, got {value!r}")
     return value
 
 

@@ -190,6 +190,52 @@ def test_open_returns_at_the_head_then_the_connection_is_reused() -> None:
     assert bodies == [PAYLOAD, PAYLOAD] and accepted == 1
 
 
+def test_a_request_on_a_kept_alive_connection_the_server_closed_goes_again_on_a_new_one() -> None:
+    """The server answers the first request of each connection and closes it, unannounced, when the next comes (its
+    keep-alive timeout running out as the request goes out): nothing of that answer came, so the request goes
+    again on a new connection. A new connection closed without an answer is a failure, not a loop."""
+    async def go(opening: bool) -> tuple[list[object], int]:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+                if not opening:
+                    writer.write(CHUNKED)
+                    await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", time.perf_counter,
+                    connect_timeout_s=1, read_timeout_s=1)
+        outcomes: list[object] = []
+        for i in range(4):
+            response = Response()
+            try:
+                if i % 2:
+                    call = await pool.open(b"POST", "/generate", b"{}", b"", response)
+                    await call.finish()
+                    call.close()
+                else:
+                    await pool.fetch("/generate", b"{}", b"", response)
+                outcomes.append(response.body())
+            except Disconnected as exc:
+                outcomes.append(type(exc))
+        pool.close()
+        server.close()
+        await server.wait_closed()
+        return outcomes, accepted
+
+    assert asyncio.run(go(opening=False)) == ([PAYLOAD] * 4, 4)
+    assert asyncio.run(go(opening=True)) == ([Disconnected] * 4, 4)
+
+
 def test_the_read_timeout_holds_for_each_request_of_a_kept_alive_connection() -> None:
     async def go(pause_s: float) -> list[BaseException | None]:
         connection = _Connection(time.perf_counter, read_timeout_s=0.05)

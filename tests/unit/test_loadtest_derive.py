@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,8 +27,10 @@ def chat(text: str | None, finish: bool | str = False, first: bool = False, head
 
 
 def chat_end(tokens: int, spec: bool = True) -> bytes:
+    """Usage and spec details: a verify round for each token at most."""
     chunks = engine.stream_end_chunks(HEAD, obj="chat.completion.chunk", prompt_tokens=4, completion_tokens=tokens,
-                                      spec=SPEC if spec else None, include_usage=True)
+                                      spec=replace(SPEC, verify_ct=min(SPEC.verify_ct, tokens)) if spec else None,
+                                      include_usage=True)
     return b"".join(engine.sse_event(chunk) for chunk in chunks) + sglang.SSE_DONE
 
 
@@ -36,6 +39,13 @@ def native(text: str, tokens: int, final: bool = False) -> bytes:
     meta = engine.meta_info_body(rid="r", finish=finish, prompt_tokens=4, completion_tokens=tokens,
                                  e2e_latency_s=0.5 if final else None, spec=SPEC if final else None)
     return engine.sse_event(engine.generate_response_body(text, list(range(tokens)), meta))
+
+
+def thinking(text: str) -> bytes:
+    """A reasoning model's chunk of its thinking (SGLang's --reasoning-parser): `reasoning_content`, no content."""
+    quoted = json.dumps(text).encode()
+    return chat(text).replace(b'"reasoning_content":null,"content":' + quoted,
+                              b'"reasoning_content":' + quoted + b',"content":null')
 
 
 ERROR = engine.openai_error_event("retracted", "SERVICE_UNAVAILABLE", 503)
@@ -81,6 +91,16 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
     "chat with data without its space": ("chat", chat("a") + chat("b").replace(b"data: ", b"data:")
                                          + chat(None, finish=True) + chat_end(2)),
     "chat with an extra blank line": ("chat", chat("a") + b"\n" + chat("b") + chat(None, finish=True) + chat_end(2)),
+    "chat of a reasoning model": ("chat", chat("", first=True) + b"".join(thinking(f"t{i} ") for i in range(5))
+                                  + chat("a") + chat("b", finish=True) + chat_end(7)),
+    "chat with more verify rounds than tokens": ("chat", chat("a") + chat("b", finish=True)
+                                                 + chat_end(3).replace(b'"completion_tokens":3', b'"completion_tokens":2')),
+    "chat whose choices are not a list": ("chat", chat("a") + chat("b").replace(b'"choices":[', b'"choices":5,"x":[')
+                                          + chat(None, finish=True) + chat_end(2)),
+    "chat with a negative token count": ("chat", chat("a") + chat("b", finish=True)
+                                         + chat_end(2).replace(b'"completion_tokens":2', b'"completion_tokens":-2')),
+    "native with a count past 2**53": ("native", native("a", 1) + native("ab", 3).replace(b'"completion_tokens":3',
+                                       b'"completion_tokens":' + str(10**400).encode()) + sglang.SSE_DONE),
     "native": ("native", native("a", 1) + native("ab\u00e9", 3) + native('ab\u00e9"q"', 7, final=True)
                + sglang.SSE_DONE),
 }
@@ -128,6 +148,14 @@ def test_the_cases_cover_what_the_records_must_show() -> None:
     assert records["chat with a bad escape in a fitting chunk"]["error_kind"] == "protocol"
     assert records["chat without a finish reason"]["error_kind"] == "protocol"
     assert records["chat whose finish reason changes"]["finish_reason"] == "stop"
+    thought = records["chat of a reasoning model"]
+    assert thought["error_kind"] is None and len(thought["chunk_times_s"]) == 7  # the thinking's chunks are tokens
+    assert thought["output_sha256"] == hashlib.sha256("".join([*(f"t{i} " for i in range(5)), "ab"]).encode()).hexdigest()
+    for hostile in ("chat with more verify rounds than tokens", "chat whose choices are not a list",
+                    "chat with a negative token count", "native with a count past 2**53"):
+        assert records[hostile]["error_kind"] == "protocol" and records[hostile]["acceptance"] == "unknown", hostile
+    assert all(r["error_kind"] is None for name, r in records.items() if name in (
+        "chat", "chat with a comment, as the simulator ends it", "chat in CRLF framing", "native"))
     escaped = both_ways("chat", cuts(STREAMS["chat escapes and key names in content"][1], "events"))[1]
     assert escaped["output_sha256"] == hashlib.sha256(("".join(TRICKY) + "!").encode()).hexdigest()
 

@@ -121,10 +121,11 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
         raise ProtocolError("OpenAI response: expected a non-empty 'choices' list")
     choice = choices[0]
     message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    parts = (message.get("reasoning_content"), message.get("content")) if isinstance(message, dict) else (
+        choice.get("text"),)
     meta = choice.get("meta_info")
     return OpenAIResult(
-        text=text if isinstance(text, str) else "",
+        text="".join(part for part in parts if isinstance(part, str)),  # a reasoning model's thinking, then answer
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         usage=parse_usage(data.get("usage")),
         meta=parse_meta_info(meta) if meta is not None else None,

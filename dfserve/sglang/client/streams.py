@@ -247,8 +247,8 @@ def native_stream_end(events: bytes) -> NativeStreamEnd:
 
 @dataclass(frozen=True)
 class OpenAIChunk:
-    """One streamed chat/completions event: the first choice's delta text, finish reason, and usage or spec details
-    (`sglext`) if present."""
+    """One streamed chat/completions event: the first choice's delta text (its reasoning, then its content), finish
+    reason, and usage or spec details (`sglext`) if present."""
 
     text: str
     finish_reason: FinishReason | None
@@ -263,13 +263,17 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
     if error is not None:
         return error
     choices = obj.get("choices") or []
+    if not isinstance(choices, list):
+        raise ProtocolError(f"OpenAI stream: choices: expected a list, got {type(choices).__name__}")
     text = ""
     finish = None
     if choices and isinstance(choices[0], dict):
         choice = choices[0]
         delta = choice.get("delta")
-        content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        text = content if isinstance(content, str) else ""
+        # a reasoning model's thinking (SGLang's --reasoning-parser) is generated text as much as its answer
+        parts = (delta.get("reasoning_content"), delta.get("content")) if isinstance(delta, dict) else (
+            choice.get("text"),)
+        text = "".join(part for part in parts if isinstance(part, str))
         finish = parse_finish_reason(choice.get("finish_reason"))
     return OpenAIChunk(text=text, finish_reason=finish, usage=parse_usage(obj.get("usage")), has_choice=bool(choices),
                        spec=parse_sglext_spec(obj.get("sglext")))
