@@ -8,7 +8,6 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 
@@ -69,14 +68,6 @@ def invalid_field(exc: ValidationError) -> FieldError:
     (the last part of its location, as options are named), which `flags_for` words as the flag."""
     first = exc.errors()[0]
     return FieldError(str(first["loc"][-1]) if first["loc"] else "(top level)", first["msg"].removeprefix("Value error, "))
-
-
-def describe_yaml(exc: yaml.YAMLError, where: str) -> str:
-    """One line for a YAML syntax error: `WHERE: invalid YAML at line N: problem`."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or type(exc).__name__
-    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{where}: invalid YAML{at}: {problem}"
 
 
 class Untrusted(UserError):

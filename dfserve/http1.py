@@ -454,6 +454,10 @@ def kernel_stamps_for(url: str) -> bool:
 def is_base_url(url: str) -> bool:
     """An http(s) URL with a host, as `Pool` needs its base URL."""
     parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018  # a port out of range or not a number raises
+    except ValueError:
+        return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 

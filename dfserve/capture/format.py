@@ -75,7 +75,8 @@ class CaptureRecord(_Model):
     route: Api
     path: str
     arrival_unix_s: float = Field(description="wall clock at arrival: provenance only")
-    offset_s: float = Field(ge=0, description="seconds from the capture's start to arrival (monotonic clock)")
+    offset_s: float = Field(ge=0, allow_inf_nan=False,
+                            description="seconds from the capture's start to arrival (monotonic clock)")
     sampling: dict[str, Any] = Field(description="the sampling settings the body set, as it set them")
     headers: tuple[tuple[str, str], ...] = Field(description="headers as sent, less credentials and drop_headers")
     body: dict[str, Any] = Field(description="the JSON body, less what the policy dropped or hashed")

@@ -13,10 +13,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dfserve.errors import FieldError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, UserError, describe_invalid
+from dfserve.yamlfile import parse_yaml
 
 
 class _Strict(BaseModel):
@@ -78,11 +78,14 @@ def load_profile(name_or_path: str) -> HostProfile:
         if not path.is_file():
             raise FieldError("profile_name", f"{name_or_path!r} is neither a known profile "
                              f"({', '.join(profile_names())}) nor a file")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FieldError("profile_name", f"cannot read {path} as UTF-8 text ({exc})") from None
         where = str(path)
     try:
-        return HostProfile.model_validate(yaml.safe_load(text))
-    except yaml.YAMLError as exc:
-        raise FieldError("profile_name", describe_yaml(exc, where)) from None
+        return HostProfile.model_validate(parse_yaml(text, where))
+    except UserError as exc:
+        raise FieldError("profile_name", str(exc)) from None
     except ValidationError as exc:
         raise FieldError("profile_name", describe_invalid(exc, where)) from None

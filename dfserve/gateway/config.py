@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dfserve.capture.format import CapturePolicy
-from dfserve.errors import FieldError, UserError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, UserError, describe_invalid
+from dfserve.http1 import is_base_url
 from dfserve.shadow.policy import ShadowPolicy
+from dfserve.yamlfile import read_yaml
 
 Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
@@ -34,7 +35,9 @@ infinity, which sends everything to the last arm)."""
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Every number finite: an infinite timeout or interval is no setting a timer can hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ArmConfig(_Model):
@@ -50,7 +53,8 @@ class ArmConfig(_Model):
         cleaned = []
         for url in replicas:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            if (not is_base_url(url) or parts.path not in ("", "/") or parts.query or parts.fragment
+                    or parts.username is not None or " " in url):
                 raise ValueError(f"{url!r} is not a base URL like http://host:port")
             cleaned.append(url.rstrip("/"))
         if len(set(cleaned)) != len(cleaned):
@@ -126,11 +130,12 @@ class HealthConfig(_Model):
     max_ejection_percent: float = Field(50, ge=0, le=100, allow_inf_nan=False,
                                         description="Most of an arm's replicas that requests' failures may eject (at "
                                         "least one, never the last healthy one); health checks eject any.")
-    path: str = "/health"
+    path: str = Field("/health", pattern=r"^/[^\s?#]*$", description="the replicas' health route, from /")
 
 
 class ScrapeConfig(_Model):
-    interval_s: float = Field(15.0, gt=0, description="How often each replica's /metrics is read; 0 disables.")
+    interval_s: float = Field(15.0, gt=0, allow_inf_nan=False, description="How often each replica's /metrics is "
+                              "read.")
     window_s: float = Field(300.0, gt=0, description="Window of the per-arm acceptance figure.")
     timeout_s: float = Field(5.0, gt=0)
     enabled: bool = True
@@ -229,12 +234,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
     raw: dict[str, Any] = {}
     where = str(path) if path else "gateway config"
     if path is not None:
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise UserError(f"{path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise UserError(describe_yaml(exc, str(path))) from None
+        loaded = read_yaml(path)
         if not isinstance(loaded, dict):
             raise UserError(f"{path}: expected a mapping at the top level")
         raw = _flatten(loaded, where)

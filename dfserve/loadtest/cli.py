@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -172,6 +173,10 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     trace = arrival == "trace"
     if concurrency is None and rate is None and not trace:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
+    if math.isnan(max_error_rate):
+        raise UserError("--max-error-rate: must be a number from 0 to 1")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise UserError(f"--metrics-port: {metrics_port} is not a port (0 to 65535)")
     flags = command_flags(run_command) | {"duration_s": "--duration", "request_timeout_s": "--request-timeout",
                                           "sequential": "--until-decided"}
     with flags_for(flags):

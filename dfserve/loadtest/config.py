@@ -23,9 +23,9 @@ class _Model(BaseModel):
 
 class Sampling(_Model):
     max_new_tokens: int = Field(ge=1)
-    temperature: float = Field(ge=0)
+    temperature: float = Field(ge=0, allow_inf_nan=False)
     top_p: float = Field(gt=0, le=1)
-    min_temperature: float | None = Field(None, ge=0, description="a replayed capture's lowest temperature "
+    min_temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="a replayed capture's lowest temperature "
                                           "(`temperature` is its highest); None: every request at `temperature`")
 
     def describe(self) -> str:

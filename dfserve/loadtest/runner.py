@@ -174,7 +174,7 @@ async def _closed_loop(
                 return
             await client.send(order[index], index, warmup=index < warmup, scheduled_s=None)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(indices)))))
 
 
 async def _open_loop(
@@ -194,6 +194,8 @@ async def _open_loop(
     try:
         for index in indices:
             offset = offsets[index]
+            if t0 + offset >= deadline:
+                break  # due after the duration bound: the run ends now, not when it would have been sent
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

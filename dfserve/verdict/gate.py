@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dfserve.errors import FieldError, describe_invalid, describe_yaml
+from dfserve.errors import FieldError, UserError, describe_invalid
 from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec
+from dfserve.yamlfile import read_yaml
 
 G = TypeVar("G", bound="Gate")
 
@@ -71,13 +71,9 @@ def read_gate(path: Path | None, default: G) -> G:
     if path is None:
         return default
     try:
-        raw: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise FieldError("gate", f"cannot read {path} ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise FieldError("gate", f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise FieldError("gate", describe_yaml(exc, str(path))) from None
+        raw: Any = read_yaml(path)
+    except UserError as exc:
+        raise FieldError("gate", str(exc)) from None
     try:
         return type(default).model_validate(raw)
     except ValidationError as exc:

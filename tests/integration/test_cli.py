@@ -79,6 +79,22 @@ BAD_INVOCATIONS = {
                                         "--speed", "2"], "--speed: only with trace arrivals"),
     "loadtest concurrency below 1": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "0"],
                                      "--concurrency: must be >= 1"),
+    "gate with a key twice": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--arm", "b=http://127.0.0.1:9",
+                               "--concurrency", "1", "--until-decided", "--gate", "{dup_gate}"],
+                              "invalid YAML at line 2, column 1: key 'rules' given twice"),
+    "gateway config nested too deeply": (["gateway", "--config", "{deep_yaml}"], "invalid YAML: nested too deeply"),
+    "gateway config not UTF-8": (["gateway", "--config", "{latin1_yaml}"], "not UTF-8 text"),
+    "gateway health path without its slash": (["gateway", "--config", "{health_yaml}"], "health.path"),
+    "gateway arm port out of range": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:99999"],
+                                      "is not a base URL"),
+    "loadtest arm port out of range": (["loadtest", "run", "--arm", "a=http://127.0.0.1:99999", "--concurrency", "1"],
+                                       "--arm"),
+    "loadtest error rate not a number": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                          "--max-error-rate", "nan"], "--max-error-rate: must be a number from 0 to 1"),
+    "loadtest metrics port out of range": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                            "--metrics-port", "70000"], "--metrics-port: 70000 is not a port"),
+    "loadtest infinite temperature": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                       "--temperature", "inf"], "--temperature:"),
     "loadtest arm under a path": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9/v1", "--concurrency", "1"],
                                   "--arm a: http://127.0.0.1:9/v1 is not a server's root; give http://127.0.0.1:9 "),
 }
@@ -91,11 +107,18 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(case: str, tmp_path
     bad_yaml.write_text("arms: [\n")
     itl_gate = tmp_path / "gate.yaml"
     itl_gate.write_text("rules: [{metric: itl_per_token_p95, max_worse: 0.05}]\n")
+    files = {"dup_gate": "rules: [{metric: accept_length, max_worse: 0.02}]\nrules: [{metric: error_rate, max_worse: 1}]\n",
+             "deep_yaml": "arms: " + "[" * 5000 + "]" * 5000 + "\n",
+             "health_yaml": "arms: {a: {weight: 1, replicas: ['http://127.0.0.1:9']}}\nhealth: {path: health}\n"}
+    named = {name: tmp_path / f"{name}.yaml" for name in [*files, "latin1_yaml"]}
+    for name, text in files.items():
+        named[name].write_text(text)
+    named["latin1_yaml"].write_bytes("arms: {caf\u00e9: {}}\n".encode("latin-1"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        result = run(*(a.format(bad_yaml=bad_yaml, taken=port, itl_gate=itl_gate) for a in argv))
+        result = run(*(a.format(bad_yaml=bad_yaml, taken=port, itl_gate=itl_gate, **named) for a in argv))
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("dfserve: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert expected in result.stderr

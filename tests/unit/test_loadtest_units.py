@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from dfserve.cli import main
 from dfserve.errors import FieldError, UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.runner import _open_loop
 from dfserve.loadtest.schedule import LoadShape, poisson_offsets
 from dfserve.tasks import TaskSet, load_tasks
 
@@ -204,3 +207,14 @@ def test_a_tasks_file_with_a_byte_that_is_not_utf8_is_one_line_naming_file_and_l
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.count("\n") == 1, err
         assert err.startswith("dfserve: error: --tasks: ") and "tasks.jsonl:2: not UTF-8 text" in err
+
+
+def test_an_open_loop_ends_at_its_duration_bound_not_at_its_next_arrival() -> None:
+    """A trace's next request due an hour (or forever) after a 0.2 s bound: the run ends at the bound."""
+    async def run(next_offset_s: float) -> float:
+        t0 = time.perf_counter()
+        await _open_loop([], [], [0], 0, [next_offset_s], None, t0, t0 + 0.2, lambda: False)
+        return time.perf_counter() - t0
+
+    assert asyncio.run(run(3600.0)) < 1.0
+    assert asyncio.run(run(math.inf)) < 1.0

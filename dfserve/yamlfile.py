@@ -1,0 +1,54 @@
+"""YAML files the user writes (gates, gateway configs, host profiles), read one way: as UTF-8, safely, and strictly.
+
+A mapping that names a key twice is refused: YAML itself keeps the last, so a gate with `rules:` twice would be
+judged by whichever came second, unseen. Nesting deep enough to exhaust the parser's recursion is refused too.
+Every failure is one `UserError` line naming the file (`where`) and, where the parser knows it, the line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dfserve.errors import UserError
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader`, refusing a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
+                                                        key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The document in `text` (read from `where`)."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader, stricter
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserError(f"{where}: invalid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise UserError(f"{where}: invalid YAML: nested too deeply") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """The document in the file at `path`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    return parse_yaml(text, str(path))
