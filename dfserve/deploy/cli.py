@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -104,6 +105,8 @@ def run_deploy(
     emit: str | None, out: Path | None, image: str, namespace: str | None, model_cache: Path | None,
     node_selector: tuple[str, ...], health_timeout: float, **overrides: object,
 ) -> None:
+    if not 0 < health_timeout < math.inf:
+        raise FieldError("health_timeout", "must be a finite number of seconds > 0")
     profile = load_profile(profile_name)
     resolved_target = resolve_target(target, profile, target_config)
     starts_engine = not (dry_run or check) and emit is None

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dfserve.errors import FieldError, UserError, describe_invalid
 from dfserve.yamlfile import parse_yaml
@@ -42,7 +42,18 @@ class SGLangSettings(_Strict):
         description="torch_native only where the host's SGLang platform accepts it for DFLASH (the cpu profile).")
     mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] | None = None
     enable_metrics: bool = True
-    served_model_name: str = Field(description="Template; `{drafter}` becomes the drafter's label.")
+    served_model_name: str = Field(min_length=1, description="Template; `{drafter}` becomes the drafter's label, "
+                                   "and braces name nothing else.")
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _template(cls, template: str) -> str:
+        try:
+            template.format(drafter="x")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"{template!r}: only {{drafter}} may stand in braces ({type(exc).__name__}: {exc})") \
+                from None
+        return template
     device: str | None = Field(default=None, description="--device; SGLang detects the GPU when unset.")
     dtype: str | None = Field(default=None, description="--dtype; the checkpoint's when unset.")
     max_total_tokens: int | None = Field(default=None, ge=1, description="--max-total-tokens, a fixed KV pool.")
