@@ -75,7 +75,7 @@ def eval_group() -> None:
 @click.option("--tasks", default="humaneval", help="'humaneval' or a JSONL file of {id, prompt|messages}.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=10, help="The first N tasks of the set.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=512)
-@click.option("--block-size", type=click.IntRange(min=2), default=None,
+@click.option("--block-size", type=click.IntRange(min=2, max=1024), default=None,
               help="Draft blocks of this size instead of each drafter's own.")
 @click.option("--ddtree-budgets", default="4,8", help="DDTree node budgets, comma-separated ('' for none).")
 @click.option("--prompt-format", type=click.Choice(["chat", "raw"]), default="chat",

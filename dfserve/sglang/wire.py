@@ -49,9 +49,9 @@ def event_json(data: str, what: str) -> dict[str, Any]:
     return obj
 
 
-MAX_COUNT = 2**53
-"""More tokens or rounds than any server counts: a count past it (or below 0) is a broken or hostile answer, and
-the figures derived from it would be nonsense, or past what a float holds."""
+MAX_COUNT = 2**22
+"""More tokens or rounds than any model's context holds (4M): a count past it (or below 0) is a broken or hostile
+answer, and the figures derived from it would be nonsense (a per-token latency sample for each claimed token)."""
 
 
 def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
@@ -62,7 +62,7 @@ def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: 
             return default
         raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
     if not 0 <= value <= MAX_COUNT:
-        raise ProtocolError(f"{where}.{key}: expected a count from 0 to 2**53, got {value!r}")
+        raise ProtocolError(f"{where}.{key}: expected a count from 0 to {MAX_COUNT}, got {value!r}")
     return value
 
 

@@ -282,12 +282,16 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     outside = world.root / "outside"
     models.save_drafter(models.new_drafter(world.target, taps=(1, models.TARGET_LAYERS + 2)), outside)
     other_target = models.qwen3_target(world.root / "qwen3-other", seed=1)  # same shapes, other weights
+    truncated = shutil.copytree(world.short, world.root / "truncated", dirs_exist_ok=True)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
     features = json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"]
     cases = [
         ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
         ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
         ([str(last_tap)], {}, "drafter config: ", "include the target's last layer (3)"),
         ([str(outside)], {}, "drafter config: ", "target_layer_ids [6] outside the target's 4 layers"),
+        ([str(truncated)], {}, "--drafter: ", "model.safetensors: cannot be read as safetensors"),
         ([str(world.short)], {"target": other_target, "features": features}, "--features: ",
          "was built for target"),
     ]
