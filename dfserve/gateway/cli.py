@@ -9,7 +9,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from dfserve.errors import UserError, describe_invalid, flags_for
+from dfserve.errors import UserError, command_flags, describe_invalid, flags_for
 from dfserve.gateway.config import ArmConfig, GatewayConfig, load_config
 
 
@@ -74,11 +74,13 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
         if len(set(names)) != len(names):
             raise UserError(f"--arm: each arm needs its own name (given: {', '.join(names)})")
         overrides["routing.arms"] = dict(parsed)
-    config = load_config(config_path, overrides)
+    named = {keys[name]: flag for name, flag in command_flags(gateway).items() if name in keys} | {
+        "routing.arms": "--arm"}
+    config = load_config(config_path, overrides, named)
     if deciding:
         _check_deciding(config, deciding)
         overrides |= deciding
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, overrides, named | DECIDING_FLAGS)
     config.admin_token()
     if config.watch_interval_s is not None and config_path is None:
         raise UserError("--watch-interval: there is no file to watch; give --config")

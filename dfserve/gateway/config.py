@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -228,9 +229,9 @@ def parse_routing(raw: Any, where: str = "routing") -> RoutingConfig:
         raise UserError(describe_invalid(exc, where)) from None
 
 
-def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
+def load_config(path: Path | None, overrides: dict[str, Any], flags: Mapping[str, str] | None = None) -> GatewayConfig:
     """The config file (if any) with overrides applied (the CLI's flags); dotted keys (`admin.port`) reach nested
-    fields. A `UserError` names the file and the field."""
+    fields. A `UserError` names the file and the field, or the flag that set it (`flags`: dotted key to flag)."""
     raw: dict[str, Any] = {}
     where = str(path) if path else "gateway config"
     if path is not None:
@@ -248,4 +249,11 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
+        first = ".".join(str(part) for part in exc.errors()[0]["loc"])
+        named = next(((key, flag) for key, flag in (flags or {}).items()
+                      if key in overrides and (first == key or first.startswith(key + "."))), None)
+        if named is not None:
+            key, flag = named
+            raise UserError(f"{flag}: {'' if first == key else first.removeprefix(key + '.') + ': '}"
+                            f"{exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         raise UserError(describe_invalid(exc, where)) from None
