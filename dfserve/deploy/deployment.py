@@ -39,7 +39,7 @@ class DrafterRef(_Strict):
 
 class SimSettings(_Strict):
     profile: str = Field(description="Simulator acceptance profile: zlab, inhouse, none or a JSON file.")
-    time_scale: float = Field(gt=0)
+    time_scale: float = Field(gt=0, allow_inf_nan=False)
     seed: int
 
 

@@ -72,6 +72,9 @@ def build_spec(
     except ValidationError as exc:
         raise invalid_field(exc) from None
     extra = list(sglang_args or ())
+    if extra and kind.simulated:
+        raise FieldError("sglang_args", f"the simulated engine takes no SGLang arguments ({{other}} {engine})",
+                         other="engine")
     check_passthrough(extra)
     try:
         return DeploymentSpec(

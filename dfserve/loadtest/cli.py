@@ -175,6 +175,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
     if math.isnan(max_error_rate):
         raise UserError("--max-error-rate: must be a number from 0 to 1")
+    if pushgateway is not None and not is_base_url(pushgateway if "://" in pushgateway else "http://" + pushgateway):
+        raise UserError(f"--pushgateway: {pushgateway!r} is not http(s)://HOST:PORT")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         raise UserError(f"--metrics-port: {metrics_port} is not a port (0 to 65535)")
     flags = command_flags(run_command) | {"duration_s": "--duration", "request_timeout_s": "--request-timeout",
@@ -373,6 +375,9 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
     Refused: a run against itself; unless --force (then stamped in the verdict): runs that differ, and a run that
     was interrupted, killed or lost records."""
     paths = [run] if run2 is None else [run, run2]
+    for flag, arm in (("--baseline", baseline), ("--candidate", candidate)):
+        if arm is not None and not arm.strip():
+            raise UserError(f"{flag}: give an arm's name (it is empty)")
     if run2 is None and is_shadow_folder(run):
         compare_shadow_folder(run, baseline, candidate, gate, force, out, command_flags(compare))
     shadow = next((path for path in paths if is_shadow_folder(path)), None)
