@@ -164,7 +164,9 @@ def refusals(registry: BaselineRegistry, verdict: Verdict, unfounded: Sequence[s
     if verdict.verdict != "PASS":
         found.append(f"the verdict is {verdict.verdict}, only PASS promotes")
     if verdict.forced:
-        found.append("the verdict was forced past " + "; ".join(verdict.mismatches + verdict.incomplete))
+        past = verdict.mismatches + verdict.incomplete
+        found.append("the verdict was forced past " + "; ".join(past) if past else
+                     "the verdict says it was forced, past nothing it names")
     current = registry.current(verdict.baseline.target)
     if current is not None and current.drafter != verdict.baseline.drafter:
         found.append(f"the verdict's baseline {verdict.baseline.drafter!r} is not the current baseline "

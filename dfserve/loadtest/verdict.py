@@ -190,7 +190,10 @@ def unfounded(verdict: Verdict) -> list[str]:
                 again = compare_runs(folders, base.name, cand.name, gate, verdict.forced, Path(scratch))[0]
         except UserError as exc:
             return [f"its runs are refused now ({exc})"]
-    if again.verdict != verdict.verdict or again.judgement.model_dump_json() != verdict.judgement.model_dump_json():
+    if again.verdict != verdict.verdict:
         return [f"its runs give {again.verdict}, not the {verdict.verdict} it says, judged again (edited, or the "
                 "runs changed since)"]
+    if again.judgement.model_dump_json() != verdict.judgement.model_dump_json():
+        return [f"its figures are not those its runs give, judged again, though both say {again.verdict} (edited, "
+                "or the runs changed since)"]
     return []

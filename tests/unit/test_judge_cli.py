@@ -198,6 +198,13 @@ def test_a_verdict_promotes_only_as_its_runs_give_it_and_once_however_laid_out(t
     aa = aa_run(runs, "aa")
     assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / "v")]).exit_code == 0
     passed = next((runs / "v").glob("verdict-*")) / "verdict.json"
+    figures = json.loads(passed.read_text())  # a PASS whose pairs were edited: still PASS, not as its runs give it
+    figures["judgement"]["pairs"] += 1
+    (runs / "figures").mkdir()
+    (runs / "figures" / "verdict.json").write_text(json.dumps(figures))
+    refused = CliRunner().invoke(promote, [str(runs / "figures" / "verdict.json"), "--registry", str(runs)],
+                                 standalone_mode=False)
+    assert "its figures are not those its runs give, judged again, though both say PASS" in str(refused.exception)
     copy = runs / "copy" / "verdict.json"
     copy.parent.mkdir()
     copy.write_text(json.dumps(json.loads(passed.read_text()), indent=4))
