@@ -112,7 +112,12 @@ def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool
 
 
 def pick_arms(runs: Sequence[Run], baseline: str | None, candidate: str | None) -> tuple[str, str]:
-    """One run: its first two arms by default; two runs: each run's only arm unless named."""
+    """One run: its first two arms by default; two runs: each run's only arm unless named. An arm named that the
+    run has not is a `FieldError` on the side that named it."""
+    for field, wanted, run in (("baseline", baseline, runs[0]), ("candidate", candidate, runs[-1])):
+        names = [a.name for a in run.config.arms]
+        if wanted is not None and wanted not in names:
+            raise FieldError(field, f"{run.path} has no arm named {wanted!r} (its arms: {', '.join(names)})")
     if len(runs) == 1:
         names = [a.name for a in runs[0].config.arms]
         if baseline is None and candidate is None and len(names) != 2:

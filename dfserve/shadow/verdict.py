@@ -191,6 +191,9 @@ def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], ca
     if candidate is not None:
         if candidate == config.primary:
             raise FieldError("candidate", f"{candidate} is the primary: a side is never judged against itself")
+        if candidate not in arms and candidate != config.secondary:
+            raise FieldError("candidate", f"the folder has no mirrored arm named {candidate!r} (its arms: "
+                             f"{', '.join(arms)})")
         return candidate
     if len(arms) != 1:
         raise FieldError("candidate", f"the folder has mirrored arms {arms}; name the one to judge")

@@ -289,3 +289,11 @@ def test_an_offline_verdict_never_promotes(tmp_path: Path) -> None:
                                  standalone_mode=False)
     assert refused.exception is not None and "an offline verdict screens drafters and promotes none" in str(
         refused.exception)
+
+
+def test_an_arm_a_run_has_not_is_named_with_its_flag_and_folder(tmp_path: Path) -> None:
+    ab = make_run(tmp_path, "ab", {"zlab": synthetic("zlab", 20, 9.0, seed=1),
+                                   "inhouse": synthetic("inhouse", 20, 6.0, seed=2)})
+    for flag in ("--baseline", "--candidate"):
+        refused = CliRunner().invoke(compare, [str(ab), flag, "nope"], standalone_mode=False)
+        assert str(refused.exception) == f"{flag}: {ab} has no arm named 'nope' (its arms: zlab, inhouse)"

@@ -569,6 +569,8 @@ def test_refusals(tmp_path: Path) -> None:
     folder = _record(tmp_path / "b", _traffic(10, 4))
     with pytest.raises(FieldError, match="never judged against itself"):
         compare_shadow(folder, "zlab", None, False, tmp_path / "v")
+    with pytest.raises(FieldError, match=r"^candidate: the folder has no mirrored arm named 'nope' \(its arms: inhouse\)"):
+        compare_shadow(folder, "nope", None, False, tmp_path / "v")
     requests = folder / "requests.jsonl"
     lines = requests.read_text().splitlines()
     requests.write_text("\n".join([*lines, lines[0]]) + "\n")
