@@ -28,6 +28,7 @@ refused however it arrives. Failures raise the exceptions below so the caller ca
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections.abc import Callable
@@ -242,12 +243,15 @@ class _Connection(asyncio.Protocol):
         if self._dechunker is not None:
             self._dechunker.sink = sink
 
-    @property
-    def heard_nothing(self) -> bool:
-        """Not a byte of the response has come: a kept-alive connection that ends so was closed by the server as
-        the request went out (its keep-alive timeout, or a close it did not announce), and the request may go again
-        on a new one."""
-        return not self._buffer and not self._head_bytes and not self._head_done
+    def ended_by_server(self) -> bool:
+        """An idle connection with something to read: the server's end of it (or bytes no request asked for), in
+        the kernel though the loop has not read it yet. One `poll` of the socket."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))
 
     @property
     def reusable(self) -> bool:
@@ -488,11 +492,14 @@ class Pool:
         self._idle: list[_Connection] = []
 
     def _kept(self) -> _Connection | None:
-        """A kept-alive connection to reuse, if one is open."""
+        """A kept-alive connection to reuse, if one is open: one the server has closed (its keep-alive timeout, or a
+        close it did not announce) is dropped here, though the loop has not read its end yet, rather than failing
+        the request sent on it. A request is never sent twice: the server may have read it."""
         while self._idle:
             connection = self._idle.pop()
-            if connection.reusable:
+            if connection.reusable and not connection.ended_by_server():
                 return connection
+            connection.abort()
         return None
 
     async def _connection(self) -> _Connection:
@@ -506,10 +513,10 @@ class Pool:
             # request then goes out on it (a stopped load test waited for its probe's answer)
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await opening
+        except TimeoutError:  # before OSError, of which it is a kind
+            raise ConnectTimedOut(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
         except OSError as exc:
             raise ConnectFailed(f"{self.host}:{self.port}: {exc.strerror or exc}") from None
-        except TimeoutError:
-            raise ConnectTimedOut(f"{self.host}:{self.port}: no connection in {self.connect_timeout_s} s") from None
         return cast(_Connection, protocol)
 
     def request_bytes(self, path: str, body: bytes, method: bytes = b"POST", headers: bytes = _POST_HEADERS) -> bytes:
@@ -522,26 +529,14 @@ class Pool:
         """POST one request and fill `response` until it is complete, with no wake-up at its head (the load tester's
         hot path). Whatever arrived, and `response.sent`, stay in `response` when this raises (disconnect,
         cancellation, timeout)."""
-        request = self.request_bytes(path, body, b"POST", headers)
-        connection = self._kept()
-        retry = connection is not None
-        while True:
-            if connection is None:
-                connection, retry = await self._connection(), False
-            _, done = connection.start(request, response)
-            try:
-                await done
-            except Disconnected:
-                connection.abort()
-                if retry and connection.heard_nothing:
-                    connection = None
-                    continue
-                raise
-            except BaseException:
-                connection.abort()
-                raise
-            self.recycle(connection)
-            return
+        connection = self._kept() or await self._connection()
+        _, done = connection.start(self.request_bytes(path, body, b"POST", headers), response)
+        try:
+            await done
+        except BaseException:
+            connection.abort()
+            raise
+        self.recycle(connection)
 
     async def open(self, method: bytes, path: str, body: bytes, headers: bytes, response: Response) -> Call:
         """Send one request and return once its final response head has arrived (`response.status`, `.headers`);
@@ -551,27 +546,17 @@ class Pool:
     async def send(self, request: bytes, response: Response, no_body: bool = False) -> Call:
         """`open` for a request already in bytes; `no_body`: the response has none (the request's method is HEAD).
         Whatever arrived stays in `response` when this raises (disconnect, cancellation, timeout)."""
-        connection = self._kept()
-        retry = connection is not None
-        while True:
-            if connection is None:
-                connection, retry = await self._connection(), False
-            _, done = connection.start(request, response, no_body)
-            assert connection.head is not None
-            try:
-                await connection.head
-                if done.done():
-                    done.result()  # the response ended before its head: raise why
-            except Disconnected:
-                connection.abort()
-                if retry and connection.heard_nothing:
-                    connection = None
-                    continue
-                raise
-            except BaseException:
-                connection.abort()
-                raise
-            return Call(self, connection, done)
+        connection = self._kept() or await self._connection()
+        _, done = connection.start(request, response, no_body)
+        assert connection.head is not None
+        try:
+            await connection.head
+        except BaseException:
+            connection.abort()
+            raise
+        if done.done():
+            done.result()  # the response ended before its head: raise why
+        return Call(self, connection, done)
 
     def recycle(self, connection: _Connection) -> None:
         if connection.reusable:

@@ -131,7 +131,7 @@ class HealthConfig(_Model):
     max_ejection_percent: float = Field(50, ge=0, le=100, allow_inf_nan=False,
                                         description="Most of an arm's replicas that requests' failures may eject (at "
                                         "least one, never the last healthy one); health checks eject any.")
-    path: str = Field("/health", pattern=r"^/[^\s?#]*$", description="the replicas' health route, from /")
+    path: str = Field("/health", pattern=r"^/[^\s#]*$", description="the replicas' health route, from /")
 
 
 class ScrapeConfig(_Model):

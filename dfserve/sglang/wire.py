@@ -49,20 +49,24 @@ def event_json(data: str, what: str) -> dict[str, Any]:
     return obj
 
 
-MAX_COUNT = 2**22
-"""More tokens or rounds than any model's context holds (4M): a count past it (or below 0) is a broken or hostile
-answer, and the figures derived from it would be nonsense (a per-token latency sample for each claimed token)."""
+MAX_COUNT = 2**40
+"""Past any count of tokens a server reports, and within what a float holds exactly."""
+MAX_GENERATED = 2**22
+"""More tokens (or verify rounds) than any server generates for one request (4M): a count past it is a broken or
+hostile answer, and figures derived from it would be nonsense, one per-token latency sample for each claimed
+token."""
 
 
-def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info") -> int:
-    """A count: an integer from 0 to `MAX_COUNT`."""
+def int_field(obj: dict[str, Any], key: str, default: int | None = None, where: str = "meta_info",
+              most: int = MAX_COUNT) -> int:
+    """A count: an integer from 0 to `most`."""
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         if value is None and default is not None:
             return default
         raise ProtocolError(f"{where}.{key}: expected an integer, got {value!r}")
-    if not 0 <= value <= MAX_COUNT:
-        raise ProtocolError(f"{where}.{key}: expected a count from 0 to {MAX_COUNT}, got {value!r}")
+    if not 0 <= value <= most:
+        raise ProtocolError(f"{where}.{key}: expected a count from 0 to {most}, got {value!r}")
     return value
 
 

@@ -154,6 +154,11 @@ def test_gate_yaml(tmp_path: Path) -> None:
     path.write_text("rules: [\n")
     with pytest.raises(UserError, match="invalid YAML"):
         load_gate(path)
+    path.write_text("rules:\n  - &tight {metric: accept_length, max_worse: 0.01}\n  - {<<: *tight, max_worse: 0.05}\n")
+    assert [r.max_worse for r in load_gate(path).rules] == [0.01, 0.05]  # a merged key may be overridden
+    path.write_text("rules:\n  - {metric: accept_length, max_worse: 0.01, max_worse: 0.5}\n")
+    with pytest.raises(UserError, match="key 'max_worse' given twice"):
+        load_gate(path)
 
 
 def test_a_difference_is_told_in_words_not_python_reprs() -> None:

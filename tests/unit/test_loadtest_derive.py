@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from dfserve import sglang
-from dfserve.loadtest.client import Finished, Sent, derive
+from dfserve.loadtest.client import Finished, Sent, derive, ended
+from dfserve.loadtest.stream import StreamRead
 from dfserve.sglang import server as engine
 from tests import FIXTURES
 
@@ -195,3 +196,15 @@ def test_plain_framing_gives_the_decoders_events_and_the_reads_that_completed_th
                                   b"event: x\ndata: a\n\n", b"data:a\n\n", b"id: 1\n\n"])
 def test_other_framing_is_left_to_the_decoder(body: bytes) -> None:
     assert sglang.plain_events([body]) is None
+
+
+def test_more_verify_rounds_than_tokens_fail_only_where_the_tokens_were_counted() -> None:
+    """Spec details without a usage chunk (or an accept length to count tokens from) say nothing of the tokens."""
+    def read(**counts: object) -> str | None:
+        stream = ended(StreamRead(done=True, finish_reason="stop", verify_ct=3, **counts))  # type: ignore[arg-type]
+        return stream.failure[0] if stream.failure else None
+
+    assert read(completion_tokens=0) is None
+    assert read(completion_tokens=2) == "protocol"
+    assert read(completion_tokens=0, usage_seen=True) == "protocol"
+    assert read(completion_tokens=3) is None

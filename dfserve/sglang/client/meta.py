@@ -10,7 +10,7 @@ from typing import Any
 from dfserve.errors import ProtocolError
 from dfserve.sglang.client.acceptance import accept_length
 from dfserve.sglang.simulated import SIM_CHUNK_DUE_KEY, SIM_CHUNK_SENT_KEY, SIM_MARKER_KEY
-from dfserve.sglang.wire import float_field, int_field, times_field
+from dfserve.sglang.wire import MAX_GENERATED, float_field, int_field, times_field
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def parse_spec(meta: dict[str, Any], where: str = "meta_info") -> SpecStats | No
     """Spec fields, old and new names alike; None without a verify round (SGLang then sends none)."""
     if not meta.get("spec_verify_ct"):
         return None
-    verify_ct = int_field(meta, "spec_verify_ct", where=where)
+    verify_ct = int_field(meta, "spec_verify_ct", where=where, most=MAX_GENERATED)
     correct = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
     proposed = meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts"))
     histogram = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
@@ -166,7 +166,7 @@ def parse_meta_info(meta: Any) -> MetaInfo:
         id=str(raw_id) if raw_id is not None else None,
         finish_reason=parse_finish_reason(meta.get("finish_reason")),
         prompt_tokens=int_field(meta, "prompt_tokens"),
-        completion_tokens=int_field(meta, "completion_tokens"),
+        completion_tokens=int_field(meta, "completion_tokens", most=MAX_GENERATED),
         cached_tokens=int_field(meta, "cached_tokens", 0),
         e2e_latency_s=float_field(meta, "e2e_latency"),
         queue_time_s=float_field(meta, "queue_time"),

@@ -17,7 +17,7 @@ from dfserve.sglang.client.meta import (
     parse_spec,
 )
 from dfserve.sglang.simulated import SIM_MARKER_KEY
-from dfserve.sglang.wire import decode_json, int_field, json_bytes
+from dfserve.sglang.wire import MAX_GENERATED, decode_json, int_field, json_bytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def parse_usage(raw: Any) -> Usage | None:
         return None
     if not isinstance(raw, dict):
         raise ProtocolError(f"usage: expected an object, got {raw!r}")
-    return Usage(prompt_tokens=int_field(raw, "prompt_tokens", 0), completion_tokens=int_field(raw, "completion_tokens", 0))
+    return Usage(prompt_tokens=int_field(raw, "prompt_tokens", 0),
+                 completion_tokens=int_field(raw, "completion_tokens", 0, most=MAX_GENERATED))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dfserve.sglang.client.meta import (
     stream_error,
 )
 from dfserve.sglang.client.responses import Usage, parse_sglext_spec, parse_usage
-from dfserve.sglang.wire import DONE, event_json, int_field
+from dfserve.sglang.wire import DONE, MAX_GENERATED, event_json, int_field
 
 
 class SSEDecoder:
@@ -240,7 +240,7 @@ def native_stream_end(events: bytes) -> NativeStreamEnd:
     if not isinstance(meta, dict):
         raise ProtocolError("/generate stream: event without 'meta_info'")
     text, ids = obj.get("text", ""), obj.get("output_ids")
-    incremental = isinstance(ids, list) and len(ids) < int_field(meta, "completion_tokens")
+    incremental = isinstance(ids, list) and len(ids) < int_field(meta, "completion_tokens", most=MAX_GENERATED)
     return NativeStreamEnd(text if isinstance(text, str) else "", incremental,
                            parse_finish_reason(meta.get("finish_reason")), None, done)
 
