@@ -67,6 +67,8 @@ def test_an_exchange_becomes_the_load_testers_record() -> None:
     assert record.task_id == shadow_record(exchanged(10, "x", True), 0).task_id  # the same body: one cluster
     failed = shadow_record(exchanged(1, "zlab", False, error="stream_cut"), 100.0)
     assert failed.error_kind == "disconnect" and failed.output_sha256 is None
+    impossible = shadow_record(exchanged(2, "zlab", False, verify=17), 100.0)  # 17 rounds for 16 tokens
+    assert impossible.error_kind == "protocol" and not impossible.ok and impossible.output_sha256 is None
 
 
 def test_an_output_with_a_lone_escaped_surrogate_is_hashed_not_lost() -> None:
