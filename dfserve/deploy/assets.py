@@ -12,6 +12,7 @@ eval (before the first forward) run the same checks::
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -218,17 +219,22 @@ def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str
 
 def read_safetensors_header(path: Path, field: str = "drafter") -> dict[str, TensorInfo]:
     """Tensor names, dtypes, shapes and byte ranges from a safetensors header, without reading the data; a header
-    that is not one (torn, not JSON, entries of the wrong shape) is a `FieldError` about `field` naming the file."""
+    that is not one (torn, not JSON, entries of the wrong shape), or data past the file's end (a truncated copy), is
+    a `FieldError` about `field` naming the file."""
     try:
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
                 raise ValueError("header length implausible")
             header = json.loads(handle.read(length))
+            size = os.fstat(handle.fileno()).st_size
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         start = 8 + length
-        return {name: _tensor_info(name, entry, start) for name, entry in header.items() if name != "__metadata__"}
+        table = {name: _tensor_info(name, entry, start) for name, entry in header.items() if name != "__metadata__"}
+        if (end := max((info.data_offsets[1] for info in table.values() if info.data_offsets), default=0)) > size:
+            raise ValueError(f"its tensors end at byte {end}, the file at {size}: truncated")
+        return table
     except (OSError, struct.error, ValueError, RecursionError) as exc:
         raise FieldError(field, f"{path} is not a safetensors file ({exc.__class__.__name__}: {exc})") from None
 

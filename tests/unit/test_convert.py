@@ -256,6 +256,8 @@ def _header(document: object) -> bytes:
     (_header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}), "w: data_offsets is not [begin, end]"),
     (_header({"w": {"shape": [2], "data_offsets": [0, 8]}}), "w: dtype is not a string"),
     (b"\x20\x00\x00\x00\x00\x00\x00\x00" + b"[" * 32, "JSONDecodeError"),
+    (_header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}) + b"\0" * 4,
+     "end at byte 77, the file at 73: truncated"),
 ])
 def test_a_corrupted_safetensors_header_is_one_line_about_its_field(tmp_path: Path, payload: bytes,
                                                                     problem: str) -> None:
