@@ -88,10 +88,10 @@ def ended(stream: StreamRead) -> StreamRead:
         stream.failure = ("disconnect", "stream ended before [DONE]")
     elif stream.failure is None and stream.finish_reason is None:
         stream.failure = ("protocol", "stream finished without a finish_reason")
-    elif (stream.failure is None and stream.verify_ct is not None and stream.verify_ct > stream.completion_tokens
-          and (stream.completion_tokens or stream.usage_seen or stream.chunk_tokens)):  # 0: no count came
-        stream.failure = ("protocol", f"spec_verify_ct {stream.verify_ct} is more than completion_tokens "
-                                      f"{stream.completion_tokens}: each verify round commits a token at least")
+    elif (stream.failure is None and stream.verify_ct is not None
+          and (stream.completion_tokens or stream.usage_seen or stream.chunk_tokens)  # 0: no count came
+          and (why := sglang.impossible_rounds(stream.completion_tokens, stream.verify_ct)) is not None):
+        stream.failure = ("protocol", why)
     return stream
 
 

@@ -13,6 +13,7 @@ client's names are importable from here (``from dfserve.sglang import parse_meta
 from dfserve.sglang.client.acceptance import (
     accept_length,
     estimated_accept_length,
+    impossible_rounds,
 )
 from dfserve.sglang.client.meta import (
     FinishReason,
@@ -139,6 +140,7 @@ __all__ = [
     "float_field",
     "generate_body",
     "generate_ids_body",
+    "impossible_rounds",
     "inspect_request",
     "int_field",
     "json_bytes",

@@ -129,9 +129,9 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     kind = error_kind(o.error, o.status)
     message = o.error if kind is not None else None
     exact = o.measure == "exact" and o.verify_rounds is not None
-    if kind is None and exact and o.output_tokens is not None and (o.verify_rounds or 0) > o.output_tokens:
-        kind, message = "protocol", (f"spec_verify_ct {o.verify_rounds} is more than completion_tokens "
-                                     f"{o.output_tokens}: each verify round commits a token at least")
+    if (kind is None and exact and o.output_tokens is not None
+            and (why := sglang.impossible_rounds(o.output_tokens, o.verify_rounds or 0)) is not None):
+        kind, message = "protocol", why
     text, chunk_times, chunk_tokens = None, [], None
     if exchanged.pieces is not None:
         if o.route == "native":

@@ -12,6 +12,15 @@ def accept_length(completion_tokens: int, verify_ct: int) -> float | None:
     return completion_tokens / verify_ct
 
 
+def impossible_rounds(completion_tokens: int, verify_ct: int) -> str | None:
+    """Why these counts cannot be a request's, if they cannot: every verify round commits a token at least, so more
+    rounds than tokens would make an acceptance below 1."""
+    if verify_ct <= completion_tokens:
+        return None
+    return f"spec_verify_ct {verify_ct} is more than completion_tokens {completion_tokens}: each verify round " \
+           "commits a token at least"
+
+
 def estimated_accept_length(completion_tokens: int, content_chunks: int) -> float | None:
     """Tokens per content chunk, for an OpenAI stream without spec details: an estimate, labelled as such. None for
     a request of one token: it ran no verify round (SGLang 0.5.23 then sends no spec details even when asked), so
