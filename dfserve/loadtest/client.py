@@ -32,6 +32,7 @@ from dfserve.http1 import BadResponse, ConnectFailed, Disconnected, Pool, Respon
 from dfserve.loadtest.records import Acceptance, RequestRecord, output_sha256
 from dfserve.loadtest.routes import ROUTE_FOR, Route
 from dfserve.loadtest.stream import Failure, StreamRead
+from dfserve.relay_core import EventTooLarge
 from dfserve.tasks import Task
 
 
@@ -152,6 +153,36 @@ def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error:
     )
 
 
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+"""The longest server-sent event (or whole body) the tester keeps of one answer: a native event repeats the whole
+output so far, about 11 bytes a token (100k tokens: 1.1 MB), so only a server that never ends its event gets here,
+and it would otherwise fill the memory as fast as loopback carries bytes."""
+
+
+class BoundedAnswer(Response):
+    """A `Response` that refuses an event still open past `max_event_bytes` (`EventTooLarge`: the request fails as
+    a protocol error, its connection closed). An event's end is a blank line (LF LF or CRLF CRLF) within one read;
+    one split between two reads is counted with the next event, so an event is refused only past its bound, or a
+    pair of events past twice it."""
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        super().__init__()
+        self.max_event_bytes = max_event_bytes
+        self.open_bytes = 0
+        """Bytes since the last event's end."""
+
+    def received(self, now: float, data: bytes) -> None:
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
+        if lf >= 0 or crlf >= 0:
+            self.open_bytes = len(data) - max(lf + 2, crlf + 3)
+        else:
+            self.open_bytes += len(data)
+        if self.open_bytes > self.max_event_bytes:
+            raise EventTooLarge(f"an event (or a body) over {self.max_event_bytes} bytes without its end: the load "
+                                "tester keeps no more of one answer")
+        self.pieces.append((now, data))
+
+
 Wire = tuple[tuple[Any, ...], int, list[tuple[float, bytes]], Failure | None]
 
 
@@ -209,8 +240,10 @@ class ArmClient:
         request_timeout_s: float,
         pin_arm: bool = False,
         headers: Mapping[str, str] | None = None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self.arm = arm
+        self.max_event_bytes = max_event_bytes
         self.pool = Pool(base_url, time.perf_counter, kernel_stamps=True)
         fields = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {}),
                   **({PIN_HEADER: arm} if pin_arm else {})}
@@ -235,7 +268,7 @@ class ArmClient:
         dispatched = time.perf_counter() - self.t0
         route, request = self.request(task)
         body = json.dumps(request).encode()
-        response = Response()
+        response = BoundedAnswer(self.max_event_bytes)
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:
@@ -256,6 +289,6 @@ class ArmClient:
             error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
         except (Disconnected, OSError) as exc:
             error = ("disconnect", str(exc) or type(exc).__name__)
-        except BadResponse as exc:
+        except (BadResponse, EventTooLarge) as exc:
             error = ("protocol", str(exc))
         finish(error)

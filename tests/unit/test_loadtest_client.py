@@ -1,0 +1,87 @@
+"""The load tester's client against servers on loopback whose answers have no end in sight: what it keeps of one
+answer is bounded, and the request fails as the server's protocol error, soon and in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from dfserve.capture.replay import ReplayTask
+from dfserve.loadtest.client import ArmClient, Finished, derive
+from dfserve.sglang import SamplingParams
+
+CAP = 64 * 1024
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def chat_event(content: str, finish: str | None = None) -> bytes:
+    body = {"id": "c", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def run(answer: list[bytes]) -> tuple[Finished, int]:
+    """One chat request to a server that writes `answer`'s chunks (each a read of its own, as far as the loop goes)
+    until the client hangs up; what the client handed its sink, and how many bytes the server got to write."""
+    written = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(HEAD)
+        try:
+            for part in answer:
+                writer.write(chunk(part))
+                written += len(part)
+                await writer.drain()
+                await asyncio.sleep(0)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def go() -> Finished:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        finished: list[Finished] = []
+        client = ArmClient("a", f"http://127.0.0.1:{port}", "chat", SamplingParams(max_new_tokens=8), finished.append,
+                           t0=0.0, request_timeout_s=10.0, max_event_bytes=CAP)
+        task = ReplayTask(id="t", prompt="p", route="chat", body={"messages": [{"role": "user", "content": "p"}]})
+        try:
+            await client.send(task, 0, warmup=False, scheduled_s=None)
+        finally:
+            client.close()
+            server.close()
+            await server.wait_closed()
+        return finished[0]
+
+    return asyncio.run(go()), written
+
+
+def test_an_event_that_never_ends_fails_the_request_as_protocol_keeping_no_more_than_its_bound() -> None:
+    endless = [b"data: {\"choices\": [{\"delta\": {\"content\": \"" + b"x" * 4096] + [b"x" * 4096] * 4096
+    finished, written = run(endless)
+    kept = sum(len(piece) for _, piece in finished.pieces)
+    assert finished.error is not None and finished.error[0] == "protocol"
+    assert f"over {CAP} bytes without its end" in finished.error[1]
+    assert kept <= CAP and written < 16 * CAP  # the client hung up soon after the bound, not at the answer's end
+    record = derive(0.0, finished)
+    assert record.error_kind == "protocol" and record.output_sha256 is None
+
+
+def test_events_each_within_the_bound_are_kept_however_long_the_answer() -> None:
+    text = "y" * (CAP // 4)
+    events = [chat_event(text) for _ in range(32)] + [chat_event("", "stop"), b"data: [DONE]\n\n"]
+    reads = [b"".join(events)[at:at + 5000] for at in range(0, len(b"".join(events)), 5000)]  # ends inside reads
+    finished, _ = run(reads)
+    record = derive(0.0, finished)
+    assert finished.error is None and record.ok and len(record.chunk_times_s) == 32
+    assert sum(len(piece) for _, piece in finished.pieces) > 8 * CAP
