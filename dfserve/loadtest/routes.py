@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dfserve import sglang
+from dfserve.errors import ProtocolError
 from dfserve.loadtest.stream import StreamRead
 from dfserve.tasks import Task
 
@@ -93,6 +94,8 @@ class Native(Route):
     def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
         """Each event carries `meta_info` with the counts so far."""
         for data, now in zip(events, times, strict=True):
+            if stream.done:
+                raise ProtocolError("an event after [DONE]")
             if data == sglang.DONE:
                 stream.done = True
             else:

@@ -96,6 +96,8 @@ class StreamRead:
         whole and may become the template."""
         i = 0
         while i < len(events):
+            if self.done:
+                raise ProtocolError("an event after [DONE]")
             fitted = template.read(events, i) if template is not None else []
             if fitted:
                 self.texts += fitted

@@ -104,6 +104,11 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
                                             b'"completion_tokens":30000000') + sglang.SSE_DONE),
     "native": ("native", native("a", 1) + native("ab\u00e9", 3) + native('ab\u00e9"q"', 7, final=True)
                + sglang.SSE_DONE),
+    "chat with content after [DONE]": ("chat", chat("a") + chat("b", finish=True) + chat_end(2) + chat("c")
+                                       + chat("d")),
+    "chat with [DONE] twice": ("chat", chat("a") + chat("b", finish=True) + chat_end(2) + sglang.SSE_DONE),
+    "native with an event after [DONE]": ("native", native("a", 1) + native("ab", 3, final=True) + sglang.SSE_DONE
+                                          + native("abc", 4, final=True)),
 }
 FIXTURE_STREAMS: dict[str, tuple[sglang.Api, bytes]] = {path.name: ("chat" if path.name.startswith("chat") else "native", path.read_bytes())
                    for path in sorted((FIXTURES / "sglang").glob("*.sse"))}
@@ -153,7 +158,8 @@ def test_the_cases_cover_what_the_records_must_show() -> None:
     assert thought["error_kind"] is None and len(thought["chunk_times_s"]) == 7  # the thinking's chunks are tokens
     assert thought["output_sha256"] == hashlib.sha256("".join([*(f"t{i} " for i in range(5)), "ab"]).encode()).hexdigest()
     for hostile in ("chat with more verify rounds than tokens", "chat whose choices are not a list",
-                    "chat with a negative token count", "native with a count past any context"):
+                    "chat with a negative token count", "native with a count past any context",
+                    "chat with content after [DONE]", "chat with [DONE] twice", "native with an event after [DONE]"):
         assert records[hostile]["error_kind"] == "protocol" and records[hostile]["acceptance"] == "unknown", hostile
     assert all(r["error_kind"] is None for name, r in records.items() if name in (
         "chat", "chat with a comment, as the simulator ends it", "chat in CRLF framing", "native"))
