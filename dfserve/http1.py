@@ -102,6 +102,10 @@ class Response:
         """The first value of header `name` (lower case)."""
         return next((value for key, value in self.headers if key == name), None)
 
+    def media_type(self) -> bytes:
+        """The Content-Type's media type, lower-cased, without its parameters (b"" when none was sent)."""
+        return (self.header(b"content-type") or b"").partition(b";")[0].strip().lower()
+
 
 _MAX_HEAD = 64 * 1024
 _NO_BODY = frozenset({204, 304})

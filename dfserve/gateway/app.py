@@ -325,7 +325,7 @@ class GatewayApp:
         exchange.replica, exchange.status = opened.replica.url, response.status
         arm, replica = opened.arm.name, opened.replica.url
         headers = response_headers(response.headers, arm, replica)
-        if (response.header(b"content-type") or b"").partition(b";")[0].strip().lower() == b"text/event-stream":
+        if response.media_type() == b"text/event-stream":
             reply.start(response.status, headers)
             await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
                                exchange, self.gateway.config.limits.max_event_bytes,

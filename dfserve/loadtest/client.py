@@ -291,4 +291,7 @@ class ArmClient:
             error = ("disconnect", str(exc) or type(exc).__name__)
         except (BadResponse, EventTooLarge) as exc:
             error = ("protocol", str(exc))
+        if error is None and response.status == 200 and response.media_type() != b"text/event-stream":
+            error = ("protocol", "a 200 answer to a streamed request that is not an event stream (Content-Type: "
+                     f"{response.media_type().decode('latin-1') or 'none'})")
         finish(error)

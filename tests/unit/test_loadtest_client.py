@@ -24,24 +24,27 @@ def chat_event(content: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def run(answer: list[bytes]) -> tuple[Finished, int]:
-    """One chat request to a server that writes `answer`'s chunks (each a read of its own, as far as the loop goes)
-    until the client hangs up; what the client handed its sink, and how many bytes the server got to write."""
+def run(answer: list[bytes], head: bytes = HEAD) -> tuple[Finished, int]:
+    """One chat request to a server that writes `head`, then `answer`'s chunks (each a read of its own, as far as
+    the loop goes, chunked unless `head` gives a length) until the client hangs up; what the client handed its
+    sink, and how many bytes the server got to write."""
+    framed = b"chunked" in head
     written = 0
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal written
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        request = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in request.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
         await reader.readexactly(length)
-        writer.write(HEAD)
+        writer.write(head)
         try:
             for part in answer:
-                writer.write(chunk(part))
+                writer.write(chunk(part) if framed else part)
                 written += len(part)
                 await writer.drain()
                 await asyncio.sleep(0)
-            writer.write(b"0\r\n\r\n")
+            writer.write(b"0\r\n\r\n" if framed else b"")
             await writer.drain()
         except ConnectionError:
             pass
@@ -85,3 +88,16 @@ def test_events_each_within_the_bound_are_kept_however_long_the_answer() -> None
     record = derive(0.0, finished)
     assert finished.error is None and record.ok and len(record.chunk_times_s) == 32
     assert sum(len(piece) for _, piece in finished.pieces) > 8 * CAP
+
+
+def test_a_whole_json_answer_to_a_streamed_request_is_the_servers_protocol_error() -> None:
+    body = json.dumps({"id": "c", "choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]})
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    finished, _ = run([body.encode()], head)
+    assert finished.error == ("protocol", "a 200 answer to a streamed request that is not an event stream "
+                              "(Content-Type: application/json)")
+    assert derive(0.0, finished).error_kind == "protocol"
+    sse = head.replace(b"application/json", b"Text/Event-Stream; charset=utf-8").replace(
+        b"%d" % len(body), b"%d" % len(b"".join([chat_event("a", "stop"), b"data: [DONE]\n\n"])))
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], sse)
+    assert finished.error is None and derive(0.0, finished).ok
