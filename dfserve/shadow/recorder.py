@@ -39,7 +39,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.shadow.policy import ShadowPolicy
-from dfserve.shadow.records import rebased, shadow_record
+from dfserve.shadow.records import RequestTask, rebased, shadow_record
 from dfserve.verdict.design import SequentialDesign
 
 log = logging.getLogger("dfserve.gateway")
@@ -138,6 +138,8 @@ class _Request:
     records: dict[str, tuple[bool, RequestRecord, float]] = field(default_factory=dict)
     arms: frozenset[str] | None = None
     primary: str | None = None
+    task: RequestTask | None = None
+    """Read from the first exchange's body; every arm was sent the same."""
 
     @property
     def complete(self) -> bool:
@@ -189,7 +191,9 @@ class ShadowRecorder:
             request = self._waiting[rid] = _Request()
         if arm not in request.records:  # an arm's second exchange for one request is not a record
             # the record, not the exchange, waits: a native stream's answer is its whole output
-            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s), folder.t0_perf_s)
+            request.task = request.task or RequestTask.of(exchanged.outcome.route, exchanged.body)
+            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, request.task),
+                                    folder.t0_perf_s)
         if not exchanged.mirror and request.primary is None:
             request.arms, request.primary = frozenset((arm, *exchanged.mirrors)), arm
         if request.complete:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from dfserve import sglang
@@ -44,6 +45,20 @@ def request_temperature(route: str, body: bytes) -> float:
     where: Any = data.get("sampling_params") if route == "native" else data
     value = where.get("temperature") if isinstance(where, dict) else None
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else GREEDY_DEFAULT_TEMPERATURE
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTask:
+    """What a request's records share, read once from the body every arm was sent: the task it is (the body's
+    hash) and the temperature it asked for. A coding prompt's body is tens of kilobytes: hashing and decoding it
+    costs more than the rest of a record."""
+
+    task_id: str
+    temperature: float
+
+    @classmethod
+    def of(cls, route: str, body: bytes) -> RequestTask:
+        return cls(hashlib.sha256(body).hexdigest()[:16], request_temperature(route, body))
 
 
 def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
@@ -122,9 +137,10 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
     return stream
 
 
-def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
-    """The record of one arm's answer to one request."""
+def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | None = None) -> RequestRecord:
+    """The record of one arm's answer to one request; `task`, when its request's other records have read it."""
     o = exchanged.outcome
+    task = task or RequestTask.of(o.route, exchanged.body)
     start = exchanged.start_s - t0_perf_s
     kind = error_kind(o.error, o.status)
     message = o.error if kind is not None else None
@@ -147,7 +163,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
     return RequestRecord(
-        arm=o.arm, index=exchanged.request_id, task_id=hashlib.sha256(exchanged.body).hexdigest()[:16],
+        arm=o.arm, index=exchanged.request_id, task_id=task.task_id,
         dispatched_s=start, sent_s=start,
         first_token_s=start + o.ttft_s if o.ttft_s is not None else None,
         end_s=start + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
@@ -155,7 +171,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float) -> RequestRecord:
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,
         http_status=o.status or None, error_kind=kind, error_message=message,
-        temperature=request_temperature(o.route, exchanged.body),
+        temperature=task.temperature,
     )
 
 

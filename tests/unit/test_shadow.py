@@ -31,6 +31,7 @@ from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.records import (
+    RequestTask,
     error_kind,
     native_stream_end,
     output_text,
@@ -355,6 +356,31 @@ def test_a_primary_paired_after_a_rotation_is_timed_from_its_new_folders_time_ze
     primary, mirror = second
     assert primary.dispatched_s == pytest.approx(mirror.dispatched_s, abs=1e-9)
     assert primary.chunk_times_s[0] == pytest.approx(mirror.chunk_times_s[0] - 0.002, abs=1e-9)
+
+
+def test_a_requests_body_is_read_once_for_all_its_arms_records(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashing and decoding a body costs more than the rest of a record when prompts are long: the recorder reads
+    each request's once, and every arm's record carries what it read."""
+    read: list[bytes] = []
+    of = RequestTask.of
+
+    def counted(route: str, body: bytes) -> RequestTask:
+        read.append(body)
+        return of(route, body)
+
+    monkeypatch.setattr(RequestTask, "of", counted)
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary="zlab2"), "zlab", ENGINES)
+    for rid in (0, 1):
+        recorder.observe(exchanged(rid, "inhouse", True, temperature=0.5))
+        recorder.observe(exchanged(rid, "zlab", False, mirrors=("inhouse", "zlab2"), temperature=0.5))
+        recorder.observe(exchanged(rid, "zlab2", True, temperature=0.5))
+    recorder.close()
+    records = list(read_records(_folders(tmp_path / "shadow")[0] / "requests.jsonl"))
+    assert len(read) == 2 and len(records) == 6
+    for rid in (0, 1):
+        same = {(r.task_id, r.temperature) for r in records if r.index == rid}
+        assert same == {(shadow_record(exchanged(rid, "zlab", False, temperature=0.5), 0).task_id, 0.5)}
 
 
 def test_a_requests_records_are_written_together_and_one_let_go_unpaired_makes_its_folder_incomplete(
