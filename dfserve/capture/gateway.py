@@ -47,6 +47,9 @@ class FinishedExchange(Protocol):
     @property
     def start_s(self) -> float:
         """When the client's request had been read, on `time.perf_counter`'s clock."""
+    @property
+    def request(self) -> Mapping[str, Any] | None:
+        """The body as the gateway decoded it, if it did."""
 
 
 def header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
@@ -68,7 +71,8 @@ def captured(exchanged: FinishedExchange, now_unix_s: float, now_perf_s: float) 
     if not is_captured(exchanged):
         return None
     arrival_unix_s = now_unix_s - (now_perf_s - exchanged.start_s)
-    return Captured(exchanged.path, exchanged.body, header_pairs(exchanged.headers), arrival_unix_s, exchanged.start_s)
+    return Captured(exchanged.path, exchanged.body, header_pairs(exchanged.headers), arrival_unix_s, exchanged.start_s,
+                    exchanged.request)
 
 
 class CaptureObserver:

@@ -26,7 +26,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,8 @@ class Captured:
     arrival_unix_s: float
     arrival_perf_s: float
     """`time.perf_counter()` at arrival: the replay's offsets come from this clock, not the wall clock."""
+    request: Mapping[str, Any] | None = None
+    """The body already decoded (the gateway's, `Exchanged.request`): not decoded again, nor changed."""
 
 
 _RECORD_FIELDS = tuple(CaptureRecord.model_fields.items())
@@ -251,10 +253,12 @@ class CaptureWriter:
         if route is None:
             self._counts["not_a_route"] += 1
             return None
-        try:
-            body = json.loads(captured.body)
-        except (ValueError, UnicodeDecodeError):
-            body = None
+        body: object = captured.request
+        if body is None:
+            try:
+                body = json.loads(captured.body)
+            except ValueError:  # invalid UTF-8 among them
+                body = None
         if not isinstance(body, dict):
             self._counts["unreadable"] += 1
             return None

@@ -261,12 +261,13 @@ class GatewayApp:
                 gateway.metrics.shadow_requests.labels(mirror, "skipped").inc()
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
-                                                   body=body, start=start, keep_pieces=recorded), path, with_spec,
+                                                   body=body, request=inspected.body, start=start,
+                                                   keep_pieces=recorded), path, with_spec,
                                           headers))
         if mirrors and down:
             mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
-        exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, start=start,
-                            mirrors=mirrors, keep_pieces=recorded)
+        exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, request=inspected.body,
+                            start=start, mirrors=mirrors, keep_pieces=recorded)
         await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
 
     async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
@@ -318,7 +319,7 @@ class GatewayApp:
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
                 outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors,
-                exchange.pieces))
+                exchange.pieces, exchange.request))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

@@ -74,6 +74,9 @@ class Exchanged:
     events repeat the whole output so far), each event's `completion_tokens` where it changed, with its piece's
     arrival (its output is in `answer`); None for a stream not recorded (which the gateway decides per request at
     dispatch: shadow records are of mirrored requests and their primary) and for a whole body."""
+    request: Mapping[str, Any] | None = None
+    """The body as the gateway decoded it (a JSON object, never changed after), read by observers instead of
+    decoding `body` again: a coding prompt's body is tens of kilobytes. None where the gateway did not decode it."""
 
 
 class Observer(Protocol):

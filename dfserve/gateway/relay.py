@@ -28,8 +28,9 @@ reason is an abort.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
@@ -82,6 +83,8 @@ class Exchange:
     mirror: bool = False
     body: bytes = b""
     """The request body as the client sent it."""
+    request: Mapping[str, Any] | None = None
+    """`Exchanged.request`."""
     replica: str = ""
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None

@@ -191,7 +191,7 @@ class ShadowRecorder:
             request = self._waiting[rid] = _Request()
         if arm not in request.records:  # an arm's second exchange for one request is not a record
             # the record, not the exchange, waits: a native stream's answer is its whole output
-            request.task = request.task or RequestTask.of(exchanged.outcome.route, exchanged.body)
+            request.task = request.task or RequestTask.of(exchanged)
             request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, request.task),
                                     folder.t0_perf_s)
         if not exchanged.mirror and request.primary is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,15 +34,12 @@ GREEDY_DEFAULT_TEMPERATURE = 1.0
 """What a request that sets no temperature samples at (OpenAI's and SGLang's default): never taken for greedy."""
 
 
-def request_temperature(route: str, body: bytes) -> float:
-    """The temperature the client asked for (`sampling_params.temperature` natively, `temperature` otherwise)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
+def request_temperature(route: str, request: object) -> float:
+    """The temperature the client asked for in its decoded body (`sampling_params.temperature` natively,
+    `temperature` otherwise)."""
+    if not isinstance(request, Mapping):
         return GREEDY_DEFAULT_TEMPERATURE
-    if not isinstance(data, dict):
-        return GREEDY_DEFAULT_TEMPERATURE
-    where: Any = data.get("sampling_params") if route == "native" else data
+    where: Any = request.get("sampling_params") if route == "native" else request
     value = where.get("temperature") if isinstance(where, dict) else None
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else GREEDY_DEFAULT_TEMPERATURE
 
@@ -57,8 +54,17 @@ class RequestTask:
     temperature: float
 
     @classmethod
-    def of(cls, route: str, body: bytes) -> RequestTask:
-        return cls(hashlib.sha256(body).hexdigest()[:16], request_temperature(route, body))
+    def of(cls, exchanged: Exchanged) -> RequestTask:
+        """From the gateway's decoding of the body (`Exchanged.request`), or the body's own where it has none."""
+        request = exchanged.request if exchanged.request is not None else _decoded(exchanged.body)
+        return cls(hashlib.sha256(exchanged.body).hexdigest()[:16], request_temperature(exchanged.outcome.route, request))
+
+
+def _decoded(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
@@ -140,7 +146,7 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
 def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | None = None) -> RequestRecord:
     """The record of one arm's answer to one request; `task`, when its request's other records have read it."""
     o = exchanged.outcome
-    task = task or RequestTask.of(o.route, exchanged.body)
+    task = task or RequestTask.of(exchanged)
     start = exchanged.start_s - t0_perf_s
     kind = error_kind(o.error, o.status)
     message = o.error if kind is not None else None

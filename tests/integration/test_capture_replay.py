@@ -41,6 +41,7 @@ class Finished:
     headers: bytes
     body: bytes
     start_s: float
+    request: dict[str, Any] | None = None
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ raises or stalls costs clients nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections import Counter
@@ -107,6 +108,7 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
         assert set(arms) == {"baseline", "candidate", "dead"}
         assert not arms["baseline"].mirror and arms["candidate"].mirror and arms["dead"].mirror
         assert arms["baseline"].body == arms["candidate"].body and arms["baseline"].path == "/generate"
+        assert all(e.request == json.loads(e.body) for e in arms.values())  # decoded once, by the gateway
         assert arms["baseline"].outcome.status == arms["candidate"].outcome.status == 200
         assert arms["baseline"].outcome.measure == "exact" and arms["baseline"].outcome.accept_length
         assert arms["dead"].outcome.error == "connect" and arms["dead"].outcome.status == 502

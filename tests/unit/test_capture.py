@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -115,6 +115,16 @@ def test_records_hold_route_body_arrival_settings_and_headers(tmp_path: Path) ->
     assert "Bearer" not in (tmp_path / "capture" / manifest.segments[0].name).read_text()
     assert (manifest.complete, manifest.counts.written, manifest.counts.not_a_route, manifest.counts.unreadable) == (
         True, 2, 1, 1)
+
+
+def test_a_body_the_gateway_decoded_is_taken_as_decoded_and_left_as_it_was(tmp_path: Path) -> None:
+    decoded = json.loads(json.dumps(CHAT))
+    writer = CaptureWriter.open(policy(tmp_path, redact="hash"), clock=lambda: 0.0)
+    writer.observe(Captured("/v1/chat/completions", b"{not decoded again", [], 0.0, 0.0, decoded))
+    writer.close()
+    _, (record,) = read_capture(tmp_path / "capture")
+    assert record.sampling["temperature"] == 0.7 and record.body["messages"][1]["content"] != "sort a list"
+    assert decoded == CHAT  # the hash policy changed its own copy
 
 
 def test_a_line_is_byte_for_byte_the_records_own_json() -> None:
@@ -343,6 +353,7 @@ class Finished:
     headers: bytes
     body: bytes
     start_s: float
+    request: dict[str, Any] | None = None
 
 
 def test_the_observer_keeps_client_requests_with_their_arrival_and_not_mirrors(tmp_path: Path) -> None:

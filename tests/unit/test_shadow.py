@@ -92,7 +92,14 @@ def test_outputs_the_gateway_holds() -> None:
     ("native", {"sampling_params": {"temperature": 0}}, 0.0), ("native", {"temperature": 0}, 1.0),
     ("chat", {"temperature": 0.7}, 0.7), ("chat", {}, 1.0), ("chat", {"temperature": True}, 1.0)])
 def test_a_request_without_a_temperature_is_not_greedy(route: str, body: dict[str, object], temperature: float) -> None:
-    assert request_temperature(route, json.dumps(body).encode()) == temperature
+    assert request_temperature(route, body) == temperature
+
+
+def test_a_records_temperature_is_read_from_the_gateways_decoding_of_the_body_or_else_from_the_body() -> None:
+    sent = exchanged(1, "zlab", False, temperature=0.25)
+    assert RequestTask.of(sent).temperature == 0.25
+    assert RequestTask.of(replace(sent, request={"sampling_params": {"temperature": 0}})).temperature == 0.0
+    assert RequestTask.of(replace(sent, body=b"\xff not json")).temperature == 1.0
 
 
 def test_error_kinds() -> None:
@@ -365,9 +372,9 @@ def test_a_requests_body_is_read_once_for_all_its_arms_records(tmp_path: Path,
     read: list[bytes] = []
     of = RequestTask.of
 
-    def counted(route: str, body: bytes) -> RequestTask:
-        read.append(body)
-        return of(route, body)
+    def counted(exchanged: Exchanged) -> RequestTask:
+        read.append(exchanged.body)
+        return of(exchanged)
 
     monkeypatch.setattr(RequestTask, "of", counted)
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow", secondary="zlab2"), "zlab", ENGINES)
