@@ -260,6 +260,13 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
         sample.unattributed += 1  # a path that re-encodes the stream (LiteLLM) drops the sim's times
 
 
+def context_text(size: int) -> str:
+    """About `size` bytes of Python source before each prompt, as a coding assistant sends the file it works in
+    (this benchmark's own): a body of that size is what a capture writes and a shadow record hashes and reads."""
+    source = Path(__file__).read_text()
+    return (source * (size // len(source) + 1))[:size]
+
+
 async def closed_loop(targets: Sequence[tuple[str, dict[str, str]]], concurrency: int, requests: int,
                       args: argparse.Namespace, native: bool) -> list[Sample]:
     """`concurrency` workers per target (URL and headers), all at once, each streaming one request after another
@@ -273,12 +280,14 @@ async def closed_loop(targets: Sequence[tuple[str, dict[str, str]]], concurrency
     """
     sampling = sglang.SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
 
+    context = context_text(args.prompt_bytes)
+
     def body(n: int) -> bytes:
         if native:
-            payload = sglang.generate_body(f"def add_{n}(a, b):", sampling, stream=True)
+            payload = sglang.generate_body(f"{context}def add_{n}(a, b):", sampling, stream=True)
         else:
-            payload = sglang.chat_body("qwen", [{"role": "user", "content": f"Write a function that adds ({n})."}],
-                                       sampling, stream=True)
+            payload = sglang.chat_body("qwen", [{"role": "user", "content": f"{context}Write a function that adds "
+                                                 f"({n})."}], sampling, stream=True)
         return json.dumps(payload).encode()
 
     samples = [Sample() for _ in targets]
@@ -623,6 +632,8 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=20, help="Requests per run at least (for 1 stream).")
     parser.add_argument("--budget-s", type=float, default=25.0, help="Time cap per run.")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-bytes", type=int, default=0,
+                        help="Put this much source code before each prompt (a coding assistant's file context).")
     parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md alone.")
     parser.add_argument("--cpu-split", action="store_true",
                         help="Also split each proxy's CPU into a cost per request and a cost per chunk.")
