@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dfserve.capture.format import CapturePolicy
 from dfserve.errors import FieldError, UserError, describe_invalid
@@ -33,18 +35,23 @@ Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
 """Weights are relative shares; a bound keeps their sum, and so the split, exact (two weights of 1e308 add up to
 infinity, which sends everything to the last arm)."""
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP field name (RFC 9110's token): what a request can carry as a header."""
 
 
 class _Model(BaseModel):
-    """Every number finite: an infinite timeout or interval is no setting a timer can hold."""
+    """Every number finite: an infinite timeout or interval is no setting a timer can hold. Strict: `port: true`
+    or `weight: "50"` is a mistake in the file, not a number to guess at (an int still passes for a float). YAML
+    and JSON have no tuples, so tuple fields take lists (`Field(strict=False)`), their items still strict."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class ArmConfig(_Model):
     """One deployment under test: its replicas (SGLang servers or routers) and its share of traffic."""
 
-    replicas: tuple[str, ...] = Field(min_length=1, description="Base URLs, e.g. http://10.0.0.1:30000.")
+    replicas: tuple[str, ...] = Field(min_length=1, strict=False,
+                                      description="Base URLs, e.g. http://10.0.0.1:30000.")
     weight: float = Field(ge=0, le=MAX_WEIGHT, allow_inf_nan=False,
                           description=f"Relative share of traffic in split and sticky modes, 0 to {MAX_WEIGHT:g}.")
 
@@ -82,6 +89,15 @@ class RoutingConfig(_Model):
             if not name or not name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"arm name {name!r}: use letters, digits, '-' and '_'")
         return arms
+
+    @field_validator("sticky_header")
+    @classmethod
+    def _header_name(cls, name: str) -> str:
+        """No request can carry a header named `""` or `bad header:`: sticky mode would never find its key."""
+        if not HEADER_NAME.fullmatch(name):
+            raise PydanticCustomError("header_name", "{name} is not an HTTP header name (letters, digits and "
+                                      "!#$%&'*+-.^_`|~)", {"name": repr(name)})
+        return name
 
     @model_validator(mode="after")
     def _mode(self) -> RoutingConfig:
@@ -169,8 +185,8 @@ class GatewayConfig(_Model):
     scrape: ScrapeConfig = ScrapeConfig()
     admin: AdminConfig = AdminConfig()
     seed: int | None = Field(None, description="Seed of the split's random choice; None draws one.")
-    observers: tuple[ObserverConfig, ...] = Field((), description="Observers of every finished exchange besides "
-                                                  "metrics, each on a thread of its own.")
+    observers: tuple[ObserverConfig, ...] = Field((), strict=False, description="Observers of every finished "
+                                                  "exchange besides metrics, each on a thread of its own.")
     watch_interval_s: float | None = Field(None, gt=0, description="Check the config file this often and apply "
                                            "its routing when it changes (`gateway.watch`); the admin API is then "
                                            "read-only. None: the file is read at start and on SIGHUP.")
@@ -178,6 +194,14 @@ class GatewayConfig(_Model):
                                           "(`dfserve.capture`); None: no capture.")
     shadow: ShadowPolicy | None = Field(None, description="shadow mode: record every mirrored request's answers "
                                         "from each arm, paired by request, for `dfserve compare`.")
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version(cls, version: Any) -> Any:
+        """A `Literal` matches by equality, even in strict mode, and `True == 1.0 == 1`."""
+        if type(version) is not int:
+            raise PydanticCustomError("literal_error", "Input should be 1")
+        return version
 
     @model_validator(mode="after")
     def _shadow(self) -> GatewayConfig:
@@ -203,11 +227,14 @@ _ROUTING_KEYS = set(RoutingConfig.model_fields)
 
 
 def _flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """Accept routing keys (mode, arms, ...) at the top level of the YAML file as well as under `routing:`."""
+    """Accept routing keys (mode, arms, ...) at the top level of the YAML file as well as under `routing:`; one key
+    given in both places is refused, since either one winning would leave the other silently unused."""
     routing = dict(_mapping(raw.get("routing") or {}, where, "routing"))
     rest = {}
     for key, value in raw.items():
         if key in _ROUTING_KEYS:
+            if key in routing:
+                raise UserError(f"{where}: {key}: also given as routing.{key}; set it in one place")
             routing[key] = value
         elif key != "routing":
             rest[key] = value

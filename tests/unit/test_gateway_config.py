@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,109 @@ def test_routing_document_is_checked_whole() -> None:
     with pytest.raises(UserError, match=r"body: arms\.b\.replicas"):
         parse_routing({"arms": {"a": {"weight": 1, "replicas": ["http://h:1"]}, "b": {"weight": 1, "replicas": []}}},
                       "body")
+
+
+ARM = "arms: {a: {weight: 1, replicas: ['http://h:1']}}\n"
+
+
+def _refused(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as caught:
+        load_config(path, {})
+    return str(caught.value).removeprefix(f"{path}: ")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port: true\n" + ARM, "port: Input should be a valid integer"),
+        ("arms: {a: {weight: '50', replicas: ['http://h:1']}}\n", "routing.arms.a.weight: Input should be a valid number"),
+        ("arms: {a: {weight: true, replicas: ['http://h:1']}}\n", "routing.arms.a.weight: Input should be a valid number"),
+        ("shed: 'yes'\n" + ARM, "routing.shed: Input should be a valid boolean"),
+        ("shadow_fraction: '0.5'\n" + ARM, "routing.shadow_fraction: Input should be a valid number"),
+        ("limits: {max_retries: '2'}\n" + ARM, "limits.max_retries: Input should be a valid integer"),
+        ("limits: {max_retries: 2.0}\n" + ARM, "limits.max_retries: Input should be a valid integer"),
+        ("scrape: {enabled: 1}\n" + ARM, "scrape.enabled: Input should be a valid boolean"),
+        ("admin: {port: '9001'}\n" + ARM, "admin.port: Input should be a valid integer"),
+        ("seed: false\n" + ARM, "seed: Input should be a valid integer"),
+        ("observers: [{kind: x, queue_size: '3'}]\n" + ARM, "observers.0.queue_size: Input should be a valid integer"),
+        ("schema_version: true\n" + ARM, "schema_version: Input should be 1"),
+        ("schema_version: 1.0\n" + ARM, "schema_version: Input should be 1"),
+    ],
+)
+def test_numbers_and_booleans_are_not_guessed(tmp_path: Path, text: str, message: str) -> None:
+    """`port: true` is not port 1, `weight: "50"` is not 50: the file says what it means or is refused."""
+    assert _refused(tmp_path, text) == message
+
+
+def test_ints_pass_for_floats_and_lists_for_tuples(tmp_path: Path) -> None:
+    """Strict, not stricter: `weight: 50` is a number and YAML lists fill tuples; `weight: 50.0` is no count."""
+    path = tmp_path / "g.yaml"
+    path.write_text("arms: {a: {weight: 50, replicas: ['http://h:1']}}\nlimits: {head_timeout_s: 5}\n"
+                    "health: {max_ejection_percent: 50}\nobservers: [{kind: x}]\nschema_version: 1\n")
+    config = load_config(path, {})
+    assert config.routing.arms["a"].weight == 50 and isinstance(config.routing.arms["a"].weight, float)
+    assert config.limits.head_timeout_s == 5.0 and config.health.max_ejection_percent == 50.0
+    assert config.routing.arms["a"].replicas == ("http://h:1",) and config.observers[0].kind == "x"
+    assert _refused(tmp_path, ARM + "limits: {max_connections: 50.0}\n") == (
+        "limits.max_connections: Input should be a valid integer")
+
+
+def test_flag_values_still_validate(tmp_path: Path) -> None:
+    """What click hands over (ints, floats, bools, `--arm`'s ArmConfig) passes the strict models."""
+    path = tmp_path / "g.yaml"
+    path.write_text(GOOD)
+    config = load_config(path, {"port": 0, "routing.shed": True, "seed": 7, "health.interval_s": 0.5,
+                                "scrape.interval_s": 2.0, "watch_interval_s": 1.0, "admin.port": 0,
+                                "routing.arms": dict([parse_arm_flag("c=10@http://127.0.0.1:1")])})
+    assert (config.port, config.seed, config.admin.port, config.routing.shed) == (0, 7, 0, True)
+    assert config.routing.arms["c"].weight == 10.0
+    with pytest.raises(UserError, match=r"^--port: Input should be a valid integer$"):
+        load_config(path, {"port": True}, {"port": "--port"})
+
+
+def test_admin_body_is_strict_too() -> None:
+    arms = {"a": {"weight": "50", "replicas": ["http://h:1"]}}
+    with pytest.raises(UserError) as caught:
+        parse_routing({"arms": arms}, "body")
+    assert str(caught.value) == "body: arms.a.weight: Input should be a valid number"
+    assert parse_routing({"arms": {"a": {"weight": 50, "replicas": ["http://h:1"]}}}).arms["a"].weight == 50.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ARM + "routing: {arms: {b: {weight: 1, replicas: ['http://h:2']}}}\n",
+         "arms: also given as routing.arms; set it in one place"),
+        ("mode: split\nrouting: {mode: split}\n" + ARM, "mode: also given as routing.mode; set it in one place"),
+    ],
+)
+def test_routing_key_given_twice_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    """Top-level `arms:` and `routing: {arms: ...}` both set the arms: neither may silently win."""
+    assert _refused(tmp_path, text) == message
+
+
+def test_routing_keys_at_either_level(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text("mode: sticky\nrouting: {shed: true, arms: {a: {weight: 1, replicas: ['http://h:1']}}}\n")
+    config = load_config(path, {})
+    assert config.routing.mode == "sticky" and config.routing.shed and list(config.routing.arms) == ["a"]
+    path.write_text("shed: false\n" + path.read_text())
+    assert _refused(tmp_path, path.read_text()) == "shed: also given as routing.shed; set it in one place"
+
+
+@pytest.mark.parametrize("header", ["", "bad header:", "x y", "key\n", "{a}", "é"])
+def test_sticky_header_must_be_a_header_name(tmp_path: Path, header: str) -> None:
+    """No request can carry a header named `""` or `bad header:`; sticky mode would never see its key."""
+    message = _refused(tmp_path, f"mode: sticky\nsticky_header: {json.dumps(header)}\n" + ARM)
+    assert message == (f"routing.sticky_header: {header!r} is not an HTTP header name "
+                       "(letters, digits and !#$%&'*+-.^_`|~)")
+
+
+def test_sticky_header_token_characters(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text("mode: sticky\nsticky_header: \"X-User_id.v2!#$%&'*+^`|~\"\n" + ARM)
+    assert load_config(path, {}).routing.sticky_header == "X-User_id.v2!#$%&'*+^`|~"
+    assert _refused(tmp_path, "mode: sticky\nsticky_header: 'X-User_id:'\n" + ARM).startswith(
+        "routing.sticky_header: 'X-User_id:' is not an HTTP header name")
