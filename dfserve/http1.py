@@ -70,6 +70,11 @@ class ReaderStalled(Exception):
     server's."""
 
 
+class BodyTooLarge(EventTooLarge):
+    """A whole body longer than its `Response.max_body_bytes`: refused by its sink, as a relay refuses an event too
+    long, so that the de-chunker fails the response the same way."""
+
+
 class Sink(Protocol):
     """Where a response's body goes, piece by piece (one piece per read, with the clock reading of its arrival)."""
 
@@ -87,10 +92,17 @@ class Response:
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
     sent: float | None = None
     """The clock reading just before the request was written."""
+    max_body_bytes: int | None = None
+    """The most body it holds: one more byte fails the response (`BodyTooLarge`). None: no bound."""
+    body_bytes: int = 0
 
     def received(self, now: float, data: bytes) -> None:
         """One de-chunked piece of body, as it arrives."""
         self.pieces.append((now, data))
+        self.body_bytes += len(data)
+        if self.max_body_bytes is not None and self.body_bytes > self.max_body_bytes:
+            self.pieces.clear()
+            raise BodyTooLarge(f"a body longer than {self.max_body_bytes} bytes")
 
     def ended(self) -> None:
         """The response is complete, failed or abandoned (the connection's `done` future says which)."""
@@ -308,6 +320,9 @@ class _Connection(asyncio.Protocol):
             start = 0
             while not self._head_done:  # interim (1xx) heads, then the final one
                 end = data.find(b"\r\n\r\n", start)
+                if data.find(b"\n\n", start, end if end >= 0 else len(data)) >= 0:
+                    # llhttp takes CRLF only: such a head would never end, and wait out the read timeout
+                    raise BadResponse("a response head whose lines end in a bare LF")
                 size = (end + 4 if end >= 0 else len(data)) - start
                 if self._head_bytes + size > _MAX_HEAD:
                     raise BadResponse(f"response head over {_MAX_HEAD} bytes")

@@ -179,7 +179,7 @@ class GatewayApp:
                 self.refuse(reply, 400, str(exc))
                 return
             exchange = Exchange(arm=arm, route=FORWARDED_GETS[path], request_id=next(self.gateway.request_ids))
-            await self.forward(exchange, b"GET", path, b"", self._headers(request), reply)
+            await self.forward(exchange, b"GET", path, b"", self._headers(request), reply, query=request.query)
         elif path == "/health" and method in ("GET", "HEAD"):
             self.health(reply)
         elif path == "/ready" and method == "GET":
@@ -263,17 +263,18 @@ class GatewayApp:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
                                                    body=body, request=inspected.body, start=start,
                                                    keep_pieces=recorded), path, with_spec,
-                                          headers))
+                                          headers, request.query))
         if mirrors and down:
             mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
         exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, request=inspected.body,
                             start=start, mirrors=mirrors, keep_pieces=recorded)
-        await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body)
+        await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body,
+                           query=request.query)
 
-    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes) -> None:
+    async def shadow(self, exchange: Exchange, path: str, body: bytes, headers: bytes, query: str) -> None:
         """A mirrored request: measured like any other, answered to nobody, and never able to fail the client's."""
         try:
-            await self.forward(exchange, b"POST", path, body, headers, Discard())
+            await self.forward(exchange, b"POST", path, body, headers, Discard(), query=query)
             outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
         except Exception:
             outcome = "error"
@@ -290,16 +291,19 @@ class GatewayApp:
         headers: bytes,
         reply: Responder,
         strip_spec: bool = False,
+        query: str = "",
     ) -> None:
-        """Send one request to `exchange.arm` and relay the answer; a client that leaves cancels this task
-        (`gateway.server`), which closes the upstream connection, so the replica aborts the request."""
+        """Send one request to `exchange.arm` (at `path`, with the client's `query` string) and relay the answer; a
+        client that leaves cancels this task (`gateway.server`), which closes the upstream connection, so the
+        replica aborts the request."""
         gateway = self.gateway
         in_flight = gateway.metrics.in_flight.labels(exchange.arm, exchange.route)
         in_flight.inc()
         opened: Opened | None = None
         try:
             try:
-                opened = await gateway.upstream.open(exchange.arm, method, path, body, headers)
+                target = f"{path}?{query}" if query else path
+                opened = await gateway.upstream.open(exchange.arm, method, target, body, headers)
             except UpstreamFailure as failure:
                 exchange.status, exchange.error = failure.status, failure.kind
                 send_error(reply, failure.status, str(failure), "upstream_error", [(ARM_HEADER, exchange.arm.encode())])
@@ -337,8 +341,9 @@ class GatewayApp:
             payload = response.body()
         except MID_STREAM as exc:
             exchange.error = mid_stream_error(exc)
-            send_error(reply, 502, f"upstream replica failed mid-response ({type(exc).__name__})", "upstream_error",
-                       [(ARM_HEADER, arm.encode())])
+            message = (f"upstream replica sent {exc} (max_response_bytes)" if exchange.error == "body_too_large"
+                       else f"upstream replica failed mid-response ({type(exc).__name__})")
+            send_error(reply, 502, message, "upstream_error", [(ARM_HEADER, arm.encode())])
             return
         exchange.answer = payload
         if response.status == 200 and exchange.route in PROXIED.values():

@@ -138,6 +138,8 @@ class Limits(_Model):
     max_retries: int = Field(2, ge=0, description="Other replicas of the same arm tried before the first byte.")
     max_event_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Longest part of an upstream's server-sent "
                                  "event held while waiting for its end; past it the stream ends with an error event.")
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest whole (not streamed) upstream "
+                                    "response body, held until it is complete; past it the client gets 502.")
 
 
 class HealthConfig(_Model):

@@ -177,8 +177,10 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
                        max_event_bytes: int, strip: bytes | None = None) -> None:
     """Pass an SSE body through as it arrives, whole events at a time (`EventRelay`, fed by the upstream
     connection's de-chunker with no Python in between), reading the upstream only as fast as the client takes it,
-    less the members whose key is `strip`; a failure after the first byte, or an event longer than
-    `max_event_bytes` (held until it is whole), ends it with an error event, never half an event. The relay holds
+    less the members whose key is `strip`; a failure after the first byte, an event longer than `max_event_bytes`
+    (held until it is whole), or a body that ends without `[DONE]` or in half an event (`stream_cut`, as a client
+    reading it would have it) ends it with an error event, never half an event, unless the relay already ended the
+    client's body with the upstream's last bytes. The relay holds
     nothing of this coroutine's, so a finished request leaves no cycle for the garbage collector."""
     write, chunked = reply.body_writer()
     relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes,
@@ -204,7 +206,13 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
             message = f"upstream replica failed mid-stream ({type(failure).__name__})"
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
-    exchange.answer, exchange.streamed = relay.alarmed + relay.stripped + relay.tail, True
+    tail = relay.tail
+    if relay.pending.strip() or not sglang.ends_with_done(tail):
+        exchange.error = "stream_cut"  # its end is the replica's: half an event, or no `[DONE]` after the last
+        reply.end(b"" if relay.last_chunk_written else sglang.stream_error_events(
+            "upstream replica ended the stream before [DONE]", "upstream_error", 502), relay.last_chunk_written)
+        return
+    exchange.answer, exchange.streamed = relay.alarmed + relay.stripped + tail, True
     try:
         exchange.acceptance, in_band = kind.read_end(relay.tokens, exchange.answer)
     except ProtocolError as exc:

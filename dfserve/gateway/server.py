@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Protocol, cast
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import httptools
 
@@ -43,6 +43,7 @@ _MAX_HEAD_BYTES = 64 * 1024
 """Also the most a chunk-size line (extensions included) or a trailer section may run to: llhttp reads past both
 without a bound of its own."""
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_PRINTABLE = "".join(map(chr, range(0x21, 0x7F)))
 _LINGER_S = 1.0
 """How long a connection refused with an error answer is held open, reading and dropping what its client still
 sends, for the client to read that answer: closing with bytes unread resets the connection, and a client may lose
@@ -57,6 +58,9 @@ class Request:
     headers: list[tuple[bytes, bytes]]
     """Names lower-cased, values as sent."""
     body: bytes = b""
+    query: str = ""
+    """The request target's query string, without its `?`: as sent, bytes outside printable ASCII percent-encoded.
+    The gateway routes on `path` alone and passes the query on upstream (an OpenAI client's `default_query`)."""
 
 
 class Responder(Protocol):
@@ -436,13 +440,15 @@ class ClientConnection(asyncio.Protocol):
         incoming.in_body = False
         method = parser.get_method().decode("ascii", "replace")
         try:
-            path = unquote(httptools.parse_url(incoming.url).path.decode("latin-1"))
+            target = httptools.parse_url(incoming.url)
         except httptools.HttpParserInvalidURLError:
             raise _Refused(400, f"malformed request target {incoming.url[:80]!r}") from None
+        path = unquote(target.path.decode("latin-1"))
+        query = quote(target.query, safe=_PRINTABLE) if target.query else ""
         http11 = parser.get_http_version() == "1.1"
         reply = Reply(self, head_only=method == "HEAD", http11=http11,
                       keep_alive=parser.should_keep_alive() and not incoming.close_after)
-        self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body)), reply))
+        self.waiting.append((Request(method, path, incoming.headers, b"".join(incoming.body), query), reply))
         if self.task is None:
             self._next()
         else:

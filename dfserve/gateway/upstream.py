@@ -24,6 +24,7 @@ from dfserve.gateway.config import ArmConfig, HealthConfig, Limits
 from dfserve.gateway.routing import pick_replica
 from dfserve.http1 import (
     BadResponse,
+    BodyTooLarge,
     Call,
     ConnectFailed,
     Disconnected,
@@ -82,16 +83,18 @@ class UpstreamFailure(Exception):
 MID_STREAM = (Disconnected, BadResponse, ReadTimeout, ReaderStalled, EventTooLarge)
 """What a response can fail with once its head has arrived."""
 
-REPLICA_FAULTS = frozenset({"stream_cut", "timeout", "event_too_large"})
+REPLICA_FAULTS = frozenset({"stream_cut", "timeout", "event_too_large", "body_too_large"})
 """Failure kinds after the head that count against the replica (`Upstream.release`); the others are the client's."""
 
 
 def mid_stream_error(exc: Exception) -> str:
     """The failure kind of a response cut after its head: the replica's (`timeout`, `event_too_large`: an event
-    longer than `limits.max_event_bytes`, `stream_cut`) unless the gateway's own client stopped reading
-    (`client_stalled`)."""
+    longer than `limits.max_event_bytes`, `body_too_large`: a whole body longer than `limits.max_response_bytes`,
+    `stream_cut`) unless the gateway's own client stopped reading (`client_stalled`)."""
     if isinstance(exc, ReaderStalled):
         return "client_stalled"
+    if isinstance(exc, BodyTooLarge):
+        return "body_too_large"
     if isinstance(exc, EventTooLarge):
         return "event_too_large"
     return "timeout" if isinstance(exc, ReadTimeout) else "stream_cut"
@@ -205,7 +208,7 @@ class Upstream:
             tried.add(index)
             replica.in_flight += 1
             arm.in_flight += 1
-            response = Response()
+            response = Response(max_body_bytes=self.limits.max_response_bytes)
             try:
                 call = await replica.pool.open(method, path, body, headers, response)
             except ReadTimeout:
@@ -214,8 +217,9 @@ class Upstream:
                 raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
             except (ConnectFailed, Disconnected, BadResponse) as exc:
                 self._finish(arm, replica)
-                self._failed(arm, replica, "bad_response" if isinstance(exc, BadResponse) else "connect")
-                failure = UpstreamFailure(502, "connect", f"arm {arm_name!r}: {type(exc).__name__} from a replica")
+                kind = "bad_response" if isinstance(exc, BadResponse) else "connect"
+                self._failed(arm, replica, kind)
+                failure = UpstreamFailure(502, kind, f"arm {arm_name!r}: {type(exc).__name__} from a replica")
                 continue
             except BaseException:
                 self._finish(arm, replica)

@@ -1,5 +1,7 @@
 """The gateway against an upstream that writes raw bytes no HTTP library would send: a header value with a bare line
-break, interim 1xx responses, a 204 without framing, a head over 64 KiB in one write, an event that never ends; and
+break, a head whose lines end in bare LFs, interim 1xx responses, a 204 without framing, a head over 64 KiB in one
+write, an event that never ends, a stream that ends without `[DONE]` or in half an event, a whole body past its
+bound; and
 the same gateway with its relay in pure Python (the C extension made unimportable), byte for byte and metric for
 metric."""
 
@@ -30,6 +32,7 @@ NATIVE_EVENTS = b"".join(
                            | ({"spec_verify_ct": 4} if n == 12 else {})}).encode() + b"\n\n"
     for n in (1, 5, 9, 12)) + b"data: [DONE]\n\n"
 EVENT_CAP = 256 * 1024
+BODY_CAP = 1024 * 1024
 
 
 def chunk(data: bytes) -> bytes:
@@ -47,6 +50,8 @@ class RawUpstream:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.targets: list[bytes] = []
+        """The request target of every request but health checks, as it came."""
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -81,6 +86,8 @@ class RawUpstream:
                 headers = dict(line.lower().split(b": ", 1) for line in lines[1:] if b": " in line)
                 await reader.readexactly(int(headers.get(b"content-length", b"0")))
                 path = lines[0].split(b" ")[1]
+                if path != b"/health":
+                    self.targets.append(path)
                 await self.answer(b"health" if path == b"/health" else headers.get(b"x-raw", b""), writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -102,6 +109,18 @@ class RawUpstream:
             writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n" + SSE_HEAD)
             await asyncio.sleep(0.05)
             writer.write(chunk(NATIVE_EVENTS) + b"0\r\n\r\n")
+        elif behaviour == b"lf-head":  # and the connection left open: the head's end is never a CRLF CRLF
+            writer.write(b"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: 2\n\n{}")
+        elif behaviour == b"no-done":
+            writer.write(SSE_HEAD + chunk(NATIVE_EVENTS.removesuffix(b"data: [DONE]\n\n")) + b"0\r\n\r\n")
+        elif behaviour == b"half-event":
+            writer.write(SSE_HEAD + chunk(NATIVE_EVENTS[:NATIVE_EVENTS.index(b"\n\n") + 2] + b'data: {"text": "x')
+                         + b"0\r\n\r\n")
+        elif behaviour == b"big-whole":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (2 * BODY_CAP))
+            for _ in range(32):
+                writer.write(b" " * (BODY_CAP // 16))
+                await writer.drain()
         elif behaviour == b"no-content":
             writer.write(b"HTTP/1.1 204 No Content\r\nx-engine: raw\r\n\r\n")
         elif behaviour == b"endless-event":
@@ -123,7 +142,7 @@ class RawUpstream:
 
 def write_config(tmp_path: Path, url: str) -> Path:
     config = {"schema_version": 1, "arms": {"a": {"weight": 1, "replicas": [url]}}, "scrape": {"enabled": False},
-              "health": {"interval_s": 5}, "limits": {"read_timeout_s": 3, "max_event_bytes": EVENT_CAP}}
+              "health": {"interval_s": 5}, "limits": {"read_timeout_s": 3, "max_event_bytes": EVENT_CAP, "max_response_bytes": BODY_CAP}}
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -197,6 +216,52 @@ def test_an_event_past_the_cap_ends_the_stream_with_an_error_event(gateway: tupl
     assert events[2:] == [b"data: [DONE]", b""]
     assert metric(gw, "dfserve_requests_total", error="event_too_large", status="error") == 1
     assert metric(gw, "dfserve_upstream_errors_total", kind="event_too_large") == 1
+
+
+def test_a_head_with_bare_lf_line_endings_is_a_bad_response_at_once(gateway: tuple[RawUpstream, str]) -> None:
+    _, gw = gateway
+    before = metric(gw, "dfserve_upstream_errors_total", kind="bad_response")
+    response = post(gw, "lf-head")
+    assert response.status_code == 502
+    assert response.elapsed.total_seconds() < 2  # not the read timeout's 3 s
+    assert metric(gw, "dfserve_upstream_errors_total", kind="bad_response") == before + 1
+    assert metric(gw, "dfserve_requests_total", error="bad_response", status="5xx") >= 1
+
+
+@pytest.mark.parametrize(("behaviour", "relayed"), [
+    ("no-done", NATIVE_EVENTS.removesuffix(b"data: [DONE]\n\n")),
+    ("half-event", NATIVE_EVENTS[:NATIVE_EVENTS.index(b"\n\n") + 2]),
+])
+def test_a_stream_cut_short_in_well_framed_bytes_is_a_failure_and_never_half_an_event(
+        gateway: tuple[RawUpstream, str], behaviour: str, relayed: bytes) -> None:
+    _, gw = gateway
+    before = metric(gw, "dfserve_requests_total", error="stream_cut", status="error")
+    response = post(gw, behaviour)
+    assert response.status_code == 200 and response.content.startswith(relayed)
+    rest = response.content.removeprefix(relayed)
+    # an error event follows, unless the relay had already ended the client's body with the upstream's last events
+    # (the end of the chunked body in the same read as them): a client then sees no [DONE] and knows
+    if rest or behaviour == "half-event":
+        error = json.loads(rest.split(b"\n\n")[0].removeprefix(b"data: "))["error"]
+        assert "ended the stream before [DONE]" in error["message"] and error["code"] == 502
+        assert rest.endswith(b"\n\ndata: [DONE]\n\n")
+    assert metric(gw, "dfserve_requests_total", error="stream_cut", status="error") == before + 1
+
+
+def test_a_whole_body_past_its_bound_is_a_502_and_let_go(gateway: tuple[RawUpstream, str]) -> None:
+    _, gw = gateway
+    response = httpx.post(gw + "/generate", json={"text": "a"}, headers={"x-raw": "big-whole"}, timeout=10)
+    assert response.status_code == 502 and f"a body longer than {BODY_CAP} bytes" in response.json()["error"]["message"]
+    assert metric(gw, "dfserve_requests_total", error="body_too_large") == 1
+    assert metric(gw, "dfserve_upstream_errors_total", kind="body_too_large") == 1
+
+
+def test_the_query_string_goes_upstream_as_the_client_sent_it(gateway: tuple[RawUpstream, str]) -> None:
+    upstream, gw = gateway
+    query = "api-version=2024-06-01&x=%C3%A9&empty="
+    assert httpx.post(f"{gw}/generate?{query}", json=GENERATE, timeout=10).content == NATIVE_EVENTS
+    assert httpx.get(f"{gw}/v1/models?limit=5", headers={"x-raw": "no-content"}, timeout=10).status_code == 204
+    assert upstream.targets[-2:] == [f"/generate?{query}".encode(), b"/v1/models?limit=5"]
 
 
 def twin_argv(config: Path) -> list[str]:

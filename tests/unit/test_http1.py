@@ -12,7 +12,16 @@ import pytest
 
 from dfserve import sglang
 from dfserve.errors import UserError
-from dfserve.http1 import BadResponse, Disconnected, Pool, ReadTimeout, Response, _Connection, is_base_url
+from dfserve.http1 import (
+    BadResponse,
+    BodyTooLarge,
+    Disconnected,
+    Pool,
+    ReadTimeout,
+    Response,
+    _Connection,
+    is_base_url,
+)
 from dfserve.relay_core import EventRelay, EventTooLarge, frame
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -51,13 +60,13 @@ class FakeTransport:
         return self.aborted
 
 
-def feed(parts: list[bytes], close: bool = False,
-         no_body: bool = False) -> tuple[_Connection, Response, asyncio.Future[Response]]:
+def feed(parts: list[bytes], close: bool = False, no_body: bool = False,
+         max_body_bytes: int | None = None) -> tuple[_Connection, Response, asyncio.Future[Response]]:
     async def go() -> tuple[_Connection, Response, asyncio.Future[Response]]:
         ticks = itertools.count()
         connection = _Connection(lambda: float(next(ticks)))
         transport = FakeTransport(connection)
-        response = Response()
+        response = Response(max_body_bytes=max_body_bytes)
         _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", response, no_body)
         for part in parts:
             transport.deliver(part)
@@ -114,6 +123,23 @@ def test_a_connection_lost_mid_stream_keeps_what_arrived() -> None:
 def test_malformed_heads_fail_as_bad_responses(head: bytes) -> None:
     connection, _, done = feed([head])
     assert isinstance(done.exception(), BadResponse) and connection.closed
+
+
+def test_a_head_whose_lines_end_in_bare_lfs_fails_at_once() -> None:
+    for head in (b"HTTP/1.1 200 OK\ncontent-length: 2\n\n{}", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\n{}"):
+        connection, _, done = feed([head])
+        assert isinstance(done.exception(), BadResponse) and "bare LF" in str(done.exception()), head
+        assert connection.closed
+
+
+def test_a_body_past_its_bound_fails_the_response_and_is_let_go() -> None:
+    plain = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n" + b"x" * 40
+    for parts in ([CHUNKED], [CHUNKED[:60], CHUNKED[60:]], [plain[:50], plain[50:]]):
+        connection, response, done = feed(parts, max_body_bytes=len(PAYLOAD) - 1)
+        assert isinstance(done.exception(), BodyTooLarge) and connection.closed
+        assert response.pieces == []
+    _, response, done = feed([CHUNKED], max_body_bytes=len(PAYLOAD))
+    assert done.result() is response and response.body() == PAYLOAD
 
 
 def test_bad_chunk_size_is_a_bad_response() -> None:

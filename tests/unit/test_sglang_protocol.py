@@ -215,3 +215,20 @@ def test_an_event_is_read_whenever_json_loads_reads_it() -> None:
     assert isinstance(raw, proto.NativeChunk) and raw.text == "\ud800"  # a str holding the surrogate itself
     with pytest.raises(ProtocolError, match="invalid JSON"):  # json.loads' own ValueError, over 4300 digits
         proto.parse_native_event('{"text": "x", "n": ' + "1" * 5000 + ', "meta_info": {}}')
+
+
+@pytest.mark.parametrize(("events", "done"), [
+    (b'data: {"a":1}\n\ndata: [DONE]\n\n', True),
+    (b'data: {"a":1}\r\n\r\ndata:[DONE]\r\n\r\n', True),
+    (b"data: [DONE]\n\n: keep-alive\n\n", True),  # a comment after it is no event
+    (b": c\ndata: [DONE]\n\n", True),
+    (b'data: {"a":1}\n\n', False),
+    (b"", False),
+    (b": only a comment\n\n", False),
+    (b'data: [DONE]\n\ndata: {"a":1}\n\n', False),  # an event after it: the stream did not end there
+    (b"data: x\ndata: [DONE]\n\n", False),  # one event whose data is "x\n[DONE]"
+    (b"event: end\nid: 7\ndata: [DONE]\n\n", True),  # other fields aside, as a client reads it
+    (b"data: [DONE]\n\nid: 8\n\n", True),
+])
+def test_a_stream_ends_well_only_with_done_as_its_last_event(events: bytes, done: bool) -> None:
+    assert proto.ends_with_done(events) is done

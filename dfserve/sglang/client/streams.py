@@ -125,6 +125,25 @@ _IN_BAND_ERROR = (b'"error":', b'"status_code":', b'"type":"abort"')
 chunk whose finish reason is an abort. JSON escapes quotes inside strings, so generated text cannot contain them."""
 
 
+def ends_with_done(events: bytes) -> bool:
+    """Whether the last event of `events` (whole events) is `[DONE]`, as `SSEDecoder` reads events: by their `data`
+    lines, comments and blocks without data aside. SGLang ends every stream with it, one that failed in band too:
+    a stream whose body ends without it was cut short, however well its framing ends. Read from the end, without
+    copying a native stream's long last event."""
+    end = len(events)
+    while True:
+        while end and events[end - 1] in b"\r\n":
+            end -= 1
+        if not end:
+            return False
+        lf, crlf = events.rfind(b"\n\n", 0, end), events.rfind(b"\n\r\n", 0, end)
+        start = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+        data = [line.rstrip(b"\r") for line in events[start:end].split(b"\n") if line.startswith(b"data:")]
+        if data:
+            return data in ([b"data: [DONE]"], [b"data:[DONE]"])
+        end = start
+
+
 def native_stream_error(events: bytes) -> StreamError | None:
     """The in-band error a native stream ended with, read from its last events; None when it ended well.
 
