@@ -165,10 +165,11 @@ def read_model(path: Path, model: type[M], missing: str) -> M:
 
 
 def read_jsonl(path: Path, model: type[M], what: str) -> Iterator[M]:
-    """Read what a `JsonlAppender` wrote; a torn last line (a crash mid-write) is skipped, anything else malformed
-    is an error naming the line."""
+    """Read what a `JsonlAppender` wrote: lines end in LF only (a string may hold any other line break, U+2028
+    say, as JSON lets it). A torn last line (a crash mid-write: no LF after it) is skipped; anything else
+    malformed, bytes that are not UTF-8 included, is an error naming the line."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_bytes().split(b"\n")
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
     for number, line in enumerate(lines, start=1):

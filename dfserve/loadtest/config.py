@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dfserve.errors import UserError
 from dfserve.loadtest.schedule import LoadShape
@@ -106,6 +106,15 @@ class RunConfig(_Model):
         if isinstance(data, dict) and "routes" not in data and data.get("api") in ("native", "chat"):
             return {**data, "routes": {data["api"]: data.get("warmup", 0) + data.get("num_requests", 0)}}
         return data
+
+    @field_validator("arms")
+    @classmethod
+    def _arms_named_once(cls, arms: tuple[ArmInfo, ...]) -> tuple[ArmInfo, ...]:
+        """Records name their arm: two arms of one name could not be told apart."""
+        names = [arm.name for arm in arms]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"arm {twice[0]!r} named more than once")
+        return arms
 
     def describe_routes(self) -> str:
         """Where the schedule's requests went: one route, or each route with its count."""

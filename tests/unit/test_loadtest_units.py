@@ -16,10 +16,12 @@ import pytest
 from dfserve.cli import main
 from dfserve.errors import FieldError, UserError
 from dfserve.loadtest import records as rec
+from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord, read_records
 from dfserve.loadtest.runner import _open_loop
 from dfserve.loadtest.schedule import LoadShape, poisson_offsets
 from dfserve.tasks import TaskSet, load_tasks
+from tests.synthetic import run_config
 
 
 def test_humaneval_is_read_offline_with_all_164_problems() -> None:
@@ -172,6 +174,24 @@ def test_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path) -> N
     path.write_text('{"arm": 1}\n' + first.model_dump_json() + "\n")
     with pytest.raises(UserError, match=":1:"):
         list(read_records(path))
+
+
+def test_records_are_lines_ended_by_lf_only_and_a_complete_bad_last_line_is_no_torn_one(tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    record = _record(index=0, task_id="t\u2028\x85\x0c")  # line breaks to str.splitlines, not to JSON lines
+    path.write_text(record.model_dump_json() + "\n", encoding="utf-8")
+    assert list(read_records(path)) == [record]
+    path.write_bytes(record.model_dump_json().encode() + b"\n\xff\n")  # ended by its LF: written whole, then spoiled
+    with pytest.raises(UserError, match=":2: not a request record"):
+        list(read_records(path))
+
+
+def test_a_run_config_naming_one_arm_twice_is_refused() -> None:
+    config = run_config("r")
+    twice = config.model_dump()
+    twice["arms"][1]["name"] = "zlab"
+    with pytest.raises(ValueError, match="arm 'zlab' named more than once"):
+        RunConfig.model_validate(twice)
 
 
 def test_records_refuse_unknown_fields() -> None:

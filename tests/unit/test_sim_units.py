@@ -76,6 +76,13 @@ def test_profiles_load_from_json_and_bad_files_name_the_problem(tmp_path: Path) 
         load_profile(str(tmp_path / "missing.json"))
     with pytest.raises(UserError, match="neither"):
         load_profile("eagle")
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"name": "caf\xe9"}')
+    with pytest.raises(UserError, match=r"latin1.json: not UTF-8 text \(byte 13\)"):
+        load_profile(str(latin1))
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(UserError, match=r"folder.json: cannot read \(Is a directory\)"):
+        load_profile(str(tmp_path / "folder.json"))
 
 
 def test_a_shorter_block_keeps_the_leading_positions() -> None:

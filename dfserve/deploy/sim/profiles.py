@@ -75,9 +75,13 @@ def load_profile(name_or_path: str) -> DrafterProfile | None:
     if not path.suffix == ".json":
         raise FieldError("profile", f"{name_or_path!r} is neither one of {', '.join(BUILTINS)} nor a .json file")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise FieldError("profile", f"{path}: no such file") from None
+    except OSError as exc:
+        raise FieldError("profile", f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise FieldError("profile", f"{path}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise FieldError("profile", f"{path}: invalid JSON ({exc})") from None
     try:
