@@ -1,6 +1,8 @@
 """Read a capture folder back, trusting nothing: the manifest must say the capture is complete, every segment on
 disk must be listed, and each listed segment must have the line count, size and sha256 the writer recorded when
-it closed it. A truncated, edited, added or missing segment is refused in one line naming it.
+it closed it. A truncated, edited, added or missing segment is refused in one line naming it, as is a segment name
+that would reach outside the folder, or a record whose redaction contradicts the manifest or its own `replayable`
+(a hashed capture made to look replayable).
 
     manifest, records = read_capture(Path("capture"))
 """
@@ -35,6 +37,10 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
     if not manifest.complete:
         raise UserError(f"{where}: not complete ({MANIFEST} says the writer has not closed it; a capture still "
                         "being written, or one whose writer died)")
+    for index, segment in enumerate(manifest.segments):
+        if not _plain_name(segment.name):
+            raise UserError(f"{where}: {MANIFEST}: segments.{index}.name: {segment.name!r} is not a file name in the "
+                            "capture folder (edited)")
     listed = {segment.name for segment in manifest.segments}
     unlisted = sorted(p.name for p in directory.glob(f"{SEGMENT_PREFIX}*") if p.name not in listed)
     if unlisted:
@@ -53,9 +59,28 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
             raise UserError(f"{where}: {segment.name}: sha256 differs from {MANIFEST}'s (edited)")
         for number, line in enumerate(lines[:-1], start=1):
             try:
-                records.append(CaptureRecord.model_validate_json(line))
+                record = CaptureRecord.model_validate_json(line)
             except ValidationError as exc:
                 raise UserError(describe_invalid(exc, f"{directory / segment.name}:{number}")) from None
+            contradiction = _contradiction(record, manifest)
+            if contradiction is not None:
+                raise UserError(f"{where}: {segment.name}:{number}: {contradiction} (edited)")
+            records.append(record)
     if [r.seq for r in records] != list(range(len(records))):
         raise UserError(f"{where}: records out of order or missing (seq is not 0, 1, 2, ...)")
     return manifest, records
+
+
+def _plain_name(name: str) -> bool:
+    """A segment is read as `directory / name`: anything but a bare file name could reach outside the folder."""
+    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _contradiction(record: CaptureRecord, manifest: CaptureManifest) -> str | None:
+    """The writer records every line under the manifest's policy, and a hashed line as not replayable: a record
+    that says otherwise would have hashes replayed as prompts."""
+    if record.redaction != manifest.policy.redact:
+        return f"redaction is {record.redaction} but {MANIFEST}'s policy is redact: {manifest.policy.redact}"
+    if record.redaction == "hash" and record.replayable:
+        return "replayable is true but redaction is hash: its user text is hashes, not prompts"
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from dfserve import sglang
 from dfserve.capture.format import CapturePolicy
 from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
-from dfserve.errors import FieldError, invalid_field
+from dfserve.errors import FieldError, UserError, invalid_field
 from dfserve.loadtest.client import ArmClient
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.judge import comparability
@@ -120,6 +121,52 @@ def test_a_dropped_prompt_refuses(tmp_path: Path) -> None:
     spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
     with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
         load_capture_tasks(spec)
+
+
+def retamper(directory: Path, record: dict[str, object] | None = None,
+             segment: dict[str, object] | None = None) -> None:
+    """Edit every record of the first segment and its manifest entry so size and sha256 still match: tampering the
+    integrity checks cannot see."""
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest["segments"][0]
+    path = directory / entry["name"]
+    lines = [json.dumps({**json.loads(line), **(record or {})}) for line in path.read_text().splitlines()]
+    data = "".join(line + "\n" for line in lines).encode()
+    path.write_bytes(data)
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), **(segment or {}))
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("record", "contradiction"), [
+    ({"replayable": True}, "replayable is true but redaction is hash: its user text is hashes, not prompts"),
+    ({"replayable": True, "redaction": "keep", "redacted": []},
+     "redaction is keep but manifest.json's policy is redact: hash"),
+])
+def test_a_hashed_capture_made_to_look_replayable_refuses_naming_the_record(
+        tmp_path: Path, record: dict[str, object], contradiction: str) -> None:
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0)], redact="hash")
+    retamper(tmp_path / "capture", record)
+    with pytest.raises(UserError) as caught:
+        load_capture_tasks(spec)
+    assert str(caught.value) == f"capture {tmp_path / 'capture'}: segment-000001.jsonl:1: {contradiction} (edited)"
+
+
+@pytest.mark.parametrize("name", ["../outside/x.jsonl", "{outside}/x.jsonl", "", ".."])
+def test_a_segment_name_outside_the_capture_folder_refuses_naming_the_field(tmp_path: Path, name: str) -> None:
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0)])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "capture" / "segment-000001.jsonl").rename(outside / "x.jsonl")
+    name = name.format(outside=outside)
+    manifest_path = tmp_path / "capture" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["segments"][0]["name"] = name
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as caught:
+        load_capture_tasks(spec)
+    assert str(caught.value) == (f"capture {tmp_path / 'capture'}: manifest.json: segments.0.name: {name!r} is not a "
+                                 "file name in the capture folder (edited)")
 
 
 def completions(prompt: object, **fields: object) -> dict[str, object]:
