@@ -4,6 +4,7 @@ report: paired by index, task difficulty shared across arms, round noise each ar
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,18 +47,18 @@ def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, token
 
 
 def twin(records: list[RequestRecord], arm: str) -> list[RequestRecord]:
-    """The same answers from another arm: every time 1 µs later (two servers never answer at the same instants, and
-    a candidate whose records time out as the baseline's is refused as a copy)."""
+    """The same answers from another arm, each 3 µs later than the baseline's to come (two servers' answers never
+    take the same times, and a candidate whose records time out as the baseline's is refused as a copy)."""
     def later(at: float | None) -> float | None:
-        return at + 1e-6 if at is not None else None
+        return at + 3e-6 if at is not None else None
 
-    return [r.model_copy(update={"arm": arm, "sent_s": later(r.sent_s), "first_token_s": later(r.first_token_s),
-                                 "end_s": later(r.end_s), "chunk_times_s": [t + 1e-6 for t in r.chunk_times_s]})
+    return [r.model_copy(update={"arm": arm, "first_token_s": later(r.first_token_s), "end_s": later(r.end_s),
+                                 "chunk_times_s": [t + 3e-6 for t in r.chunk_times_s]})
             for r in records]
 
 
 def run_config(run_id: str, num_requests: int = 100, max_running: int = 48) -> RunConfig:
-    """A run's config with two arms, zlab and inhouse, on the same target."""
+    """A run's config with two arms, zlab and inhouse, on the same target; started at an instant of its own."""
     info = {"model_path": "Qwen/Qwen3.6-27B", "max_running_requests": max_running,
             "speculative_draft_model_path": "z-lab/Qwen3.6-27B-DFlash"}
     return RunConfig(
@@ -66,7 +67,8 @@ def run_config(run_id: str, num_requests: int = 100, max_running: int = 48) -> R
               ArmInfo(name="inhouse", url="http://127.0.0.1:2", server_info=info, model="m")),
         tasks=TaskSetInfo(name="humaneval", sha256="abc", size=164), num_requests=num_requests, warmup=0,
         sampling=Sampling(max_new_tokens=256, temperature=0.0, top_p=1.0), load=LoadShape(kind="closed", concurrency=8),
-        duration_s=None, request_timeout_s=60.0, t0_unix_s=0.0, provenance=Provenance.here(),
+        duration_s=None, request_timeout_s=60.0, t0_unix_s=1.8e9 + zlib.crc32(run_id.encode()) / 1e3,
+        provenance=Provenance.here(),
     )
 
 

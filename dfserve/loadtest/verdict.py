@@ -1,13 +1,14 @@
 """`dfserve compare` as a library call: load the runs, refuse what must not be judged, pick the design, judge,
 write verdict.json and its report.html.
 
-Refused always: a run judged against itself (one folder twice, two folders of one run id, a merged run and one of
-its shards). Refused unless forced, and then stamped in the verdict (`forced`, with `mismatches` and
+Refused always: a run judged against itself (one folder twice, two folders of one run id or of one start instant, a
+merged run and one of its shards). Refused unless forced, and then stamped in the verdict (`forced`, with `mismatches` and
 `incomplete`): runs that differ in what shapes their numbers (two arms of one run on one server, unpinned, among
 them: they got the same traffic), a run whose data is not whole (interrupted, killed before its summary, one shard
 of a schedule, or with fewer records than its schedule or its summary counts), records that cannot be the run's
 (an index recorded twice or outside its schedule, figures of summary.json that its records do not give), and a
-candidate whose records are timed as the baseline's, to the bit (a copy of the same requests). A run that stopped
+candidate whose records are timed as the baseline's, to the microsecond from each request's send (a copy of the same
+requests, its clock moved or not). A run that stopped
 on its own always-valid intervals (`--until-decided`) is judged on them again; any other on the fixed-n bootstrap.
 
     verdict, path = compare_runs([Path("runs/ab")], None, None, gate=None, force=False, out=None)
@@ -31,7 +32,7 @@ from dfserve.runs import Provenance, read_model
 from dfserve.sglang import parse_server_info
 from dfserve.shadow.verdict import compare_shadow, is_shadow_folder
 from dfserve.shard import shard_indices
-from dfserve.verdict.design import Design
+from dfserve.verdict.design import Design, another_gate
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
@@ -98,14 +99,19 @@ def _foreign(measured: Sequence[RequestRecord], schedule: range, config: RunConf
 
 
 COPIED_SHARE = 0.5
-"""The share of pairs whose candidate record is timed exactly as its baseline's, from send to last chunk, beyond
-which the candidate's records are a copy of the baseline's: two servers' answers never arrive at the same instants."""
+"""The share of pairs whose candidate record is timed as its baseline's, to the microsecond from its send to each
+chunk, beyond which the candidate's records are a copy of the baseline's: two servers' answers never take the same
+times."""
 
 
 def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool:
-    """The candidate's records are the baseline's (relabelled, or a copy of the run): a run judged against itself."""
+    """The candidate's records are the baseline's (relabelled, or a copy of the run, its clock moved or not): a run
+    judged against itself. Times are taken from each request's send, so that moving every time alike hides
+    nothing."""
     def timing(r: RequestRecord) -> tuple[object, ...]:
-        return r.sent_s, r.first_token_s, r.end_s, tuple(r.chunk_times_s)
+        sent = r.sent_s if r.sent_s is not None else r.dispatched_s
+        since = [round(at - sent, 6) if at is not None else None for at in (r.first_token_s, r.end_s)]
+        return *since, tuple(round(at - sent, 6) for at in r.chunk_times_s)
 
     same = sum(timing(b) == timing(c) for b, c in zip(base, cand, strict=True) if b.end_s is not None)
     return same > COPIED_SHARE * len(base)
@@ -145,6 +151,9 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
     if len(runs) == 2 and runs[0].config.run_id == runs[1].config.run_id:
         raise UserError(f"{paths[0]} and {paths[1]} are one run ({runs[0].config.run_id}): a run is never judged "
                         "against itself")
+    if len(runs) == 2 and runs[0].config.t0_unix_s == runs[1].config.t0_unix_s:
+        raise UserError(f"{paths[0]} and {paths[1]} started at the same instant (t0_unix_s): one run under two "
+                        "names, never judged against itself")
     if len(runs) == 2 and {runs[0].config.run_id, *runs[0].config.merged_from} & {runs[1].config.run_id,
                                                                                   *runs[1].config.merged_from}:
         raise UserError(f"{paths[0]} and {paths[1]} share a shard (merged_from): a run is never judged against "
@@ -161,6 +170,10 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
     if len(runs) == 1 and base.config.sequential is not None:  # a run that stopped on its own intervals
         design = design_of(base.config)
         rules = base.config.sequential.gate if gate is None else rules
+        if (why := another_gate(base.config.sequential, rules)) is not None:
+            mismatches.append(why)
+            if not force:
+                raise Untrusted(why)
     pairs = pairs_of([r for r in base.records if r.arm == base_arm], [r for r in cand.records if r.arm == cand_arm],
                      base.config.sampling.temperature)
     if copied(pairs.base, pairs.cand):

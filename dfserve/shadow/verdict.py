@@ -40,7 +40,7 @@ from dfserve.shadow.monitor import DECISION, Decided, judge_live
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRunConfig
 from dfserve.shadow.records import greedy_held
-from dfserve.verdict.design import SequentialDesign, SequentialReport
+from dfserve.verdict.design import SequentialDesign, SequentialReport, another_gate
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import Pairs
@@ -97,7 +97,8 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
     the pairs' request ids in the order the looks took them."""
     file = path / DECISION
     if not file.exists():
-        return []
+        return [f"{DECISION} is missing, and the records replay to a decision the gateway would have written "
+                f"({report.verdict_when_stopped} at look {report.looks})"] if report.stopped == "decided" else []
     decided = read_model(file, Decided, f"{file} does not exist")
     problems = []
     if decided.design != config.sequential or decided.candidate != config.decides:
@@ -150,6 +151,12 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
     if not summary.interrupted and (orphans := {r.index for r in records if r.arm != config.primary} - primaries):
         problems.append(f"shadow folder {config.run_id}: {len(orphans)} requests have mirrors' records and no "
                         "primary's, which the gateway writes together (edited?)")
+    opened_by: dict[int, str] = {}
+    for r in records:
+        opened_by.setdefault(r.index, r.arm)
+    if moved := sum(opened_by[index] != config.primary for index in primaries):
+        problems.append(f"shadow folder {config.run_id}: {moved} requests' records do not start with the primary's "
+                        f"({config.primary}, config.json), which the gateway writes first (edited?)")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "
                  "in requests.jsonl (edited?)" for arm in summary.arms
                  if held[arm.arm] == arm.requests and figures_differ(arm, [r for r in records if r.arm == arm.arm])]
@@ -247,6 +254,10 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
         if tampered and not force:
             raise Untrusted("not the gateway's decision (" + "; ".join(tampered) + ")")
         differ += tampered
+        if config.sequential is not None and (why := another_gate(config.sequential, rules)) is not None:
+            differ.append(why)
+            if not force:
+                raise Untrusted(why)
     judgement = outcome.judgement
     floor = None
     if config.secondary is not None:

@@ -39,6 +39,17 @@ class SequentialDesign(_Model):
     gate: Gate = Field(description="the rules the run stops on")
 
 
+def another_gate(design: SequentialDesign, gate: Gate) -> str | None:
+    """Why `gate` cannot judge records that stopped on `design` unless forced: where they stopped was the design
+    gate's decision, so another gate's verdict would rest on a sample sized for a different question. None when
+    `gate` is the design's."""
+    if gate == design.gate:
+        return None
+    return ("the records stopped on their sequential design's gate (rules on "
+            f"{', '.join(rule.metric for rule in design.gate.rules)}); another gate's verdict would rest on a sample "
+            "that gate did not decide")
+
+
 class SequentialReport(_Model):
     """How a sequential run was decided; restated in its verdict."""
 

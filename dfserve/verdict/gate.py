@@ -63,6 +63,9 @@ class Gate(_Model):
     def _some_rule(cls, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
         if not rules:
             raise ValueError("a gate needs at least one rule (with none, any candidate would pass)")
+        metrics = [rule.metric for rule in rules]
+        if twice := sorted({metric for metric in metrics if metrics.count(metric) > 1}):
+            raise ValueError(f"{twice[0]}: one rule per metric (which of two limits would hold is unclear)")
         return rules
 
 

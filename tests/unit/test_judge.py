@@ -154,8 +154,12 @@ def test_gate_yaml(tmp_path: Path) -> None:
     path.write_text("rules: [\n")
     with pytest.raises(UserError, match="invalid YAML"):
         load_gate(path)
-    path.write_text("rules:\n  - &tight {metric: accept_length, max_worse: 0.01}\n  - {<<: *tight, max_worse: 0.05}\n")
-    assert [r.max_worse for r in load_gate(path).rules] == [0.01, 0.05]  # a merged key may be overridden
+    path.write_text("rules:\n  - &tight {metric: accept_length, max_worse: 0.01}\n"
+                    "  - {<<: *tight, metric: tpot_p95, max_worse: 0.05}\n")
+    assert [(r.metric, r.max_worse) for r in load_gate(path).rules] == [("accept_length", 0.01), ("tpot_p95", 0.05)]
+    path.write_text("rules:\n  - {metric: accept_length, max_worse: 0.01}\n  - {metric: accept_length, max_worse: 0.5}\n")
+    with pytest.raises(UserError, match="accept_length: one rule per metric"):
+        load_gate(path)
     path.write_text("rules:\n  - {metric: accept_length, max_worse: 0.01, max_worse: 0.5}\n")
     with pytest.raises(UserError, match="key 'max_worse' given twice"):
         load_gate(path)

@@ -10,8 +10,11 @@ from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.loadtest.cli import baseline, compare, promote
+from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
 from dfserve.shard import Shard
+from dfserve.verdict.design import SequentialDesign
+from dfserve.verdict.gate import Gate, Rule
 from tests.synthetic import run_config, synthetic, twin, write_run
 
 
@@ -128,6 +131,48 @@ def test_a_run_is_never_judged_against_itself(tmp_path: Path) -> None:
     assert not list(runs.glob("verdict-*"))
 
 
+def shifted(records: list[RequestRecord], by_s: float, arm: str | None = None) -> list[RequestRecord]:
+    """The same records with every time `by_s` later (a copy whose clock was moved)."""
+    def moved(at: float | None) -> float | None:
+        return at + by_s if at is not None else None
+
+    return [r.model_copy(update={"arm": arm or r.arm, "dispatched_s": r.dispatched_s + by_s, "sent_s": moved(r.sent_s),
+                                 "first_token_s": moved(r.first_token_s), "end_s": moved(r.end_s),
+                                 "chunk_times_s": [t + by_s for t in r.chunk_times_s]}) for r in records]
+
+
+def test_a_copy_of_a_run_is_one_run_however_renamed_and_its_clock_moved(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    renamed = tmp_path / "renamed"
+    shutil.copytree(one, renamed)
+    for name in ("config.json", "summary.json"):
+        (renamed / name).write_text((renamed / name).read_text().replace('"one"', '"two"'))
+    refused = CliRunner().invoke(compare, [str(one), str(renamed), "--force"], standalone_mode=False)
+    assert "started at the same instant (t0_unix_s): one run under two names" in str(refused.exception)
+    config = json.loads((one / "config.json").read_text())
+    later = RunConfig.model_validate({**config, "run_id": "three", "t0_unix_s": config["t0_unix_s"] + 0.5})
+    copy = write_run(tmp_path / "copies", later, shifted(synthetic("zlab", 80, 9.0, seed=1), 0.5))
+    assert "the records of zlab (three) are those of zlab (one), to the microsecond" in refusal([str(one), str(copy)])
+
+
+def test_a_run_that_stopped_on_its_gate_is_judged_with_another_only_forced(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    base = synthetic("zlab", 60, 9.0, seed=1)
+    design = SequentialDesign(gate=Gate(rules=(Rule(metric="accept_length", max_worse=0.02),)))
+    stopped = make_run(runs, "stopped", {"zlab": base, "inhouse": twin(base, "inhouse")}, sequential=design)
+    loose = tmp_path / "loose.yaml"
+    loose.write_text("rules:\n  - {metric: error_rate, max_worse: 0.5}\n")
+    assert "stopped on their sequential design's gate (rules on accept_length)" in refusal(
+        [str(stopped), "--gate", str(loose)])
+    same = tmp_path / "same.yaml"
+    same.write_text("rules:\n  - {metric: accept_length, max_worse: 0.02}\n")
+    judged = CliRunner().invoke(compare, [str(stopped), "--gate", str(same), "--out", str(tmp_path / "v")])
+    assert judged.exit_code in (0, 1), judged.output  # judged: PASS or FAIL, not refused (2)
+    [verdict] = (tmp_path / "v").glob("verdict-*/verdict.json")
+    assert json.loads(verdict.read_text())["forced"] is False
+
+
 def refusal(args: list[str]) -> str:
     """The one line `dfserve compare` refuses with; and with --force, the verdict is stamped."""
     refused = CliRunner().invoke(compare, args, standalone_mode=False)
@@ -148,6 +193,8 @@ def test_records_that_cannot_be_the_runs_own_are_refused(tmp_path: Path) -> None
     base, cand = synthetic("zlab", 60, 9.0, seed=1), synthetic("inhouse", 60, 6.0, seed=2)
     copy = make_run(runs, "copy", {"zlab": base, "inhouse": [r.model_copy(update={"arm": "inhouse"}) for r in base]})
     assert "the records of inhouse (copy) are those of zlab (copy), to the microsecond" in refusal([str(copy)])
+    moved = make_run(runs, "moved-copy", {"zlab": base, "inhouse": shifted(base, 0.5, "inhouse")})
+    assert "the records of inhouse (moved-copy) are those of zlab (moved-copy)" in refusal([str(moved)])
     twice = make_run(runs, "twice", {"zlab": base, "inhouse": [*cand[:-1], cand[0]]}, num_requests=60)
     assert "arm inhouse: index 0 recorded twice" in refusal([str(twice)])
     moved = make_run(runs, "moved", {"zlab": base, "inhouse": [r.model_copy(update={"index": r.index + 1000})

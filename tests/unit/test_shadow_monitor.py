@@ -229,6 +229,35 @@ def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path
     assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
 
 
+def test_a_decided_folder_is_judged_on_its_designs_gate_and_its_decision_must_be_there(tmp_path: Path) -> None:
+    """Where the gateway stopped was its gate's decision: another gate (given, or written into config.json with
+    decision.json deleted) would judge a sample sized for a different question."""
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    loose = tmp_path / "loose.yaml"
+    loose.write_text("rules:\n  - {metric: error_rate, max_worse: 0.5}\n")
+    with pytest.raises(Untrusted, match="stopped on their sequential design's gate"):
+        compare_shadow(folder, None, loose, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, loose, True, tmp_path / "v").verdict
+    assert forced.forced and any("sequential design's gate" in line for line in forced.mismatches)
+    config = json.loads((folder / "config.json").read_text())
+    config["sequential"]["gate"] = {"rules": [{"metric": "error_rate", "max_worse": 0.5}]}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / DECISION).unlink()
+    with pytest.raises(Untrusted, match=r"decision\.json is missing, and the records replay to a decision"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+
+
+def test_compare_refuses_a_folder_whose_primary_was_edited(tmp_path: Path) -> None:
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    config = json.loads((folder / "config.json").read_text())
+    config["primary"] = "inhouse"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Untrusted, match=r"requests' records do not start with the primary's \(inhouse"):
+        compare_shadow(folder, "zlab", None, False, tmp_path / "v")
+
+
 def test_compare_refuses_a_decision_that_names_another_last_pair(tmp_path: Path) -> None:
     _decide(tmp_path, _traffic(80))
     [folder] = sorted((tmp_path / "shadow").iterdir())
