@@ -88,7 +88,7 @@ def pairs_of(baseline: Sequence[RequestRecord], candidate: Sequence[RequestRecor
                         greedy=greedy_pair(temperature))
     if not len(pairs):
         raise UserError("no request index appears in both arms: nothing to compare")
-    rec.check_same_temperature(zip(pairs.base, pairs.cand, strict=True))
+    rec.check_same_request(zip(pairs.base, pairs.cand, strict=True))
     return pairs
 
 

@@ -164,13 +164,16 @@ def measured_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
     return [r for r in records if not r.warmup]
 
 
-def check_same_temperature(pairs: Iterable[tuple[RequestRecord, RequestRecord]]) -> None:
-    """Both sides of one request were sent at one temperature (a shadow mirror is a copy of its request, a task has
-    one body): records that disagree were edited, and could take a pair out of losslessness."""
+def check_same_request(pairs: Iterable[tuple[RequestRecord, RequestRecord]]) -> None:
+    """Both sides of one request were sent on one route at one temperature (a shadow mirror is a copy of its
+    request, a task has one body): records that disagree were edited, and could take a pair out of losslessness or
+    pair a chat answer with a native one."""
     for base, cand in pairs:
-        if base.temperature != cand.temperature:
-            raise UserError(f"request {base.index}: arm {base.arm} records temperature {base.temperature}, arm "
-                            f"{cand.arm} {cand.temperature}; records of one request that disagree are never judged")
+        for field in ("temperature", "route"):
+            if getattr(base, field) != getattr(cand, field):
+                raise UserError(f"request {base.index}: arm {base.arm} records {field} {getattr(base, field)}, arm "
+                                f"{cand.arm} {getattr(cand, field)}; records of one request that disagree are never "
+                                "judged")
 
 
 def read_records(path: Path) -> Iterator[RequestRecord]:

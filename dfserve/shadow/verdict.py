@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
-from dfserve.loadtest.records import RequestRecord, check_same_temperature, read_records
+from dfserve.loadtest.records import RequestRecord, check_same_request, read_records
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.runs import Provenance, read_model, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
@@ -178,7 +178,7 @@ def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tup
                             "times; a shadow folder is never judged with duplicated records")
     by_index = {r.index: r for r in sides[cand]}
     paired = [(b, by_index[b.index]) for b in sides[base] if b.index in by_index]
-    check_same_temperature(paired)
+    check_same_request(paired)
     unhashed = any(b.temperature == 0 and c.temperature == 0 and not greedy_held(b, c) for b, c in paired)
     pairs = Pairs.match((base, cand), ((r.index, r.task_id, r) for r in sides[base]),
                         ((r.index, r.task_id, r) for r in sides[cand]),

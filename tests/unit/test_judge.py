@@ -86,13 +86,18 @@ def test_a_replayed_captures_greedy_requests_are_judged_for_losslessness_among_s
     assert (claimed.lossless.pairs, claimed.lossless.greedy_of) == (100, None)
 
 
-def test_a_request_whose_arms_record_different_temperatures_is_refused() -> None:
-    """A task has one body: an arm's record that says it was sampled where the other's says greedy was edited (it
-    would take its pair out of losslessness)."""
-    base = [r.model_copy(update={"temperature": 0.0}) for r in synthetic("a", 20, 9.0, seed=1)]
-    cand = [r.model_copy(update={"temperature": 0.7 if r.index == 3 else 0.0})
+@pytest.mark.parametrize(("field", "greedy", "edited", "said"), [
+    ("temperature", 0.0, 0.7, "temperature 0.0, arm b 0.7"),
+    ("route", "native", "chat", "route native, arm b chat"),
+])
+def test_a_request_whose_arms_record_different_settings_is_refused(
+        field: str, greedy: object, edited: object, said: str) -> None:
+    """A task has one body: an arm's record that says it was sampled where the other's says greedy, or sent on
+    another route, was edited (it would take its pair out of losslessness, or pair a chat answer with a native)."""
+    base = [r.model_copy(update={field: greedy}) for r in synthetic("a", 20, 9.0, seed=1)]
+    cand = [r.model_copy(update={field: edited if r.index == 3 else greedy})
             for r in synthetic("b", 20, 9.0, seed=1, lossy=0.5)]
-    with pytest.raises(UserError, match=r"request 3: arm a records temperature 0.0, arm b 0.7"):
+    with pytest.raises(UserError, match=rf"request 3: arm a records {said}; records of one request that disagree"):
         judge(base, cand, DEFAULT_GATE, 0.7)
 
 
