@@ -33,12 +33,14 @@ BACKLOG = 2048
 socket must pass it again (`create_server(sock=..., backlog=BACKLOG)`), or it listens anew with its default of 100."""
 
 
-def bind(host: str, port: int, field: str = "port") -> socket.socket:
-    """A bound, listening TCP socket; a failure is a `FieldError` on `field`, the setting the user would change."""
+def bind(host: str, port: int, settings: str = "") -> socket.socket:
+    """A bound, listening TCP socket; a failure is a `FieldError` on the setting the user would change: the host
+    when no address of this machine answers to it, else the port. `settings`: where both are set (`admin.`)."""
+    host_field, port_field = f"{settings}host", f"{settings}port"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise FieldError(field, f"cannot listen on {host}:{port} ({exc.strerror})") from None
+        raise FieldError(host_field, f"cannot listen on {host}:{port} ({exc.strerror})") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,8 +50,9 @@ def bind(host: str, port: int, field: str = "port") -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise FieldError(field, f"{host}:{port} is already in use; pick another {{other}} or stop that server",
-                             other=field) from None
+            raise FieldError(port_field, f"{host}:{port} is already in use; pick another {{other}} or stop that "
+                             "server", other=port_field) from None
+        field = host_field if exc.errno == errno.EADDRNOTAVAIL else port_field
         raise FieldError(field, f"cannot listen on {host}:{port} ({exc.strerror})") from None
     return sock
 
@@ -79,10 +82,10 @@ def announce(name: str, sock: socket.socket) -> str:
     return url
 
 
-def ensure_free(host: str, port: int, field: str = "port") -> None:
+def ensure_free(host: str, port: int) -> None:
     """Fail before anything is created if the port is taken (for servers that a child process will bind)."""
     if port != 0:
-        bind(host, port, field).close()
+        bind(host, port).close()
 
 
 def wait_listening(log: Path, exited: Callable[[], int | None], timeout_s: float,

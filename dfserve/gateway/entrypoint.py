@@ -85,12 +85,12 @@ async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | Non
     refusals = {reason: metrics.child(metrics.client_connections_refused, reason) for reason in REFUSAL_REASONS}
     listeners = [(Server(GatewayApp(gateway), client_limits, lambda reason: refusals[reason].inc(),
                          lambda status: metrics.child(metrics.answered_by_gateway, str(status)).inc()),
-                  bind(config.host, config.port, "port"))]
+                  bind(config.host, config.port))]
     if config.admin.port is not None and token is not None:
         admin_limits = replace(client_limits, max_body_bytes=MAX_ADMIN_BODY_BYTES,
                                max_connections=MAX_ADMIN_CONNECTIONS)
         listeners.append((Server(AdminApp(gateway, token, watched if watch else None), admin_limits),
-                          bind(config.admin.host, config.admin.port, "admin.port")))
+                          bind(config.admin.host, config.admin.port, "admin.")))
     for (_, sock), name in zip(listeners, ("dfserve gateway", "dfserve gateway admin"), strict=False):
         announce(name, sock)
     stopping = asyncio.Event()
