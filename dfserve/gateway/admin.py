@@ -53,7 +53,8 @@ class AdminApp:
         elif method == "PUT":
             self.put(request.body, reply)
         else:
-            send_error(reply, 405, f"{method} {path}: use GET or PUT", "invalid_request_error")
+            send_error(reply, 405, f"{method} {path}: use GET or PUT", "invalid_request_error",
+                       [(b"allow", b"GET, PUT")])
 
     def describe(self) -> bytes:
         """The routing in force and each replica's state."""

@@ -45,6 +45,9 @@ from dfserve.metrics import STREAM_ERROR, DfserveMetrics, ObserverMetrics, Routi
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
 """Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+ALLOWED = {**dict.fromkeys(PROXIED, "POST"), **dict.fromkeys(FORWARDED_GETS, "GET"), "/health": "GET, HEAD",
+           "/ready": "GET", "/metrics": "GET, HEAD"}
+"""Each route's methods, as a 405 answer's `Allow` header lists them (RFC 9110 §15.5.6)."""
 PER_ENGINE = frozenset({"/server_info"})
 """Documents of one engine's own state (its drafter, its running acceptance): without an arm header they come from
 the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
@@ -189,16 +192,16 @@ class GatewayApp:
                 reply.whole(503, JSON_HEADERS, b'{"status": "starting"}')
         elif path == "/metrics" and method in ("GET", "HEAD"):
             reply.whole(200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], generate_latest(self.gateway.registry))
-        elif api is not None or path in FORWARDED_GETS or path in ("/health", "/ready", "/metrics"):
-            self.refuse(reply, 405, f"{method} {path}: method not allowed")
+        elif (allowed := ALLOWED.get(path)) is not None:
+            self.refuse(reply, 405, f"{method} {path}: method not allowed (use {allowed})", [(b"allow", allowed.encode())])
         else:
             self.refuse(reply, 404, f"{method} {path}: no such route")
 
-    def refuse(self, reply: Reply, status: int, message: str) -> None:
+    def refuse(self, reply: Reply, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         """The gateway's own answer to a request no arm takes, counted (`dfserve_gateway_answered_requests_total`)."""
         metrics = self.gateway.metrics
         metrics.child(metrics.answered_by_gateway, str(status)).inc()
-        send_error(reply, status, message, "invalid_request_error")
+        send_error(reply, status, message, "invalid_request_error", extra)
 
     def health(self, reply: Reply) -> None:
         down = self.gateway.upstream.down()

@@ -58,6 +58,12 @@ def test_refuses_missing_or_wrong_token(admin: tuple[str, str]) -> None:
             assert response.json()["error"]["type"] == "authentication_error"
 
 
+def test_another_method_is_405_naming_those_allowed(admin: tuple[str, str]) -> None:
+    _, base = admin
+    response = httpx.post(base + "/admin/arms", headers=AUTH, json={})
+    assert response.status_code == 405 and response.headers["allow"] == "GET, PUT"
+
+
 def test_admin_is_not_served_on_the_client_listener(admin: tuple[str, str]) -> None:
     gw, _ = admin
     assert httpx.get(gw + "/admin/arms", headers=AUTH).status_code == 404

@@ -344,10 +344,12 @@ def test_bad_input_gets_4xx_json_never_500(one_arm: tuple[Stub, str], tmp_path: 
     for response, status in cases:
         assert response.status_code == status
         assert response.json()["error"]["message"]
+    assert cases[4][0].headers["allow"] == "POST"
+    assert httpx.delete(gw + "/metrics").headers["allow"] == "GET, HEAD"
     text = httpx.get(gw + "/metrics").text  # counted as the gateway's own answers, not as any arm's
     answered = {status: metric(text, "dfserve_gateway_answered_requests_total", status=str(status))
                 for status in (400, 404, 405, 413)}
-    assert answered == {400: 3, 404: 1, 405: 1, 413: 1}
+    assert answered == {400: 3, 404: 1, 405: 2, 413: 1}
     assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="4xx") == 0
 
 
