@@ -36,17 +36,21 @@ class _Model(BaseModel):
 
 class CapturePolicy(_Model):
     """How a capture is taken: what share of requests, what is kept of each, and how much disk it may use (the
-    gateway's `capture:` block)."""
+    gateway's `capture:` block). Strict, as the rest of the gateway's file: `fraction: "0.5"` is a mistake, not a
+    number to guess at; paths and lists still come as YAML has them."""
 
-    dir: Path = Field(description="the capture folder; created, never reused")
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    dir: Path = Field(strict=False, description="the capture folder; created, never reused")
     fraction: float = Field(1.0, gt=0, le=1, description="share of requests captured (seeded, deterministic)")
     seed: int = Field(0, description="seeds the sampling: the same seed and arrivals capture the same requests")
     redact: Redact = Field("keep", description="keep the body; drop `drop_fields`; or hash the user text (such a "
                            "capture cannot be replayed)")
-    drop_fields: tuple[str, ...] = Field((), description="redact: drop — body fields removed (dotted paths: "
-                                         "`sampling_params.seed`)")
-    drop_headers: tuple[str, ...] = Field((), description="headers not written, beside the credentials "
-                                          "(Authorization, Cookie, X-Api-Key, Proxy-Authorization), never written")
+    drop_fields: tuple[str, ...] = Field((), strict=False, description="redact: drop — body fields removed "
+                                         "(dotted paths: `sampling_params.seed`)")
+    drop_headers: tuple[str, ...] = Field((), strict=False, description="headers not written, beside the "
+                                          "credentials (Authorization, Cookie, X-Api-Key, Proxy-Authorization), "
+                                          "never written")
     max_bytes: int = Field(1 << 30, ge=4096, description="bytes on disk the segments may take in all")
     max_segments: int = Field(16, ge=1, description="segments at most; each holds up to max_bytes / max_segments")
     queue_size: int = Field(4096, ge=1, description="exchanges waiting for the capture's thread before new ones are "

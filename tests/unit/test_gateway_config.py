@@ -88,6 +88,8 @@ def test_routing_document_is_checked_whole() -> None:
 
 
 ARM = "arms: {a: {weight: 1, replicas: ['http://h:1']}}\n"
+SHADOW = ("mode: shadow\nprimary: a\narms: {a: {weight: 1, replicas: ['http://h:1']}, "
+          "b: {weight: 0, replicas: ['http://h:2']}}\n")
 
 
 def _refused(tmp_path: Path, text: str) -> str:
@@ -114,6 +116,10 @@ def _refused(tmp_path: Path, text: str) -> str:
         ("observers: [{kind: x, queue_size: '3'}]\n" + ARM, "observers.0.queue_size: Input should be a valid integer"),
         ("schema_version: true\n" + ARM, "schema_version: Input should be 1"),
         ("schema_version: 1.0\n" + ARM, "schema_version: Input should be 1"),
+        ("capture: {dir: c, fraction: '0.5'}\n" + ARM, "capture.fraction: Input should be a valid number"),
+        ("capture: {dir: c, seed: true}\n" + ARM, "capture.seed: Input should be a valid integer"),
+        (SHADOW + "shadow: {dir: s, until_decided: 'no'}\n", "shadow.until_decided: Input should be a valid boolean"),
+        (SHADOW + "shadow: {dir: s, max_folders: 2.0}\n", "shadow.max_folders: Input should be a valid integer"),
     ],
 )
 def test_numbers_and_booleans_are_not_guessed(tmp_path: Path, text: str, message: str) -> None:
@@ -132,6 +138,12 @@ def test_ints_pass_for_floats_and_lists_for_tuples(tmp_path: Path) -> None:
     assert config.routing.arms["a"].replicas == ("http://h:1",) and config.observers[0].kind == "x"
     assert _refused(tmp_path, ARM + "limits: {max_connections: 50.0}\n") == (
         "limits.max_connections: Input should be a valid integer")
+    path.write_text(SHADOW + "shadow: {dir: s, until_decided: true, gate: g.yaml}\n"
+                    "capture: {dir: c, redact: drop, drop_fields: [user], drop_headers: [x-team], fraction: 1}\n")
+    config = load_config(path, {})
+    assert config.shadow is not None and (config.shadow.dir, config.shadow.gate) == (Path("s"), Path("g.yaml"))
+    assert config.capture is not None and config.capture.dir == Path("c") and config.capture.fraction == 1.0
+    assert (config.capture.drop_fields, config.capture.drop_headers) == (("user",), ("x-team",))
 
 
 def test_flag_values_still_validate(tmp_path: Path) -> None:
