@@ -178,9 +178,8 @@ def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *,
                     reason: str | None = None, unfounded: Sequence[str] = ()) -> Promotion:
     """Record the candidate of an online verdict as its target's baseline (the first promotion of a target
     records its baseline first). Refused always: an offline verdict, one that judged a run against itself, and one
-promoted before; unless `force`
-    with a `reason` (recorded): anything `refusals` names."""
-    if force and not reason:
+    promoted before; unless `force` with a `reason` (recorded, and more than blanks): anything `refusals` names."""
+    if force and not (reason and reason.strip()):
         raise FieldError("force", "give {other} TEXT; it is recorded with the promotion", other="reason")
     if verdict.source != "loadtest":
         raise UserError(f"{file}: an offline verdict screens drafters and promotes none; an online one "

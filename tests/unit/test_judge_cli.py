@@ -88,8 +88,10 @@ def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     failed = next((runs / "w").glob("verdict-*"))
     refused = CliRunner().invoke(promote, [str(failed), "--registry", str(runs)], standalone_mode=False)
     assert refused.exception is not None and "only PASS promotes" in str(refused.exception)
-    no_reason = CliRunner().invoke(promote, [str(failed), "--registry", str(runs), "--force"], standalone_mode=False)
-    assert no_reason.exception is not None and "--reason" in str(no_reason.exception)
+    for reason in ([], ["--reason", " \t"]):
+        no_reason = CliRunner().invoke(promote, [str(failed), "--registry", str(runs), "--force", *reason],
+                                       standalone_mode=False)
+        assert no_reason.exception is not None and "--reason" in str(no_reason.exception)
     forced = CliRunner().invoke(promote, [str(failed), "--registry", str(runs), "--force", "--reason", "drill"])
     assert forced.exit_code == 0 and "FORCED" in forced.output
     history = CliRunner().invoke(baseline, ["history", "--registry", str(runs)]).output
