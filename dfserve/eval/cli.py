@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from dfserve.errors import UserError, command_flags, flags_for
+from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
 from dfserve.terminal import compact_table
@@ -192,11 +192,18 @@ def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
                    "tau_ddtreeN; default: tau_vanilla, 0.02).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Where the verdict folder goes (default: "
               "beside RUN).")
+@click.option("--force", is_flag=True, help="Judge a run that is not whole (killed, interrupted, records missing); "
+              "stamped in the verdict.")
 def compare_command(run: Path, run2: Path | None, baseline: str | None, candidate: str | None, gate: Path | None,
-                    out: Path | None) -> None:
+                    out: Path | None, force: bool) -> None:
     """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused)."""
-    with flags_for(command_flags(compare_command)):
-        verdict, path = compare_eval_runs(run, run2, baseline, candidate, gate, out)
+    try:
+        with flags_for(command_flags(compare_command)):
+            verdict, path = compare_eval_runs(run, run2, baseline, candidate, gate, out, force)
+    except Untrusted as exc:
+        raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
+    for why in verdict.incomplete:
+        click.echo(f"forced: {why}", err=True)
     print_judgement(Console(), verdict.judgement)
     click.echo(f"verdict: {path}")
     click.echo(f"report:  {path.parent / REPORT}")

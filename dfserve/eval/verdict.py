@@ -11,13 +11,14 @@ name any method the run scored::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dfserve.errors import FieldError, UserError
+from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.eval.metrics import method_totals
-from dfserve.eval.records import VANILLA, AnchorRecord, EvalConfig, metric_of
+from dfserve.eval.records import VANILLA, AnchorRecord, EvalConfig, EvalSummary, metric_of
 from dfserve.runs import Provenance, read_jsonl, read_model
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
@@ -70,11 +71,49 @@ class EvalRun:
     path: Path
     config: EvalConfig
     records: list[AnchorRecord]
+    summary: EvalSummary | None
+    """None: the run was killed before it wrote one."""
 
     @classmethod
     def load(cls, path: Path) -> EvalRun:
         config = read_model(path / "config.json", EvalConfig, f"{path}: not an evaluation run (no config.json)")
-        return cls(path, config, list(read_jsonl(path / "anchors.jsonl", AnchorRecord, "an anchor record")))
+        records = list(read_jsonl(path / "anchors.jsonl", AnchorRecord, "an anchor record"))
+        summary_path = path / "summary.json"
+        summary = read_model(summary_path, EvalSummary, "") if summary_path.exists() else None
+        return cls(path, config, records, summary)
+
+    def drafter_records(self, label: str) -> list[AnchorRecord]:
+        """`label`'s records; refused when they cannot be the run's: an anchor recorded twice, or a task the run
+        does not have (its writer records each anchor of each task once)."""
+        records = [r for r in self.records if r.drafter == label]
+        tasks = {t.id for t in self.config.tasks.tasks}
+        if foreign := next((r for r in records if r.task not in tasks), None):
+            raise UserError(f"{self.path / 'anchors.jsonl'}: drafter {label} has a record of task {foreign.task!r}, "
+                            "which the run does not have (edited?)")
+        twice = [key for key, n in Counter((r.task, r.anchor) for r in records).items() if n > 1]
+        if twice:
+            raise UserError(f"{self.path / 'anchors.jsonl'}: drafter {label} has task {twice[0][0]}'s anchor "
+                            f"{twice[0][1]} recorded more than once; duplicated records are never judged")
+        return records
+
+    def incomplete(self, label: str, records: Sequence[AnchorRecord]) -> list[str]:
+        """Why `label`'s records are not all its drafter scored: the run was killed or interrupted, or its
+        records are not those summary.json was made from."""
+        where = f"eval run {self.config.run_id}"
+        if self.summary is None:
+            return [f"{where}: no summary.json (killed before its end)"]
+        if self.summary.run_id != self.config.run_id:
+            return [f"{where}: summary.json is run {self.summary.run_id}'s"]
+        if self.summary.interrupted:
+            return [f"{where}: interrupted (summary.json), a part of its tasks scored"]
+        written = next((d for d in self.summary.drafters if d.drafter == label), None)
+        tasks = [t.id for t in self.config.tasks.tasks]
+        if written is None or written.anchors != len(records) or any(
+                (m.tokens, m.rounds) != tuple(int(v.sum()) for v in method_totals(records, tasks, m.method))
+                for m in written.methods):
+            return [f"{where} drafter {label}: summary.json's figures are not those of its records in anchors.jsonl "
+                    "(records missing or edited)"]
+        return []
 
     def label(self, wanted: str | None, field: str, default_index: int) -> str:
         labels = [d.label for d in self.config.drafters]
@@ -94,9 +133,12 @@ class EvalRun:
 
 
 def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candidate: str | None,
-                      gate: Path | None, out: Path | None) -> tuple[Verdict, Path]:
+                      gate: Path | None, out: Path | None, force: bool = False) -> tuple[Verdict, Path]:
     """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused), and
-    write the offline verdict and its report.html into a new folder under `out` (default: beside `run`)."""
+    write the offline verdict and its report.html into a new folder under `out` (default: beside `run`).
+
+    Refused always: records that cannot be the run's (`EvalRun.drafter_records`). Refused unless `force`, and then
+    stamped in the verdict: a run that is not whole (`EvalRun.incomplete`), or drafters scored on other anchors."""
     rules = read_gate(gate, DEFAULT_EVAL_GATE)
     base = EvalRun.load(run)
     cand = EvalRun.load(run2) if run2 is not None else base
@@ -110,12 +152,21 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
         raise FieldError("baseline", "the same drafter as {other}", other="candidate")
     methods = [m for m in base.config.methods() if m in cand.config.methods()]
     check_rules(rules, metrics_of(methods))
-    judgement = judge_offline(base_label, [r for r in base.records if r.drafter == base_label], cand_label,
-                              [r for r in cand.records if r.drafter == cand_label],
+    base_records, cand_records = base.drafter_records(base_label), cand.drafter_records(cand_label)
+    incomplete = base.incomplete(base_label, base_records)
+    incomplete += [why for why in cand.incomplete(cand_label, cand_records) if why not in incomplete]
+    anchors = ({(r.task, r.anchor) for r in base_records}, {(r.task, r.anchor) for r in cand_records})
+    if anchors[0] != anchors[1]:
+        incomplete.append(f"{len(anchors[0] ^ anchors[1])} anchors are scored for one of {base_label} and "
+                          f"{cand_label} only; both are scored on every anchor of the cache")
+    if incomplete and not force:
+        raise Untrusted("not the whole run (" + "; ".join(incomplete) + ")")
+    judgement = judge_offline(base_label, base_records, cand_label, cand_records,
                               [t.id for t in base.config.tasks.tasks], methods, rules)
     verdict = Verdict(source="eval", verdict=judgement.verdict, baseline=base.side(base_label),
-                      candidate=cand.side(cand_label), forced=False, features=base.config.features.key,
-                      judgement=judgement, gate=rules, provenance=Provenance.here())
+                      candidate=cand.side(cand_label), forced=bool(incomplete), incomplete=incomplete,
+                      features=base.config.features.key, judgement=judgement, gate=rules,
+                      provenance=Provenance.here())
     file = write_verdict(verdict, out or run.parent)
     write_verdict_report(verdict, file.parent)
     return verdict, file

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from dfserve.baselines import BaselineRegistry
 from dfserve.cli import main
 from dfserve.eval.scoring import torch_threads
+from dfserve.verdict.verdict import EXIT
 from tests.fixtures.eval import models
 
 if TYPE_CHECKING:
@@ -175,6 +176,50 @@ def test_the_distilled_drafter_beats_the_barely_trained_one(first_run: FirstRun,
     assert [s.label for s in offline] == ["short", "long"] and offline[1].tau > offline[0].tau
     assert offline[1].drafter.startswith("inhouse-") and offline[1].features == json.loads(
         (first_run.run_dir / "config.json").read_text())["features"]["key"]
+
+
+def _tampered(run_dir: Path, to: Path, kind: str) -> Path:
+    """A copy of `run_dir` as a killed, interrupted, cut or edited run leaves it."""
+    shutil.copytree(run_dir, to, symlinks=True)
+    anchors = to / "anchors.jsonl"
+    lines = anchors.read_text().splitlines(keepends=True)
+    if kind == "killed":
+        (to / "summary.json").unlink()
+    elif kind == "interrupted":
+        summary = json.loads((to / "summary.json").read_text())
+        (to / "summary.json").write_text(json.dumps({**summary, "interrupted": True}))
+    elif kind == "cut":  # the last drafter's records of its last task lost
+        last = json.loads(lines[-1])
+        anchors.write_text("".join(line for line in lines if (json.loads(line)["drafter"], json.loads(line)["task"])
+                                   != (last["drafter"], last["task"])))
+    elif kind == "duplicated":
+        anchors.write_text("".join([*lines, lines[0]]))
+    return to
+
+
+@pytest.mark.parametrize(("kind", "said"), [
+    ("killed", "no summary.json (killed before its end)"),
+    ("interrupted", "interrupted (summary.json)"),
+    ("cut", "summary.json's figures are not those of its records in anchors.jsonl"),
+])
+def test_a_run_that_is_not_whole_is_judged_only_when_forced_and_stamped(
+        first_run: FirstRun, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, said: str) -> None:
+    run = _tampered(first_run.run_dir, tmp_path / kind, kind)
+    status, _, err = run_cli(capsys, "eval", "compare", run, "--out", tmp_path / "v")
+    assert status == 2 and err.count("\n") == 1 and said in err and "--force judges anyway" in err
+    assert not (tmp_path / "v").exists()
+    status, _, err = run_cli(capsys, "eval", "compare", run, "--out", tmp_path / "v", "--force")
+    verdict = json.loads(next((tmp_path / "v").glob("eval-verdict-*/eval-verdict.json")).read_text())
+    assert status == EXIT[verdict["verdict"]] and f"forced: eval run {first_run.run_dir.name}" in err
+    assert verdict["forced"] is True and said in verdict["incomplete"][0]
+
+
+def test_duplicated_records_are_never_judged(first_run: FirstRun, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run = _tampered(first_run.run_dir, tmp_path / "dup", "duplicated")
+    for forced in ((), ("--force",)):
+        status, _, err = run_cli(capsys, "eval", "compare", run, "--out", tmp_path / "v", *forced)
+        assert status == 2 and "recorded more than once; duplicated records are never judged" in err
 
 
 def online_taus(world: World, drafter: Any, target: Any, prompt: list[int], stop: list[int],

@@ -200,7 +200,7 @@ def test_an_evaluation_is_never_compared_with_itself(tmp_path: Path, monkeypatch
 
     def load(cls: type[EvalRun], path: Path) -> EvalRun:
         loaded.append(path)
-        return cls(path, SimpleNamespace(run_id="eval-1"), [])  # type: ignore[arg-type]
+        return cls(path, SimpleNamespace(run_id="eval-1"), [], None)  # type: ignore[arg-type]
 
     monkeypatch.setattr(EvalRun, "load", classmethod(load))
     with pytest.raises(UserError, match=r"are one run \(eval-1\): give it once, with both drafters"):
