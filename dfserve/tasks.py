@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import random
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,8 @@ def _read_lines(path: Path) -> list[str]:
             raw = handle.readlines()
     except OSError as exc:
         raise FieldError("tasks", f"cannot read {path}: {exc}") from None
+    except (EOFError, zlib.error) as exc:
+        raise FieldError("tasks", f"{path}: a truncated or corrupt gzip file ({exc})") from None
     lines = []
     for number, line in enumerate(raw, start=1):
         try:
@@ -107,6 +110,16 @@ def _read_lines(path: Path) -> list[str]:
             raise FieldError("tasks", f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column "
                              f"{exc.start + 1})") from None
     return lines
+
+
+def _is_text(obj: Any) -> bool:
+    """Whether every string in `obj` is text: JSON's escapes can spell half a surrogate pair, which no UTF-8
+    request body or record can hold."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_task(obj: Any, where: str) -> Task:
@@ -166,6 +179,12 @@ def _read_jsonl(spec: str) -> TaskSet:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise FieldError("tasks", f"{path}:{number}: invalid JSON ({exc.msg})") from None
+        except (ValueError, RecursionError):
+            raise FieldError("tasks", f"{path}:{number}: invalid JSON (an integer of over 4300 digits, or nested "
+                             "too deeply)") from None
+        if "\\u" in line and not _is_text(obj):
+            raise FieldError("tasks", f"{path}:{number}: a string holds a lone surrogate (an escape in \\ud800-"
+                             "\\udfff without its pair), which is no text a request or record can carry")
         tasks.append(_parse_task(obj, f"{path.name}:{number}"))
     if not tasks:
         raise FieldError("tasks", f"{path} holds no tasks")

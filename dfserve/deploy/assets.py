@@ -43,8 +43,10 @@ def read_json(path: Path, field: str) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FieldError(field, f"{path} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: also not UTF-8, or an integer of over 4300 digits
         raise FieldError(field, f"{path} is not a readable JSON file ({exc})") from None
+    except RecursionError:
+        raise FieldError(field, f"{path} is not a readable JSON file (nested too deeply)") from None
     if not isinstance(data, dict):
         raise FieldError(field, f"{path} must hold a JSON object")
     return data

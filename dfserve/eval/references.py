@@ -129,7 +129,7 @@ async def server_info(client: httpx.AsyncClient, url: str) -> sglang.ServerInfo:
         response = await client.get(url.rstrip("/") + "/server_info")
         response.raise_for_status()
         return sglang.parse_server_info(response.json())
-    except (httpx.HTTPError, json.JSONDecodeError, AttributeError) as exc:
+    except (httpx.HTTPError, ValueError, RecursionError, AttributeError) as exc:
         raise FieldError("reference", f"{url}: /server_info did not answer as SGLang does ({exc})") from None
 
 

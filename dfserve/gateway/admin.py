@@ -75,7 +75,7 @@ class AdminApp:
             return
         try:
             raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # also not UTF-8, or an integer of over 4300 digits
             send_error(reply, 400, f"body: invalid JSON ({exc})", "invalid_request_error")
             return
         except RecursionError:

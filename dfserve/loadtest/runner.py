@@ -130,7 +130,7 @@ async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) 
         return None
     try:
         return response.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

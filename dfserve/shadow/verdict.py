@@ -119,7 +119,7 @@ def is_shadow_folder(path: Path) -> bool:
     """A folder whose config.json says it holds shadow records (anything else is left to the load test's reader)."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(config, dict) and config.get("kind") == "shadow-run"
 

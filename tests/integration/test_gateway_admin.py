@@ -112,6 +112,8 @@ def test_weights_must_be_finite_and_bounded(admin: tuple[str, str]) -> None:
         assert refused.json()["error"]["message"].startswith("body: arms.candidate.weight: "), refused.text
     nested = httpx.put(base + "/admin/arms", headers=AUTH, content=b"[" * 100_000)
     assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+    long = httpx.put(base + "/admin/arms", headers=AUTH, content=b'{"arms": ' + b"9" * 5000 + b"}")
+    assert long.status_code == 400 and "4300" in long.json()["error"]["message"]
     after = httpx.get(base + "/admin/arms", headers=AUTH).text
     assert after == before and _standard_json(after)
     assert 'dfserve_arm_weight{arm="candidate"} 10.0' in httpx.get(gw + "/metrics").text

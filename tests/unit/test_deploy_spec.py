@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dfserve.baselines import BaselineRegistry, entry
-from dfserve.deploy.assets import expected_tensors, verify_drafter_config
+from dfserve.deploy.assets import expected_tensors, read_json, verify_drafter_config
 from dfserve.deploy.cli import deploy
 from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
 from dfserve.deploy.engines.sglang import server_args
@@ -217,3 +217,12 @@ def test_a_simulated_drafter_runs_only_on_the_simulator_under_a_simulated_identi
     spec = build_spec(PROFILE, target, drafter, engine="sim", port=30000)
     assert flag(sim_argv(spec), "--draft-model-path") == "dfserve-sim/inhouse"
     assert flag(sim_argv(spec), "--profile") == "inhouse"
+
+
+@pytest.mark.parametrize(("data", "said"), [(b"[" * 100_000, "nested too deeply"), (b'{"a": ' + b"9" * 5000 + b"}", "4300")])
+def test_a_json_file_python_cannot_parse_is_a_field_error(tmp_path: Path, data: bytes, said: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(data)
+    with pytest.raises(FieldError) as caught:
+        read_json(path, "drafter")
+    assert caught.value.field == "drafter" and said in str(caught.value)

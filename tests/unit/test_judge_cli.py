@@ -346,3 +346,14 @@ def test_an_arm_a_run_has_not_is_named_with_its_flag_and_folder(tmp_path: Path) 
     for flag in ("--baseline", "--candidate"):
         refused = CliRunner().invoke(compare, [str(ab), flag, "nope"], standalone_mode=False)
         assert str(refused.exception) == f"{flag}: {ab} has no arm named 'nope' (its arms: zlab, inhouse)"
+
+
+def test_a_run_whose_config_python_cannot_parse_is_one_line(tmp_path: Path) -> None:
+    """Nested past Python's recursion limit: neither a shadow folder nor a run, said in one line."""
+    run = tmp_path / "deep"
+    run.mkdir()
+    (run / "config.json").write_bytes(b"[" * 100_000)
+    (run / "requests.jsonl").write_text("")
+    refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
+    assert refused.exception is not None and type(refused.exception).__name__ == "UserError"
+    assert str(refused.exception).startswith(f"{run / 'config.json'}") and "\n" not in str(refused.exception)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 import math
@@ -227,6 +228,35 @@ def test_a_tasks_file_with_a_byte_that_is_not_utf8_is_one_line_naming_file_and_l
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.count("\n") == 1, err
         assert err.startswith("dfserve: error: --tasks: ") and "tasks.jsonl:2: not UTF-8 text" in err
+
+
+@pytest.mark.parametrize(("line", "said"), [
+    (b"[" * 100_000, "tasks.jsonl:1: invalid JSON (an integer of over 4300 digits, or nested too deeply)"),
+    (b'{"id": ' + b"9" * 5000 + b', "prompt": "x"}', "tasks.jsonl:1: invalid JSON (an integer of over 4300 digits"),
+    (b'{"id": "\\ud800", "prompt": "x"}', "tasks.jsonl:1: a string holds a lone surrogate"),
+    (b'{"id": "a", "messages": [{"role": "user", "content": "\\udfff"}]}', "tasks.jsonl:1: a string holds a lone"),
+])
+def test_a_tasks_line_python_cannot_hold_as_text_is_one_line_naming_it(tmp_path: Path, line: bytes, said: str) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(line + b"\n")
+    with pytest.raises(FieldError) as caught:
+        load_tasks(str(path))
+    assert caught.value.field == "tasks" and said in str(caught.value)
+
+
+def test_a_surrogate_pair_escape_is_text(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "a", "prompt": "smile \\ud83d\\ude00"}\n')
+    assert load_tasks(str(path)).tasks[0].prompt == "smile \U0001f600"
+
+
+def test_a_cut_or_corrupt_gzip_tasks_file_is_one_line_not_an_abort(tmp_path: Path) -> None:
+    whole = gzip.compress(b'{"id": "a", "prompt": "x"}\n' * 50)
+    for name, data in (("cut", whole[:20]), ("corrupt", whole[:10] + b"\xff" * 20 + whole[30:])):
+        path = tmp_path / f"{name}.jsonl.gz"
+        path.write_bytes(data)
+        with pytest.raises(FieldError, match=rf"tasks: .*{name}\.jsonl\.gz: a truncated or corrupt gzip file"):
+            load_tasks(str(path))
 
 
 def test_an_open_loop_ends_at_its_duration_bound_not_at_its_next_arrival() -> None:

@@ -232,3 +232,9 @@ def test_an_event_is_read_whenever_json_loads_reads_it() -> None:
 ])
 def test_a_stream_ends_well_only_with_done_as_its_last_event(events: bytes, done: bool) -> None:
     assert proto.ends_with_done(events) is done
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"error": {"code": ' + b"9" * 5000 + b"}}"])
+def test_an_error_body_python_cannot_parse_is_its_own_text(body: bytes) -> None:
+    """A hostile server's error body, nested too deep or with an integer over 4300 digits: shown, not raised."""
+    assert proto.parse_error_message(body) == body.decode()[:500]

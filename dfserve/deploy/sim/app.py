@@ -464,7 +464,7 @@ def _asks_stream(body: bytes) -> bool:
     """Whether a refused request asked for a stream (it decides where a native engine error goes)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("stream") is True
 

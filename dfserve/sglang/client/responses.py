@@ -151,7 +151,7 @@ def parse_error_message(body: bytes | str) -> str:
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # ValueError: also an integer of over 4300 digits
         return text.strip()[:500]
     if isinstance(data, dict):
         error = data.get("error")
