@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import click
 import uvloop
+from click.core import ParameterSource
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -87,6 +88,10 @@ def same_server_warning(arms: Sequence[tuple[str, str]], pin_arms: bool) -> str 
 
 
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_OWN_HEADERS = frozenset({"host", "content-length", "content-type", "accept", "transfer-encoding", "connection",
+                          "keep-alive", "te", "upgrade", "expect"})
+"""Headers the load tester writes itself or that change how a request is framed: a second Host or Content-Length
+makes every request a 400, `Transfer-Encoding: chunked` a hang."""
 
 
 def request_headers(headers: tuple[str, ...], api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -99,6 +104,8 @@ def request_headers(headers: tuple[str, ...], api_key: str | None) -> tuple[tupl
             raise UserError(f"--header: {header!r} is not NAME: VALUE")
         if not value.isascii() or any(c in value for c in "\r\n\0"):
             raise UserError(f"--header {name}: CR, LF, NUL or a non-ASCII character in the value")
+        if name.lower() in _OWN_HEADERS:
+            raise UserError(f"--header {name}: set by dfserve on every request, or part of its framing; not given")
         parsed.append((name, value))
     if api_key is not None:
         if any(name.lower() == "authorization" for name, _ in parsed):
@@ -173,6 +180,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     trace = arrival == "trace"
     if concurrency is None and rate is None and not trace:
         raise UserError("--concurrency or --rate: give one (closed loop or open loop)")
+    if rate is None and not trace and click.get_current_context().get_parameter_source("arrival") is not ParameterSource.DEFAULT:
+        raise UserError(f"--arrival {arrival}: an open loop's arrivals; give --rate")
     if math.isnan(max_error_rate):
         raise UserError("--max-error-rate: must be a number from 0 to 1")
     if pushgateway is not None and not is_base_url(pushgateway if "://" in pushgateway else "http://" + pushgateway):

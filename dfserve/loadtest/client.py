@@ -57,6 +57,10 @@ def read_stream(api: sglang.Api, pieces: Sequence[tuple[float, bytes]], t0: floa
         events, times = _events(pieces, t0, decode_all)
     except UNREADABLE as exc:
         return StreamRead(failure=("protocol", unreadable(exc)))
+    if not events and (body := b"".join(piece for _, piece in pieces)).strip():
+        # a server that answered 200 with something else than events, an error document say: its words, not a cut
+        said = sglang.parse_error_message(body[:65536])[:500]
+        return StreamRead(failure=("protocol", f"an event stream without an event: {said}"))
     return read_events(api, events, times, decode_all=decode_all)
 
 
@@ -297,5 +301,6 @@ class ArmClient:
             error = ("protocol", str(exc))
         if error is None and response.status == 200 and response.media_type() != b"text/event-stream":
             error = ("protocol", "a 200 answer to a streamed request that is not an event stream (Content-Type: "
-                     f"{response.media_type().decode('latin-1') or 'none'})")
+                     f"{response.media_type().decode('latin-1') or 'none'}): "
+                     + sglang.parse_error_message(b"".join(piece for _, piece in response.pieces)[:65536])[:500])
         finish(error)

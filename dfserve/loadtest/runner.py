@@ -42,6 +42,9 @@ from dfserve.transport import StampingTransport
 Halt = Callable[[], bool]
 
 CONNECT_TIMEOUT_S = 10.0
+MAX_REQUESTS = 10_000_000
+"""Of a run's measured requests, and of its warm-up: its schedule is built whole, in memory, before the first is
+sent."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ class RunPlan:
             raise FieldError("arms", "give at least one NAME=URL")
         if len(set(names)) != len(names):
             raise FieldError("arms", "arm names must be unique")
-        if self.warmup < 0:
-            raise FieldError("warmup", "must be >= 0")
+        if not 1 <= self.num_requests <= MAX_REQUESTS:
+            raise FieldError("num_requests", f"must be from 1 to {MAX_REQUESTS:,}")
+        if not 0 <= self.warmup <= MAX_REQUESTS:
+            raise FieldError("warmup", f"must be from 0 to {MAX_REQUESTS:,}")
         if self.duration_s is not None and not 0 < self.duration_s < math.inf:
             raise FieldError("duration_s", "must be a finite number > 0")
         if not 0 < self.request_timeout_s < math.inf:

@@ -115,6 +115,16 @@ BAD_INVOCATIONS = {
                                        "--temperature", "inf"], "--temperature:"),
     "loadtest arm under a path": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9/v1", "--concurrency", "1"],
                                   "--arm a: http://127.0.0.1:9/v1 is not a server's root; give http://127.0.0.1:9 "),
+    "loadtest no measured request": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                      "--num-requests", "-1", "--warmup", "3"], "--num-requests: must be from 1 to"),
+    "loadtest schedule too long to build": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                             "--num-requests", "1000000000000"], "--num-requests: must be from 1 to"),
+    "loadtest constant arrivals without a rate": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency",
+                                                   "2", "--arrival", "constant"], "--arrival constant: an open loop's"),
+    "loadtest header it writes itself": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                          "--header", "Content-Length: 3"], "--header Content-Length: set by dfserve"),
+    "loadtest framing header": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "1",
+                                 "--header", "transfer-encoding: chunked"], "--header transfer-encoding: set by"),
 }
 
 

@@ -93,9 +93,19 @@ def test_a_whole_json_answer_to_a_streamed_request_is_the_servers_protocol_error
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
     finished, _ = run([body.encode()], head)
     assert finished.error == ("protocol", "a 200 answer to a streamed request that is not an event stream "
-                              "(Content-Type: application/json)")
+                              f"(Content-Type: application/json): {body}")
     assert derive(0.0, finished).error_kind == "protocol"
     sse = head.replace(b"application/json", b"Text/Event-Stream; charset=utf-8").replace(
         b"%d" % len(body), b"%d" % len(b"".join([chat_event("a", "stop"), b"data: [DONE]\n\n"])))
     finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], sse)
     assert finished.error is None and derive(0.0, finished).ok
+
+
+def test_an_error_document_in_a_200_event_stream_is_a_protocol_error_in_the_servers_words() -> None:
+    """Not a cut stream: the server answered, with something else than events."""
+    body = json.dumps({"error": {"message": "nope", "code": 400}}).encode()
+    for framing in (b"", b"\n\n"):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(body + framing)
+        finished, _ = run([body + framing], head)
+        record = derive(0.0, finished)
+        assert (record.error_kind, record.error_message) == ("protocol", "an event stream without an event: nope")
