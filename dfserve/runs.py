@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import platform
 import secrets
@@ -155,13 +156,28 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def read_model(path: Path, model: type[M], missing: str) -> M:
-    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field."""
+    """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field, and
+    a document of another kind (an eval run's config where a load test's is read) is named as such."""
     try:
-        return model.model_validate_json(path.read_bytes())
+        data = path.read_bytes()
+        return model.model_validate_json(data)
     except FileNotFoundError:
         raise UserError(missing) from None
     except ValidationError as exc:
+        wanted = model.model_fields.get("kind")
+        found = _kind_of(data)
+        if wanted is not None and isinstance(found, str) and found != wanted.default:
+            raise UserError(f"{path}: kind is {found}, not {wanted.default} (another command's folder)") from None
         raise UserError(describe_invalid(exc, str(path))) from None
+
+
+def _kind_of(data: bytes) -> object:
+    """The `kind` member of a JSON object, if `data` is one that has it."""
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return document.get("kind") if isinstance(document, dict) else None
 
 
 def read_jsonl(path: Path, model: type[M], what: str) -> Iterator[M]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel
@@ -11,6 +12,7 @@ from dfserve.runs import (
     JsonlAppender,
     Provenance,
     create_run_dir,
+    read_model,
     redacted,
     run_name,
     write_atomic,
@@ -85,3 +87,19 @@ def test_a_run_name_is_one_plain_folder_name(tmp_path: Path, name: str, problem:
     assert refused.value.field == "name" and repr(name) in str(refused.value)
     assert not tmp_path.joinpath("x").exists() and not out.exists()
     assert run_name("run-1.v2") == "run-1.v2" and create_run_dir(out, "run-1.v2") == out / "run-1.v2"
+
+
+class Document(BaseModel):
+    kind: Literal["eval-run"] = "eval-run"
+    n: int
+
+
+def test_a_document_of_another_kind_is_named_as_such_not_by_its_first_field(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"kind": "loadtest-run", "run_id": "r"}')
+    with pytest.raises(UserError) as caught:
+        read_model(path, Document, "missing")
+    assert str(caught.value) == f"{path}: kind is loadtest-run, not eval-run (another command's folder)"
+    path.write_text('{"kind": "eval-run", "n": "x"}')
+    with pytest.raises(UserError, match=r"config\.json: n: "):
+        read_model(path, Document, "missing")
