@@ -82,8 +82,10 @@ def reference_path(cache: Path, key: ReferenceKey) -> Path:
 def cached_references(cache: Path, key: ReferenceKey) -> ReferenceSet | None:
     """The references made earlier under exactly this key, if any; a file that does not hold them is refused."""
     path = reference_path(cache, key)
-    if not path.is_file():
+    if not path.exists():
         return None
+    if not path.is_file():
+        raise UserError(f"reference cache {path}: not a file; remove it and a run makes the references again")
     try:
         found = ReferenceSet.model_validate_json(path.read_bytes())
     except ValidationError as exc:

@@ -256,7 +256,12 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     if not reused:
         model = model or load_target(folder, dtype)
         _build_features(model, references, feature_key, path, run_id, progress)
-    store = feat.open_features(path, feature_key)
+    try:
+        store = feat.open_features(path, feature_key)
+    except FieldError as exc:  # a folder of the cache's, not one `features` named
+        if plan.features is not None:
+            raise
+        raise FieldError("cache", exc.message) from None
     build = store.build
     feature_info = FeatureInfo(key=feature_key.digest()[:16], path=str(path.resolve()), taps=taps, reused=reused,
                                built_at=build.built_at, built_by=build.built_by, build_s=build.build_s,

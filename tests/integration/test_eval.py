@@ -408,6 +408,11 @@ def test_a_feature_cache_whose_content_no_longer_matches_its_hashes_is_refused(
         assert "never used" in err
         assert not (world.root / "runs" / "damaged").exists()
     assert registry.read_bytes() == before  # no offline τ recorded from damaged features
+    shutil.copytree(world.root / "cache", world.root / "damaged-cache")  # found in --cache, not named by --features
+    found = world.root / "damaged-cache" / "features" / built.name
+    (found / task).unlink()
+    status, _, err = run_cli(capsys, *eval_args(world, "damaged", f"short={world.short}", cache="damaged-cache"))
+    assert status == 2 and err.startswith(f"dfserve: error: --cache: {found / task}: cannot be read"), err
 
 
 def test_a_task_file_unreadable_after_its_hash_was_checked_is_one_line(world: World, first_run: FirstRun) -> None:

@@ -218,3 +218,15 @@ def test_runs_that_cannot_be_paired_say_so_in_readable_lines_as_dfserve_compare_
         "feature cache: aaaaaaaaaaaa… vs bbbbbbbbbbbb… (target, tasks, prompts, references or taps differ)",
         "block_size: 8 vs not set", "dtype: float32 vs bfloat16"]
     assert first.comparable_with(config("a" * 64, 8, "float32")) == []
+
+
+def test_a_reference_cache_entry_that_is_not_a_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    from dfserve.eval import references as refs
+
+    key = refs.ReferenceKey(target_sha256="t", tasks_sha256="s", task_ids=("a",), prompts_sha256="p",
+                            prompt=PromptSettings(format="raw", thinking=False, template_sha256=None),
+                            max_new_tokens=8, stop_ids=(), source="local", server_model=None)
+    assert refs.cached_references(tmp_path, key) is None
+    refs.reference_path(tmp_path, key).mkdir(parents=True)
+    with pytest.raises(UserError, match=r"reference cache .*references-[0-9a-f]{16}\.json: not a file; remove it"):
+        refs.cached_references(tmp_path, key)
