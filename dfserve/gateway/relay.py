@@ -27,6 +27,7 @@ reason is an abort.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -192,6 +193,11 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         await opened.call.done
     except MID_STREAM as exc:
         failure = exc
+    except asyncio.CancelledError:
+        if not (reply.disconnected and _whole(relay)):
+            raise
+        # The client had the whole stream and left before the upstream's last chunk came (OpenAI's SDK closes at
+        # `[DONE]`): an answered request. The upstream connection, its body unfinished, is closed, not reused.
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
         reply.unhook()
@@ -207,7 +213,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     tail = relay.tail
-    if relay.pending.strip() or not sglang.ends_with_done(tail):
+    if not _whole(relay):
         exchange.error = "stream_cut"  # its end is the replica's: half an event, or no `[DONE]` after the last
         reply.end(b"" if relay.last_chunk_written else sglang.stream_error_events(
             "upstream replica ended the stream before [DONE]", "upstream_error", 502), relay.last_chunk_written)
@@ -221,6 +227,11 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         if in_band is not None:
             exchange.error, exchange.error_code = STREAM_ERROR, in_band.code
     reply.end(relay.pending, relay.last_chunk_written)
+
+
+def _whole(relay: EventRelay) -> bool:
+    """Whether the events relayed so far are a whole stream: `[DONE]` last, and no part of an event after it."""
+    return not relay.pending.strip() and sglang.ends_with_done(relay.tail)
 
 
 def measure_whole(api: str, body: bytes) -> tuple[Acceptance, sglang.StreamError | None]:

@@ -13,6 +13,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,12 @@ class RawUpstream:
             for _ in range(32):
                 writer.write(b" " * (BODY_CAP // 16))
                 await writer.drain()
+        elif behaviour in (b"done-then-wait", b"first-then-wait"):  # the body's end comes a second later
+            split = len(NATIVE_EVENTS) if behaviour == b"done-then-wait" else NATIVE_EVENTS.index(b"\n\n") + 2
+            writer.write(SSE_HEAD + chunk(NATIVE_EVENTS[:split]))
+            await writer.drain()
+            await asyncio.sleep(1.0)
+            writer.write((chunk(NATIVE_EVENTS[split:]) if split < len(NATIVE_EVENTS) else b"") + b"0\r\n\r\n")
         elif behaviour == b"no-content":
             writer.write(b"HTTP/1.1 204 No Content\r\nx-engine: raw\r\n\r\n")
         elif behaviour == b"endless-event":
@@ -262,6 +269,35 @@ def test_the_query_string_goes_upstream_as_the_client_sent_it(gateway: tuple[Raw
     assert httpx.post(f"{gw}/generate?{query}", json=GENERATE, timeout=10).content == NATIVE_EVENTS
     assert httpx.get(f"{gw}/v1/models?limit=5", headers={"x-raw": "no-content"}, timeout=10).status_code == 204
     assert upstream.targets[-2:] == [f"/generate?{query}".encode(), b"/v1/models?limit=5"]
+
+
+def leave_after(gw: str, behaviour: str, seen: bytes) -> None:
+    """A client that closes its connection as soon as `seen` has come, as OpenAI's SDK does at `[DONE]`."""
+    body = json.dumps(GENERATE).encode()
+    with socket.create_connection((LOOPBACK, int(gw.rsplit(":", 1)[1])), timeout=10) as client:
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: gw\r\nx-raw: %b\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%b" % (behaviour.encode(), len(body), body))
+        answer = b""
+        while seen not in answer:
+            answer += client.recv(65536)
+
+
+def test_a_client_that_leaves_at_done_was_answered_and_one_that_leaves_before_was_not(
+        gateway: tuple[RawUpstream, str]) -> None:
+    _, gw = gateway
+    answered = metric(gw, "dfserve_requests_total", status="2xx", route="native")
+    left = metric(gw, "dfserve_requests_total", error="client_disconnect")
+    leave_after(gw, "done-then-wait", b"data: [DONE]\n\n")
+    leave_after(gw, "first-then-wait", b"\n\n")
+    for _ in range(100):
+        if metric(gw, "dfserve_requests_total", status="2xx", route="native") == answered + 1 and metric(
+                gw, "dfserve_requests_total", error="client_disconnect") == left + 1:
+            break
+        time.sleep(0.05)
+    assert metric(gw, "dfserve_requests_total", status="2xx", route="native") == answered + 1
+    assert metric(gw, "dfserve_requests_total", error="client_disconnect") == left + 1
+    assert metric(gw, "dfserve_output_tokens_total", route="native") > 0
+    assert post(gw, "stream").content == NATIVE_EVENTS  # no connection left with a body's end still to come
 
 
 def twin_argv(config: Path) -> list[str]:
