@@ -91,6 +91,7 @@ class Registry(BaseModel):
 class BaselineRegistry:
     def __init__(self, directory: Path) -> None:
         self.path = directory / FILENAME
+        self._held = False
 
     def read(self) -> Registry:
         try:
@@ -107,13 +108,13 @@ class BaselineRegistry:
         return [e for e in self.read().entries if target is None or e.target == target]
 
     def append(self, *entries: BaselineEntry) -> None:
-        with self._locked():
+        with self.locked():
             registry = self.read()
             registry.entries.extend(entries)
             self._write(registry)
 
     def record_offline(self, *scores: OfflineScore) -> None:
-        with self._locked():
+        with self.locked():
             registry = self.read()
             registry.offline.extend(scores)
             self._write(registry)
@@ -124,11 +125,20 @@ class BaselineRegistry:
         return next((s for s in reversed(self.read().offline) if s.drafter == wanted), None)
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def locked(self) -> Iterator[None]:
+        """The registry held against every other process for a read, a check and a write that must be one step:
+        two promotions at once must not both pass their checks. Reentrant within this object."""
+        if self._held:
+            yield
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
 
     def _write(self, registry: Registry) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{FILENAME}.", suffix=".tmp")
@@ -189,17 +199,24 @@ def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *,
         raise UserError(f"{file}: the verdict judged run {base.run_id} against itself; it promotes nothing")
     digest = hashlib.sha256(verdict.model_dump_json().encode()).hexdigest()  # of its content, however laid out
     raw = hashlib.sha256(file.read_bytes()).hexdigest()  # what promotions recorded before the content's hash
-    before = next((e for e in registry.history() if e.verdict == str(file) or e.verdict_sha256 in (digest, raw)),
-                  None)
-    if before is not None:
-        raise UserError(f"{file}: this verdict was promoted on {before.recorded_at}; a verdict promotes once")
-    refused = refusals(registry, verdict, unfounded)
-    if refused and not force:
-        raise Untrusted("promote: " + "; ".join(refused))
-    new = []
-    if registry.current(base.target) is None:
-        new.append(entry(base.target, base.drafter, base.run_id, base.name, reason="baseline of the first promotion"))
-    new.append(entry(cand.target, cand.drafter, cand.run_id, cand.name, str(file), forced=bool(refused),
-                     reason=reason if refused else None, verdict_sha256=digest))
-    registry.append(*new)
+    with registry.locked():
+        history = registry.history()
+        before = next((e for e in history if e.verdict == str(file) or e.verdict_sha256 in (digest, raw)), None)
+        if before is not None:
+            raise UserError(f"{file}: this verdict was promoted on {before.recorded_at}; a verdict promotes once")
+        promoted = next((e for e in history if e.verdict is not None and (e.run_id, e.arm) == (cand.run_id, cand.name)),
+                        None)
+        if promoted is not None:
+            raise UserError(f"{file}: arm {cand.name} of run {cand.run_id} was promoted on {promoted.recorded_at} "
+                            f"(by {promoted.verdict}); a run's arm promotes once, whatever verdict names it")
+        refused = refusals(registry, verdict, unfounded)
+        if refused and not force:
+            raise Untrusted("promote: " + "; ".join(refused))
+        new = []
+        if registry.current(base.target) is None:
+            new.append(entry(base.target, base.drafter, base.run_id, base.name,
+                             reason="baseline of the first promotion"))
+        new.append(entry(cand.target, cand.drafter, cand.run_id, cand.name, str(file), forced=bool(refused),
+                         reason=reason if refused else None, verdict_sha256=digest))
+        registry.append(*new)
     return Promotion(new[-1], refused)

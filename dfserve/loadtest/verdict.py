@@ -208,6 +208,11 @@ def unfounded(verdict: Verdict) -> list[str]:
                 again = compare_runs(folders, base.name, cand.name, gate, verdict.forced, Path(scratch))[0]
         except UserError as exc:
             return [f"its runs are refused now ({exc})"]
+    for role, said, given in (("baseline", verdict.baseline, again.baseline),
+                              ("candidate", verdict.candidate, again.candidate)):
+        if edited := [name for name in type(said).model_fields if getattr(said, name) != getattr(given, name)]:
+            return [f"its {role}'s {', '.join(edited)} are not those of the run it names (edited: what it says was "
+                    "judged was not)"]
     if again.verdict != verdict.verdict:
         return [f"its runs give {again.verdict}, not the {verdict.verdict} it says, judged again (edited, or the "
                 "runs changed since)"]

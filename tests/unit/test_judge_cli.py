@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -357,3 +358,61 @@ def test_a_run_whose_config_python_cannot_parse_is_one_line(tmp_path: Path) -> N
     refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
     assert refused.exception is not None and type(refused.exception).__name__ == "UserError"
     assert str(refused.exception).startswith(f"{run / 'config.json'}") and "\n" not in str(refused.exception)
+
+
+def test_a_verdict_whose_sides_were_edited_never_promotes_what_was_not_judged(tmp_path: Path) -> None:
+    """A PASS whose candidate (or baseline, or target) names another drafter than the run it judged: promote would
+    deploy a drafter never tested."""
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    passed = json.loads((next((runs / "v").glob("verdict-*")) / "verdict.json").read_text())
+    for role, field in (("candidate", "drafter"), ("baseline", "drafter"), ("candidate", "target")):
+        edited = json.loads(json.dumps(passed))
+        edited[role][field] = "evil/never-tested"
+        file = runs / f"edited-{role}-{field}" / "verdict.json"
+        file.parent.mkdir()
+        file.write_text(json.dumps(edited))
+        refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs)], standalone_mode=False)
+        assert refused.exception is not None, (role, field)
+        assert f"its {role}'s {field} are not those of the run it names" in str(refused.exception), (role, field)
+    assert not BaselineRegistry(runs).history()
+
+
+def test_a_runs_arm_promotes_once_whatever_verdict_names_it(tmp_path: Path) -> None:
+    """A second verdict of the same runs (judged again, or a copy whose provenance was touched): the same arm of the
+    same run is not promoted twice."""
+    runs = tmp_path / "runs"
+    aa = aa_run(runs, "aa")
+    for out in ("v1", "v2"):
+        assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / out)]).exit_code == 0
+    first, second = (next((runs / out).glob("verdict-*")) for out in ("v1", "v2"))
+    assert CliRunner().invoke(promote, [str(first), "--registry", str(runs)]).exit_code == 0
+    again = CliRunner().invoke(promote, [str(second), "--registry", str(runs), "--force", "--reason", "again"],
+                               standalone_mode=False)
+    assert again.exception is not None and "arm inhouse of run aa was promoted on" in str(again.exception)
+    assert len(BaselineRegistry(runs).history()) == 2
+
+
+def test_a_promotion_waits_for_one_under_way_and_is_then_checked_against_it(tmp_path: Path) -> None:
+    """Two promotions at once: the second's checks run once the first has written, so it cannot pass them too."""
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(compare, [str(aa_run(runs, "aa")), "--out", str(runs / "v")]).exit_code == 0
+    passed = next((runs / "v").glob("verdict-*")) / "verdict.json"
+    verdict = json.loads(passed.read_text())
+    outcome: list[BaseException | None] = []
+
+    def second() -> None:
+        result = CliRunner().invoke(promote, [str(passed), "--registry", str(runs)], standalone_mode=False)
+        outcome.append(result.exception)
+
+    first = BaselineRegistry(runs)
+    with first.locked():
+        racer = threading.Thread(target=second)
+        racer.start()
+        racer.join(0.5)
+        assert racer.is_alive() and not outcome  # held at the registry, its checks not yet made
+        cand = verdict["candidate"]
+        first.append(entry(cand["target"], cand["drafter"], cand["run_id"], cand["name"], "elsewhere/verdict.json"))
+    racer.join(30)
+    assert outcome and outcome[0] is not None and "was promoted on" in str(outcome[0])
+    assert len(BaselineRegistry(runs).history()) == 1
