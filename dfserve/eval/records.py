@@ -188,3 +188,5 @@ class EvalSummary(_Model):
     interrupted: bool
     drafters: tuple[DrafterSummary, ...]
     judgements: tuple[Judgement, ...] = Field(description="each later drafter against the first, paired by task")
+    records_sha256: str | None = Field(None, description="sha256 of anchors.jsonl as written (`runs.unsealed`): a "
+                                       "record edited since shows, whatever figures are kept")

@@ -66,6 +66,7 @@ from dfserve.runs import (
     link_input,
     new_run_id,
     package_versions,
+    records_sha256,
     run_name,
     utc_now_iso,
     write_atomic,
@@ -173,7 +174,8 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
                     records[drafter.info.label].append(record)
     except KeyboardInterrupt:
         interrupted = True
-    summary = _summarize(plan, config, records, interrupted)
+    summary = _summarize(plan, config, records, interrupted).model_copy(
+        update={"records_sha256": records_sha256(run_dir / "anchors.jsonl")})
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary))
     if not interrupted:

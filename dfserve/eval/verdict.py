@@ -19,7 +19,7 @@ from pathlib import Path
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.eval.metrics import method_totals
 from dfserve.eval.records import VANILLA, AnchorRecord, EvalConfig, EvalSummary, metric_of
-from dfserve.runs import Provenance, read_jsonl, read_model
+from dfserve.runs import Provenance, read_jsonl, read_model, unsealed
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import MetricSpec, Pairs
@@ -108,12 +108,15 @@ class EvalRun:
             return [f"{where}: interrupted (summary.json), a part of its tasks scored"]
         written = next((d for d in self.summary.drafters if d.drafter == label), None)
         tasks = [t.id for t in self.config.tasks.tasks]
+        problems = []
         if written is None or written.anchors != len(records) or any(
                 (m.tokens, m.rounds) != tuple(int(v.sum()) for v in method_totals(records, tasks, m.method))
                 for m in written.methods):
-            return [f"{where} drafter {label}: summary.json's figures are not those of its records in anchors.jsonl "
-                    "(records missing or edited)"]
-        return []
+            problems.append(f"{where} drafter {label}: summary.json's figures are not those of its records in "
+                            "anchors.jsonl (records missing or edited)")
+        if (why := unsealed(self.path / "anchors.jsonl", self.summary.records_sha256)) is not None:
+            problems.append(f"{where}: {why}")
+        return problems
 
     def label(self, wanted: str | None, field: str, default_index: int) -> str:
         labels = [d.label for d in self.config.drafters]

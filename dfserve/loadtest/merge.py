@@ -30,7 +30,7 @@ from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
 from dfserve.loadtest.report import Summary
-from dfserve.runs import Provenance, read_model
+from dfserve.runs import Provenance, read_model, unsealed
 from dfserve.shard import shard_indices
 from dfserve.stamped_socket import ReadLag
 
@@ -49,6 +49,8 @@ class ShardRun:
     """Each arm's measured requests as the shard's summary.json counts them."""
     cut: bool = False
     """requests.jsonl ends mid-line (the torn line is not among `records`)."""
+    edited: str | None = None
+    """Why requests.jsonl is not as the shard's writer left it (`runs.unsealed`), if it is not."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ def read_shard(path: Path) -> ShardRun:
     read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
     records = path / "requests.jsonl"
     return ShardRun(path, config, list(read_records(records)), summary.interrupted, read_lag,
-                    {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records))
+                    {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records),
+                    unsealed(records, summary.records_sha256))
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -110,6 +113,8 @@ def incomplete(shard: ShardRun) -> list[str]:
     ran to its end, indexes of its part of the schedule without a record."""
     config = shard.config
     problems = ["requests.jsonl's last line is cut"] if shard.cut else []
+    if shard.edited is not None:
+        problems.append(shard.edited)
     ran_to_end = not shard.interrupted and config.duration_s is None and config.sequential is None
     schedule = shard_indices(config.warmup + config.num_requests, config.shard)
     for arm in config.arms:

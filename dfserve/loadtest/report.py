@@ -91,6 +91,8 @@ class Summary(_Model):
     arms: tuple[ArmSummary, ...]
     schedule_fidelity: dict[str, ScheduleFidelity] = Field(default_factory=dict, description="open loop, per arm: "
                                                            "how late measured requests were sent against schedule")
+    records_sha256: str | None = Field(None, description="sha256 of requests.jsonl as written (`runs.unsealed`): "
+                                       "a record edited since shows, whatever figures are kept")
 
 
 def _figure(interval: stats.Interval | None, n: int) -> Figure | None:

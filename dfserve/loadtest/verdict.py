@@ -28,7 +28,7 @@ from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
 from dfserve.loadtest.records import RequestRecord, measured_records, read_records
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.loadtest.sequential import design_of
-from dfserve.runs import Provenance, read_model
+from dfserve.runs import Provenance, read_model, unsealed
 from dfserve.sglang import parse_server_info
 from dfserve.shadow.verdict import compare_shadow, is_shadow_folder
 from dfserve.shard import shard_indices
@@ -85,6 +85,8 @@ def incomplete(run: Run) -> list[str]:
         if figures_differ(arm, measured):
             problems.append(f"run {name} arm {arm.arm}: summary.json's figures are not those of its records in "
                             "requests.jsonl (edited?)")
+    if (why := unsealed(run.path / "requests.jsonl", summary.records_sha256)) is not None:
+        problems.append(f"run {name}: {why}")
     return problems
 
 

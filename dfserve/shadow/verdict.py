@@ -34,7 +34,7 @@ from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
 from dfserve.loadtest.records import RequestRecord, check_same_request, read_records
 from dfserve.loadtest.report import Summary, figures_differ
-from dfserve.runs import Provenance, read_model, write_model
+from dfserve.runs import Provenance, read_model, unsealed, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.monitor import DECISION, Decided, judge_live
 from dfserve.shadow.policy import ShadowPolicy
@@ -157,6 +157,8 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
     if moved := sum(opened_by[index] != config.primary for index in primaries):
         problems.append(f"shadow folder {config.run_id}: {moved} requests' records do not start with the primary's "
                         f"({config.primary}, config.json), which the gateway writes first (edited?)")
+    if (why := unsealed(path / "requests.jsonl", summary.records_sha256)) is not None:
+        problems.append(f"shadow folder {config.run_id}: {why}")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "
                  "in requests.jsonl (edited?)" for arm in summary.arms
                  if held[arm.arm] == arm.requests and figures_differ(arm, [r for r in records if r.arm == arm.arm])]

@@ -416,3 +416,20 @@ def test_a_promotion_waits_for_one_under_way_and_is_then_checked_against_it(tmp_
     racer.join(30)
     assert outcome and outcome[0] is not None and "was promoted on" in str(outcome[0])
     assert len(BaselineRegistry(runs).history()) == 1
+
+
+def test_records_edited_whatever_figures_are_kept_are_judged_only_forced(tmp_path: Path) -> None:
+    """The candidate's output hashes made the baseline's: the summary's figures do not cover them, its seal does."""
+    runs = tmp_path / "runs"
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 60, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", 60, 9.0, seed=1, lossy=0.5)})
+    requests = ab / "requests.jsonl"
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    base = {r["index"]: r["output_sha256"] for r in records if r["arm"] == "zlab"}
+    requests.write_text("".join(json.dumps({**r, "output_sha256": base[r["index"]]}) + "\n" for r in records))
+    said = refusal([str(ab)])
+    assert "ab/requests.jsonl is not as its writer left it (its sha256 is not summary.json's): edited" in said
+    summary = json.loads((ab / "summary.json").read_text())
+    del summary["records_sha256"]
+    (ab / "summary.json").write_text(json.dumps(summary))
+    assert "ab/summary.json holds no sha256 of requests.jsonl" in refusal([str(ab)])

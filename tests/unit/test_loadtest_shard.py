@@ -121,6 +121,8 @@ def test_a_shard_that_lost_records_is_refused_unless_forced() -> None:
         (replace(whole[1], records=lost_one, counted={"zlab": 4, "inhouse": 3}),
          "arm inhouse: indexes 10 of its schedule have no record"),
         (replace(whole[1], counted={"zlab": 4}), "arm inhouse: not in summary.json"),
+        (replace(whole[1], edited="shard-1/requests.jsonl is not as its writer left it"),
+         "shard-1/requests.jsonl is not as its writer left it"),
     ]
     for shard, problem in cases:
         shards = [whole[0], shard, whole[2]]
@@ -186,3 +188,13 @@ def test_read_lag_read_back_from_a_summary_is_validated() -> None:
                        ({"late_reads": 11}, "late_reads 11 is more than reads 10")]:
         with pytest.raises(ValidationError, match=re.escape(field)):
             adapter.validate_python({**good, **bad})
+
+
+def test_a_shard_whose_records_were_edited_after_its_summary_says_so(tmp_path: Path) -> None:
+    config = run_config("shard-0", num_requests=4).model_copy(update={"shard": Shard(index=0, count=2)})
+    folder = write_run(tmp_path, config, [r for r in synthetic("zlab", 4, 3.0, seed=1) if r.index % 2 == 0])
+    assert read_shard(folder).edited is None
+    requests = folder / "requests.jsonl"
+    requests.write_text(requests.read_text().replace('"zlab"', '"zlab" '))
+    edited = read_shard(folder).edited
+    assert edited is not None and edited.endswith("is not as its writer left it (its sha256 is not summary.json's): edited")

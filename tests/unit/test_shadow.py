@@ -712,3 +712,17 @@ def test_greedy_streams_of_deltas_never_pass_losslessness_on_outputs_the_gateway
     page = (judged.path.parent / "report.html").read_text()  # the verdict's page says what the terminal says
     assert "live traffic mirrored by the gateway" in page and html.escape(NO_HASH) in page
     assert "No pair's outputs could be compared" in page
+
+
+def test_a_folder_whose_records_were_edited_is_judged_only_forced(tmp_path: Path) -> None:
+    """A lossy candidate made lossless by copying the primary's output hashes onto its records: no count or figure
+    of summary.json changes, its seal of requests.jsonl does."""
+    folder = _record(tmp_path, _traffic(12, 4, cand_text="other"))
+    requests = folder / "requests.jsonl"
+    records = [json.loads(line) for line in requests.read_text().splitlines()]
+    primary = {r["index"]: r["output_sha256"] for r in records if r["arm"] == "zlab"}
+    requests.write_text("".join(json.dumps({**r, "output_sha256": primary[r["index"]]}) + "\n" for r in records))
+    with pytest.raises(Untrusted, match=r"requests\.jsonl is not as its writer left it"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
+    assert forced.forced and any("not as its writer left it" in line for line in forced.incomplete)
