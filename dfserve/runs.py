@@ -164,6 +164,8 @@ def read_model(path: Path, model: type[M], missing: str) -> M:
         return model.model_validate_json(data)
     except FileNotFoundError:
         raise UserError(missing) from None
+    except OSError as exc:  # a folder where the file should be, say
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
     except ValidationError as exc:
         wanted = model.model_fields.get("kind")
         found = _kind_of(data)

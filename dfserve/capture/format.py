@@ -20,7 +20,8 @@ from dfserve.sglang import Api
 
 MANIFEST = "manifest.json"
 SEGMENT_PREFIX = "segment-"
-CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "proxy-authorization"})
+CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key",
+                                "proxy-authorization"})
 """Never written, whatever the policy says."""
 
 Redact = Literal["keep", "drop", "hash"]

@@ -94,11 +94,11 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
     if error is None:
         return "http_status" if status is not None and status >= 400 else None
-    if error in ("client_disconnect", "cancelled"):
-        return "cancelled"  # the client left, or the gateway stopped: not the arm's failure, and not a pair
+    if error in ("client_disconnect", "client_stalled", "cancelled"):
+        return "cancelled"  # the client left or stopped reading, or the gateway stopped: not the arm's, not a pair
     if error == "stream_error":
         return "stream_error"
-    if "timeout" in error or error == "client_stalled":
+    if "timeout" in error:
         return "timeout"
     if "connect" in error:
         return "connect"

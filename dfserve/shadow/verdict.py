@@ -99,7 +99,10 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
     if not file.exists():
         return [f"{DECISION} is missing, and the records replay to a decision the gateway would have written "
                 f"({report.verdict_when_stopped} at look {report.looks})"] if report.stopped == "decided" else []
-    decided = read_model(file, Decided, f"{file} does not exist")
+    try:
+        decided = read_model(file, Decided, f"{file} does not exist")
+    except UserError as exc:
+        return [f"{DECISION} is not the gateway's ({exc})"]
     problems = []
     if decided.design != config.sequential or decided.candidate != config.decides:
         problems.append(f"{DECISION}: the gateway decided {decided.candidate} with another design than config.json "
@@ -241,13 +244,18 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     rules = read_gate(gate, config.sequential.gate if config.sequential is not None else DEFAULT_GATE)
     check_rules(rules, METRICS)
     records = list(read_records(path / "requests.jsonl"))
+    missing = incomplete(path, config, records)
+    if missing and not force:
+        raise Untrusted("not the whole record: " + "; ".join(missing))
     cand = pick_candidate(config, records, candidate)
     differ = mismatches(config, config.primary, cand)
     if differ and not force:
         raise Untrusted("arms are not comparable (" + "; ".join(differ) + ")")
-    missing = incomplete(path, config, records)
-    if missing and not force:
-        raise Untrusted("not the whole record: " + "; ".join(missing))
+    if config.sequential is None and (path / DECISION).exists():
+        why = f"{DECISION} is there, but config.json records no sequential design it was decided on (edited?)"
+        if not force:
+            raise Untrusted(f"not the gateway's decision ({why})")
+        differ.append(why)
     pairs, notes = request_pairs(records, config.primary, cand)
     outcome = (judge_live(pairs, config.sequential, rules)
                if config.sequential is not None and cand == config.decides else FixedN().judge(pairs, METRICS, rules))

@@ -39,6 +39,7 @@ def policy(tmp_path: Path, **fields: object) -> CapturePolicy:
 def captured(body: dict[str, object], path: str = "/generate", at: float = 0.0) -> Captured:
     return Captured(path, json.dumps(body).encode(), [(b"authorization", b"Bearer k"), (b"cookie", b"s=1"),
                                                       (b"x-api-key", b"k"), (b"proxy-authorization", b"p"),
+                                                      (b"api-key", b"azure"), (b"x-goog-api-key", b"g"),
                                                       (b"content-length", b"9"), (b"x-team", b"infra"),
                                                       (b"user-agent", b"t")], 1.7e9 + at, at)
 

@@ -103,3 +103,9 @@ def test_a_document_of_another_kind_is_named_as_such_not_by_its_first_field(tmp_
     path.write_text('{"kind": "eval-run", "n": "x"}')
     with pytest.raises(UserError, match=r"config\.json: n: "):
         read_model(path, Document, "missing")
+
+
+def test_a_folder_where_a_document_should_be_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(UserError, match=r"config\.json: cannot read \(Is a directory\)"):
+        read_model(tmp_path / "config.json", Document, "missing")

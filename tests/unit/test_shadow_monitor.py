@@ -378,3 +378,25 @@ def test_a_deciding_recorder_writes_each_batch_its_lane_hands_it(tmp_path: Path)
     assert not (folder / "summary.json").exists()  # written, and the folder still open
     seam.close()
     assert (folder / "summary.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "folder", "design dropped"])
+def test_a_damaged_decision_or_one_without_its_design_is_judged_only_forced(tmp_path: Path, damage: str) -> None:
+    """A decision.json that cannot be read, or a config.json whose design was removed (so the stopped-early
+    sample would be judged as a fixed-size one): refused, and --force judges it stamped."""
+    _decide(tmp_path, _traffic(80))
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    if damage == "garbage":
+        (folder / DECISION).write_text("{not json")
+    elif damage == "folder":
+        (folder / DECISION).unlink()
+        (folder / DECISION).mkdir()
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        config["sequential"] = config["decides"] = None
+        (folder / "config.json").write_text(json.dumps(config))
+    said = "decision.json is not the gateway's" if damage != "design dropped" else "records no sequential design"
+    with pytest.raises(Untrusted, match=said):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
+    assert forced.forced and any(said in line for line in forced.mismatches)
