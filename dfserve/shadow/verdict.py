@@ -252,10 +252,10 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     if differ and not force:
         raise Untrusted("arms are not comparable (" + "; ".join(differ) + ")")
     if config.sequential is None and (path / DECISION).exists():
-        why = f"{DECISION} is there, but config.json records no sequential design it was decided on (edited?)"
+        undesigned = f"{DECISION} is there, but config.json records no sequential design it was decided on (edited?)"
         if not force:
-            raise Untrusted(f"not the gateway's decision ({why})")
-        differ.append(why)
+            raise Untrusted(f"not the gateway's decision ({undesigned})")
+        differ.append(undesigned)
     pairs, notes = request_pairs(records, config.primary, cand)
     outcome = (judge_live(pairs, config.sequential, rules)
                if config.sequential is not None and cand == config.decides else FixedN().judge(pairs, METRICS, rules))
