@@ -17,6 +17,8 @@ checkpoint's run with the baseline's by task).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from dfserve.eval.trend import Passed, Trend, TrendBaseline, TrendPoint, build_t
 from dfserve.eval.trend_report import render_trend_html
 from dfserve.eval.verdict import judge_offline
 from dfserve.eval.watch_discovery import Ready, Seen, Stability, choose, step_from_name
-from dfserve.eval.watch_files import StageMode, probe, scan, stage
+from dfserve.eval.watch_files import Gone, Incomplete, StageMode, probe, scan, stage
 from dfserve.eval.watch_push import push_trend
 from dfserve.eval.watch_state import (
     CheckpointEntry,
@@ -46,6 +48,7 @@ from dfserve.runs import read_jsonl, read_model
 BASELINE_RUN = "baseline"
 TREND = "trend.json"
 REPORT = "report.html"
+_ATTEMPT = re.compile(r"-attempt\d+$")
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,24 @@ class WatchPlan:
     """The watch's name in the Pushgateway's grouping key and the report's title."""
 
     def settings(self) -> dict[str, str]:
-        """What every run of one watch must share; a restart under other settings is refused."""
+        """What every run of one watch must share; a restart under other settings is refused. The drafter config
+        and the profile (whose z-lab config stands in for a missing one) build every checkpoint's drafter: by
+        content, as an edited file is another setting under the same name."""
         e = self.eval
+        if e.drafter_config is None:
+            drafter_config = "none"
+        else:
+            try:
+                drafter_config = hashlib.sha256(e.drafter_config.read_bytes()).hexdigest()
+            except OSError as exc:
+                raise FieldError("drafter_config", f"cannot read {e.drafter_config} ({exc.strerror})") from None
+        profile = hashlib.sha256(e.profile.model_dump_json().encode()).hexdigest()
         return {"checkpoints": str(self.checkpoints.resolve()), "baseline": self.baseline, "target": e.target,
                 "tasks": e.tasks.sha256, "num_tasks": str(e.num_tasks), "max_new_tokens": str(e.max_new_tokens),
                 "block_size": str(e.block_size), "ddtree_budgets": ",".join(map(str, e.ddtree_budgets)),
                 "prompt_format": e.prompt_format, "thinking": str(e.thinking), "reference": e.reference,
-                "dtype": e.dtype, "gate": e.gate.model_dump_json()}
+                "dtype": e.dtype, "gate": e.gate.model_dump_json(), "drafter_config": drafter_config,
+                "profile": f"{e.profile.name} {profile}"}
 
 
 @dataclass
@@ -94,6 +108,8 @@ class Watcher:
         self.stability = Stability()
         self.failed: dict[str, tuple[int, int]] = {}
         """Candidates that failed to load once, at this fingerprint: corrupt if they fail again unchanged."""
+        self.waiting: set[str] = set()
+        """Candidates still being written (a sharded folder short of a file): reported once, then waited for."""
         self.result = WatchResult()
         self.state = WatchState()
 
@@ -187,13 +203,15 @@ class Watcher:
                 probed.add(seen.key)
             candidates[seen.key] = (Ready(seen.key, step), seen)
         pending = [r for r, _ in candidates.values()]
-        acted = bool(pending)
+        acted = False
         while pending:
             chosen, skipped = choose(pending, set(), self.plan.every_checkpoint)
             first, seen = candidates[chosen[0].key]
             pending.remove(first)
             if first.key not in probed and self._probe(seen) is None:
+                acted = acted or first.key not in self.waiting  # one only waited for is nothing new
                 continue  # reported; the next one is chosen instead
+            acted = True
             for passed in skipped:
                 pending.remove(passed)
                 self._save(entry(passed.key, passed.step, "skipped", candidates[passed.key][1].fingerprint,
@@ -205,15 +223,25 @@ class Watcher:
     def _probe(self, seen: Seen) -> int | None:
         """The step of a loadable candidate (its name's, else the one stored in it); None when it does not load or
         has no step anywhere. One that fails twice unchanged is corrupt: reported in one line, recorded, and tried
-        again only when its bytes change (a trainer paused mid-write fails once, then grows)."""
+        again only when its bytes change (a trainer paused mid-write fails once, then grows). One still being written
+        is waited for; one removed meanwhile is reported gone."""
         try:
             stored = probe(self.plan.checkpoints / seen.key).step
+        except Incomplete as exc:
+            if seen.key not in self.waiting:
+                self.log(f"waiting: {seen.key}: {exc.message}")
+            self.waiting.add(seen.key)
+            return None
+        except Gone as exc:
+            self.log(f"gone: {seen.key}: {exc.message}")
+            return None
         except FieldError as exc:
             if self.failed.get(seen.key) == seen.fingerprint:
                 self._corrupt(seen, step_from_name(seen.key), exc.message)
             self.failed[seen.key] = seen.fingerprint
             return None
         self.failed.pop(seen.key, None)
+        self.waiting.discard(seen.key)
         step = step_from_name(seen.key)
         if step is None and stored is None:
             self._corrupt(seen, None, "no step in its name nor in the checkpoint (step, global_step)")
@@ -224,13 +252,29 @@ class Watcher:
         self.log(f"corrupt: {seen.key}: {detail}")
         self._publish()  # the trend lists it
 
+    def _name(self, ready: Ready) -> str:
+        """The checkpoint's run and staged name: `step-N`, unless another checkpoint of step N holds it
+        (`step_15/ema.pt` beside `step_15/checkpoint.pt`), then `step-N-` and a hash of its key. watch.json keeps
+        who holds which, so a restart names each the same."""
+        known = self.state.checkpoints.get(ready.key)
+        if known is not None and known.run_id is not None:
+            return _ATTEMPT.sub("", known.run_id)
+        name = f"step-{ready.step:09d}"
+        held = {_ATTEMPT.sub("", e.run_id) for e in self.state.checkpoints.values() if e.run_id is not None}
+        return name if name not in held else f"{name}-{hashlib.sha256(ready.key.encode()).hexdigest()[:8]}"
+
     def _score(self, ready: Ready, seen: Seen) -> None:
         known = self.state.checkpoints.get(ready.key)
         attempt = known.attempt + 1 if known is not None and known.status == "started" else 1
-        run_id = f"step-{ready.step:09d}" + (f"-attempt{attempt}" if attempt > 1 else "")
+        name = self._name(ready)
+        run_id = name + (f"-attempt{attempt}" if attempt > 1 else "")
         source = self.plan.checkpoints / ready.key
-        staged = stage(source, self.plan.out / "staged" / f"step-{ready.step:09d}{'' if seen.folder else source.suffix}",
-                       self.plan.stage)
+        try:
+            staged = stage(source, self.plan.out / "staged" / f"{name}{'' if seen.folder else source.suffix}",
+                           self.plan.stage)
+        except Gone as exc:  # rotated away while another was scored: nothing to score
+            self.log(f"gone: {ready.key} (step {ready.step}): {exc.message}")
+            return
         started = entry(ready.key, ready.step, "started", seen.fingerprint, run_id=run_id, attempt=attempt)
         self._save(started)
         try:

@@ -1,9 +1,11 @@
 """`dfserve eval watch` beside a fake trainer: a tiny drafter distilled for more and more steps, saved the ways
-trainers save (a plain file, a temporary name renamed, a slow write, a corrupt file, a Hugging Face folder), a
-watch killed mid-run and started again, and a real Pushgateway receiving the gauges."""
+trainers save (a plain file, a temporary name renamed, a slow write, a corrupt file, a Hugging Face folder, one
+sharded and written shard by shard, a NaN file replaced, two files of one step), a watch killed mid-run and
+started again, and a real Pushgateway receiving the gauges."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.fixtures.eval import models
 from tests.integration.servers import pushgateway_server
@@ -279,6 +282,79 @@ def test_a_watch_refuses_to_write_inside_the_checkpoint_folder_and_a_restart_und
                                                 "settings": {"target": "another"}, "checkpoints": {}}))
     status, _, err = run_cli(capsys, *watch_args(trained, folder, out, "--nice", 0))
     assert status == 2 and err.count("\n") == 1 and "started under other settings" in err and "target" in err
+
+
+def test_a_watch_rescores_a_replaced_checkpoint_waits_for_a_sharded_folder_and_names_two_of_one_step(
+        trained: Trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, out = tmp_path / "checkpoints", tmp_path / "watch"
+
+    def save(key: str, step: int, weights: dict[str, torch.Tensor]) -> None:
+        path = folder / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")  # published by a rename, over what was there
+        torch.save({"step": step, "model": weights}, tmp)
+        tmp.rename(path)
+
+    nan = {k: v.clone() for k, v in trained.states[STEPS[0]].items()}
+    next(iter(nan.values())).view(-1)[0] = float("nan")
+    save("step_20/checkpoint.pt", 20, nan)
+    with models.one_thread():
+        status, _, err = run_cli(capsys, *watch_args(trained, folder, out, "--stop-after-idle", 2, "--nice", 0))
+    assert status == 0, err
+    corrupt = [line for line in err.splitlines() if line.startswith("corrupt:")]
+    assert len(corrupt) == 1 and corrupt[0].startswith("corrupt: step_20/checkpoint.pt: ") and "NaN" in corrupt[0]
+
+    save("step_20/checkpoint.pt", 20, trained.states[STEPS[2]])
+    save("step_15/checkpoint.pt", 15, trained.states[STEPS[1]])
+    save("step_15/ema.pt", 15, trained.states[STEPS[2]])
+    whole = models.save_drafter(trained.final, tmp_path / "whole") / "model.safetensors"
+    tensors = load_file(str(whole))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = folder / "checkpoint-40"
+
+    def write_shard(name: str) -> None:
+        save_file({k: tensors[k] for k in shards[name]}, str(sharded / name), metadata={"format": "pt"})
+
+    def write_in_parts() -> None:
+        """The config and a shard, then, several polls later, the other shard and the index."""
+        sharded.mkdir()
+        (sharded / "config.json").write_text((whole.parent / "config.json").read_text())
+        write_shard("model-00001-of-00002.safetensors")
+        time.sleep(8 * POLL_S)
+        write_shard("model-00002-of-00002.safetensors")
+        weight_map = {k: name for name, keys in shards.items() for k in keys}
+        (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    writer = threading.Thread(target=write_in_parts)
+    writer.start()
+    with models.one_thread():
+        status, stdout, err = run_cli(capsys, *watch_args(trained, folder, out, "--stop-after-idle", 4, "--nice", 0))
+    writer.join()
+    assert status == 0, err
+    assert "corrupt:" not in err and "scored 4 checkpoints" in stdout
+    assert [line for line in err.splitlines() if line.startswith("waiting:")] == [
+        f"waiting: checkpoint-40: {sharded} holds the shard model-00001-of-00002.safetensors but no *.index.json yet"]
+    state = json.loads((out / "watch.json").read_text())["checkpoints"]
+    assert {k: v["status"] for k, v in state.items()} == {
+        "step_20/checkpoint.pt": "scored", "step_15/checkpoint.pt": "scored", "step_15/ema.pt": "scored",
+        "checkpoint-40": "scored"}
+    ema = "step-000000015-" + hashlib.sha256(b"step_15/ema.pt").hexdigest()[:8]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "baseline", "step-000000015", ema, "step-000000020", "step-000000040"]
+    assert (out / "staged" / "step-000000020.pt").samefile(folder / "step_20" / "checkpoint.pt")
+    assert sorted(p.name for p in (out / "staged" / "step-000000040").iterdir()) == sorted(
+        p.name for p in sharded.iterdir())
+    trend = json.loads((out / "trend.json").read_text())
+    assert [p["step"] for p in trend["points"]] == [15, 15, 20, 40] and trend["corrupt"] == []
+    assert trend["points"][-1]["tau"] == trend["baseline"]["tau"]  # the shards hold the baseline's own weights
+
+    edited = tmp_path / "drafter-config.json"
+    edited.write_text(trained.drafter_config.read_text() + "\n")
+    args = watch_args(trained, folder, out, "--nice", 0)
+    args[args.index("--drafter-config") + 1] = str(edited)
+    status, _, err = run_cli(capsys, *args)
+    assert status == 2 and err.count("\n") == 1 and "started under other settings (drafter_config)" in err
 
 
 def _run(trained: Trained, tmp_path: Path, name: str, cache: Path, *extra: str) -> list[str]:

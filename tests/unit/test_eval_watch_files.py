@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from dfserve.errors import FieldError
-from dfserve.eval.watch_files import probe, scan, stage
+from dfserve.eval.watch_files import Gone, Incomplete, StageMode, probe, scan, stage
 
 
 def _tree(folder: Path) -> dict[str, tuple[int, int, int]]:
@@ -98,3 +98,81 @@ def test_a_staging_cut_short_leaves_nothing_under_the_staged_name(checkpoints: P
     monkeypatch.setattr(os, "link", real_link)
     assert stage(checkpoints / "checkpoint-300", staged, "link") == staged  # the next try starts clean
     assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json"]
+
+
+def _replace(path: Path, data: dict[str, torch.Tensor]) -> None:
+    """As trainers publish: the whole file beside the old one, renamed over it (a new inode)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    tmp.rename(path)
+
+
+@pytest.mark.parametrize("mode", ["link", "copy"])
+def test_a_staged_file_is_staged_again_once_the_trainer_replaced_its_source(
+        checkpoints: Path, tmp_path: Path, mode: StageMode) -> None:
+    source = checkpoints / "step_100" / "checkpoint.pt"
+    staged = stage(source, tmp_path / "watch" / "staged" / "step-100.pt", mode)
+    first = staged.stat().st_ino
+    assert stage(source, staged, mode).stat().st_ino == first  # unchanged: staged once
+    _replace(source, {"step": 100, "model": {"w": torch.full((3,), 2.0)}})
+    later = source.stat().st_mtime_ns + 10**9  # a later write, whatever the clock's resolution
+    os.utime(source, ns=(later, later))
+    assert stage(source, staged, mode) == staged and staged.stat().st_ino != first
+    assert torch.load(staged, weights_only=True)["model"]["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def _sharded(folder: Path, shards: int) -> list[Path]:
+    """A Hugging Face folder whose weights are split in `shards` files, each of one tensor, and their index."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    for i, name in enumerate(names):
+        save_file({f"w{i}": torch.ones(2)}, str(folder / name))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {f"w{i}": name for i, name in enumerate(names)}}))
+    return [folder / name for name in names] + [index]
+
+
+def test_a_sharded_folder_is_incomplete_until_its_index_and_every_shard_it_names_are_there(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt" / "checkpoint-40"
+    first, second, index = _sharded(folder, 2)
+    kept = {p: p.read_bytes() for p in (second, index)}
+    second.unlink()
+    index.unlink()
+    with pytest.raises(Incomplete, match=r"holds the shard model-00001-of-00002\.safetensors but no \*\.index\.json"):
+        probe(folder)
+    index.write_bytes(kept[index])  # the index first, a shard still to come
+    with pytest.raises(Incomplete, match=r"names model-00002-of-00002\.safetensors, not there yet"):
+        probe(folder)
+    second.write_bytes(kept[second])
+    assert probe(folder).step is None and first.exists()
+    index.write_text("{}")
+    with pytest.raises(FieldError, match="not a shard index") as refused:
+        probe(folder)
+    assert not isinstance(refused.value, Incomplete)  # a broken index is corrupt, not waited for
+
+
+def test_a_staged_folder_that_was_staged_short_of_a_shard_is_staged_again_whole(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt" / "checkpoint-40"
+    _, second, index = _sharded(folder, 2)
+    kept = {p: p.read_bytes() for p in (second, index)}
+    second.unlink()
+    index.unlink()
+    staged = stage(folder, tmp_path / "watch" / "staged" / "step-40", "link")
+    assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model-00001-of-00002.safetensors"]
+    for path, data in kept.items():
+        path.write_bytes(data)
+    assert stage(folder, staged, "link") == staged
+    assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert (staged / second.name).samefile(second)
+
+
+def test_a_checkpoint_removed_before_it_is_read_or_staged_is_gone(checkpoints: Path, tmp_path: Path) -> None:
+    source = checkpoints / "latest.pt"
+    source.unlink()
+    with pytest.raises(Gone, match=r"latest\.pt was removed before it was read"):
+        probe(source)
+    staged = tmp_path / "watch" / "staged" / "step-7.pt"
+    with pytest.raises(Gone, match=r"latest\.pt was removed before it was staged"):
+        stage(source, staged, "copy")
+    assert list(staged.parent.iterdir()) == []  # no half-staged file left behind
