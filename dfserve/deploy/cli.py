@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
-import math
 import shlex
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dfserve.deploy import k8s
 from dfserve.deploy.deployment import DeploymentSpec
@@ -29,6 +30,12 @@ from dfserve.listen import ensure_free
 from dfserve.runs import link_input
 
 DEFAULT_ROOT = "deployments"
+MAX_HEALTH_TIMEOUT_S = 86400.0
+"""A day: far past any engine's start, and a startup probe's failure count stays a small integer (an int32 there)."""
+EMIT_ONLY = ("out", "image", "namespace", "model_cache", "node_selector")
+"""Options only `--emit k8s` reads."""
+SIM_ONLY = ("sim_profile", "time_scale", "seed")
+"""Options only a simulated engine reads."""
 
 
 def _root_option(f):
@@ -94,8 +101,9 @@ def deploy(ctx: click.Context, **opts: object) -> None:
         return
     if not opts["drafter"]:
         raise UserError("--drafter: required (zlab, a checkpoint, a model folder, or baseline)")
+    given = {name for name in opts if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
     with flags_for(command_flags(ctx.command)):
-        run_deploy(**opts)  # type: ignore[arg-type]
+        run_deploy(given=given, **opts)  # type: ignore[arg-type]
 
 
 def run_deploy(
@@ -103,16 +111,21 @@ def run_deploy(
     drafter_config: Path | None, registry: Path, name: str | None, host: str, port: int, root: Path, sglang_args: tuple[str, ...],
     sglang_python: str, sim_profile: str | None, time_scale: float, seed: int, dry_run: bool, check: bool,
     emit: str | None, out: Path | None, image: str, namespace: str | None, model_cache: Path | None,
-    node_selector: tuple[str, ...], health_timeout: float, **overrides: object,
+    node_selector: tuple[str, ...], health_timeout: float, given: Collection[str] = (), **overrides: object,
 ) -> None:
-    if not 0 < health_timeout < math.inf:
-        raise FieldError("health_timeout", "must be a finite number of seconds > 0")
+    """`given`: the options the user set (not left at their defaults), each refused where it has no effect."""
+    if not 0 < health_timeout <= MAX_HEALTH_TIMEOUT_S:
+        raise FieldError("health_timeout", f"must be a finite number of seconds > 0, at most {MAX_HEALTH_TIMEOUT_S:.0f}")
+    _refuse_unused(given, emit=emit, simulated=engine_kind(engine).simulated, baseline=drafter == "baseline")
     profile = load_profile(profile_name)
     resolved_target = resolve_target(target, profile, target_config)
     starts_engine = not (dry_run or check) and emit is None
     if starts_engine:
         ensure_free(host, port)
     resolved = resolve_drafter(drafter, profile, resolved_target, root / "drafters", drafter_config, registry)
+    if "drafter_config" in given and resolved.kind != "checkpoint":
+        raise FieldError("drafter_config", f"only with a checkpoint {{other}} (the config it is converted with), "
+                         f"not {drafter}", other="drafter")
     if resolved.kind == "checkpoint":
         done = "converted" if resolved.converted else "already converted"
         click.echo(f"# {resolved.source}: {done} to {resolved.model_path} (sha256 {resolved.sha256})", err=True)
@@ -137,6 +150,20 @@ def run_deploy(
         _print_command(spec, kind, sglang_python)
     if starts_engine:
         _start(spec, resolved, sglang_python, root / spec.name, health_timeout)
+
+
+def _refuse_unused(given: Collection[str], *, emit: str | None, simulated: bool, baseline: bool) -> None:
+    """An option the chosen output, engine or drafter never reads is a mistake to say, not a value to drop."""
+    for name in EMIT_ONLY:
+        if name in given and emit is None:
+            raise FieldError(name, "only with {other} k8s", other="emit")
+    for name in SIM_ONLY:
+        if name in given and not simulated:
+            raise FieldError(name, "only with a simulated engine ({other} sim)", other="engine")
+    if "registry" in given and not baseline:
+        raise FieldError("registry", "only with {other} baseline", other="drafter")
+    if "host" in given and emit is not None:
+        raise FieldError("host", "not with {other} k8s: the pod listens on all its addresses", other="emit")
 
 
 def _node_selector(pairs: tuple[str, ...]) -> dict[str, str]:

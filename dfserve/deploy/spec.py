@@ -18,8 +18,8 @@ from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.profiles import HostProfile, SGLangSettings
 from dfserve.errors import FieldError, invalid_field
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-"""Deployment names double as Kubernetes object names (RFC 1123 labels)."""
+NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+"""Deployment names double as Kubernetes object names; a Service's must be a DNS-1035 label (starts with a letter)."""
 SPEC_FLAGS = (
     "--model-path", "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-dflash-block-size",
     "--speculative-num-draft-tokens", "--speculative-draft-attention-backend", "--tp-size", "--tensor-parallel-size",
@@ -29,13 +29,25 @@ SPEC_FLAGS = (
     "--disable-cuda-graph", "--grammar-backend",
 )
 """Flags the spec sets itself; passing one through `--sglang-arg` would silently fight it (argparse: last wins)."""
+SPEC_FLAG_ALIASES = {"--model": "--model-path", "--speculative-draft-model": "--speculative-draft-model-path"}
+"""SGLang's other spellings of flags the spec sets: its parser stores both in the same field."""
 
 
 def check_passthrough(args: list[str]) -> None:
+    """Refuse an argument SGLang's parser would read as a flag the spec sets: the flag, an alias, or a prefix of
+    either (the parser has allow_abbrev, so a unique prefix is that flag and a shared one is an error)."""
     for arg in args:
         flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag == "--":
+            continue
         if flag in SPEC_FLAGS:
             raise FieldError("sglang_args", f"{flag}: set by the deployment spec; use dfserve's own flag or the profile")
+        if flag in SPEC_FLAG_ALIASES:
+            raise FieldError("sglang_args", f"{flag}: SGLang's alias of {SPEC_FLAG_ALIASES[flag]}, set by the deployment "
+                             "spec; use dfserve's own flag or the profile")
+        if prefixed := [name for name in SPEC_FLAGS if name.startswith(flag)]:
+            raise FieldError("sglang_args", f"{flag}: SGLang expands a prefix to the flag it begins: {' or '.join(prefixed)}, "
+                             "set by the deployment spec; use dfserve's own flag or the profile")
 
 
 def default_name(profile: HostProfile, drafter: Drafter, engine: str) -> str:
@@ -65,7 +77,8 @@ def build_spec(
                          f"only on a simulated engine, not {{other}} {engine}", other="engine")
     name = name or default_name(profile, drafter, engine)
     if not NAME_RE.match(name):
-        raise FieldError("name", f"{name!r} must be lowercase letters, digits and '-', at most 63 characters")
+        raise FieldError("name", f"{name!r} must be lowercase letters, digits and '-', start with a letter, end with "
+                         "a letter or digit, at most 63 characters (it names the Kubernetes Deployment and Service)")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     try:
         settings = SGLangSettings.model_validate({**profile.sglang.model_dump(), **given})

@@ -109,6 +109,26 @@ def test_local_folder_outside_the_model_cache_is_refused(tmp_path: Path) -> None
     assert args[args.index("--speculative-draft-model-path") + 1] == "/models/drafters/local"
 
 
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+"""The API server's rule for a label value (k8s.io/apimachinery validation.IsValidLabelValue), besides <= 63."""
+
+
+@pytest.mark.parametrize("folder", ["my drafter_", "-lead", "ÄÖ-x", "ÄÖ", "d" * 62 + "-tail"])
+def test_labels_from_any_drafter_folder_name_are_valid_label_values(tmp_path: Path, folder: str) -> None:
+    """A drafter's label comes from its folder's name; every label value the objects carry is one the API server
+    takes, derived the same way every time."""
+    profile = load_profile("pro6000")
+    drafter = Drafter(folder, "folder", str(tmp_path / "cache" / folder), 16, None, None, "inhouse")
+    spec = build_spec(profile, resolve_target(None, profile, None), drafter, engine="sglang", port=30000)
+    objects = render(spec, Pod(model_cache=tmp_path / "cache"))
+    found = [obj["metadata"]["labels"] for obj in objects] + [objects[0]["spec"]["template"]["metadata"]["labels"]]
+    for labels in found:
+        for value in labels.values():
+            assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), (folder, value)
+    drafter_label = found[0]["dfserve.io/drafter"]
+    assert drafter_label and render(spec, Pod(model_cache=tmp_path / "cache"))[0]["metadata"]["labels"]["dfserve.io/drafter"] == drafter_label
+
+
 def test_node_selector_and_startup_allowance(tmp_path: Path) -> None:
     args = ("--drafter", "zlab", "--emit", "k8s", "--node-selector", "pool=gpu", "--health-timeout", "600")
     done = deploy(tmp_path / "root", *args)

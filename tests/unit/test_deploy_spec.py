@@ -166,6 +166,54 @@ def test_spec_refuses_conflicting_and_invalid_flags() -> None:
         zlab_spec(overrides={"draft_attention_backend": "trtllm_mha"})
     with pytest.raises(FieldError, match=r"^name: 'Bad_Name' must be lowercase"):
         zlab_spec(name="Bad_Name")
+    with pytest.raises(FieldError, match=r"^name: '1zlab' must be .*start with a letter"):
+        zlab_spec(name="1zlab")  # a Service name is a DNS-1035 label
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--model=evil/model"], "--model: SGLang's alias of --model-path"),
+    (["--speculative-draft-model", "evil/drafter"], "--speculative-draft-model: SGLang's alias of --speculative-draft-model-path"),
+    (["--mem-fraction=0.99"], "--mem-fraction: SGLang expands a prefix to the flag it begins: --mem-fraction-static"),
+    (["--log-level=debug", "--max-running", "4"], "--max-running: SGLang expands a prefix to the flag it begins: --max-running-requests"),
+    (["--speculative-draft-mod=x"], "--speculative-draft-model-path, set by the deployment spec"),
+])
+def test_passthrough_refuses_what_sglang_reads_as_a_spec_flag(args: list[str], said: str) -> None:
+    """SGLang's parser has aliases and allow_abbrev: these reach fields the spec sets as surely as the flags."""
+    with pytest.raises(FieldError) as caught:
+        zlab_spec(sglang_args=args)
+    assert caught.value.field == "sglang_args" and said in str(caught.value)
+    assert zlab_spec(sglang_args=["--enable-metrics-for-all-schedulers"]).extra_sglang_args  # longer, not a prefix
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--drafter-config", "/nonexistent.json", "--out", "somewhere", "--model-cache", "/nowhere", "--sim-profile", "inhouse"],
+     "--out: only with --emit k8s"),
+    (["--model-cache", "/nowhere"], "--model-cache: only with --emit k8s"),
+    (["--node-selector", "pool=gpu"], "--node-selector: only with --emit k8s"),
+    (["--sim-profile", "inhouse"], "--sim-profile: only with a simulated engine (--engine sim)"),
+    (["--seed", "3"], "--seed: only with a simulated engine (--engine sim)"),
+    (["--drafter-config", "/nonexistent.json"], "--drafter-config: only with a checkpoint --drafter (the config it is converted with), not zlab"),
+    (["--registry", "runs"], "--registry: only with --drafter baseline"),
+    (["--emit", "k8s", "--host", "0.0.0.0"], "--host: not with --emit k8s"),
+    (["--emit", "k8s", "--health-timeout", "1e300"], "--health-timeout: must be a finite number of seconds > 0, at most 86400"),
+    (["--emit", "k8s", "--name", "1zlab"], "--name: '1zlab' must be"),
+    (["--emit", "k8s", "--namespace", "Bad NS_!"], "--namespace: 'Bad NS_!' is not a namespace name"),
+    (["--emit", "k8s", "--image", ""], "--image: '' is not an image reference"),
+    (["--emit", "k8s", "--node-selector", "bad key=value"], "--node-selector: 'bad key' is not a label key"),
+    (["--emit", "k8s", "--node-selector", "example.com/pool=va lue/"], "--node-selector: example.com/pool='va lue/': not a label value"),
+])
+def test_deploy_refuses_flags_without_effect_and_values_kubernetes_refuses(
+    args: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dfserve.cli import main
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("DFSERVE_DEPLOY_ROOT", str(tmp_path / "root"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["deploy", "--drafter", "zlab", *args, "--dry-run"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "", captured.out
+    assert captured.err.count("\n") == 1 and expected in captured.err, captured.err
 
 
 def test_sim_argv_carries_the_same_deployment() -> None:
