@@ -33,7 +33,8 @@ from dfserve.verdict.verdict import Verdict
 
 FILENAME = "baselines.json"
 CONVERTED_DRAFTER = re.compile(r"inhouse-[0-9a-f]{16}")
-"""How deploy names a converted drafter's folder: by its checkpoint's content hash (deploy.convert)."""
+"""How deploy names a converted drafter's folder: by a hash of its checkpoint's content and the config it was
+converted with (deploy.convert)."""
 
 
 def drafter_identity(drafter: str) -> str:

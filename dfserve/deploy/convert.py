@@ -3,15 +3,18 @@
 Trainers save `checkpoint.pt` with the drafter's state dict nested (`model`, `state_dict`, ...) and prefixed
 (`module.`, `draft_model.`) beside optimizer state, or a bare safetensors file. This module finds the state dict,
 strips the prefixes, checks every tensor (presence, shape, dtype, NaN/Inf) and writes `config.json` and a bf16
-`model.safetensors` with z-lab's names. The output folder is named by the checkpoint's content hash and appears only
-by a final rename, so a second conversion of the same checkpoint does nothing and a failed one leaves nothing::
+`model.safetensors` with z-lab's names. The output folder is named by the checkpoint's content hash and the config it
+is converted with, and appears only by a final rename, so a second conversion of the same checkpoint and config does
+nothing (once the folder passes a drafter folder's checks again), another config is another folder, and a failed
+conversion leaves nothing::
 
     result = convert_checkpoint(Path("checkpoint.pt"), store, target, config, arch)
-    result.folder  # store/inhouse-<sha256[:16]>
+    result.folder  # store/inhouse-<key[:16]>
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping
@@ -29,9 +32,11 @@ from dfserve.deploy.assets import (
     TensorInfo,
     expected_tensors,
     problems_error,
+    read_json,
     read_safetensors_header,
     tensor_table_problems,
 )
+from dfserve.deploy.drafters import verify_folder
 from dfserve.deploy.hashes import file_sha256, remember_sha256
 from dfserve.errors import FieldError, UserError
 from dfserve.runs import staged_folder, utc_now_iso
@@ -61,6 +66,9 @@ class ConversionRecord(BaseModel):
 class ConvertResult:
     folder: Path
     sha256: str
+    """The checkpoint's content hash."""
+    key: str
+    """The converted drafter's identity: a hash of the checkpoint's content and the config written beside it."""
     converted: bool
 
 
@@ -131,10 +139,26 @@ def verify_checkpoint(tensors: Mapping[str, torch.Tensor], arch: DrafterArch) ->
     return tensor_table_problems(table, expected_tensors(arch)) + nonfinite_problems(tensors)
 
 
+def _canonical(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _check_reused(folder: Path, checkpoint: Path, config: Mapping[str, Any], target: Target) -> None:
+    """A folder converted before is used again only as it was written: a damaged or edited one is refused, never
+    rewritten, since a running engine may load it."""
+    try:
+        if _canonical(read_json(folder / "config.json", "drafter")) != _canonical(config):
+            raise FieldError("drafter", "its config.json is not the one this conversion writes")
+        verify_folder(folder, target)
+    except FieldError as exc:
+        raise FieldError("drafter", f"{folder}, converted earlier from {checkpoint}: {exc.message}; "
+                         "remove it to convert again") from None
+
+
 def _write_folder(folder: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], record: ConversionRecord) -> None:
     bf16 = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in sorted(tensors.items())}
     save_file(bf16, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2) + "\n", encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (folder / RECORD_NAME).write_text(record.model_dump_json(indent=2) + "\n", encoding="utf-8")
     written = read_safetensors_header(folder / "model.safetensors")
     if sorted(written) != sorted(bf16) or any(info.dtype != "BF16" for info in written.values()):
@@ -145,14 +169,18 @@ def convert_checkpoint(
     checkpoint: Path, store: Path, target: Target, config: Mapping[str, Any], arch: DrafterArch,
     hash_cache: Path | None = None,
 ) -> ConvertResult:
-    """Convert once per checkpoint content; a folder already converted from the same bytes is reused as is."""
+    """Convert once per checkpoint content and config; a folder converted from both before is reused after the
+    checks a drafter folder gets."""
     if not checkpoint.is_file():
         raise FieldError("drafter", f"{checkpoint} is not a file")
     digest = file_sha256(checkpoint, hash_cache, remember=False)
-    folder = store / f"inhouse-{digest[:16]}"
+    written = {**config, "dtype": "bfloat16"}
+    key = hashlib.sha256(f"{digest}\0{_canonical(written)}".encode()).hexdigest()
+    folder = store / f"inhouse-{key[:16]}"
     if folder.is_dir():
+        _check_reused(folder, checkpoint, written, target)
         remember_sha256(checkpoint, hash_cache, digest)
-        return ConvertResult(folder, digest, converted=False)
+        return ConvertResult(folder, digest, key, converted=False)
     stored = load_checkpoint(checkpoint)
     renamed = strip_prefixes(list(stored))
     tensors = {renamed[name]: tensor for name, tensor in stored.items()}
@@ -165,6 +193,6 @@ def convert_checkpoint(
         torch_version=torch.__version__,
     )
     with staged_folder(folder) as tmp:  # another conversion of the same bytes may win the race: its folder stays
-        _write_folder(tmp, tensors, config, record)
+        _write_folder(tmp, tensors, written, record)
     remember_sha256(checkpoint, hash_cache, digest)
-    return ConvertResult(folder, digest, converted=True)
+    return ConvertResult(folder, digest, key, converted=True)

@@ -104,19 +104,25 @@ class Drafter:
     converted: bool = False
 
 
-def _verify_folder(folder: Path, target: Target) -> DrafterArch:
+def verify_folder(folder: Path, target: Target) -> DrafterArch:
+    """Check a Hugging Face DFlash folder's config, tensor table and values against the target. A tensor in two
+    weight files is a problem: which copy a loader keeps is up to it."""
     config = read_json(folder / "config.json", "drafter")
     arch = verify_drafter_config(config, target)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise FieldError("drafter", f"folder {folder} holds no *.safetensors weights")
     found: dict[str, TensorInfo] = {}
-    problems: list[str] = []
+    file_of: dict[str, str] = {}
+    duplicates: list[str] = []
+    nonfinite: list[str] = []
     for path in weights:
         table = read_safetensors_header(path)
-        found |= table
-        problems += safetensors_nonfinite(path, table)
-    problems = tensor_table_problems(found, expected_tensors(arch)) + problems
+        duplicates += [f"tensor {name} is in both {file_of[name]} and {path.name}" for name in table if name in file_of]
+        found = table | found
+        file_of = dict.fromkeys(table, path.name) | file_of
+        nonfinite += safetensors_nonfinite(path, table)
+    problems = duplicates + tensor_table_problems(found, expected_tensors(arch)) + nonfinite
     if problems:
         raise problems_error(f"drafter folder {folder}", problems, field="drafter")
     return arch
@@ -155,8 +161,9 @@ def resolve_drafter(
     drafter: str, profile: HostProfile, target: Target, store: Path, drafter_config: Path | None = None,
     registry: Path = Path("runs"),
 ) -> Drafter:
-    """`zlab`, `baseline` (from the registry), a checkpoint file (converted into `store`, keyed by content hash),
-    a Hugging Face DFlash folder, or `sim:PROFILE` (a drafter that exists only as a simulator profile)."""
+    """`zlab`, `baseline` (from the registry), a checkpoint file (converted into `store`, keyed by its content hash
+    and the config it is converted with), a Hugging Face DFlash folder, or `sim:PROFILE` (a drafter that exists only
+    as a simulator profile)."""
     hashes = store / ".hashes"
     if drafter.startswith(SIMULATED_PREFIX):
         return simulated_drafter(drafter.removeprefix(SIMULATED_PREFIX))
@@ -174,7 +181,7 @@ def resolve_drafter(
     if not path.exists():
         raise FieldError("drafter", f"{drafter} does not exist (nor is it 'zlab', 'baseline' or {SIMULATED_PREFIX}PROFILE)")
     if path.is_dir():
-        arch = _verify_folder(path, target)
+        arch = verify_folder(path, target)
         digest = folder_sha256(path, hashes)
         return Drafter(path.name, "folder", str(path.resolve()), arch.block_size, digest, str(path.resolve()), "inhouse")
     if drafter_config is None and profile.zlab is None:
@@ -185,6 +192,6 @@ def resolve_drafter(
 
     result = convert_checkpoint(path, store, target, template, arch, hashes)
     return Drafter(
-        f"inhouse-{result.sha256[:8]}", "checkpoint", str(result.folder.resolve()), arch.block_size,
-        result.sha256, str(path.resolve()), "inhouse", converted=result.converted,
+        f"inhouse-{result.key[:8]}", "checkpoint", str(result.folder.resolve()), arch.block_size,
+        result.key, str(path.resolve()), "inhouse", converted=result.converted,
     )

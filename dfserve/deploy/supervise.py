@@ -26,7 +26,7 @@ from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.ports import hold_port
 from dfserve.errors import FieldError, UserError
-from dfserve.runs import create_run_dir, utc_now_iso, write_model
+from dfserve.runs import create_run_dir, read_model, utc_now_iso, write_model
 from dfserve.sglang import parse_server_info
 
 LOG_NAME = "engine.log"
@@ -153,7 +153,9 @@ def start(
     spec: DeploymentSpec, python: str, deployment_dir: Path, *, health_timeout_s: float, grace_s: float = 10.0
 ) -> DeploymentRecord:
     """Start the spec's engine on its port (a free one for port 0, held until the engine answers), wait until its
-    `ready_path` answers 200, record what it reports; stop it on failure. `python` is SGLang's interpreter."""
+    `ready_path` answers 200, record what it reports; stop it on any failure or interruption before it is recorded
+    (Ctrl-C included: in its own session it never sees the terminal's SIGINT, and `stop` knows it only from the
+    record). `python` is SGLang's interpreter."""
     kind = engine_kind(spec.engine)
     start_dir = create_run_dir(deployment_dir, prefix="start")
     log = start_dir / LOG_NAME
@@ -166,34 +168,36 @@ def start(
         pid = _spawn(argv, env, log)
         ticks = process_start_ticks(pid) or 0
         url = f"{spec.base_url}{kind.ready_path}"
-        with httpx.Client() as client:
-            while True:
-                code = _exited(pid)
-                if code is not None:
-                    raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
-                if time.monotonic() - started > health_timeout_s:
-                    _terminate(pid, grace_s, ticks)
-                    raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url, timeout=5.0).status_code == 200:
-                        break
-                time.sleep(0.1)
-            healthy_at = utc_now_iso()
-            startup_s = time.monotonic() - started
-            try:
-                server_info = _get_json(client, f"{spec.base_url}/server_info")
-                model_info = _get_json(client, f"{spec.base_url}/model_info")
-            except (httpx.HTTPError, ValueError) as exc:
-                _terminate(pid, grace_s, ticks)
-                raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
-    info = parse_server_info(server_info)
-    record = DeploymentRecord(
-        spec=spec, argv=argv, env=env, pid=pid, process_start_ticks=ticks, log=str(log), started_at=started_at,
-        healthy_at=healthy_at, startup_s=round(startup_s, 3), drafter_sha256=spec.drafter.sha256,
-        simulated=info.simulated, engine_version=info.version, server_info=server_info, model_info=model_info,
-        dfserve_version=__version__,
-    )
-    write_model(start_dir / RECORD_NAME, record)
+        try:
+            with httpx.Client() as client:
+                while True:
+                    code = _exited(pid)
+                    if code is not None:
+                        raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
+                    if time.monotonic() - started > health_timeout_s:
+                        raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(url, timeout=5.0).status_code == 200:
+                            break
+                    time.sleep(0.1)
+                healthy_at = utc_now_iso()
+                startup_s = time.monotonic() - started
+                try:
+                    server_info = _get_json(client, f"{spec.base_url}/server_info")
+                    model_info = _get_json(client, f"{spec.base_url}/model_info")
+                except (httpx.HTTPError, ValueError) as exc:
+                    raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
+            info = parse_server_info(server_info)
+            record = DeploymentRecord(
+                spec=spec, argv=argv, env=env, pid=pid, process_start_ticks=ticks, log=str(log), started_at=started_at,
+                healthy_at=healthy_at, startup_s=round(startup_s, 3), drafter_sha256=spec.drafter.sha256,
+                simulated=info.simulated, engine_version=info.version, server_info=server_info, model_info=model_info,
+                dfserve_version=__version__,
+            )
+            write_model(start_dir / RECORD_NAME, record)
+        except BaseException:
+            _terminate(pid, grace_s, ticks)
+            raise
     return record
 
 
@@ -207,10 +211,8 @@ def latest_start(deployment_dir: Path) -> Path:
 
 
 def read_record(start_dir: Path) -> DeploymentRecord:
-    path = start_dir / RECORD_NAME
-    if not path.is_file():
-        raise UserError(f"deployment {start_dir.parent.name}: its last start ({start_dir.name}) never became healthy; see {start_dir / LOG_NAME}")
-    return DeploymentRecord.model_validate_json(path.read_text(encoding="utf-8"))
+    missing = f"deployment {start_dir.parent.name}: its last start ({start_dir.name}) never became healthy; see {start_dir / LOG_NAME}"
+    return read_model(start_dir / RECORD_NAME, DeploymentRecord, missing)
 
 
 State = Literal["healthy", "unhealthy", "stopped", "exited"]
@@ -248,7 +250,7 @@ def stop(deployment_dir: Path, grace_s: float = 30.0) -> tuple[StopRecord, bool]
     record = read_record(start_dir)
     stopped = start_dir / STOPPED_NAME
     if stopped.is_file():
-        return StopRecord.model_validate_json(stopped.read_text(encoding="utf-8")), False
+        return read_model(stopped, StopRecord, f"{stopped} vanished"), False
     running = is_alive(record)
     forced = _terminate(record.pid, grace_s, record.process_start_ticks) if running else False
     result = StopRecord(stopped_at=utc_now_iso(), forced=forced, was_running=running)

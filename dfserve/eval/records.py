@@ -99,7 +99,8 @@ class DrafterInfo(_Model):
     identity: str = Field(description="the name the baseline registry and `dfserve compare` know it by")
     source: str = Field(description="what was given: zlab, a checkpoint, a folder")
     folder: str = Field(description="the Hugging Face DFlash folder evaluated")
-    sha256: str | None = Field(description="content hash of the checkpoint, or of the folder's files")
+    sha256: str | None = Field(description="hash of the checkpoint's content and the config it is converted with, "
+                               "or of the folder's files")
     converted: bool
     staged: str | None = Field(description="hard link of the checkpoint inside the run folder")
     block_size: int

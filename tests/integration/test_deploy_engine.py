@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -15,9 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dfserve.deploy.drafters import resolve_target, simulated_drafter
 from dfserve.deploy.ports import hold_port
-from dfserve.deploy.supervise import _spawn, _terminate, process_start_ticks
+from dfserve.deploy.profiles import load_profile
+from dfserve.deploy.spec import build_spec
+from dfserve.deploy.supervise import DeploymentRecord, _spawn, _terminate, process_start_ticks
 from dfserve.errors import FieldError
+from dfserve.runs import write_model
 from tests.fixtures.deploy.synth import (
     STANDIN,
     TINY_DRAFTER_CONFIG,
@@ -250,3 +255,51 @@ def test_stop_forces_a_process_that_ignores_sigterm(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert _terminate(pid, 0.5, ticks) is True
     assert process_start_ticks(pid) is None
+
+
+def test_ctrl_c_while_the_engine_starts_stops_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    python = launcher(tmp_path, f'echo $$ > "{pid_file}.tmp"; mv "{pid_file}.tmp" "{pid_file}"; exec sleep 60')
+    env = {**os.environ, "DFSERVE_DEPLOY_ROOT": str(tmp_path / "root")}
+    deploy = subprocess.Popen(dfserve_argv("deploy", "--drafter", "zlab", "--port", "0", "--sglang-python", python),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    pid = ticks = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.is_file():
+            assert deploy.poll() is None and time.monotonic() < deadline, deploy.communicate()
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        ticks = process_start_ticks(pid)
+        assert ticks is not None
+        deploy.send_signal(signal.SIGINT)
+        _, stderr = deploy.communicate(timeout=30)
+        assert deploy.returncode == 130 and "dfserve: aborted" in stderr
+        assert process_start_ticks(pid) is None
+    finally:
+        if deploy.poll() is None:
+            deploy.kill()
+            deploy.wait()
+        if pid is not None and alive(pid, ticks):  # type: ignore[arg-type]
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_damaged_record_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    start = root / "web" / "start-20250101T000000Z"
+    start.mkdir(parents=True)
+    record = start / "record.json"
+    record.write_text('{"schema_version": 1, "pid": 12')
+    for command in ("status", "stop"):
+        assert one_line_error(run(root, command, "web")).startswith(f"dfserve: error: {record}: ")
+    profile = load_profile("pro6000")
+    spec = build_spec(profile, resolve_target(None, profile, None), simulated_drafter("zlab"), engine="sim", port=1)
+    record.unlink()
+    write_model(record, DeploymentRecord(
+        spec=spec, argv=["engine"], env={}, pid=1, process_start_ticks=0, log="engine.log", started_at="t",
+        healthy_at="t", startup_s=0.0, drafter_sha256=None, simulated=True, engine_version=None, server_info={},
+        model_info={}, dfserve_version="0",
+    ))
+    stopped = start / "stopped.json"
+    stopped.write_text('{"schema_version": 1}')
+    assert one_line_error(run(root, "stop", "web")).startswith(f"dfserve: error: {stopped}: ")
