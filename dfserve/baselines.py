@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.errors import FieldError, Untrusted, UserError
-from dfserve.runs import utc_now_iso
+from dfserve.runs import read_model, utc_now_iso
 from dfserve.verdict.verdict import Verdict
 
 FILENAME = "baselines.json"
@@ -95,12 +95,9 @@ class BaselineRegistry:
         self._held = False
 
     def read(self) -> Registry:
-        try:
-            return Registry.model_validate_json(self.path.read_bytes())
-        except FileNotFoundError:
+        if not self.path.exists():
             return Registry()
-        except ValidationError as exc:
-            raise UserError(f"{self.path}: not a baseline registry ({exc.errors()[0]['msg']})") from None
+        return read_model(self.path, Registry, f"{self.path} vanished")
 
     def current(self, target: str) -> BaselineEntry | None:
         return next((e for e in reversed(self.read().entries) if e.target == target), None)

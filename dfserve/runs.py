@@ -158,10 +158,14 @@ M = TypeVar("M", bound=BaseModel)
 
 def read_model(path: Path, model: type[M], missing: str) -> M:
     """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field, and
-    a document of another kind (an eval run's config where a load test's is read) is named as such."""
+    a document of another kind (an eval run's config where a load test's is read) is named as such, as is a key
+    given twice in one object (JSON readers keep one of the two, each its own)."""
     try:
         data = path.read_bytes()
-        return model.model_validate_json(data)
+        document = model.model_validate_json(data)
+        if (twice := key_given_twice(data)) is not None:
+            raise UserError(f"{path}: key {twice!r} given twice in one object (edited?)")
+        return document
     except FileNotFoundError:
         raise UserError(missing) from None
     except OSError as exc:  # a folder where the file should be, say
@@ -172,6 +176,30 @@ def read_model(path: Path, model: type[M], missing: str) -> M:
         if wanted is not None and isinstance(found, str) and found != wanted.default:
             raise UserError(f"{path}: kind is {found}, not {wanted.default} (another command's folder)") from None
         raise UserError(describe_invalid(exc, str(path))) from None
+
+
+class _Twice(Exception):
+    pass
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _Twice(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def key_given_twice(data: bytes) -> str | None:
+    """A key some object of the JSON document `data` gives twice, if any."""
+    try:
+        json.loads(data, object_pairs_hook=_unique)
+    except _Twice as twice:
+        return str(twice.args[0])
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def _kind_of(data: bytes) -> object:

@@ -32,6 +32,12 @@ def test_latest_entry_of_a_target_is_current_and_history_is_kept(tmp_path: Path)
 def test_a_corrupt_registry_is_a_user_error_not_an_overwrite(tmp_path: Path) -> None:
     (tmp_path / FILENAME).write_text(json.dumps({"entries": [{"target": 1}]}))
     registry = BaselineRegistry(tmp_path)
-    with pytest.raises(UserError, match="not a baseline registry"):
+    with pytest.raises(UserError, match=rf"{FILENAME}: entries\.0\.target: "):
         registry.append(entry("t", "zlab", "run-1", "zlab"))
     assert json.loads((tmp_path / FILENAME).read_text()) == {"entries": [{"target": 1}]}
+    # a history hidden behind a second, empty list of entries: a JSON reader keeps one of the two
+    hidden = '{"entries": [], "offline": [], "entries": []}'
+    (tmp_path / FILENAME).write_text(hidden)
+    with pytest.raises(UserError, match=r"key 'entries' given twice in one object"):
+        registry.current("t")
+    assert (tmp_path / FILENAME).read_text() == hidden

@@ -109,3 +109,12 @@ def test_a_folder_where_a_document_should_be_is_one_line(tmp_path: Path) -> None
     (tmp_path / "config.json").mkdir()
     with pytest.raises(UserError, match=r"config\.json: cannot read \(Is a directory\)"):
         read_model(tmp_path / "config.json", Document, "missing")
+
+
+def test_a_key_given_twice_is_refused_however_valid_either_copy(tmp_path: Path) -> None:
+    """`{"n": 1, "n": 2}` is valid JSON to most readers, each keeping one of the two: a verdict or summary with
+    two `verdict` keys says two things."""
+    path = tmp_path / "config.json"
+    path.write_text('{"kind": "eval-run", "n": 1, "n": 2}')
+    with pytest.raises(UserError, match=r"config\.json: key 'n' given twice in one object \(edited\?\)"):
+        read_model(path, Document, "missing")
