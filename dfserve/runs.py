@@ -179,7 +179,7 @@ def read_model(path: Path, model: type[M], missing: str) -> M:
 
 
 class _Twice(Exception):
-    pass
+    """A key given twice, found while parsing (`key_given_twice`)."""
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
