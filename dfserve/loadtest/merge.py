@@ -113,8 +113,6 @@ def incomplete(shard: ShardRun) -> list[str]:
     ran to its end, indexes of its part of the schedule without a record."""
     config = shard.config
     problems = ["requests.jsonl's last line is cut"] if shard.cut else []
-    if shard.edited is not None:
-        problems.append(shard.edited)
     ran_to_end = not shard.interrupted and config.duration_s is None and config.sequential is None
     schedule = shard_indices(config.warmup + config.num_requests, config.shard)
     for arm in config.arms:
@@ -128,6 +126,8 @@ def incomplete(shard: ShardRun) -> list[str]:
         held = {r.index for r in records}
         if ran_to_end and (missing := [i for i in schedule if i not in held]):
             problems.append(f"arm {arm.name}: indexes {_listed(missing)} of its schedule have no record")
+    if shard.edited is not None:
+        problems.append(shard.edited)
     return problems
 
 
