@@ -6,3 +6,10 @@ names the arm that answered, and `x-dfserve-replica` the replica.
 
 ARM = "x-dfserve-arm"
 REPLICA = "x-dfserve-replica"
+
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def is_field_name(name: str) -> bool:
+    """Whether `name` can name a header (RFC 9110's token): what a request can carry, and a client can send."""
+    return bool(name) and set(name) <= _TOKEN

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from dfserve.capture.format import CapturePolicy
 from dfserve.errors import FieldError, UserError, describe_invalid
+from dfserve.headers import is_field_name
 from dfserve.http1 import is_base_url
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.yamlfile import read_yaml
@@ -35,8 +35,6 @@ Mode = Literal["split", "sticky", "shadow"]
 MAX_WEIGHT = 1e6
 """Weights are relative shares; a bound keeps their sum, and so the split, exact (two weights of 1e308 add up to
 infinity, which sends everything to the last arm)."""
-HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-"""An HTTP field name (RFC 9110's token): what a request can carry as a header."""
 
 
 class _Model(BaseModel):
@@ -94,7 +92,7 @@ class RoutingConfig(_Model):
     @classmethod
     def _header_name(cls, name: str) -> str:
         """No request can carry a header named `""` or `bad header:`: sticky mode would never find its key."""
-        if not HEADER_NAME.fullmatch(name):
+        if not is_field_name(name):
             raise PydanticCustomError("header_name", "{name} is not an HTTP header name (letters, digits and "
                                       "!#$%&'*+-.^_`|~)", {"name": repr(name)})
         return name

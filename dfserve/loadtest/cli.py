@@ -27,6 +27,7 @@ from rich.console import Console
 from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
+from dfserve.headers import is_field_name
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, shared_servers
 from dfserve.loadtest.exporter import Exporter
@@ -87,7 +88,6 @@ def same_server_warning(arms: Sequence[tuple[str, str]], pin_arms: bool) -> str 
             "--pin-arms to measure each gateway arm")
 
 
-_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _OWN_HEADERS = frozenset({"host", "content-length", "content-type", "accept", "transfer-encoding", "connection",
                           "keep-alive", "te", "upgrade", "expect"})
 """Headers the load tester writes itself or that change how a request is framed: a second Host or Content-Length
@@ -100,7 +100,7 @@ def request_headers(headers: tuple[str, ...], api_key: str | None) -> tuple[tupl
     for header in headers:
         name, sep, value = header.partition(":")
         value = value.strip()
-        if not sep or not name or not set(name) <= _TOKEN:
+        if not sep or not is_field_name(name):
             raise UserError(f"--header: {header!r} is not NAME: VALUE")
         if not value.isascii() or any(c in value for c in "\r\n\0"):
             raise UserError(f"--header {name}: CR, LF, NUL or a non-ASCII character in the value")
