@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, UserError, describe_invalid
 
 
@@ -211,23 +211,14 @@ def _kind_of(data: bytes) -> object:
     return document.get("kind") if isinstance(document, dict) else None
 
 
-def records_sha256(path: Path) -> str:
-    """The sha256 of a records file as its writer left it, for its summary to seal: a record edited afterwards,
-    however its figures are kept, then shows (`unsealed`)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def unsealed(path: Path, sealed: str | None) -> str | None:
-    """Why the records file at `path` is not as its writer left it, `sealed` being the sha256 its summary holds;
-    None when it is."""
+    """Why the records file at `path` is not as its writer left it, `sealed` being the sha256 its summary holds
+    (`file_sha256` of it, taken when the summary was written): a record edited since, however its figures are kept,
+    shows. None when it is as written."""
     if sealed is None:
         return (f"{path.parent.name}/summary.json holds no sha256 of {path.name} (written by an older dfserve, or "
                 "edited): its records cannot be checked")
-    if records_sha256(path) != sealed:
+    if file_sha256(path) != sealed:
         return f"{path.parent.name}/{path.name} is not as its writer left it (its sha256 is not summary.json's): edited"
     return None
 

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import summarize
 from dfserve.loadtest.schedule import LoadShape
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, records_sha256, write_model
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 
 
 def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, tokens: int = 256, tpot: float = 0.01,
@@ -83,5 +84,5 @@ def write_run(out: Path, config: RunConfig, records: Sequence[RequestRecord], *,
             appender.append(r)
     if summary:
         write_model(run_dir / "summary.json", summarize(config, records, interrupted, {}).model_copy(
-            update={"records_sha256": records_sha256(run_dir / "requests.jsonl")}))
+            update={"records_sha256": file_sha256(run_dir / "requests.jsonl")}))
     return run_dir

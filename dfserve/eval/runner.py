@@ -26,7 +26,7 @@ from rich.console import Console
 
 from dfserve.baselines import BaselineRegistry, OfflineScore
 from dfserve.deploy.assets import Target, read_json, text_config
-from dfserve.deploy.hashes import folder_sha256
+from dfserve.deploy.hashes import file_sha256, folder_sha256
 from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError, UserError
 from dfserve.eval import features as feat
@@ -66,7 +66,6 @@ from dfserve.runs import (
     link_input,
     new_run_id,
     package_versions,
-    records_sha256,
     run_name,
     utc_now_iso,
     write_atomic,
@@ -175,7 +174,7 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     except KeyboardInterrupt:
         interrupted = True
     summary = _summarize(plan, config, records, interrupted).model_copy(
-        update={"records_sha256": records_sha256(run_dir / "anchors.jsonl")})
+        update={"records_sha256": file_sha256(run_dir / "anchors.jsonl")})
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary))
     if not interrupted:

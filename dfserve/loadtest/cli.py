@@ -26,6 +26,7 @@ from rich.console import Console
 
 from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
+from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
 from dfserve.headers import is_field_name
 from dfserve.http1 import is_base_url
@@ -41,7 +42,7 @@ from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs, unfounded
-from dfserve.runs import create_run_dir, new_run_id, records_sha256, run_name, write_atomic, write_model
+from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
 from dfserve.sglang import Api
 from dfserve.shadow.cli import compare_shadow_folder
 from dfserve.shadow.verdict import is_shadow_folder
@@ -316,7 +317,7 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
     """Write the summary and report of a run (`interrupted` when its records may not all be there), and print the
     summary."""
     summary = summarize(config, records, interrupted, read_lag).model_copy(
-        update={"records_sha256": records_sha256(run_dir / "requests.jsonl")})
+        update={"records_sha256": file_sha256(run_dir / "requests.jsonl")})
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))
     _print_summary(config, summary)

@@ -34,10 +34,11 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, summarize_arm
-from dfserve.runs import JsonlAppender, Provenance, create_run_dir, records_sha256, write_model
+from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.records import RequestTask, rebased, shadow_record
 from dfserve.verdict.design import SequentialDesign
@@ -127,7 +128,7 @@ class _Folder:
         arms = dict.fromkeys(r.arm for r in self.records)
         summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired > 0,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms),
-                          records_sha256=records_sha256(self.path / "requests.jsonl"))
+                          records_sha256=file_sha256(self.path / "requests.jsonl"))
         write_model(self.path / "summary.json", summary)
 
 
