@@ -133,12 +133,18 @@ def _sharded(folder: Path, shards: int) -> list[Path]:
     return [folder / name for name in names] + [index]
 
 
+def _withhold(*paths: Path) -> dict[Path, bytes]:
+    """Files a trainer has not written yet: removed, their bytes kept to write later."""
+    kept = {p: p.read_bytes() for p in paths}
+    for p in paths:
+        p.unlink()
+    return kept
+
+
 def test_a_sharded_folder_is_incomplete_until_its_index_and_every_shard_it_names_are_there(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt" / "checkpoint-40"
     first, second, index = _sharded(folder, 2)
-    kept = {p: p.read_bytes() for p in (second, index)}
-    second.unlink()
-    index.unlink()
+    kept = _withhold(second, index)
     with pytest.raises(Incomplete, match=r"holds the shard model-00001-of-00002\.safetensors but no \*\.index\.json"):
         probe(folder)
     index.write_bytes(kept[index])  # the index first, a shard still to come
@@ -155,9 +161,7 @@ def test_a_sharded_folder_is_incomplete_until_its_index_and_every_shard_it_names
 def test_a_staged_folder_that_was_staged_short_of_a_shard_is_staged_again_whole(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt" / "checkpoint-40"
     _, second, index = _sharded(folder, 2)
-    kept = {p: p.read_bytes() for p in (second, index)}
-    second.unlink()
-    index.unlink()
+    kept = _withhold(second, index)
     staged = stage(folder, tmp_path / "watch" / "staged" / "step-40", "link")
     assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model-00001-of-00002.safetensors"]
     for path, data in kept.items():
