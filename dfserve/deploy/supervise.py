@@ -27,7 +27,7 @@ from dfserve.deploy.engines import engine_kind
 from dfserve.deploy.ports import hold_port
 from dfserve.errors import FieldError, UserError
 from dfserve.runs import create_run_dir, read_model, utc_now_iso, write_model
-from dfserve.sglang import parse_server_info
+from dfserve.sglang import parse_server_info, printable_json
 
 LOG_NAME = "engine.log"
 RECORD_NAME = "record.json"
@@ -123,7 +123,7 @@ def _exited(pid: int) -> int | None:
 def _get_json(client: httpx.Client, url: str) -> dict[str, Any]:
     response = client.get(url, timeout=10.0)
     response.raise_for_status()
-    data = response.json()
+    data = printable_json(response.json())  # kept in the deployment's record
     if not isinstance(data, dict):
         raise UserError(f"{url}: expected a JSON object")
     return data
@@ -185,7 +185,7 @@ def start(
                 try:
                     server_info = _get_json(client, f"{spec.base_url}/server_info")
                     model_info = _get_json(client, f"{spec.base_url}/model_info")
-                except (httpx.HTTPError, ValueError) as exc:
+                except (httpx.HTTPError, ValueError, RecursionError) as exc:
                     raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
             info = parse_server_info(server_info)
             record = DeploymentRecord(

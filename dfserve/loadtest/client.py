@@ -94,7 +94,7 @@ def ended(stream: StreamRead) -> StreamRead:
     elif stream.failure is None and stream.finish_reason is None:
         stream.failure = ("protocol", "stream finished without a finish_reason")
     elif (stream.failure is None and stream.verify_ct is not None
-          and (stream.completion_tokens or stream.usage_seen or stream.chunk_tokens)  # 0: no count came
+          and (stream.counted or stream.completion_tokens)  # else no count came
           and (why := sglang.impossible_rounds(stream.completion_tokens, stream.verify_ct)) is not None):
         stream.failure = ("protocol", why)
     return stream
@@ -140,7 +140,7 @@ def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error:
         chunk_times_s=stream.chunk_times,
         chunk_tokens=stream.chunk_tokens if ROUTE_FOR[sent.api].token_counts else None,
         prompt_tokens=stream.prompt_tokens,
-        completion_tokens=stream.completion_tokens if (finished or stream.chunk_times) else None,
+        completion_tokens=stream.completion_tokens if stream.counted and (finished or stream.chunk_times) else None,
         spec_verify_ct=stream.verify_ct,
         acceptance=acceptance if finished else "unknown",
         finish_reason=stream.finish_reason,
@@ -163,22 +163,42 @@ output so far, about 11 bytes a token (100k tokens: 1.1 MB), so only a server th
 and it would otherwise fill the memory as fast as loopback carries bytes."""
 
 
+MAX_ANSWER_BYTES = 512 * 1024 * 1024
+"""The most the tester keeps of one answer. A native stream repeats its whole output in every event, so its bytes
+grow with the square of its length: 8k tokens one an event come to about 370 MB (SGLang's
+`--incremental-streaming-output` sends only what is new); past this, a server that never ends its answer would fill
+the memory as fast as loopback carries bytes."""
+
+MAX_ANSWER_LINES = 4 * 1024 * 1024
+"""The most lines of one answer: two an event (its data and the blank line), so two million events, more than the
+tokens of any context. Each line is an object of its own once the answer is read, ten times its bytes for short
+ones: a server sending tiny events without end would fill the memory long before `MAX_ANSWER_BYTES`."""
+
 _EVENT_ENDS = (b"\n\n", b"\n\r\n")
 
 
 class BoundedAnswer(Response):
-    """A `Response` that refuses an event still open past `max_event_bytes` (`EventTooLarge`: the request fails as
-    a protocol error, its connection closed). An event's end is a blank line (LF LF or CRLF CRLF) within one read;
-    one split between two reads is counted with the next event, so an event is refused only past its bound, or a
-    pair of events past twice it."""
+    """A `Response` that refuses an event still open past `max_event_bytes`, and an answer past `max_answer_bytes`
+    or `MAX_ANSWER_LINES` (`EventTooLarge`: the request fails as a protocol error, its connection closed). An
+    event's end is a blank line (LF LF or CRLF CRLF) within one read; one split between two reads is counted with
+    the next event, so an event is refused only past its bound, or a pair of events past twice it."""
 
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES, max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         super().__init__()
         self.max_event_bytes = max_event_bytes
+        self.max_answer_bytes = max_answer_bytes
         self.open_bytes = 0
         """Bytes since the last event's end."""
+        self.answer_bytes = 0
+        self.answer_lines = 0
 
     def received(self, now: float, data: bytes) -> None:
+        self.answer_bytes += len(data)
+        self.answer_lines += data.count(b"\n")
+        if self.answer_bytes > self.max_answer_bytes or self.answer_lines > MAX_ANSWER_LINES:
+            raise EventTooLarge(f"an answer over {self.max_answer_bytes} bytes or {MAX_ANSWER_LINES} lines: the load "
+                                "tester keeps no more of one (a native stream repeats its whole output in every event; "
+                                "SGLang's --incremental-streaming-output sends only what is new)")
         if data.endswith(_EVENT_ENDS):  # a read of whole events: the common case, at the cost of one test
             self.open_bytes = 0
         else:
@@ -249,9 +269,11 @@ class ArmClient:
         pin_arm: bool = False,
         headers: Mapping[str, str] | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.arm = arm
         self.max_event_bytes = max_event_bytes
+        self.max_answer_bytes = max_answer_bytes
         self.pool = Pool(base_url, time.perf_counter, kernel_stamps=True)
         fields = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {}),
                   **({PIN_HEADER: arm} if pin_arm else {})}
@@ -276,7 +298,7 @@ class ArmClient:
         dispatched = time.perf_counter() - self.t0
         route, request = self.request(task)
         body = json.dumps(request).encode()
-        response = BoundedAnswer(self.max_event_bytes)
+        response = BoundedAnswer(self.max_event_bytes, self.max_answer_bytes)
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:

@@ -20,11 +20,11 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dfserve.errors import UserError
 from dfserve.runs import read_jsonl
-from dfserve.sglang import Api, accept_length, estimated_accept_length
+from dfserve.sglang import Api, accept_length, estimated_accept_length, printable
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
 """`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or an abort as the
@@ -69,6 +69,13 @@ class RequestRecord(BaseModel):
         None, description="simulator only: wall-clock send time of each chunk, to measure this client's error")
     sim_chunk_due_unix_s: list[float] | None = Field(
         None, description="simulator only: when its model scheduled each chunk (the last minus e2e = its arrival)")
+
+    @field_validator("finish_reason", "error_message")
+    @classmethod
+    def _server_text(cls, text: str | None) -> str | None:
+        """A server's words, kept as a record can hold them: one lone surrogate in an error message must not lose
+        the run's records."""
+        return printable(text) if text is not None else None
 
     @property
     def ok(self) -> bool:

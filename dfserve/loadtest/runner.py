@@ -134,7 +134,7 @@ async def _get_json(http: httpx.AsyncClient, url: str, headers: dict[str, str]) 
     if response.status_code != 200:
         return None
     try:
-        return response.json()
+        return sglang.printable_json(response.json())  # recorded in config.json, which must stay UTF-8
     except (ValueError, RecursionError):
         return None
 

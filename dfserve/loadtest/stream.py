@@ -34,6 +34,9 @@ class StreamRead:
     sim_due: list[float] | None = None
     server_e2e: float | None = None
     usage_seen: bool = False
+    counted: bool = False
+    """A count of the output's tokens came (every native event's meta_info; an OpenAI stream's usage, or its spec
+    details' accept length): without one, `completion_tokens` counts nothing."""
     done: bool = False
     error_code: int | None = None
     """The status an in-band error carried."""
@@ -49,6 +52,7 @@ class StreamRead:
             self._in_band(event)
             return
         meta = event.meta
+        self.counted = True
         delta = meta.completion_tokens - self.completion_tokens
         if delta < 0:
             raise ProtocolError(f"completion_tokens went backwards: {self.completion_tokens} -> {meta.completion_tokens}")
@@ -123,13 +127,13 @@ class StreamRead:
                 if event.finish_reason.error is not None:
                     self._in_band(event.finish_reason.error)
             if event.usage is not None:
-                self.usage_seen = True
+                self.usage_seen = self.counted = True
                 self.prompt_tokens = event.usage.prompt_tokens
                 self.completion_tokens = event.usage.completion_tokens
             if event.spec is not None:
                 self.verify_ct = event.spec.verify_ct
-                if not self.usage_seen:
-                    self.completion_tokens = sglang.spec_completion_tokens(event.spec, None) or 0
+                if not self.usage_seen and (tokens := sglang.spec_completion_tokens(event.spec, None)) is not None:
+                    self.completion_tokens, self.counted = tokens, True
 
     def _in_band(self, error: sglang.StreamError) -> None:
         """The first error in band is the stream's failure (SGLang still sends usage and `[DONE]` after it)."""

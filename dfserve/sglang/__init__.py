@@ -95,6 +95,8 @@ from dfserve.sglang.wire import (
     decode_json,
     event_json,
     json_bytes,
+    printable,
+    printable_json,
 )
 
 __all__ = [
@@ -163,6 +165,8 @@ __all__ = [
     "parse_spec",
     "parse_usage",
     "plain_events",
+    "printable",
+    "printable_json",
     "sim_times_comment",
     "spec_completion_tokens",
     "stream_error",

@@ -36,6 +36,29 @@ def decode_json(body: bytes | str | Any, what: str) -> Any:
         raise ProtocolError(f"{what}: invalid JSON ({exc})") from None
 
 
+def printable(text: str) -> str:
+    """`text` as a UTF-8 document can hold it: JSON can escape half a surrogate pair, which no UTF-8 can encode, so
+    a lone surrogate becomes its escape (`\\ud800`); anything else is kept."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def printable_json(obj: Any) -> Any:
+    """A decoded JSON document with every string (keys too) `printable`: a server's document, kept in a record."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, dict):
+        return {printable(key): printable_json(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [printable_json(item) for item in obj]
+    return obj
+
+
 def event_json(data: str, what: str) -> dict[str, Any]:
     try:
         obj = from_json(data)

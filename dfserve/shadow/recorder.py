@@ -34,6 +34,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from dfserve import sglang
 from dfserve.deploy.hashes import file_sha256
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.records import RequestRecord
@@ -83,8 +84,8 @@ def server_info(url: str) -> dict[str, Any] | None:
     try:
         response = httpx.get(url.rstrip("/") + "/server_info", timeout=SERVER_INFO_TIMEOUT_S)
         response.raise_for_status()
-        info = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        info = sglang.printable_json(response.json())  # written into the folder's config.json
+    except (httpx.HTTPError, ValueError, RecursionError) as exc:
         log.warning("shadow records: %s/server_info could not be read (%s); the verdict will not name its drafter",
                     url, exc)
         return None

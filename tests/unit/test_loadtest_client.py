@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import json
 
+import pytest
+
 from dfserve.capture.replay import ReplayTask
+from dfserve.loadtest import client as tester_client
 from dfserve.loadtest.client import ArmClient, Finished, derive
 from dfserve.sglang import SamplingParams
 
@@ -25,7 +28,7 @@ def chat_event(content: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def run(answer: list[bytes], head: bytes = HEAD) -> tuple[Finished, int]:
+def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP) -> tuple[Finished, int]:
     """One chat request to a server that writes `head`, then `answer`'s chunks (each a read of its own, as far as
     the loop goes, chunked unless `head` gives a length) until the client hangs up; what the client handed its
     sink, and how many bytes the server got to write."""
@@ -54,7 +57,7 @@ def run(answer: list[bytes], head: bytes = HEAD) -> tuple[Finished, int]:
         port = server.sockets[0].getsockname()[1]
         finished: list[Finished] = []
         client = ArmClient("a", f"http://127.0.0.1:{port}", "chat", SamplingParams(max_new_tokens=8), finished.append,
-                           t0=0.0, request_timeout_s=10.0, max_event_bytes=CAP)
+                           t0=0.0, request_timeout_s=10.0, max_event_bytes=CAP, max_answer_bytes=answer_cap)
         task = ReplayTask(id="t", prompt="p", route="chat", body={"messages": [{"role": "user", "content": "p"}]})
         try:
             await client.send(task, 0, warmup=False, scheduled_s=None)
@@ -86,6 +89,25 @@ def test_events_each_within_the_bound_are_kept_however_long_the_answer() -> None
     record = derive(0.0, finished)
     assert finished.error is None and record.ok and len(record.chunk_times_s) == 32
     assert sum(len(piece) for _, piece in finished.pieces) > 8 * CAP
+
+
+def test_an_answer_of_whole_events_without_end_fails_past_its_bound() -> None:
+    """Each event within its bound, the answer never ending: what one answer may keep is bounded too."""
+    endless = [chat_event("z" * 1000) * 16] * 100_000
+    finished, written = run(endless, answer_cap=4 * CAP)
+    kept = sum(len(piece) for _, piece in finished.pieces)
+    assert finished.error is not None and finished.error[0] == "protocol"
+    assert f"an answer over {4 * CAP} bytes" in finished.error[1] and "--incremental-streaming-output" in finished.error[1]
+    assert kept <= 4 * CAP and written < 64 * CAP
+    assert derive(0.0, finished).error_kind == "protocol"
+
+
+def test_tiny_events_without_end_fail_past_the_answers_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Comments of a few bytes each: within any bound of bytes, each line an object of its own once read."""
+    monkeypatch.setattr(tester_client, "MAX_ANSWER_LINES", 20_000)
+    finished, written = run([b":\n\n" * 4096] * 10_000)
+    assert finished.error is not None and "20000 lines" in finished.error[1]
+    assert sum(piece.count(b"\n") for _, piece in finished.pieces) <= 20_000 and written < 100 * 4096 * 3
 
 
 def test_a_whole_json_answer_to_a_streamed_request_is_the_servers_protocol_error() -> None:

@@ -212,5 +212,45 @@ def test_more_verify_rounds_than_tokens_fail_only_where_the_tokens_were_counted(
 
     assert read(completion_tokens=0) is None
     assert read(completion_tokens=2) == "protocol"
-    assert read(completion_tokens=0, usage_seen=True) == "protocol"
+    assert read(completion_tokens=0, counted=True) == "protocol"
     assert read(completion_tokens=3) is None
+
+
+def test_a_native_answer_of_no_tokens_and_verify_rounds_is_impossible() -> None:
+    """Every native event counts the tokens so far: 0 of them after 3 verify rounds is a count, not its absence."""
+    meta = engine.meta_info_body(rid="r", finish=sglang.FinishReason(kind="stop"), prompt_tokens=4,
+                                 completion_tokens=0, spec=SPEC)
+    body = engine.sse_event(engine.generate_response_body("", [], meta)) + sglang.SSE_DONE
+    record = derive(10.0, finished([body], "native"))
+    assert record.error_kind == "protocol" and "spec_verify_ct 3 is more than completion_tokens 0" in (
+        record.error_message or "")
+
+
+def test_an_openai_stream_without_usage_has_no_token_count() -> None:
+    """A server that leaves out the usage the tester asked for has not said it generated 0 tokens."""
+    record = derive(10.0, finished(cuts(chat("", first=True) + chat("a") + chat("b", finish=True) + sglang.SSE_DONE,
+                                        "events")))
+    assert record.ok and len(record.chunk_times_s) == 2
+    assert record.completion_tokens is None and record.acceptance == "unknown"
+    counted = derive(10.0, finished(cuts(STREAMS["chat"][1], "events")))
+    assert counted.completion_tokens == 41
+
+
+LONE = rb"busy \ud800 now"
+"""A server's words holding JSON's escape of half a surrogate pair: valid JSON, which no UTF-8 document can hold."""
+
+
+@pytest.mark.parametrize("where", ["error event", "finish reason", "error status"])
+def test_a_lone_surrogate_in_a_servers_words_is_recorded_escaped(where: str) -> None:
+    """A record keeps a server's error message and finish reason: one lone surrogate in them must not stop the
+    run's record writer, which writes each record as UTF-8 JSON."""
+    status, body = 200, rb'data: {"error": {"message": "' + LONE + rb'", "code": 503}}' + b"\n\n" + sglang.SSE_DONE
+    if where == "finish reason":
+        body = native("a", 1, final=True).replace(b'"type":"length"', b'"type":"' + LONE + b'"') + sglang.SSE_DONE
+        assert LONE in body
+    elif where == "error status":
+        status, body = 503, b'{"error": {"message": "' + LONE + b'"}}'
+    done = finished([body], "native")
+    record = derive(10.0, Finished(done.sent, status, done.pieces, None))
+    written = record.model_dump_json()
+    assert rb"busy \\ud800 now" in written.encode()  # the escape as text: a backslash, then u, d, 8, 0, 0

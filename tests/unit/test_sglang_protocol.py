@@ -238,3 +238,13 @@ def test_a_stream_ends_well_only_with_done_as_its_last_event(events: bytes, done
 def test_an_error_body_python_cannot_parse_is_its_own_text(body: bytes) -> None:
     """A hostile server's error body, nested too deep or with an integer over 4300 digits: shown, not raised."""
     assert proto.parse_error_message(body) == body.decode()[:500]
+
+
+def test_a_servers_document_is_kept_as_utf8_can_hold_it() -> None:
+    """/server_info is recorded verbatim in a run's config.json: a lone surrogate JSON escaped in it, key or value,
+    becomes the escape's text; text UTF-8 holds is kept as it came."""
+    document = json.loads(r'{"model_path": "m\ud800", "\udc00": ["é\ud83d\ude00", 1, null], "ok": "ü"}')
+    kept = proto.printable_json(document)
+    assert kept == {"model_path": "m\\ud800", "\\udc00": ["é\U0001f600", 1, None], "ok": "ü"}
+    assert json.dumps(kept, ensure_ascii=False).encode()  # writable as UTF-8
+    assert proto.printable("plain") == "plain"
