@@ -572,6 +572,8 @@ class Pool:
             await connection.head
         except BaseException:
             connection.abort()
+            if done.done() and not done.cancelled():
+                done.exception()  # its failure is told by what is raised here, not logged as never retrieved
             raise
         if done.done():
             done.result()  # the response ended before its head: raise why

@@ -5,6 +5,8 @@ oversize heads)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import time
 
@@ -176,6 +178,48 @@ def test_read_timeout_fires_only_after_a_quiet_period() -> None:
 
     assert asyncio.run(go([0.03] * 5)) is None  # 150 ms in all, never 50 ms without a read
     assert isinstance(asyncio.run(go([0.03, 0.09])), ReadTimeout)
+
+
+@pytest.mark.parametrize("cancelled_then", [False, True])
+def test_a_server_that_never_answers_fails_the_request_once_and_nothing_is_left_unretrieved(
+        monkeypatch: pytest.MonkeyPatch, cancelled_then: bool) -> None:
+    """The read timeout fails the response; a caller's own timeout of the same length may cancel the wait for its
+    head in the same turn of the loop: either way one failure is raised, none reported later as never retrieved."""
+    async def go() -> tuple[type[BaseException] | None, list[str]]:
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context["message"]))
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.read()  # no answer, until the client gives up
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", time.perf_counter, read_timeout_s=0.05)
+        callers = [asyncio.create_task(pool.open(b"GET", "/server_info", b"", b"", Response()))]
+        fail = _Connection._fail
+
+        def fail_then_cancel(connection: _Connection, exc: Exception) -> None:
+            fail(connection, exc)
+            if cancelled_then:
+                callers[0].cancel()  # before the caller wakes to the failure
+
+        monkeypatch.setattr(_Connection, "_fail", fail_then_cancel)
+        raised: type[BaseException] | None = None
+        try:
+            await callers[0]
+        except (ReadTimeout, asyncio.CancelledError) as exc:
+            raised = type(exc)  # not the exception: its traceback would keep the request's futures alive
+        pool.close()
+        server.close()
+        callers.clear()
+        gc.collect()
+        await asyncio.sleep(0.01)
+        return raised, reported
+
+    raised, reported = asyncio.run(go())
+    assert raised is (asyncio.CancelledError if cancelled_then else ReadTimeout) and reported == []
 
 
 def test_open_returns_at_the_head_then_the_connection_is_reused() -> None:
