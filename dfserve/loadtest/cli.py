@@ -408,11 +408,16 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
 
 
 def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
-    """Each drafter's offline τ (`dfserve eval`, recorded in the registry) beside its online τ, where both exist."""
+    """Each drafter's offline τ (`dfserve eval`, recorded in the registry) beside its online τ, where both exist. A
+    registry that cannot be read is said in one line: the verdict is written, and its exit status stands."""
     online = next(m for m in verdict.judgement.metrics if m.metric == "accept_length")
     lines = []
     for side, value in ((verdict.baseline, online.baseline), (verdict.candidate, online.candidate)):
-        score = registry.offline(side.drafter)
+        try:
+            score = registry.offline(side.drafter)
+        except UserError as exc:
+            click.echo(f"offline acceptance not shown: {exc}", err=True)
+            return
         if score is not None and value is not None:
             lines.append(f"  {side.name} ({side.drafter}): online {value:.3f}, offline {score.tau_as_sglang:.3f} "
                          f"(eval run {score.run_id}, {score.tasks} tasks, features {score.features})")

@@ -113,6 +113,11 @@ def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand
     if servers[0] and servers[1]:
         for field in ("model_path", "max_running_requests"):
             problems.extend(differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field)))
+    problems.extend(f"arm {i.name}: its /server_info was not recorded, so its target and drafter are unknown (a "
+                    "gateway answers it for one arm only: pin_arms)" for i in infos if i.server_info is None)
+    paths = [(i.model_info or {}).get("model_path") for i in infos]
+    if all(isinstance(path, str) for path in paths):
+        problems.extend(differences("model_info model_path", paths[0], paths[1]))
     if infos[0].simulated != infos[1].simulated:
         problems.append(f"simulated: {infos[0].simulated} vs {infos[1].simulated} (one arm is a real engine)")
     return problems

@@ -65,6 +65,8 @@ def incomplete(run: Run) -> list[str]:
         return [f"run {name} has no summary.json: it was killed, or is still running"]
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     problems = [f"run {name} was interrupted before its end"] if summary.interrupted else []
+    if summary.run_id != name:
+        problems.append(f"run {name}: its summary.json is run {summary.run_id}'s")
     config = run.config
     if config.shard is not None:
         problems.append(f"run {name} is shard {config.shard.index}/{config.shard.count} of a schedule: merge its "
@@ -73,6 +75,11 @@ def incomplete(run: Run) -> list[str]:
     expected = None
     if config.sequential is None and config.duration_s is None:
         expected = sum(1 for i in schedule if i >= config.warmup)
+    summarized = {arm.arm for arm in summary.arms}
+    problems.extend(f"run {name} arm {arm.name}: not in summary.json" for arm in config.arms
+                    if arm.name not in summarized)
+    problems.extend(f"run {name}: summary.json has an arm {arm} the run does not" for arm in sorted(
+        summarized - {arm.name for arm in config.arms}))
     for arm in summary.arms:
         measured = measured_records(r for r in run.records if r.arm == arm.arm)
         recorded = len(measured)

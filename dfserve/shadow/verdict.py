@@ -146,6 +146,8 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
     problems = [f"shadow folder {config.run_id}: the gateway wrote requests whose records never all came (an "
                 "exchange lost behind the recorder's queue, or slower than shadow.max_pending later requests)"
                 ] if summary.interrupted else []
+    if summary.run_id != config.run_id:
+        problems.append(f"shadow folder {config.run_id}: its summary.json is folder {summary.run_id}'s")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: requests.jsonl holds {held[arm.arm]} records, "
                 f"summary.json counts {arm.requests}" for arm in summary.arms if held[arm.arm] != arm.requests]
     problems += [f"shadow folder {config.run_id}: arm {arm} has records but no summary"

@@ -72,6 +72,27 @@ def test_two_runs_must_be_comparable_unless_forced(tmp_path: Path) -> None:
     assert document["forced"] is True and document["mismatches"]
 
 
+def test_runs_whose_servers_cannot_be_told_apart_are_not_comparable(tmp_path: Path) -> None:
+    """Behind a gateway that answers /server_info for no arm, a run records none: its target and drafter are
+    unknown, and a run of another model would pass for the baseline's."""
+    runs = tmp_path / "runs"
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    blind = run_config("two", 80)
+    blind = blind.model_copy(update={"arms": (blind.arms[1].model_copy(update={
+        "server_info": None, "model_info": {"model_path": "meta-llama/Llama-3.1-8B"}}),)})
+    two = write_run(runs, blind, synthetic("inhouse", 80, 9.0, seed=2))
+    refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
+    assert refused.exception is not None and "arm inhouse: its /server_info was not recorded, so its target and " \
+        "drafter are unknown" in str(refused.exception)
+    config = one / "config.json"
+    config.chmod(0o644)
+    document = json.loads(config.read_text())
+    document["arms"][0]["model_info"] = {"model_path": "Qwen/Qwen3.6-27B"}
+    config.write_text(json.dumps(document))
+    refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
+    assert "model_info model_path: Qwen/Qwen3.6-27B vs meta-llama/Llama-3.1-8B" in str(refused.exception)
+
+
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     same = synthetic("zlab", 120, 9.0, seed=1)
@@ -312,6 +333,33 @@ def test_records_missing_against_the_summary_are_refused(tmp_path: Path) -> None
     refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
     assert refused.exception is not None
     assert "not the whole run: run cut arm inhouse: requests.jsonl holds 119 measured records, summary.json counts 120" in str(refused.exception)
+
+
+def test_a_damaged_registry_beside_the_runs_leaves_the_verdict_and_its_exit_status(tmp_path: Path) -> None:
+    """The registry is read after the verdict only to show offline τ: a verdict written must be said, and its exit
+    status kept, whatever that file holds."""
+    runs = tmp_path / "runs"
+    run = aa_run(runs, "aa")
+    (runs / "baselines.json").write_text('{"entries": [')
+    result = CliRunner().invoke(compare, [str(run)])
+    assert result.exit_code == 0, result.output
+    assert "offline acceptance not shown: " in result.output and "baselines.json" in result.output
+    assert "verdict: " in result.output and next(runs.glob("verdict-*/verdict.json")).exists()
+
+
+def test_a_summary_must_be_its_runs_and_count_every_arm(tmp_path: Path) -> None:
+    """An arm left out of summary.json escapes every count; another run's summary.json seals its own records."""
+    runs = tmp_path / "runs"
+    for name, edit, why in (
+            ("armless", lambda s: {**s, "arms": [a for a in s["arms"] if a["arm"] != "inhouse"]},
+             "run armless arm inhouse: not in summary.json"),
+            ("other", lambda s: {**s, "run_id": "elsewhere"}, "run other: its summary.json is run elsewhere's")):
+        run = aa_run(runs, name)
+        summary = run / "summary.json"
+        summary.chmod(0o644)
+        summary.write_text(json.dumps(edit(json.loads(summary.read_text()))))
+        refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
+        assert refused.exception is not None and why in str(refused.exception), refused.output
 
 
 def test_a_verdict_of_a_run_against_itself_never_promotes(tmp_path: Path) -> None:
