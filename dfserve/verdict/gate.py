@@ -11,6 +11,7 @@ number, is refused when it is read: it would pass anything, or decide nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -33,6 +34,21 @@ class Rule(_Model):
     metric: str
     max_worse: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
     at_least: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, strict=True)
+
+    @field_validator("max_worse", "at_least", mode="before")
+    @classmethod
+    def _number_read_as_text(cls, value: Any) -> Any:
+        """YAML 1.1 reads `2e-2` (no decimal point) as text: say so, rather than that it is no number."""
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if not math.isfinite(number):
+                return value
+            raise ValueError(f"{value!r} is text, not a number (YAML reads an exponent without a decimal point, as in "
+                             f"2e-2, as text): write {number:g}")
+        return value
 
     @model_validator(mode="after")
     def _one_limit(self) -> Rule:
@@ -90,6 +106,9 @@ def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
         if spec is None:
             raise FieldError("gate", f"rules.{number}.metric: unknown metric {rule.metric!r} "
                              f"(known: {', '.join(metrics)})")
-        wanted = kind_of(spec).limit
-        if getattr(rule, wanted) is None:
-            raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{wanted}' only")
+        kind = kind_of(spec)
+        if getattr(rule, kind.limit) is None:
+            raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{kind.limit}' only")
+        if kind.vacuous(rule.limit):
+            raise FieldError("gate", f"rules.{number}.{kind.limit}: {rule.limit:g} passes any candidate on "
+                             f"{rule.metric}; a rule that judges nothing would stand for one that does")

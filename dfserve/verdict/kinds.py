@@ -33,14 +33,18 @@ class Kind:
     track: Callable[[MetricSpec[Any], float, int], Track[Any]]
     limit: Literal["max_worse", "at_least"] = "max_worse"
     relative: bool = True
+    vacuous: Callable[[float], bool] = lambda limit: False
+    """A limit no candidate can miss: a gate rule with it would judge nothing."""
 
 
 KINDS: Mapping[str, Kind] = {
     "ratio": Kind(bootstrap.ratio, RatioTrack),
     "quantile": Kind(bootstrap.quantile, lambda spec, limit, tasks: QuantileTrack(spec)),
-    "error_rate": Kind(bootstrap.error_rate, lambda spec, limit, tasks: ErrorTrack(), relative=False),
+    "error_rate": Kind(bootstrap.error_rate, lambda spec, limit, tasks: ErrorTrack(), relative=False,
+                       vacuous=lambda limit: limit >= 1),  # a rate rises by 1 at most
     "identical": Kind(lambda name, spec, pairs, weights: bootstrap.identical(spec, pairs),
-                      lambda spec, limit, tasks: LosslessTrack(spec), limit="at_least", relative=False),
+                      lambda spec, limit, tasks: LosslessTrack(spec), limit="at_least", relative=False,
+                      vacuous=lambda limit: limit <= 0),
 }
 
 

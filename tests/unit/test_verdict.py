@@ -24,7 +24,10 @@ from tests.synthetic import synthetic
     ("rules:\n  - {metric: accept_length, max_worse: .nan}\n", "rules.0.max_worse: Input should be a finite number"),
     ("rules:\n  - {metric: lossless_fraction, at_least: .nan}\n", "rules.0.at_least: Input should be a finite number"),
     ("rules:\n  - {metric: accept_length, max_worse: true}\n", "rules.0.max_worse: Input should be a valid number"),
-    ("rules:\n  - {metric: accept_length, max_worse: '0.02'}\n", "rules.0.max_worse: Input should be a valid number"),
+    ("rules:\n  - {metric: accept_length, max_worse: '0.02'}\n", "rules.0.max_worse: Value error, '0.02' is text, "
+     "not a number (YAML reads an exponent without a decimal point, as in 2e-2, as text): write 0.02"),
+    ("rules:\n  - {metric: accept_length, max_worse: 2e-2}\n", "rules.0.max_worse: Value error, '2e-2' is text, "
+     "not a number (YAML reads an exponent without a decimal point, as in 2e-2, as text): write 0.02"),
     ("seed: -1\nrules:\n  - {metric: accept_length, max_worse: 0.02}\n",
      "seed: Input should be greater than or equal to 0"),
     ("bootstrap_draws: 100000000000\nrules:\n  - {metric: accept_length, max_worse: 0.02}\n",
@@ -36,6 +39,19 @@ def test_a_gate_that_would_decide_nothing_is_refused_when_read(tmp_path: Path, t
     with pytest.raises(FieldError) as caught:
         load_gate(path)
     assert caught.value.field == "gate" and str(caught.value) == f"gate: {path}: {message}"
+
+
+@pytest.mark.parametrize(("rule", "message"), [
+    ("{metric: error_rate, max_worse: 1}", "rules.1.max_worse: 1 passes any candidate on error_rate"),
+    ("{metric: lossless_fraction, at_least: 0}", "rules.1.at_least: 0 passes any candidate on lossless_fraction"),
+])
+def test_a_rule_no_candidate_can_miss_is_refused(tmp_path: Path, rule: str, message: str) -> None:
+    path = tmp_path / "gate.yaml"
+    path.write_text(f"rules:\n  - {{metric: accept_length, max_worse: 0.02}}\n  - {rule}\n")
+    with pytest.raises(FieldError, match=message):
+        load_gate(path)
+    path.write_text(f"rules:\n  - {rule.replace(': 1}', ': 0.05}').replace(': 0}', ': 0.9}')}\n")
+    assert load_gate(path).rules[0].limit in (0.05, 0.9)
 
 
 def test_a_gate_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
