@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from pydantic import TypeAdapter, ValidationError
 
 from dfserve.errors import FieldError, Untrusted, UserError
+from dfserve.loadtest.cli import compare, merge_command
 from dfserve.loadtest.merge import SHARDS_START_WITHIN_S, ShardRun, apart, check_shards, merge, read_shard
 from dfserve.loadtest.schedule import LoadShape
+from dfserve.sglang import SIM_MARKER_KEY
 from dfserve.shard import Shard, parse_shard, shard_concurrency, shard_indices
 from dfserve.stamped_socket import ReadLag
 from tests.synthetic import run_config, synthetic, write_run
@@ -92,11 +97,64 @@ def test_merge_refuses_a_set_that_is_not_whole() -> None:
         check_shards([])
 
 
+def with_documents(shard: ShardRun, arm: str, server_info: dict[str, Any] | None = None,
+                   model_info: dict[str, Any] | None = None) -> ShardRun:
+    """`shard` whose arm `arm` recorded these server documents (None: the shard's own, unchanged)."""
+    arms = tuple(a.model_copy(update={"server_info": a.server_info if server_info is None else server_info,
+                                      "model_info": a.model_info if model_info is None else model_info})
+                 if a.name == arm else a for a in shard.config.arms)
+    return replace(shard, config=shard.config.model_copy(update={"arms": arms}))
+
+
 def test_merge_ignores_the_live_figures_in_server_documents() -> None:
+    """Load, throughput and internal states change while a server runs: each shard reads them at its own start."""
     shards = shard_runs(2)
-    arms = tuple(a.model_copy(update={"server_info": {"last_gen_throughput": 12.5}}) for a in shards[1].config.arms)
-    shards[1] = replace(shards[1], config=shards[1].config.model_copy(update={"arms": arms}), read_lag={})
-    assert len(merge(shards, "m").records) == 24
+    live = {"last_gen_throughput": 12.5, "internal_states": [{"avg_spec_accept_length": 3.1, "memory_usage": 0.7}],
+            "load": 17}
+    for arm in ("zlab", "inhouse"):
+        served = shards[1].config.arm(arm).server_info
+        assert served is not None
+        shards[1] = with_documents(shards[1], arm, {**served, **live})
+    shards[1] = replace(shards[1], read_lag={})
+    merged = merge(shards, "m")
+    assert len(merged.records) == 24 and not merged.interrupted and merged.incomplete == ()
+
+
+def test_an_arm_that_reached_another_server_in_a_shard_is_refused_unless_forced() -> None:
+    """Shard 1's inhouse arm answered from another target, drafter, algorithm or simulator than shard 0's (a
+    Service over replicas mid-rollout, an engine redeployed at one URL): merged, its records would be judged as
+    shard 0's server's."""
+    shards = shard_runs(2)
+    served = shards[0].config.arm("inhouse").server_info
+    assert served is not None
+    model_info = {"model_path": "Qwen/Qwen3.6-27B", "weight_version": "default"}
+    shards = [with_documents(shard, "inhouse", model_info=model_info) for shard in shards]
+    cases = [
+        ({**served, "speculative_draft_model_path": "ours/drafter-v2"}, None,
+         "server_info.draft_model_path is z-lab/Qwen3.6-27B-DFlash in shard 0/2, ours/drafter-v2 in shard 1/2"),
+        ({**served, "model_path": "Qwen/Qwen3.6-35B"}, None,
+         "server_info.model_path is Qwen/Qwen3.6-27B in shard 0/2, Qwen/Qwen3.6-35B in shard 1/2"),
+        ({**served, "speculative_algorithm": "EAGLE3"}, None,
+         "server_info.speculative_algorithm is not set in shard 0/2, EAGLE3 in shard 1/2"),
+        ({**served, SIM_MARKER_KEY: True}, None, "server_info.simulated is False in shard 0/2, True in shard 1/2"),
+        (None, {**model_info, "model_path": "Qwen/Qwen3.6-35B"},
+         "model_info.model_path is Qwen/Qwen3.6-27B in shard 0/2, Qwen/Qwen3.6-35B in shard 1/2"),
+    ]
+    for server_info, other_model_info, difference in cases:
+        other = with_documents(shards[1], "inhouse", server_info, other_model_info)
+        line = (f"runs/shard-1: shard 1/2 reached another server than shard 0/2 (runs/shard-0): arm inhouse's "
+                f"{difference}")
+        with pytest.raises(Untrusted, match=f"^{re.escape(line)}$"):
+            merge([shards[0], other], "m")
+        forced = merge([other, shards[0]], "m", force=True)
+        assert forced.interrupted and forced.incomplete == (line,) and len(forced.records) == 24
+        assert forced.config.arms == shards[0].config.arms  # the documents kept are shard 0's, so it says so
+    missing = replace(shards[1], config=shards[1].config.model_copy(update={"arms": tuple(
+        a.model_copy(update={"server_info": None}) for a in shards[1].config.arms)}))
+    with pytest.raises(Untrusted) as refused:
+        merge([shards[0], missing], "m")
+    assert str(refused.value).endswith("arm zlab's server_info is recorded in shard 0/2, not recorded in shard 1/2; "
+                                       "arm inhouse's server_info is recorded in shard 0/2, not recorded in shard 1/2")
 
 
 def test_a_whole_run_is_not_a_shard(tmp_path: Path) -> None:
@@ -176,6 +234,62 @@ def test_duplicated_or_foreign_records_are_never_merged() -> None:
             with pytest.raises(UserError, match=rf"^runs/shard-1: shard 1/3 holds {re.escape(problem)}; it is never "
                                "merged$"):
                 merge([whole[0], shard, whole[2]], "m", force=force)
+
+
+def killed_shards(out: Path) -> list[Path]:
+    """Shards 0/2 and 1/2 of one launch; 1/2 killed mid-write: no summary.json, its last line torn."""
+    records = synthetic("zlab", 12, 3.0, seed=1) + synthetic("inhouse", 12, 4.0, seed=2)
+    folders = []
+    for i in range(2):
+        shard = Shard(index=i, count=2)
+        config = run_config(f"shard-{i}", num_requests=12).model_copy(update={"shard": shard, "t0_unix_s": 100.0 + i})
+        mine = set(shard_indices(12, shard))
+        folders.append(write_run(out, config, [r for r in records if r.index in mine], summary=i == 0))
+    with (folders[1] / "requests.jsonl").open("a") as requests:
+        requests.write('{"arm": "zlab", "index": 13, "task_')
+    return folders
+
+
+def test_a_killed_shard_is_refused_saying_what_to_do_and_merged_as_it_is_when_forced(tmp_path: Path) -> None:
+    folders = killed_shards(tmp_path)
+    killed = read_shard(folders[1])
+    assert killed.unfinished and killed.interrupted and killed.cut and len(killed.records) == 12  # the torn line read
+    shards = [read_shard(folders[0]), killed]
+    refusal = (f"{folders[1]}: shard 1/2 has no summary.json: it was killed (run the 2 shards again, together) or "
+               "has not finished (wait for it)")
+    with pytest.raises(Untrusted, match=f"^{re.escape(refusal)}$"):
+        merge(shards, "m")
+    forced = merge(shards, "m", force=True)
+    assert forced.interrupted and len(forced.records) == 24
+    assert forced.incomplete == (f"{folders[1]}: no summary.json: killed, or not finished; requests.jsonl's last "
+                                 "line is cut",)
+    cut_short = replace(killed, records=killed.records[:-3], cut=False)
+    assert merge([shards[0], cut_short], "m", force=True).incomplete == (
+        f"{folders[1]}: no summary.json: killed, or not finished",)  # nothing counts what it sent
+
+
+def test_a_forced_merge_of_a_killed_shard_is_judged_only_forced(tmp_path: Path) -> None:
+    """Through the commands: merge refuses naming what to do; forced, the run is interrupted, so compare refuses it
+    in turn unless forced, and stamps the verdict."""
+    folders = killed_shards(tmp_path / "shards")
+    refused = CliRunner().invoke(merge_command, [*map(str, folders), "--out", str(tmp_path / "runs")],
+                                 standalone_mode=False)
+    assert isinstance(refused.exception, UserError) and not (tmp_path / "runs").exists()
+    assert str(refused.exception) == (f"{folders[1]}: shard 1/2 has no summary.json: it was killed (run the 2 shards "
+                                      "again, together) or has not finished (wait for it); --force merges what the "
+                                      "shards hold, marked interrupted")
+    forced = CliRunner().invoke(merge_command, [*map(str, folders), "--out", str(tmp_path / "runs"), "--name", "m",
+                                                "--force"], standalone_mode=False)
+    assert forced.exception is None, forced.output
+    assert f"forced: {folders[1]}: no summary.json: killed, or not finished" in forced.output
+    merged = tmp_path / "runs" / "m"
+    assert json.loads((merged / "summary.json").read_text())["interrupted"] is True
+    judged = CliRunner().invoke(compare, [str(merged), "--out", str(tmp_path / "verdicts")], standalone_mode=False)
+    assert isinstance(judged.exception, UserError) and "interrupted" in str(judged.exception)
+    assert not (tmp_path / "verdicts").exists()
+    CliRunner().invoke(compare, [str(merged), "--out", str(tmp_path / "verdicts"), "--force"], standalone_mode=False)
+    [verdict] = (tmp_path / "verdicts").glob("verdict-*/verdict.json")
+    assert json.loads(verdict.read_text())["forced"] is True
 
 
 def test_read_lag_read_back_from_a_summary_is_validated() -> None:
