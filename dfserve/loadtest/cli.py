@@ -290,8 +290,9 @@ def _print_sequential(monitor: SequentialMonitor) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the merged run directory goes (default: beside the first shard).")
 @click.option("--name", default=None, help="Merged run directory name (must not exist).")
-@click.option("--force", is_flag=True, help="Merge shards that lost records (cut, missing lines) or were not started "
-              "together; the merged run is marked interrupted, so it is judged only as an incomplete run.")
+@click.option("--force", is_flag=True, help="Merge shards that lost records (cut, missing lines, no summary.json), "
+              "were not started together, or whose arms reached other servers; the merged run is marked interrupted, "
+              "so it is judged only as an incomplete run.")
 def merge_command(shards: tuple[Path, ...], out: Path | None, name: str | None, force: bool) -> None:
     """Build one run from every shard of a `loadtest run --shard I/N` run; refuses a set that is not whole, or a
     shard whose records do not match its summary and schedule."""
