@@ -116,6 +116,8 @@ class Sent:
     """The route it was sent on."""
     temperature: float | None = None
     """Its own temperature (a replayed capture's request); None: the run's."""
+    output_budget: int | None = None
+    """The most tokens its answer may count (`Route.output_budget`); None: the server's default."""
 
 
 def build_record(sent: Sent, http_status: int | None, stream: StreamRead, error: Failure | None) -> RequestRecord:
@@ -227,7 +229,7 @@ class Finished:
         """Plain tuples, which `marshal` writes fastest (a few microseconds for a 64-chunk stream)."""
         s = self.sent
         return ((s.arm, s.task_id, s.index, s.warmup, s.scheduled_s, s.dispatched_s, s.sent_s, s.end_s, s.api,
-                 s.temperature),
+                 s.temperature, s.output_budget),
                 self.http_status, self.pieces, self.error)
 
     @classmethod
@@ -247,6 +249,10 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
         message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
         return build_record(done.sent, done.http_status, StreamRead(), ("http_status", message))
     stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
+    budget = done.sent.output_budget
+    if stream.failure is None and stream.counted and budget is not None and stream.completion_tokens > budget:
+        stream.failure = ("protocol", f"completion_tokens {stream.completion_tokens} is more than the request's "
+                          f"{budget} new tokens at most")
     return build_record(done.sent, done.http_status, stream, error or stream.failure)
 
 
@@ -304,7 +310,7 @@ class ArmClient:
         def finish(error: Failure | None) -> None:
             sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
                         response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0,
-                        route.api, task.temperature())
+                        route.api, task.temperature(), route.output_budget(request))
             self._sink(Finished(sent, response.status, list(response.pieces), error))
 
         try:

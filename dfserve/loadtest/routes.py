@@ -60,6 +60,21 @@ class Route(ABC):
     def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
         """Read the answer's events (each with its arrival) into `stream`; `decode_all`: as `client.read_stream`'s."""
 
+    @abstractmethod
+    def sequences(self, body: dict[str, Any]) -> object:
+        """How many outputs the body asks for (`n`), as it gives it."""
+
+    def output_budget(self, body: dict[str, Any]) -> int | None:
+        """The most tokens an answer to `body` may count: SGLang stops each output at its max new tokens (a
+        speculative round that crosses it is cut there), and counts the outputs asked for together. None where the
+        body leaves either to the server."""
+        limit, outputs = self.settings(body)["max_new_tokens"], self.sequences(body)
+        outputs = 1 if outputs is None else outputs
+        if not isinstance(limit, int) or not isinstance(outputs, int) or isinstance(limit, bool) or isinstance(
+                outputs, bool) or limit < 0:
+            return None
+        return limit * max(outputs, 1)
+
 
 class Native(Route):
     token_counts = True
@@ -90,6 +105,9 @@ class Native(Route):
         sent = {**copy.deepcopy(body), "stream": True}
         sent.pop("rid", None)
         return sent
+
+    def sequences(self, body: dict[str, Any]) -> object:
+        return (body.get("sampling_params") or {}).get("n")
 
     def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
         """Each event carries `meta_info` with the counts so far."""
@@ -122,6 +140,9 @@ class OpenAI(Route):
                 "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         sent.pop(sglang.RETURN_META_INFO, None)
         return sent
+
+    def sequences(self, body: dict[str, Any]) -> object:
+        return body.get("n")
 
     def read(self, stream: StreamRead, events: list[str], times: list[float], decode_all: bool) -> None:
         """Content chunks, then the spec details and usage the tester asked for."""

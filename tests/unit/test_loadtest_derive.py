@@ -12,6 +12,7 @@ import pytest
 
 from dfserve import sglang
 from dfserve.loadtest.client import Finished, Sent, derive, ended
+from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.stream import StreamRead
 from dfserve.sglang import server as engine
 from tests import FIXTURES
@@ -254,3 +255,29 @@ def test_a_lone_surrogate_in_a_servers_words_is_recorded_escaped(where: str) -> 
     record = derive(10.0, Finished(done.sent, status, done.pieces, None))
     written = record.model_dump_json()
     assert rb"busy \\ud800 now" in written.encode()  # the escape as text: a backslash, then u, d, 8, 0, 0
+
+
+def test_an_answer_counting_more_tokens_than_the_request_allows_is_a_protocol_error() -> None:
+    """SGLang cuts each output at its max new tokens; a count past it would make every figure of the request
+    nonsense (an accept length of millions, one per-token latency sample per claimed token)."""
+    body = native("a", 1) + native("ab", 3) + native("abc", 4_000_000, final=True) + sglang.SSE_DONE
+    done = finished(cuts(body, "events"), "native")
+    record = derive(10.0, Finished(replace(done.sent, output_budget=64), 200, done.pieces, None))
+    assert record.error_kind == "protocol" and record.acceptance == "unknown"
+    assert record.error_message == "completion_tokens 4000000 is more than the request's 64 new tokens at most"
+    within = native("a", 1) + native("abc", 64, final=True) + sglang.SSE_DONE
+    done = finished(cuts(within, "events"), "native")
+    assert derive(10.0, Finished(replace(done.sent, output_budget=64), 200, done.pieces, None)).ok
+
+
+@pytest.mark.parametrize(("api", "body", "budget"), [
+    ("native", {"text": "p", "sampling_params": {"max_new_tokens": 64}}, 64),
+    ("native", {"text": "p", "sampling_params": {"max_new_tokens": 64, "n": 3}}, 192),
+    ("native", {"text": "p"}, None),
+    ("chat", {"messages": [], "max_tokens": 32, "n": 2}, 64),
+    ("chat", {"messages": [], "max_completion_tokens": 16}, 16),
+    ("completions", {"prompt": "p", "max_tokens": "32"}, None),
+    ("chat", {"messages": [], "max_tokens": True}, None),
+])
+def test_an_answers_token_budget_is_its_requests(api: sglang.Api, body: dict[str, Any], budget: int | None) -> None:
+    assert ROUTE_FOR[api].output_budget(body) == budget
