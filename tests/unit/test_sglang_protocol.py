@@ -248,3 +248,13 @@ def test_a_servers_document_is_kept_as_utf8_can_hold_it() -> None:
     assert kept == {"model_path": "m\\ud800", "\\udc00": ["é\U0001f600", 1, None], "ok": "ü"}
     assert json.dumps(kept, ensure_ascii=False).encode()  # writable as UTF-8
     assert proto.printable("plain") == "plain"
+
+
+@pytest.mark.parametrize("read_size", [1, 2, 4, 1000])
+def test_a_byte_order_mark_that_starts_a_stream_is_no_part_of_its_first_event(read_size: int) -> None:
+    """The SSE standard drops one at the stream's start: kept, it would make the first line a field of another name
+    and lose the first event (and the stream's first token with it)."""
+    body = b"\xef\xbb\xbfdata: {\"a\": 1}\n\ndata: \xef\xbb\xbfx\n\ndata: [DONE]\n\n"
+    decoder = proto.SSEDecoder()
+    events = [event for at in range(0, len(body), read_size) for event in decoder.feed(body[at:at + read_size])]
+    assert events == ['{"a": 1}', "\ufeffx", proto.DONE] and not decoder.pending

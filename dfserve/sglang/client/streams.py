@@ -24,27 +24,44 @@ from dfserve.sglang.client.meta import (
 from dfserve.sglang.client.responses import Usage, parse_sglext_spec, parse_usage
 from dfserve.sglang.wire import DONE, MAX_GENERATED, event_json, int_field
 
+_BOM = b"\xef\xbb\xbf"
+
 
 class SSEDecoder:
     """Incremental server-sent-events decoder: feed it bytes as they arrive, get each event's `data`.
 
     Handles events split across reads, `\\r\\n` line endings, comment lines (keep-alives such as `: ping`),
-    multi-line data, and fields other than `data`. Returns the `[DONE]` sentinel as the string `DONE`.
+    multi-line data, fields other than `data`, and a byte order mark that starts the stream (which the SSE standard
+    drops). Returns the `[DONE]` sentinel as the string `DONE`. Each byte is searched for a line's end once, however
+    many reads a long event comes in.
     """
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._buffer = bytearray()
+        self._scanned = 0
+        """Bytes at the buffer's start known to hold no line's end."""
+        self._started = False
         self._data: list[str] = []
 
     def feed(self, chunk: bytes) -> list[str]:
-        self._buffer += chunk
+        buffer = self._buffer
+        buffer += chunk
+        if not self._started:
+            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
+                return []  # perhaps the start of one
+            self._started = True
+            if buffer.startswith(_BOM):
+                del buffer[: len(_BOM)]
         events: list[str] = []
+        start = 0
         while True:
-            newline = self._buffer.find(b"\n")
+            newline = buffer.find(b"\n", max(start, self._scanned))
             if newline < 0:
+                del buffer[:start]
+                self._scanned = len(buffer)
                 return events
-            line = self._buffer[:newline]
-            self._buffer = self._buffer[newline + 1 :]
+            line = bytes(buffer[start:newline])
+            start = newline + 1
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
