@@ -12,6 +12,7 @@ NaN/Inf scan runs before any weight is loaded. A drafter's identity is the name 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,13 @@ from torch import Tensor
 
 from dfserve.baselines import drafter_identity
 from dfserve.deploy.assets import Target, read_json
+from dfserve.deploy.convert import RECORD_NAME, ConversionRecord
 from dfserve.deploy.drafters import baseline_drafter, hf_cache_dir, hf_cached_file, resolve_drafter
+from dfserve.deploy.hashes import file_sha256
 from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError
 from dfserve.eval.records import DrafterInfo
+from dfserve.runs import read_model
 
 MASK_EMBEDDING = "mask_embedding.pt"
 
@@ -82,15 +86,33 @@ def resolve_eval_drafter(spec: str, label: str | None, context: DrafterContext) 
     dflash = config.get("dflash_config") or {}
     kind = "zlab" if source == "zlab" else "checkpoint" if resolved.kind == "checkpoint" else "folder"
     identity = context.profile.zlab.model_path if kind == "zlab" and context.profile.zlab else drafter_identity(str(folder))
+    checkpoint = Path(resolved.source) if resolved.kind == "checkpoint" and resolved.source else None
     info = DrafterInfo(
         label=label or ("zlab" if kind == "zlab" else resolved.label), kind=kind, identity=identity, source=source,
         folder=str(folder), sha256=resolved.sha256, converted=resolved.converted, staged=None,
         block_size=resolved.block_size, target_layer_ids=tuple(dflash["target_layer_ids"]),
         mask_token_id=int(dflash["mask_token_id"]), layers=_layers(config),
         mask_embedding=(folder / MASK_EMBEDDING).is_file(),
+        weights_sha256=weights_sha256(folder, checkpoint, context.store / ".hashes"),
     )
-    checkpoint = Path(resolved.source) if resolved.kind == "checkpoint" and resolved.source else None
     return EvalDrafter(info, folder, checkpoint)
+
+
+def weights_sha256(folder: Path, checkpoint: Path | None, hashes: Path) -> str:
+    """The bytes a drafter's weights came from, so that one checkpoint given two ways (z-lab's folder and its
+    model.safetensors as a checkpoint, a checkpoint and the folder deploy converted it into) hashes the same. Read
+    from deploy's memo of file hashes: resolving the drafter hashed every one of these files already."""
+    if checkpoint is not None:
+        return file_sha256(checkpoint, hashes)
+    if (folder / RECORD_NAME).is_file():
+        return read_model(folder / RECORD_NAME, ConversionRecord, f"{folder / RECORD_NAME}: missing").sha256
+    weights = sorted(folder.glob("*.safetensors"))
+    if len(weights) == 1:
+        return file_sha256(weights[0], hashes)
+    digest = hashlib.sha256()
+    for path in weights:
+        digest.update(f"{path.name}\0{file_sha256(path, hashes)}\n".encode())
+    return digest.hexdigest()
 
 
 def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor | None]:

@@ -108,6 +108,23 @@ class DrafterInfo(_Model):
     mask_token_id: int
     layers: tuple[str, ...] = Field(description="each layer's attention: causal/bidirectional and its window")
     mask_embedding: bool = Field(description="a trained mask_embedding.pt sidecar replaced the mask token's row")
+    weights_sha256: str | None = Field(None, description="hash of the weight bytes however given: the checkpoint "
+                                       "file (or the one a dfserve-converted folder was made from), else the "
+                                       "folder's .safetensors files; None: recorded before this field")
+
+    def checkpoint_shared_with(self, other: DrafterInfo) -> str | None:
+        """The hash proving two drafters one checkpoint: one `sha256` (weights and config), or the same weight bytes
+        scored as the same architecture (z-lab's folder and its weights given as a checkpoint file). None when they
+        differ or a hash is missing: nothing proves them one."""
+        if self.sha256 is not None and self.sha256 == other.sha256:
+            return self.sha256
+        same_weights = self.weights_sha256 is not None and self.weights_sha256 == other.weights_sha256
+        if same_weights and self._architecture() == other._architecture():
+            return self.weights_sha256
+        return None
+
+    def _architecture(self) -> tuple[object, ...]:
+        return self.block_size, self.target_layer_ids, self.mask_token_id, self.layers, self.mask_embedding
 
 
 class EvalConfig(_Model):

@@ -2,9 +2,9 @@
 features, score each drafter at every anchor, and write the run folder.
 
 Order matters for the lessons behind it: the target's config and files, each drafter (config, tensor table,
-NaN/Inf, conversion of a checkpoint) and the gate are checked before any forward runs; the references and features
-come from their caches when an earlier run made them under the same key (the run's config says so); the run folder
-is created only then, and the drafter checkpoints are hard-linked into it::
+NaN/Inf, conversion of a checkpoint, no checkpoint named twice) and the gate are checked before any forward runs;
+the references and features come from their caches when an earlier run made them under the same key (the run's
+config says so); the run folder is created only then, and the drafter checkpoints are hard-linked into it::
 
     outcome = run_eval(plan, Console(stderr=True))
     outcome.run_dir / "summary.json"
@@ -58,7 +58,7 @@ from dfserve.eval.target import (
     target_folder,
     teacher_forced,
 )
-from dfserve.eval.verdict import judge_offline, metrics_of
+from dfserve.eval.verdict import judge_offline, judged_against_itself, metrics_of
 from dfserve.runs import (
     JsonlAppender,
     Provenance,
@@ -198,6 +198,10 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     labels = [d.info.label for d in drafters]
     if duplicate := next((label for label in labels if labels.count(label) > 1), None):
         raise FieldError("drafter", f"two drafters are labelled {duplicate!r}; name them LABEL=DRAFTER")
+    for index, drafter in enumerate(drafters):  # any two: `eval compare` may pair any two of the run's drafters
+        for earlier in drafters[:index]:
+            if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
+                raise FieldError("drafter", f"{why}; name it once")
     check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:

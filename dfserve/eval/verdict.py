@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.eval.metrics import method_totals
-from dfserve.eval.records import VANILLA, AnchorRecord, EvalConfig, EvalSummary, metric_of
+from dfserve.eval.records import VANILLA, AnchorRecord, DrafterInfo, EvalConfig, EvalSummary, metric_of
 from dfserve.runs import Provenance, read_jsonl, read_model, unsealed
 from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
@@ -26,6 +26,7 @@ from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
+from dfserve.verdict.wording import shown
 
 DEFAULT_EVAL_GATE = Gate(rules=(Rule(metric=metric_of(VANILLA), max_worse=0.02),))
 
@@ -64,6 +65,15 @@ def judge_offline(
     pairs = Pairs.match((baseline, candidate), ((i, task_ids[i], unit(0, i)) for i in both),
                         ((i, task_ids[i], unit(1, i)) for i in both), deterministic=True)
     return FixedN().judge(pairs, metrics_of(methods), gate).judgement
+
+
+def judged_against_itself(baseline: str, base: DrafterInfo, candidate: str, cand: DrafterInfo) -> str | None:
+    """Why a verdict of `cand` against `base` would judge one checkpoint against itself, which passes any gate at
+    exactly 0%; None when nothing proves them one (`DrafterInfo.checkpoint_shared_with`)."""
+    if (shared := base.checkpoint_shared_with(cand)) is None:
+        return None
+    return (f"drafters {baseline} and {candidate} are one checkpoint (sha256 {shown(shared)}): a drafter is never "
+            "judged against itself")
 
 
 @dataclass(frozen=True)
@@ -129,8 +139,11 @@ class EvalRun:
                              f"{', '.join(labels)})")
         return wanted
 
+    def drafter(self, label: str) -> DrafterInfo:
+        return next(d for d in self.config.drafters if d.label == label)
+
     def side(self, label: str) -> Side:
-        info = next(d for d in self.config.drafters if d.label == label)
+        info = self.drafter(label)
         return Side(run_id=self.config.run_id, run_dir=str(self.path.resolve()), name=label,
                     target=self.config.target.model, drafter=info.identity)
 
@@ -140,8 +153,9 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
     """Pair two drafters by task, in one run or across two runs on the same feature cache (else refused), and
     write the offline verdict and its report.html into a new folder under `out` (default: beside `run`).
 
-    Refused always: records that cannot be the run's (`EvalRun.drafter_records`). Refused unless `force`, and then
-    stamped in the verdict: a run that is not whole (`EvalRun.incomplete`), or drafters scored on other anchors."""
+    Refused always: one run given twice, a drafter judged against itself (`judged_against_itself`), records that
+    cannot be the run's (`EvalRun.drafter_records`). Refused unless `force`, and then stamped in the verdict: a run
+    that is not whole (`EvalRun.incomplete`), or drafters scored on other anchors."""
     rules = read_gate(gate, DEFAULT_EVAL_GATE)
     base = EvalRun.load(run)
     cand = EvalRun.load(run2) if run2 is not None else base
@@ -153,6 +167,10 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
     cand_label = cand.label(candidate, "candidate", 1 if run2 is None else 0)
     if run2 is None and base_label == cand_label:
         raise FieldError("baseline", "the same drafter as {other}", other="candidate")
+    names = (base_label, cand_label) if run2 is None else (f"{base_label} (run {base.config.run_id})",
+                                                            f"{cand_label} (run {cand.config.run_id})")
+    if why := judged_against_itself(names[0], base.drafter(base_label), names[1], cand.drafter(cand_label)):
+        raise UserError(why)
     methods = [m for m in base.config.methods() if m in cand.config.methods()]
     check_rules(rules, metrics_of(methods))
     base_records, cand_records = base.drafter_records(base_label), cand.drafter_records(cand_label)

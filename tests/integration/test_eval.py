@@ -356,6 +356,20 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     assert {name: _tree(world.root / name) for name in before} == before
 
 
+def test_one_checkpoint_named_twice_is_refused_before_any_work(world: World,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """One checkpoint under two labels, or a folder beside its copy, would pass at exactly 0%: refused once the
+    drafters are resolved, before any reference, feature or score, and no run folder is made."""
+    copy = shutil.copytree(world.short, world.root / "short-copy")
+    for drafters in ([f"a={world.short_checkpoint}", f"b={world.short_checkpoint}"], [f"short={world.short}",
+                                                                                      f"copy={copy}"]):
+        status, out, err = run_cli(capsys, *eval_args(world, "twice", *drafters, out="twice", cache="twice-cache"))
+        assert status == 2 and out == "", err
+        assert err.startswith("dfserve: error: --drafter: drafters ") and err.count("\n") == 1, err
+        assert "are one checkpoint (sha256 " in err and "a drafter is never judged against itself; name it once" in err
+    assert not (world.root / "twice").exists() and not (world.root / "twice-cache").exists()
+
+
 def test_a_hybrid_gated_deltanet_target_in_the_vision_language_layout(world: World,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3.5/3.6: Gated DeltaNet and gated attention layers, loaded as `Qwen3_5ForCausalLM` from the checkpoint
