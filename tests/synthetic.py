@@ -84,5 +84,6 @@ def write_run(out: Path, config: RunConfig, records: Sequence[RequestRecord], *,
             appender.append(r)
     if summary:
         write_model(run_dir / "summary.json", summarize(config, records, interrupted, {}).model_copy(
-            update={"records_sha256": file_sha256(run_dir / "requests.jsonl")}))
+            update={"records_sha256": file_sha256(run_dir / "requests.jsonl"),
+                    "config_sha256": file_sha256(run_dir / "config.json")}))
     return run_dir

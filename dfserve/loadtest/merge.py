@@ -57,7 +57,7 @@ class ShardRun:
     cut: bool = False
     """requests.jsonl ends mid-line (the torn line is not among `records`)."""
     edited: str | None = None
-    """Why requests.jsonl is not as the shard's writer left it (`runs.unsealed`), if it is not."""
+    """Why requests.jsonl or config.json is not as the shard's writer left it (`runs.unsealed`), if it is not."""
     unfinished: bool = False
     """No summary.json: the shard was killed or is still running, so nothing counts its records (`counted` and
     `read_lag` are empty, and it reads as `interrupted`)."""
@@ -87,9 +87,11 @@ def read_shard(path: Path) -> ShardRun:
                         unfinished=True)
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
+    edited = unsealed(records, summary.records_sha256)
+    if edited is None and summary.config_sha256 is not None:
+        edited = unsealed(path / "config.json", summary.config_sha256)
     return ShardRun(path, config, list(read_records(records)), summary.interrupted, read_lag,
-                    {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records),
-                    unsealed(records, summary.records_sha256))
+                    {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records), edited)
 
 
 def _ends_mid_line(path: Path) -> bool:

@@ -93,6 +93,8 @@ class Summary(_Model):
                                                            "how late measured requests were sent against schedule")
     records_sha256: str | None = Field(None, description="sha256 of requests.jsonl as written (`runs.unsealed`): "
                                        "a record edited since shows, whatever figures are kept")
+    config_sha256: str | None = Field(None, description="sha256 of config.json as written: the settings a verdict "
+                                      "compares two runs on; None in a summary older than this seal")
 
 
 def _figure(interval: stats.Interval | None, n: int) -> Figure | None:

@@ -94,6 +94,8 @@ def incomplete(run: Run) -> list[str]:
                             "requests.jsonl (edited?)")
     if (why := unsealed(run.path / "requests.jsonl", summary.records_sha256)) is not None:
         problems.append(f"run {name}: {why}")
+    if summary.config_sha256 is not None and (why := unsealed(run.path / "config.json", summary.config_sha256)):
+        problems.append(f"run {name}: {why}")
     return problems
 
 

@@ -84,13 +84,30 @@ def test_runs_whose_servers_cannot_be_told_apart_are_not_comparable(tmp_path: Pa
     refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
     assert refused.exception is not None and "arm inhouse: its /server_info was not recorded, so its target and " \
         "drafter are unknown" in str(refused.exception)
-    config = one / "config.json"
+    seen = run_config("seen", 80)
+    seen = seen.model_copy(update={"arms": (seen.arms[0].model_copy(update={
+        "model_info": {"model_path": "Qwen/Qwen3.6-27B"}}),)})
+    three = write_run(runs, seen, synthetic("zlab", 80, 9.0, seed=1))
+    refused = CliRunner().invoke(compare, [str(three), str(two)], standalone_mode=False)
+    assert "model_info model_path: Qwen/Qwen3.6-27B vs meta-llama/Llama-3.1-8B" in str(refused.exception)
+
+
+def test_a_config_edited_after_its_run_is_not_judged_unless_forced(tmp_path: Path) -> None:
+    """config.json holds what two runs are compared on: one edited to look like the other's settings shows."""
+    runs = tmp_path / "runs"
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", 80, 9.0, seed=2)},
+                   sampling=run_config("x", 80).sampling.model_copy(update={"max_new_tokens": 32}))
+    config = two / "config.json"
     config.chmod(0o644)
     document = json.loads(config.read_text())
-    document["arms"][0]["model_info"] = {"model_path": "Qwen/Qwen3.6-27B"}
+    document["sampling"]["max_new_tokens"] = json.loads((one / "config.json").read_text())["sampling"]["max_new_tokens"]
     config.write_text(json.dumps(document))
     refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
-    assert "model_info model_path: Qwen/Qwen3.6-27B vs meta-llama/Llama-3.1-8B" in str(refused.exception)
+    assert refused.exception is not None
+    assert "run two: two/config.json is not as its writer left it" in str(refused.exception)
+    forced = CliRunner().invoke(compare, [str(one), str(two), "--force"])
+    assert "FORCED" in forced.output, forced.output
 
 
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:

@@ -312,3 +312,8 @@ def test_a_shard_whose_records_were_edited_after_its_summary_says_so(tmp_path: P
     requests.write_text(requests.read_text().replace('"zlab"', '"zlab" '))
     edited = read_shard(folder).edited
     assert edited is not None and edited.endswith("is not as its writer left it (its sha256 is not summary.json's): edited")
+    other = write_run(tmp_path, config.model_copy(update={"run_id": "shard-0b"}),
+                      [r for r in synthetic("zlab", 4, 3.0, seed=1) if r.index % 2 == 0])
+    (other / "config.json").write_text((other / "config.json").read_text().replace('"run_id"', ' "run_id"', 1))
+    edited = read_shard(other).edited
+    assert edited is not None and edited.startswith("shard-0b/config.json is not as its writer left it")

@@ -729,3 +729,12 @@ def test_a_folder_whose_records_were_edited_is_judged_only_forced(tmp_path: Path
         compare_shadow(folder, None, None, False, tmp_path / "v")
     forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
     assert forced.forced and any("not as its writer left it" in line for line in forced.incomplete)
+
+
+def test_a_folder_whose_config_was_edited_is_judged_only_forced(tmp_path: Path) -> None:
+    """config.json names the folder's primary and secondary: an edit there would judge other arms than recorded."""
+    folder = _record(tmp_path, _traffic(12, 4))
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"run_id"', ' "run_id"', 1))
+    with pytest.raises(Untrusted, match=r"config\.json is not as its writer left it"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, Untrusted
 from dfserve.gateway.app import Gateway
 from dfserve.gateway.config import load_config
@@ -218,12 +221,19 @@ def test_a_live_decision_awaits_greedy_requests_before_it_passes(tmp_path: Path)
     assert verdict.sequential.stopped_after_pairs == decided.pairs
 
 
+def _edit_config(folder: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    """config.json edited, and summary.json's seal of it with it: what the checks past the seal must still catch."""
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    summary = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**summary, "config_sha256": file_sha256(folder / "config.json")}))
+
+
 def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:
     _decide(tmp_path, _traffic(80))
     [folder] = sorted((tmp_path / "shadow").iterdir())
-    config = json.loads((folder / "config.json").read_text())
-    config["sequential"]["look_every"] = 3
-    (folder / "config.json").write_text(json.dumps(config))
+    _edit_config(folder, lambda config: config["sequential"].update(look_every=3))
     with pytest.raises(Untrusted, match=r"decision\.json: the gateway decided FAIL at look"):
         compare_shadow(folder, None, None, False, tmp_path / "v")
     assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
@@ -240,9 +250,8 @@ def test_a_decided_folder_is_judged_on_its_designs_gate_and_its_decision_must_be
         compare_shadow(folder, None, loose, False, tmp_path / "v")
     forced = compare_shadow(folder, None, loose, True, tmp_path / "v").verdict
     assert forced.forced and any("sequential design's gate" in line for line in forced.mismatches)
-    config = json.loads((folder / "config.json").read_text())
-    config["sequential"]["gate"] = {"rules": [{"metric": "error_rate", "max_worse": 0.5}]}
-    (folder / "config.json").write_text(json.dumps(config))
+    _edit_config(folder, lambda config: config["sequential"].update(
+        gate={"rules": [{"metric": "error_rate", "max_worse": 0.5}]}))
     (folder / DECISION).unlink()
     with pytest.raises(Untrusted, match=r"decision\.json is missing, and the records replay to a decision"):
         compare_shadow(folder, None, None, False, tmp_path / "v")
@@ -392,9 +401,7 @@ def test_a_damaged_decision_or_one_without_its_design_is_judged_only_forced(tmp_
         (folder / DECISION).unlink()
         (folder / DECISION).mkdir()
     else:
-        config = json.loads((folder / "config.json").read_text())
-        config["sequential"] = config["decides"] = None
-        (folder / "config.json").write_text(json.dumps(config))
+        _edit_config(folder, lambda config: config.update(sequential=None, decides=None))
     said = "decision.json is not the gateway's" if damage != "design dropped" else "records no sequential design"
     with pytest.raises(Untrusted, match=said):
         compare_shadow(folder, None, None, False, tmp_path / "v")
