@@ -15,7 +15,7 @@ arrive); TTFT, ITL, TPOT, E2E and acceptance are derived here, so every figure h
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Literal
@@ -135,6 +135,25 @@ def itl_per_token_s(r: RequestRecord) -> list[float]:
     for gap, tokens in zip(itl_per_chunk_s(r), r.chunk_tokens[1:], strict=True):
         samples.extend([gap / tokens] * tokens)
     return samples
+
+
+COPIED_SHARE = 0.5
+"""The share of pairs whose candidate record is timed as its baseline's, to the microsecond from its send to each
+chunk, beyond which the candidate's records are a copy of the baseline's: two servers' answers never take the same
+times."""
+
+
+def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool:
+    """The candidate's records are the baseline's (relabelled, or a copy of the run, its clock moved or not): a run
+    judged against itself. Times are taken from each request's send, so that moving every time alike hides
+    nothing."""
+    def timing(r: RequestRecord) -> tuple[object, ...]:
+        sent = r.sent_s if r.sent_s is not None else r.dispatched_s
+        since = [round(at - sent, 6) if at is not None else None for at in (r.first_token_s, r.end_s)]
+        return *since, tuple(round(at - sent, 6) for at in r.chunk_times_s)
+
+    same = sum(timing(b) == timing(c) for b, c in zip(base, cand, strict=True) if b.end_s is not None)
+    return same > COPIED_SHARE * len(base)
 
 
 def request_accept_length(r: RequestRecord) -> float | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
-from dfserve.loadtest.records import RequestRecord, measured_records, read_records
+from dfserve.loadtest.records import RequestRecord, copied, measured_records, read_records
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.loadtest.sequential import design_of
 from dfserve.runs import Provenance, read_model, unsealed
@@ -107,25 +107,6 @@ def _foreign(measured: Sequence[RequestRecord], schedule: range, config: RunConf
     return [f"index {found[0]} {what}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
             for found, what in ((twice, "recorded twice"), (outside, "is not a measured request of its schedule"))
             if found]
-
-
-COPIED_SHARE = 0.5
-"""The share of pairs whose candidate record is timed as its baseline's, to the microsecond from its send to each
-chunk, beyond which the candidate's records are a copy of the baseline's: two servers' answers never take the same
-times."""
-
-
-def copied(base: Sequence[RequestRecord], cand: Sequence[RequestRecord]) -> bool:
-    """The candidate's records are the baseline's (relabelled, or a copy of the run, its clock moved or not): a run
-    judged against itself. Times are taken from each request's send, so that moving every time alike hides
-    nothing."""
-    def timing(r: RequestRecord) -> tuple[object, ...]:
-        sent = r.sent_s if r.sent_s is not None else r.dispatched_s
-        since = [round(at - sent, 6) if at is not None else None for at in (r.first_token_s, r.end_s)]
-        return *since, tuple(round(at - sent, 6) for at in r.chunk_times_s)
-
-    same = sum(timing(b) == timing(c) for b, c in zip(base, cand, strict=True) if b.end_s is not None)
-    return same > COPIED_SHARE * len(base)
 
 
 def pick_arms(runs: Sequence[Run], baseline: str | None, candidate: str | None) -> tuple[str, str]:

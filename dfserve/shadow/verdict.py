@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
-from dfserve.loadtest.records import RequestRecord, check_same_request, read_records
+from dfserve.loadtest.records import RequestRecord, check_same_request, copied, read_records
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.runs import Provenance, read_model, unsealed, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
@@ -261,6 +261,11 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
             raise Untrusted(f"not the gateway's decision ({undesigned})")
         differ.append(undesigned)
     pairs, notes = request_pairs(records, config.primary, cand)
+    if copied(pairs.base, pairs.cand):
+        missing.append(f"the records of {cand} are those of {config.primary}, to the microsecond: a drafter judged "
+                       "against itself")
+        if not force:
+            raise Untrusted(missing[-1])
     outcome = (judge_live(pairs, config.sequential, rules)
                if config.sequential is not None and cand == config.decides else FixedN().judge(pairs, METRICS, rules))
     if outcome.sequential is not None:

@@ -50,9 +50,12 @@ def _native(text: str, tokens: int, verify: int) -> bytes:
 def exchanged(rid: int, arm: str, mirror: bool, *, text: str = "out", verify: int = 4, temperature: float = 0,
               error: str | None = None, streamed: bool = False, answer: bytes | None = None,
               mirrors: tuple[str, ...] = ("inhouse",)) -> Exchanged:
-    """A client's exchange (mirrored to `mirrors`) or a mirror's."""
+    """A client's exchange (mirrored to `mirrors`) or a mirror's; another arm's answer takes a few microseconds
+    more (two servers' never take the same times)."""
     body = json.dumps({"text": f"prompt {rid % 3}", "sampling_params": {"temperature": temperature}}).encode()
-    outcome = Outcome(arm=arm, route="native", replica="r", status=200, error=error, ttft_s=0.01, e2e_s=0.1,
+    later_s = 0.0 if arm == "zlab" else 3e-6 * (1 + len(arm))
+    outcome = Outcome(arm=arm, route="native", replica="r", status=200, error=error, ttft_s=0.01 + later_s,
+                      e2e_s=0.1 + later_s,
                       output_tokens=16, verify_rounds=verify, accept_length=16 / verify, measure="exact")
     return Exchanged(rid, mirror, "POST", "/generate", b"", body, 100.0 + rid, outcome,
                      answer=_native(text, 16, verify) if answer is None else answer, streamed=streamed,
@@ -729,6 +732,18 @@ def test_a_folder_whose_records_were_edited_is_judged_only_forced(tmp_path: Path
         compare_shadow(folder, None, None, False, tmp_path / "v")
     forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
     assert forced.forced and any("not as its writer left it" in line for line in forced.incomplete)
+
+
+def test_a_candidate_whose_records_are_the_primarys_is_never_judged_unforced(tmp_path: Path) -> None:
+    """The primary's answers relabelled as the candidate's (every time to the microsecond): a drafter judged against
+    itself would pass any gate at exactly 0%."""
+    traffic = [replace(e, outcome=replace(e.outcome, ttft_s=0.01, e2e_s=0.1)) for e in _traffic(24, 4)]
+    folder = _record(tmp_path, traffic)
+    with pytest.raises(Untrusted, match="the records of inhouse are those of zlab, to the microsecond"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
+    assert forced.forced and any("to the microsecond" in line for line in forced.incomplete)
+    assert compare_shadow(_record(tmp_path / "apart", _traffic(24, 4)), None, None, False, tmp_path / "v").verdict
 
 
 def test_a_folder_whose_config_was_edited_is_judged_only_forced(tmp_path: Path) -> None:
