@@ -15,6 +15,7 @@ arrive); TTFT, ITL, TPOT, E2E and acceptance are derived here, so every figure h
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dfserve.errors import UserError
 from dfserve.runs import read_jsonl
-from dfserve.sglang import Api, accept_length, estimated_accept_length, printable
+from dfserve.sglang import Api, accept_length, estimated_accept_length, impossible_rounds, printable
 
 ErrorKind = Literal["connect", "timeout", "http_status", "stream_error", "protocol", "disconnect", "cancelled"]
 """`stream_error`: SGLang answered HTTP 200, then reported an error in band (an error event, or an abort as the
@@ -135,6 +136,28 @@ def itl_per_token_s(r: RequestRecord) -> list[float]:
     for gap, tokens in zip(itl_per_chunk_s(r), r.chunk_tokens[1:], strict=True):
         samples.extend([gap / tokens] * tokens)
     return samples
+
+
+def impossible(r: RequestRecord) -> str | None:
+    """Why no recorder wrote `r`, if none could: a time that is no finite number, a count below 0, or an exact
+    acceptance with more verify rounds than tokens (each commits one at least). The server's own e2e figure is its
+    word, not a measurement: left out."""
+    times = (r.dispatched_s, r.scheduled_s, r.sent_s, r.first_token_s, r.end_s, *r.chunk_times_s)
+    if not all(math.isfinite(at) for at in times if at is not None):
+        return "a time that is not a finite number"
+    if any(count is not None and count < 0 for count in (r.prompt_tokens, r.completion_tokens, r.spec_verify_ct,
+                                                          *(r.chunk_tokens or ()))):
+        return "a count below 0"
+    if r.ok and r.acceptance == "exact" and r.completion_tokens is not None and r.spec_verify_ct is not None:
+        return impossible_rounds(r.completion_tokens, r.spec_verify_ct)
+    return None
+
+
+def impossible_records(records: Iterable[RequestRecord]) -> list[str]:
+    """One line for the first record no recorder wrote, with how many more there are."""
+    found = [(r.index, why) for r in records if (why := impossible(r)) is not None]
+    return [f"index {found[0][0]}: {found[0][1]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+            ] if found else []
 
 
 COPIED_SHARE = 0.5

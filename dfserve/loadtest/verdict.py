@@ -25,7 +25,7 @@ from pathlib import Path
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.config import RunConfig, read_config
 from dfserve.loadtest.judge import METRICS, comparability, load_gate, pairs_of
-from dfserve.loadtest.records import RequestRecord, copied, measured_records, read_records
+from dfserve.loadtest.records import RequestRecord, copied, impossible_records, measured_records, read_records
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.loadtest.sequential import design_of
 from dfserve.runs import Provenance, read_model, unsealed
@@ -100,13 +100,14 @@ def incomplete(run: Run) -> list[str]:
 
 
 def _foreign(measured: Sequence[RequestRecord], schedule: range, config: RunConfig) -> list[str]:
-    """Records that cannot be the run's own: an index twice, or one its schedule never sent (measured)."""
+    """Records that cannot be the run's own: an index twice, one its schedule never sent (measured), or one no
+    recorder wrote (`records.impossible`)."""
     counts = Counter(r.index for r in measured)
     twice = sorted(i for i, n in counts.items() if n > 1)
     outside = sorted(i for i in counts if i not in schedule or i < config.warmup) if config.duration_s is None else []
     return [f"index {found[0]} {what}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
             for found, what in ((twice, "recorded twice"), (outside, "is not a measured request of its schedule"))
-            if found]
+            if found] + impossible_records(measured)
 
 
 def pick_arms(runs: Sequence[Run], baseline: str | None, candidate: str | None) -> tuple[str, str]:

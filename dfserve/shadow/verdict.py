@@ -32,7 +32,13 @@ from pydantic import BaseModel, ConfigDict
 
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
-from dfserve.loadtest.records import RequestRecord, check_same_request, copied, read_records
+from dfserve.loadtest.records import (
+    RequestRecord,
+    check_same_request,
+    copied,
+    impossible_records,
+    read_records,
+)
 from dfserve.loadtest.report import Summary, figures_differ
 from dfserve.runs import Provenance, read_model, unsealed, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
@@ -164,6 +170,7 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
                         f"({config.primary}, config.json), which the gateway writes first (edited?)")
     if (why := unsealed(path / "requests.jsonl", summary.records_sha256)) is not None:
         problems.append(f"shadow folder {config.run_id}: {why}")
+    problems += [f"shadow folder {config.run_id}: {line}" for line in impossible_records(records)]
     if summary.config_sha256 is not None and (why := unsealed(path / "config.json", summary.config_sha256)):
         problems.append(f"shadow folder {config.run_id}: {why}")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "

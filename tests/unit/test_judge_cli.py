@@ -352,6 +352,22 @@ def test_records_missing_against_the_summary_are_refused(tmp_path: Path) -> None
     assert "not the whole run: run cut arm inhouse: requests.jsonl holds 119 measured records, summary.json counts 120" in str(refused.exception)
 
 
+def test_records_no_recorder_writes_are_judged_only_forced(tmp_path: Path) -> None:
+    """Sealed with the run, yet impossible: a count below 0, more verify rounds than tokens in an exact
+    acceptance."""
+    runs = tmp_path / "runs"
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    for name, change, why in (
+            ("negative", {"completion_tokens": -5}, "index 3: a count below 0"),
+            ("rounds", {"spec_verify_ct": 10**6}, "index 3: spec_verify_ct 1000000 is more than completion_tokens")):
+        cand = [r.model_copy(update=change) if r.index == 3 else r for r in twin(same, "inhouse")]
+        run = make_run(runs, name, {"zlab": same, "inhouse": cand})
+        refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
+        assert refused.exception is not None and f"run {name} arm inhouse: {why}" in str(refused.exception)
+    forced = CliRunner().invoke(compare, [str(run), "--force"])
+    assert "FORCED" in forced.output, forced.output
+
+
 def test_a_damaged_registry_beside_the_runs_leaves_the_verdict_and_its_exit_status(tmp_path: Path) -> None:
     """The registry is read after the verdict only to show offline τ: a verdict written must be said, and its exit
     status kept, whatever that file holds."""

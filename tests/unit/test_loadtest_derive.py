@@ -12,6 +12,7 @@ import pytest
 
 from dfserve import sglang
 from dfserve.loadtest.client import Finished, Sent, derive, ended
+from dfserve.loadtest.records import impossible
 from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.stream import StreamRead
 from dfserve.sglang import server as engine
@@ -281,3 +282,14 @@ def test_an_answer_counting_more_tokens_than_the_request_allows_is_a_protocol_er
 ])
 def test_an_answers_token_budget_is_its_requests(api: sglang.Api, body: dict[str, Any], budget: int | None) -> None:
     assert ROUTE_FOR[api].output_budget(body) == budget
+
+
+def test_records_no_recorder_writes_are_named() -> None:
+    done = finished(cuts(STREAMS["native"][1], "events"), "native")
+    good = derive(10.0, done)
+    assert impossible(good) is None
+    assert impossible(good.model_copy(update={"chunk_times_s": [1.0, float("inf")]})) == "a time that is not a finite number"
+    assert impossible(good.model_copy(update={"sent_s": float("nan")})) == "a time that is not a finite number"
+    assert impossible(good.model_copy(update={"chunk_tokens": [1, -1]})) == "a count below 0"
+    assert "more than completion_tokens" in (impossible(good.model_copy(update={"spec_verify_ct": 99})) or "")
+    assert impossible(good.model_copy(update={"server_e2e_latency_s": float("nan")})) is None  # the server's word
