@@ -162,10 +162,12 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         else:
             stream = recorded_stream(o.route, cast(Sequence[tuple[float, bytes]], exchanged.pieces), t0_perf_s)
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
-        if kind is None and stream.failure is not None and stream.failure[0] == "stream_error":
-            kind, message = stream.failure  # an error event further back than the last events the relay kept
-        if kind is None and stream.failure is None and not stream.incremental:  # deltas: only the last is kept
+        if kind is None and stream.failure is not None:
+            kind, message = stream.failure  # as the tester has it: an error event in band, events it cannot read
+        if kind is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
+    elif kind is None and exchanged.unparsed is not None:
+        kind, message = "protocol", exchanged.unparsed  # a 200 answer that is not SGLang's: no success of the arm
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
     return RequestRecord(

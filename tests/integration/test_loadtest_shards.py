@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from dfserve.deploy.hashes import file_sha256
 from dfserve.loadtest.records import RequestRecord, read_records
 from tests.integration.servers import dfserve_argv, sim_server
 
@@ -100,6 +101,13 @@ def test_three_shards_merge_into_the_unsharded_run(tmp_path: Path, load: tuple[s
     assert {r["metric"]: r["status"] for r in judgement["rules"]}["accept_length"] == "FAIL"
 
 
+def sealed(config: Path, document: dict[str, Any]) -> None:
+    """`document` written as the run's config.json, and sealed in its summary.json as the run would have."""
+    config.write_text(json.dumps(document))
+    summary = config.parent / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "config_sha256": file_sha256(config)}))
+
+
 def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engines: dict[str, str],
                                                             two_shards: list[Path]) -> None:
     arms = ["--arm", f"zlab={engines['zlab']}"]
@@ -116,10 +124,10 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engi
         refused = dfserve("loadtest", "merge", *map(str, given), "--out", str(tmp_path / "merged"))
         assert refused.returncode == 2 and refused.stderr.strip() == line, refused.stderr
     assert not (tmp_path / "merged").exists()
-    config = shards[1] / "config.json"  # shard 1 of a launch an hour later
+    config = shards[1] / "config.json"  # shard 1 of a launch an hour later (its summary seals its own config)
     document = json.loads(config.read_text())
     document["t0_unix_s"] += 3600
-    config.write_text(json.dumps(document))
+    sealed(config, document)
     apart = dfserve("loadtest", "merge", *map(str, shards), "--out", str(tmp_path / "merged"))
     assert apart.returncode == 2 and apart.stderr.count("\n") == 1, apart.stderr
     assert re.fullmatch(rf"dfserve: error: shard 1/2 \({shards[1]}\) started 3[56]\d\d\.\d s after shard 0/2 "
@@ -127,7 +135,7 @@ def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engi
                         r"merges what the shards hold, marked interrupted\n", apart.stderr), apart.stderr
     assert not (tmp_path / "merged").exists()
     document["t0_unix_s"] -= 3600
-    config.write_text(json.dumps(document))
+    sealed(config, document)
     summary = shards[1] / "summary.json"  # an edited summary: a count with nothing to count it of
     document = json.loads(summary.read_text())
     document["arms"][0]["read_with_next"]["of_chunks"] = 0

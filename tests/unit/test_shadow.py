@@ -164,7 +164,25 @@ def test_a_failed_or_unfinished_recorded_stream_has_chunk_times_but_no_hash() ->
     failed = shadow_record(streamed_chat(1, "zlab", False, gap=0.01, error="stream_cut"), 100.0)
     assert failed.error_kind == "disconnect" and failed.output_sha256 is None and len(failed.chunk_times_s) == 3
     unfinished = shadow_record(streamed_chat(1, "zlab", False, gap=0.01, cut=1), 100.0)  # no [DONE]: not whole
-    assert unfinished.ok and unfinished.output_sha256 is None and len(unfinished.chunk_times_s) == 3
+    assert (unfinished.error_kind, unfinished.error_message) == ("disconnect", "stream ended before [DONE]")
+    assert unfinished.output_sha256 is None and len(unfinished.chunk_times_s) == 3  # as the tester reads it
+
+
+@pytest.mark.parametrize(("route", "streamed", "answer", "said"), [
+    ("native", True, b"data: {not json\n\n" + sglang.SSE_DONE, "invalid JSON"),
+    ("native", False, b"not json at all", "not SGLang's"),
+])
+def test_a_200_answer_that_is_not_sglangs_is_the_arms_protocol_error(route: str, streamed: bool, answer: bytes,
+                                                                     said: str) -> None:
+    """A candidate answering garbage with 200 must not look error-free to a verdict: the tester's reading of the
+    same answer is a protocol error."""
+    e = exchanged(3, "inhouse", True, streamed=streamed, answer=answer)
+    if not streamed:
+        e = replace(e, unparsed="the answer is not SGLang's (invalid JSON)")
+    else:
+        e = replace(e, pieces=[])
+    record = shadow_record(e, 100.0)
+    assert record.error_kind == "protocol" and said in (record.error_message or "") and record.output_sha256 is None
 
 
 def test_an_error_event_before_a_streams_closing_chunks_fails_its_record() -> None:
