@@ -52,7 +52,10 @@ PER_ENGINE = frozenset({"/server_info"})
 """Documents of one engine's own state (its drafter, its running acceptance): without an arm header they come from
 the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
 figures for the split's. SGLang's own benchmark then prints no acceptance instead of the baseline's."""
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", ARM_HEADER}
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-encoding", ARM_HEADER}
+_IDENTITY = b"Accept-Encoding: identity\r\n"
+"""Asked of every upstream instead of what the client accepts (httpx, the OpenAI SDK's client, accepts gzip): the
+gateway reads each answer for its figures and may add to a stream, which a compressed body would defeat."""
 TOO_DEEP = "request body: JSON nested too deeply"
 """A body nested past Python's recursion limit (json raises RecursionError): a bad request, not a gateway bug."""
 
@@ -213,12 +216,12 @@ class GatewayApp:
     @staticmethod
     def _headers(request: Request) -> bytes:
         """The client's headers to pass upstream, as header lines: neither hop-by-hop ones nor those its
-        `Connection` header names as such (RFC 9110 §7.6.1)."""
+        `Connection` header names as such (RFC 9110 §7.6.1), and an uncompressed answer asked for (`_IDENTITY`)."""
         dropped = _NOT_FORWARDED
         for name, value in request.headers:
             if name == b"connection":
                 dropped = dropped | {option.strip().lower() for option in value.split(b",")}
-        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in dropped)
+        return b"".join(k + b": " + v + b"\r\n" for k, v in request.headers if k not in dropped) + _IDENTITY
 
     def _routing_keys(self, request: Request, user: str | None) -> tuple[str | None, str | None]:
         """The sticky key (header, else the OpenAI `user` field) and the arm the request pins itself to, if any."""

@@ -138,17 +138,19 @@ def test_a_kept_alive_connection_is_closed_after_the_configured_idle_timeout(tmp
 
 def test_hop_by_hop_headers_and_trailers_stay_on_the_client_side(tmp_path: Path) -> None:
     """Headers the client's Connection header names are hop-by-hop (RFC 9110 §7.6.1), and trailer fields of a
-    chunked body are not headers: neither reaches the replica."""
+    chunked body are not headers: neither reaches the replica. Nor does the compression the client accepts: the
+    gateway reads every answer, and asks for it uncompressed."""
     with recorder() as upstream, gateway_server(write_config(tmp_path, upstream.url)) as gw:
         sock = connect(gw)
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\n"
-                     b"X-Kept: 1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"X-Kept: 1\r\nAccept-Encoding: gzip, deflate\r\nTransfer-Encoding: chunked\r\n\r\n"
                      b"d\r\n{\"text\": \"a\"}\r\n0\r\nX-Trailer: evil\r\nX-Kept: 2\r\n\r\n"
                      b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answers = read_until_closed(sock)
     assert answers.startswith(b"HTTP/1.1 200 OK\r\n") and answers.count(b"HTTP/1.1 200 OK\r\n") == 2
     (head,) = upstream.heads
     assert head["x-kept"] == "1" and not {"x-hop", "x-trailer", "connection"} & head.keys()
+    assert head["accept-encoding"] == "identity"
 
 
 def test_head_of_health_answers_like_get_without_a_body(tmp_path: Path) -> None:
