@@ -157,7 +157,7 @@ class _Connection(asyncio.Protocol):
         self.done: asyncio.Future[Response] | None = None
         self.head: asyncio.Future[None] | None = None
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
-        self._last = 0.0
+        self._last = self._sent = 0.0
         self._buffer = bytearray()
         self._head_bytes = 0  # of the heads read so far, interim ones included
         self._head_done = False
@@ -209,7 +209,7 @@ class _Connection(asyncio.Protocol):
         self._no_body = no_body
         self.done = self.loop.create_future()
         self.head = self.loop.create_future()
-        sent = response.sent = self._last = self.clock()
+        sent = response.sent = self._last = self._sent = self.clock()
         if self.read_timeout_s is not None and self._timer is None:
             self._timer = self.loop.call_later(self.read_timeout_s, self._check_idle)
         self.transport.write(request)
@@ -228,18 +228,22 @@ class _Connection(asyncio.Protocol):
 
     def _check_idle(self) -> None:
         """One timer per connection, not one per piece or per request: while a response is due it re-arms itself
-        for the time left since the last read; then it stops until the next request."""
+        for the time left since the last read (since the request, for its head: bytes of a head trickling in do not
+        extend its deadline); then it stops until the next request."""
         assert self.read_timeout_s is not None
         if self.done is None or self.done.done():
             self._timer = None
             return
+        now = self.clock()
         last = self._last if self._dechunker is None else max(self._last, self._dechunker.last_read)
-        idle = self.clock() - last
-        if idle >= self.read_timeout_s:
+        idle = now - (last if self._head_done else self._sent)
+        if idle < self.read_timeout_s:
+            self._timer = self.loop.call_later(self.read_timeout_s - idle, self._check_idle)
+        elif not self._head_done:
+            self._fail(ReadTimeout(f"no response head within {idle:.1f} s"))
+        else:
             self._fail(ReaderStalled(f"the reader took nothing for {idle:.1f} s") if self.reading_paused
                        else ReadTimeout(f"nothing received for {idle:.1f} s"))
-        else:
-            self._timer = self.loop.call_later(self.read_timeout_s - idle, self._check_idle)
 
     def attach(self, sink: Sink) -> None:
         """Send the body to `sink` from now on: first the pieces kept so far, then each read's piece as it comes

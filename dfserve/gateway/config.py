@@ -131,8 +131,9 @@ class Limits(_Model):
                                   "closed after this long.")
     max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
     connect_timeout_s: float = Field(3.0, gt=0)
-    read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers or the next chunk, "
-                                  "and for a client that reads nothing of a stream.")
+    read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers (from the request, "
+                                  "however their bytes trickle in) or the next chunk, and for a client that reads "
+                                  "nothing of a stream.")
     max_retries: int = Field(2, ge=0, description="Other replicas of the same arm tried before the first byte.")
     max_event_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Longest part of an upstream's server-sent "
                                  "event held while waiting for its end; past it the stream ends with an error event.")

@@ -164,20 +164,25 @@ def test_head_is_signalled_before_the_body_with_header_values_as_sent() -> None:
     assert (b"transfer-encoding", b"chunked") in response.headers
 
 
+HEAD_BYTES = CHUNKED.index(b"\r\n\r\n") + 4
+
+
 def test_read_timeout_fires_only_after_a_quiet_period() -> None:
-    async def go(gaps: list[float]) -> BaseException | None:
+    async def go(gaps: list[float], head: bool = True) -> BaseException | None:
         connection = _Connection(time.perf_counter, read_timeout_s=0.05)
         transport = FakeTransport(connection)
         _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
-        transport.deliver(CHUNKED[:60])
-        for gap in gaps:
+        transport.deliver(CHUNKED[: HEAD_BYTES + 10] if head else CHUNKED[:10])
+        for n, gap in enumerate(gaps):
             await asyncio.sleep(gap)
-            transport.deliver(b"")
+            transport.deliver(b"" if head else CHUNKED[10 + n : 11 + n])
         await asyncio.sleep(0.02)
         return done.exception() if done.done() else None
 
     assert asyncio.run(go([0.03] * 5)) is None  # 150 ms in all, never 50 ms without a read
     assert isinstance(asyncio.run(go([0.03, 0.09])), ReadTimeout)
+    trickled = asyncio.run(go([0.01] * 15, head=False))  # a byte of the head every 10 ms: no later deadline
+    assert isinstance(trickled, ReadTimeout) and str(trickled).startswith("no response head within 0.")
 
 
 @pytest.mark.parametrize("cancelled_then", [False, True])
