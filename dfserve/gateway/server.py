@@ -390,6 +390,7 @@ class ClientConnection(asyncio.Protocol):
         if self._waiting is not None:
             self._wait(_BODY, self._read_at)
         size, hosts, length, coded, expects = len(incoming.url), 0, b"", False, False
+        codings: list[bytes] = []
         for name, value in incoming.headers:
             size += len(name) + len(value) + 4  # ": " and CRLF at the least: 50,000 empty headers are 250 KB
             if name == b"host":
@@ -398,10 +399,14 @@ class ClientConnection(asyncio.Protocol):
                 length = value  # llhttp refuses a second one
             elif name == b"transfer-encoding":
                 coded = True
+                codings += [coding.strip().lower() for coding in value.split(b",") if coding.strip()]
             elif name == b"expect":
                 expects = expects or value.lower() == b"100-continue"
         if size > _MAX_HEAD_BYTES:
             raise _Refused(431, f"request head over {_MAX_HEAD_BYTES} bytes")
+        if other := next((coding for coding in codings if coding != b"chunked"), None):
+            # read as plain chunks, a gzip-coded body would be refused as invalid JSON, or worse, taken as it is
+            raise _Refused(501, f"transfer coding {other.decode('latin-1')!r} is not supported (only chunked)")
         if parser.get_method() == b"CONNECT":
             raise _Refused(405, "CONNECT is not supported")
         if parser.should_upgrade() and (coded or length.strip(b"0")):

@@ -165,6 +165,18 @@ def test_head_of_health_answers_like_get_without_a_body(tmp_path: Path) -> None:
     assert json.loads(get_body)["status"] == "ok"
 
 
+def test_a_transfer_coding_other_than_chunked_is_a_501_never_read_as_plain_chunks(tmp_path: Path) -> None:
+    """RFC 9112 §6.1: a coding the server does not know is not implemented; read as chunked, a gzip body would be
+    refused as invalid JSON, and a body only mislabelled would be taken as it is."""
+    with recorder() as upstream, gateway_server(write_config(tmp_path, upstream.url)) as gw:
+        sock = connect(gw)
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+                     b"d\r\n{\"text\": \"a\"}\r\n0\r\n\r\n")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 501 ") and b"transfer coding 'gzip' is not supported" in answer
+    assert not upstream.heads
+
+
 def test_deeply_nested_json_is_a_400_without_a_traceback_or_a_log_line(tmp_path: Path) -> None:
     log = tmp_path / "gateway.log"
     nested = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
