@@ -123,6 +123,7 @@ class Stub:
                 for _ in range(FLOOD_EVENTS):
                     await response.write(FLOOD_EVENT)
                     self.flood_written += 1
+                await response.write(b"data: [DONE]\n\n")  # a whole stream: else the gateway ends it with an error of its own
                 await response.write_eof()
                 return response
             if mode == "slow":
@@ -454,13 +455,16 @@ def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(one_arm
     stub, gw = one_arm
     with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
                       timeout=30) as response:
-        time.sleep(1.0)  # the client reads nothing: every socket buffer on the way fills, then the upstream waits
-        written_at_1s = stub.flood_written
-        time.sleep(0.5)
-        written_at_1_5s = stub.flood_written
+        # the client reads nothing: every socket buffer on the way fills, then the upstream waits (however slowly a
+        # busy machine gets there: its writes are watched until they stop for half a second, 10 s at most)
+        held, deadline = -1, time.monotonic() + 10
+        while stub.flood_written != held and time.monotonic() < deadline:
+            held = stub.flood_written
+            time.sleep(0.5)
+        stopped = stub.flood_written == held
         body = b"".join(response.iter_raw())
-    assert written_at_1_5s == written_at_1s < FLOOD_EVENTS  # the engine is held, not read into the gateway
-    assert body == FLOOD_EVENT * FLOOD_EVENTS
+    assert stopped and held < FLOOD_EVENTS  # the engine is held, not read into the gateway
+    assert body == FLOOD_EVENT * FLOOD_EVENTS + b"data: [DONE]\n\n"
 
 
 def test_a_stalled_client_is_abandoned_without_blaming_the_replica(tmp_path: Path) -> None:
