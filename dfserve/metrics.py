@@ -123,8 +123,8 @@ REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
   answer, from the engine or made by the gateway: 429 overloaded, 502/503/504 no replica; for a 200 stream that
   SGLang ended with an error in band, the class of the error's code); `499` when the client
   side gave up first (nginx's code for it); `error` when there was no complete answer and no HTTP error status
-  (connection refused, timeout, a stream cut or unreadable after its 2xx headers, an answer aborted through SGLang's
-  `/abort_request`, which carries no code).
+  (connection refused, timeout, a stream cut or unreadable after its 2xx headers, a 2xx answer that is not SGLang's,
+  an answer aborted through SGLang's `/abort_request`, which carries no code).
 - `error` is empty for a success, `http_status` for an HTTP error answer, `stream_error` for an error in band,
   else the producer's failure kind.
 
@@ -134,6 +134,9 @@ STREAM_ERROR = "stream_error"
 """Failure kind of a stream that SGLang answered with HTTP 200 and then ended with an error in band (an error event,
 or an abort as the finish reason); its `status` label is the class of the code the error carried (`error` for an
 abort through `/abort_request`, which carries none)."""
+PROTOCOL_ERROR = "protocol"
+"""Failure kind of a 2xx answer that is not SGLang's (a body or events that do not read as its JSON): no success,
+whatever its status said; the load tester calls the same answer a protocol error."""
 CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", "cancelled"})
 """Failure kinds where the client side gave up, not the arm: the gateway's client went away or stopped reading, or
 the load tester cancelled the request when its run stopped."""

@@ -40,7 +40,7 @@ from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
 from dfserve.headers import ARM
-from dfserve.metrics import STREAM_ERROR, DfserveMetrics, ObserverMetrics, RoutingMetrics
+from dfserve.metrics import PROTOCOL_ERROR, STREAM_ERROR, DfserveMetrics, ObserverMetrics, RoutingMetrics
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
@@ -360,5 +360,5 @@ class GatewayApp:
                 if strip_spec:
                     payload = sglang.strip_spec_details(payload)
             except (ProtocolError, RecursionError) as exc:
-                exchange.unparsed = str(exc)
+                exchange.error, exchange.unparsed = PROTOCOL_ERROR, str(exc)
         reply.whole(response.status, headers, payload)

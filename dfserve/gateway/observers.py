@@ -60,7 +60,8 @@ class Exchanged:
     outcome: Outcome
     """Arm, replica, status, failure kind, TTFT, E2E, gaps, tokens and acceptance (exact or estimated)."""
     unparsed: str | None = None
-    """Why a 200 answer could not be read as SGLang's, if it could not (acceptance is then unknown)."""
+    """Why a 200 answer could not be read as SGLang's, if it could not (its outcome's error is then `protocol`, and
+    acceptance unknown)."""
     answer: bytes = b""
     """What the relay already held of the answer, at no cost to it: a whole body as the replica sent it, or a
     stream's last events (the whole output of a native stream, only the end of an OpenAI one, after the pieces of it

@@ -38,7 +38,7 @@ from dfserve.errors import ProtocolError
 from dfserve.gateway.server import Responder
 from dfserve.gateway.upstream import MID_STREAM, Opened, mid_stream_error
 from dfserve.headers import ARM, REPLICA
-from dfserve.metrics import ITL_BUCKETS_S, STREAM_ERROR, Binned, Measure, Outcome
+from dfserve.metrics import ITL_BUCKETS_S, PROTOCOL_ERROR, STREAM_ERROR, Binned, Measure, Outcome
 from dfserve.relay_core import EventRelay
 
 HOP_BY_HOP = frozenset({
@@ -101,6 +101,7 @@ class Exchange:
     error_code: int | None = None
     """The status an in-band error event carried (`error` is then `stream_error`; `status` stays 200)."""
     unparsed: str | None = None
+    """Why a 200 answer is not SGLang's, if it is not (`error` is then `protocol`)."""
     answer: bytes = b""
     """A whole body as the replica sent it, or a stream's last events (`Exchanged.answer`)."""
     streamed: bool = False
@@ -136,7 +137,11 @@ class NativeStream:
     alarm = None  # SGLang ends a stream that failed with its error, or its abort, then `[DONE]`
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        """`ProtocolError` for a stream that neither counted its output nor ended with an error: every event SGLang
+        sends carries its running total."""
         error = sglang.native_stream_error(tail)
+        if count is None and error is None:
+            raise ProtocolError("a native stream whose events carry no meta_info.completion_tokens")
         if count is None:
             return Acceptance(), error
         verify_ct = sglang.last_spec_verify_ct(tail)
@@ -222,7 +227,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     try:
         exchange.acceptance, in_band = kind.read_end(relay.tokens, exchange.answer)
     except ProtocolError as exc:
-        exchange.unparsed = str(exc)
+        exchange.error, exchange.unparsed = PROTOCOL_ERROR, str(exc)
     else:
         if in_band is not None:
             exchange.error, exchange.error_code = STREAM_ERROR, in_band.code

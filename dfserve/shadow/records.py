@@ -149,7 +149,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     task = task or RequestTask.of(exchanged)
     start = exchanged.start_s - t0_perf_s
     kind = error_kind(o.error, o.status)
-    message = o.error if kind is not None else None
+    message = (exchanged.unparsed or o.error) if kind is not None else None
     exact = o.measure == "exact" and o.verify_rounds is not None
     if (kind is None and exact and o.output_tokens is not None
             and (why := sglang.impossible_rounds(o.output_tokens, o.verify_rounds or 0)) is not None):
@@ -166,8 +166,6 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
             kind, message = stream.failure  # as the tester has it: an error event in band, events it cannot read
         if kind is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
-    elif kind is None and exchanged.unparsed is not None:
-        kind, message = "protocol", exchanged.unparsed  # a 200 answer that is not SGLang's: no success of the arm
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
     return RequestRecord(

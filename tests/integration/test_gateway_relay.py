@@ -102,6 +102,8 @@ class Stub:
         if self.status >= 500 or request.headers.get("x-stub") == "poison":  # poison: this request's own 500
             status = max(self.status, 500)
             return web.json_response({"object": "error", "message": "engine down", "code": status}, status=status)
+        if request.headers.get("x-stub") == "garbage":
+            return garbage(body)
         if not body.get("stream"):
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "def f(): — ü"},
                                       "finish_reason": "length"}
@@ -162,6 +164,8 @@ class Stub:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
+        if request.headers.get("x-stub") == "garbage":
+            return garbage(body)
         if not body.get("stream"):
             return web.json_response({"text": "abc", "output_ids": [1, 2, 3], "meta_info": META})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -178,6 +182,13 @@ class Stub:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def garbage(body: dict[str, Any]) -> web.Response:
+    """200 with what no SGLang sends: an event that is not JSON, or a whole body that is not."""
+    if body.get("stream"):
+        return web.Response(body=b"data: {not json\n\ndata: [DONE]\n\n", content_type="text/event-stream")
+    return web.Response(body=b"<html>busy</html>", content_type="application/json")
 
 
 def write_config(tmp_path: Path, arms: dict[str, Any], **extra: Any) -> Path:
@@ -297,6 +308,26 @@ def test_a_stream_ended_by_an_error_in_band_is_a_failure(one_arm: tuple[Stub, st
     assert metric(text, "dfserve_output_tokens_total", arm="a", route=api) == 0
     healthy = httpx.post(gw + route, json=body)  # the connection an error in band ended is still a good one
     assert healthy.status_code == 200
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/generate", {"text": "hi", "stream": True}), ("/generate", {"text": "hi"}), ("/v1/chat/completions", CHAT_WHOLE)])
+def test_a_200_answer_that_is_not_sglangs_is_a_protocol_failure_passed_on_as_it_came(
+        one_arm: tuple[Stub, str], route: str, body: dict[str, Any]) -> None:
+    """A replica answering 200 with what is not SGLang's answer did not answer: the client gets the bytes as they
+    came, and the metrics count the arm's protocol failure, with none of its latencies, as the load tester would. (An
+    OpenAI stream's events are relayed unread but for their keys: its garbage is seen by shadow records only.)"""
+    stub, gw = one_arm
+    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": "garbage"})
+    via = httpx.post(gw + route, json=body, headers={"x-stub": "garbage"})
+    assert via.status_code == 200 and via.content == direct.content
+    text = httpx.get(gw + "/metrics").text
+    api = "native" if route == "/generate" else "chat"
+    assert metric(text, "dfserve_requests_total", arm="a", route=api, status="error", error="protocol") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", route=api, status="2xx") == 0
+    assert metric(text, "dfserve_e2e_request_latency_seconds_count", arm="a", route=api) == 0
+    assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="protocol") == 1
+    assert httpx.post(gw + route, json=body).status_code == 200  # the replica is not taken down for it
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

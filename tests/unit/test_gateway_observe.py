@@ -62,9 +62,16 @@ def test_native_stream_counts_tokens_per_piece_of_events() -> None:
 
 
 def test_native_stream_without_speculative_decoding_counts_tokens_only() -> None:
-    assert NativeStream().read_end(None, b"") == (Acceptance(), None)
     relay, _ = relayed(NativeStream(), [native(3) + native(7)])
     assert NativeStream().read_end(relay.tokens, relay.tail) == (Acceptance(output_tokens=7), None)
+
+
+def test_a_native_stream_that_never_counted_its_output_is_not_sglangs_unless_it_failed_in_band() -> None:
+    with pytest.raises(ProtocolError, match="completion_tokens"):
+        NativeStream().read_end(None, b'data: {"text":"hi"}\n\n' + sglang.SSE_DONE)
+    error = b'data: {"error":{"message":"bad","code":400}}\n\n' + sglang.SSE_DONE
+    acceptance, in_band = NativeStream().read_end(None, error)
+    assert acceptance == Acceptance() and in_band is not None and in_band.message == "bad"
 
 
 def test_openai_stream_estimates_only_with_usage() -> None:

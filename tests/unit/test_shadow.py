@@ -177,9 +177,10 @@ def test_a_200_answer_that_is_not_sglangs_is_the_arms_protocol_error(route: str,
     """A candidate answering garbage with 200 must not look error-free to a verdict: the tester's reading of the
     same answer is a protocol error."""
     e = exchanged(3, "inhouse", True, streamed=streamed, answer=answer)
-    if not streamed:
+    if not streamed:  # as the gateway hands it on: its own reading failed
+        e = exchanged(3, "inhouse", True, streamed=streamed, answer=answer, error="protocol")
         e = replace(e, unparsed="the answer is not SGLang's (invalid JSON)")
-    else:
+    else:  # the gateway's reading of the stream's end passed: the record reads every event
         e = replace(e, pieces=[])
     record = shadow_record(e, 100.0)
     assert record.error_kind == "protocol" and said in (record.error_message or "") and record.output_sha256 is None
