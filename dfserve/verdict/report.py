@@ -20,8 +20,9 @@ from dfserve.verdict.results import NOT_JUDGED, Judgement, Lossless, MetricResul
 from dfserve.verdict.verdict import Side, Verdict
 
 _COLOUR = {"PASS": "#1e7b34", "FAIL": "#b3261e", "INCONCLUSIVE": "#8a5a00", "NOT_APPLICABLE": "#666"}
-_STYLE = (".verdict{font-size:3em;font-weight:700;margin:0.2em 0}.stamp{display:inline-block;border:3px solid "
-          "#b3261e;color:#b3261e;font-weight:700;padding:0 0.4em;margin-right:0.5em;font-size:1.2em}"
+_STYLE = (".verdict{font-size:clamp(1.5em,8vw,3em);font-weight:700;margin:0.2em 0;overflow-wrap:normal}"
+          ".stamp{display:inline-block;border:3px solid #b3261e;color:#b3261e;font-weight:700;padding:0 0.4em;"
+          "margin-right:0.5em;font-size:1.2em}"
           ".status{font-weight:700}.why{color:#b3261e}.note{color:#5f6368}")
 REPORT = "report.html"
 

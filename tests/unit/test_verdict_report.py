@@ -50,6 +50,12 @@ def test_the_verdict_comes_first_in_words_and_colour() -> None:
     assert "FORCED" not in body and "INCOMPLETE" not in body
 
 
+def test_the_verdict_word_shrinks_to_a_phones_width_instead_of_breaking() -> None:
+    style = render_verdict_html(_verdict()).split("<style>", 1)[1].split("</style>", 1)[0]
+    rule = re.search(r"\.verdict\{([^}]*)\}", style)
+    assert rule is not None and "overflow-wrap:normal" in rule[1] and "vw" in rule[1]  # the page's words may break
+
+
 def test_a_pass_reads_pass() -> None:
     verdict = _verdict(verdict="PASS")
     assert "<p class='verdict' style='color:#1e7b34'>PASS</p>" in render_verdict_html(verdict)
