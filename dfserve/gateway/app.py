@@ -329,11 +329,11 @@ class GatewayApp:
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
                 outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors,
-                exchange.pieces, exchange.request))
+                exchange.pieces, exchange.request, exchange.sent))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response
-        exchange.replica, exchange.status = opened.replica.url, response.status
+        exchange.replica, exchange.status, exchange.sent = opened.replica.url, response.status, response.sent
         arm, replica = opened.arm.name, opened.replica.url
         headers = response_headers(response.headers, arm, replica)
         if response.media_type() == b"text/event-stream":

@@ -78,6 +78,21 @@ class Exchanged:
     request: Mapping[str, Any] | None = None
     """The body as the gateway decoded it (a JSON object, never changed after), read by observers instead of
     decoding `body` again: a coding prompt's body is tens of kilobytes. None where the gateway did not decode it."""
+    sent_s: float | None = None
+    """When the request was written to the replica that answered (`perf_counter`), None where none did."""
+
+    @property
+    def timed_from_s(self) -> float:
+        """Where its outcome's TTFT and E2E are timed from (`latency_origin`)."""
+        return latency_origin(self.mirror, self.start_s, self.sent_s)
+
+
+def latency_origin(mirror: bool, start_s: float, sent_s: float | None) -> float:
+    """Where an exchange's latencies are timed from: a client's request from when the gateway had read it (its client
+    waited for the gateway too); a mirror from when it was written to its replica, where it was (nobody waits for it,
+    and the event loop sends it after its client's request, as it gets to it: that delay is the gateway's, not the
+    mirrored arm's)."""
+    return sent_s if mirror and sent_s is not None else start_s
 
 
 class Observer(Protocol):

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError
+from dfserve.gateway.observers import latency_origin
 from dfserve.gateway.server import Responder
 from dfserve.gateway.upstream import MID_STREAM, Opened, mid_stream_error
 from dfserve.headers import ARM, REPLICA
@@ -88,6 +89,8 @@ class Exchange:
     """`Exchanged.request`."""
     replica: str = ""
     start: float = field(default_factory=time.perf_counter)
+    sent: float | None = None
+    """`Exchanged.sent_s`."""
     first: float | None = None
     end: float | None = None
     status: int = 0
@@ -265,11 +268,12 @@ def measure_whole(api: str, body: bytes) -> tuple[Acceptance, sglang.StreamError
 def outcome(exchange: Exchange) -> Outcome:
     """One exchange's raw facts as dfserve's per-request families read them (`dfserve.metrics.observe`)."""
     acceptance = exchange.acceptance
+    origin = latency_origin(exchange.mirror, exchange.start, exchange.sent)
     return Outcome(
         arm=exchange.arm, route=exchange.route, replica=exchange.replica, status=exchange.error_code or exchange.status,
         error=exchange.error,
-        ttft_s=exchange.first - exchange.start if exchange.first is not None else None,
-        e2e_s=exchange.end - exchange.start if exchange.end is not None else None,
+        ttft_s=exchange.first - origin if exchange.first is not None else None,
+        e2e_s=exchange.end - origin if exchange.end is not None else None,
         chunk_gaps=exchange.chunk_gaps, token_gaps=exchange.token_gaps,
         output_tokens=acceptance.output_tokens, verify_rounds=acceptance.verify_ct,
         accept_length=acceptance.accept_length, measure=acceptance.measure,

@@ -96,11 +96,11 @@ class _Folder:
     def __init__(self, policy: ShadowPolicy, primary: str, sequence: int, arms: Mapping[str, str],
                  deciding: tuple[SequentialDesign, str] | None) -> None:
         self.path = create_run_dir(policy.dir, prefix="shadow")
-        self.t0_perf_s = time.perf_counter()
+        self.t0_perf_s, t0_unix_s = time.perf_counter(), time.time()  # read together: the arms' /server_info take time
         self.config = ShadowRunConfig(run_id=self.path.name, primary=primary, secondary=policy.secondary,
                                       sequence=sequence, arms={name: ShadowArm(url=url, server_info=server_info(url))
                                                                for name, url in arms.items()},
-                                      t0_unix_s=time.time(), provenance=Provenance.here(),
+                                      t0_unix_s=t0_unix_s, provenance=Provenance.here(),
                                       sequential=deciding[0] if deciding else None,
                                       decides=deciding[1] if deciding else None)
         write_model(self.path / "config.json", self.config)

@@ -3,7 +3,9 @@
 A shadow run pairs by request, not by task: a record's `index` is the gateway's `request_id` (shared by a client's
 request and its mirrors), and its `task_id` the hash of the client's body, so that identical requests are one
 cluster (and, greedy, must give identical outputs). Times are seconds from the record folder's time zero on the
-gateway's `perf_counter` clock. Acceptance is kept only where SGLang reported it exactly.
+gateway's `perf_counter` clock: `dispatched_s` when the gateway had read the client's request, `sent_s` when this
+arm's copy was written to its replica, so that a record's TTFT and E2E (from `sent_s`) are its arm's alone, a
+mirror's without the gateway's delay in sending it. Acceptance is kept only where SGLang reported it exactly.
 
 A recorded stream comes with the pieces its client read, each dated by its arrival (`Exchanged.pieces`: the
 relay keeps them for requests the gateway records, decided at dispatch), and they are read here, on the observer's
@@ -147,14 +149,15 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     """The record of one arm's answer to one request; `task`, when its request's other records have read it."""
     o = exchanged.outcome
     task = task or RequestTask.of(exchanged)
-    start = exchanged.start_s - t0_perf_s
+    start, origin = exchanged.start_s - t0_perf_s, exchanged.timed_from_s - t0_perf_s
+    sent = exchanged.sent_s - t0_perf_s if exchanged.sent_s is not None else start
     kind = error_kind(o.error, o.status)
     message = (exchanged.unparsed or o.error) if kind is not None else None
     exact = o.measure == "exact" and o.verify_rounds is not None
     if (kind is None and exact and o.output_tokens is not None
             and (why := sglang.impossible_rounds(o.output_tokens, o.verify_rounds or 0)) is not None):
         kind, message = "protocol", why
-    text, chunk_times, chunk_tokens = None, [], None
+    text, chunk_times, chunk_tokens, stream = None, [], None, None
     if exchanged.pieces is not None:
         if o.route == "native":
             stream = recorded_native_stream(cast(Sequence[tuple[float, int]], exchanged.pieces), exchanged.answer,
@@ -169,11 +172,13 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
     return RequestRecord(
-        arm=o.arm, index=exchanged.request_id, task_id=task.task_id,
-        dispatched_s=start, sent_s=start,
-        first_token_s=start + o.ttft_s if o.ttft_s is not None else None,
-        end_s=start + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
+        arm=o.arm, route=o.route, index=exchanged.request_id, task_id=task.task_id,
+        dispatched_s=start, sent_s=sent,
+        first_token_s=origin + o.ttft_s if o.ttft_s is not None else None,
+        end_s=origin + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
+        prompt_tokens=stream.prompt_tokens if stream is not None else None,
         completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
+        finish_reason=stream.finish_reason if stream is not None else None,
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,
         http_status=o.status or None, error_kind=kind, error_message=message,

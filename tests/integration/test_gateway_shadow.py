@@ -86,6 +86,8 @@ def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
     for r in records:
         by_arm.setdefault(r.arm, []).append(r)
     assert sorted(by_arm) == ["baseline", "baseline2", "candidate"]
+    for r in records:  # each arm timed from when its own copy was written to its replica
+        assert r.route in ("native", "chat") and r.dispatched_s < (r.sent_s or 0) < (r.end_s or 0), r
     indexes = {arm: sorted(r.index for r in rs) for arm, rs in by_arm.items()}
     assert len(indexes["baseline"]) == REQUESTS and indexes["baseline"] == indexes["candidate"] == indexes["baseline2"]
     primary_records = sorted(by_arm["baseline"], key=lambda r: r.index)

@@ -19,6 +19,7 @@ from dfserve.gateway.relay import (
     StreamKind,
     measure_whole,
     meter,
+    outcome,
     response_headers,
 )
 from dfserve.metrics import ITL_BUCKETS_S
@@ -160,3 +161,14 @@ def test_a_metered_relay_writes_whole_events_in_order_and_times_them() -> None:
     assert relay.pending == b""
     assert exchange.first == 1.0 and exchange.chunk_gaps == Binned((1, 1, 0), 3.0)  # gaps of 2 s and 1 s
     assert exchange.token_gaps == Binned((6, 0, 0), 3.0)  # 2 s over 2 tokens, 1 s over 4
+
+
+def test_a_client_waits_from_its_request_and_a_mirror_is_timed_from_its_own_send() -> None:
+    """A mirror goes out when the event loop gets to it, after its client's request: that wait is the gateway's, and
+    charged to the mirrored arm it would make identical arms differ."""
+    client = outcome(Exchange(arm="a", route="chat", start=10.0, sent=10.001, first=10.1, end=11.0))
+    mirror = outcome(Exchange(arm="b", route="chat", mirror=True, start=10.0, sent=10.03, first=10.13, end=11.03))
+    assert (client.ttft_s, client.e2e_s) == pytest.approx((0.1, 1.0))
+    assert (mirror.ttft_s, mirror.e2e_s) == pytest.approx((0.1, 1.0))
+    unsent = outcome(Exchange(arm="b", route="chat", mirror=True, start=10.0, end=10.5))  # refused before a replica
+    assert unsent.e2e_s == pytest.approx(0.5)

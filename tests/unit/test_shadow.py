@@ -8,6 +8,7 @@ import hashlib
 import html
 import json
 import re
+import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +61,18 @@ def exchanged(rid: int, arm: str, mirror: bool, *, text: str = "out", verify: in
     return Exchanged(rid, mirror, "POST", "/generate", b"", body, 100.0 + rid, outcome,
                      answer=_native(text, 16, verify) if answer is None else answer, streamed=streamed,
                      mirrors=() if mirror else mirrors)
+
+
+def test_each_arms_record_is_timed_from_when_its_own_copy_was_written_to_its_replica() -> None:
+    """The gateway reads a client's request, writes it to the primary, and writes the mirror as its loop gets to it:
+    a record's TTFT and E2E (from `sent_s`) are its replica's, not the gateway's delays."""
+    primary = shadow_record(replace(exchanged(5, "zlab", False), sent_s=105.002), 100.0)  # outcome: from 105.0
+    assert (primary.dispatched_s, primary.sent_s, primary.first_token_s, primary.end_s) == pytest.approx(
+        (5.0, 5.002, 5.01, 5.1))
+    mirror = shadow_record(replace(exchanged(5, "inhouse", True), sent_s=105.03), 100.0)  # outcome: from its send
+    assert (mirror.dispatched_s, mirror.sent_s) == pytest.approx((5.0, 5.03))
+    assert mirror.first_token_s - mirror.sent_s == pytest.approx(0.01 + 3e-6 * 8)
+    assert (mirror.route, primary.route) == ("native", "native")
 
 
 def test_an_exchange_becomes_the_load_testers_record() -> None:
@@ -543,6 +556,18 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
                                            for url, drafter in DRAFTERS.items()}
     monkeypatch.setattr(recorder_module, "server_info", lambda url: infos.get(url))
     return infos
+
+
+def test_a_folders_wall_clock_zero_is_read_with_its_clock_zero_not_after_the_arms_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Record times are offsets from the folder's time zero; `t0_unix_s` puts them on the wall clock, so it must be
+    read at that zero, not after each arm's `/server_info` came (up to seconds each)."""
+    monkeypatch.setattr(recorder_module, "server_info", lambda url: time.sleep(0.2))
+    before = time.time()
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow"), "zlab", ENGINES)
+    recorder.close()
+    config = json.loads((_folders(tmp_path / "shadow")[0] / "config.json").read_text())
+    assert before <= config["t0_unix_s"] < before + 0.1 < time.time() - 0.5
 
 
 def _recording(tmp_path: Path, exchanges: list[Exchanged], secondary: str | None = None) -> ShadowRecorder:
