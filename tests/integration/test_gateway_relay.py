@@ -137,9 +137,10 @@ class Stub:
                 events = [*CHAT_EVENTS[:-1], SPEC_CHUNK, CHAT_EVENTS[-1]]
             if mode == "in-band":  # aborted after two chunks: the error event, then usage (SGLang sends it still)
                 events = [*CHAT_EVENTS[:2], IN_BAND, CHAT_EVENTS[-1]]
-            if mode == "in-band-apart":  # the same with spec details, each event read apart: the error is 4 back
+            if mode in ("in-band-apart", "apart"):  # each event read apart (in-band: an error 4 back from the end)
                 spec = [SPEC_CHUNK] if body.get("return_spec_tokens_details") else []
-                for event in [*CHAT_EVENTS[:2], IN_BAND, *spec, CHAT_EVENTS[-1], None]:
+                middle = [IN_BAND] if mode == "in-band-apart" else CHAT_EVENTS[2:-1]
+                for event in [*CHAT_EVENTS[:2], *middle, *spec, CHAT_EVENTS[-1], None]:
                     await response.write(sse(event) if event is not None else b"data: [DONE]\n\n")
                     await asyncio.sleep(0.02)
                 await response.write_eof()
@@ -328,6 +329,20 @@ def test_a_200_answer_that_is_not_sglangs_is_a_protocol_failure_passed_on_as_it_
     assert metric(text, "dfserve_e2e_request_latency_seconds_count", arm="a", route=api) == 0
     assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="protocol") == 1
     assert httpx.post(gw + route, json=body).status_code == 200  # the replica is not taken down for it
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_spec_details_in_a_read_of_their_own_give_exact_acceptance(one_arm: tuple[Stub, str], asked: bool) -> None:
+    """SGLang writes its spec details, the usage chunk and `[DONE]` one after another: read apart, the spec details
+    are third from the end. The acceptance is exact whether the gateway cut them out for the client or passed them
+    on (a client that asked for them, as a mirror does)."""
+    _, gw = one_arm
+    body = {**CHAT_STREAM, "return_spec_tokens_details": True} if asked else CHAT_STREAM
+    via = httpx.post(gw + "/v1/chat/completions", json=body, headers={"x-stub": "apart"})
+    assert via.status_code == 200 and (b'"spec_tokens_details"' in via.content) == asked
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="exact") == 1
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 4
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

@@ -191,10 +191,11 @@ class OpenAIStreamEnd:
     spec: SpecStats | None = None
 
 
-OPENAI_ALARM = (b'"error":', b'"finish_reason":"abort"', b'"finish_reason": "abort"')
-"""What marks an OpenAI stream's event as an error or an abort. SGLang follows either with closing chunks (the usage
-chunk, spec details) and `[DONE]`, which may come in reads of their own and push it out of a stream's last pieces, so
-a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with them (`openai_stream_end`)."""
+OPENAI_ALARM = (b'"error":', b'"finish_reason":"abort"', b'"finish_reason": "abort"', b'"spec_tokens_details":')
+"""What marks an OpenAI stream's event as one its end is read with, wherever it came: an error or an abort, which
+SGLang follows with closing chunks (the usage chunk, spec details) and `[DONE]`, and the spec details, which SGLang
+writes before the usage chunk and `[DONE]`. Those may come in reads of their own and push it out of a stream's last
+pieces, so a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with them (`openai_stream_end`)."""
 
 _OPENAI_END_KEYS = (*(key.decode() for key in OPENAI_ALARM), '"usage":{', '"usage": {', '"sglext":')
 
