@@ -258,3 +258,26 @@ def test_a_byte_order_mark_that_starts_a_stream_is_no_part_of_its_first_event(re
     decoder = proto.SSEDecoder()
     events = [event for at in range(0, len(body), read_size) for event in decoder.feed(body[at:at + read_size])]
     assert events == ['{"a": 1}', "\ufeffx", proto.DONE] and not decoder.pending
+
+
+def test_spec_details_of_every_choice_are_pooled_as_the_usage_beside_them_counts_every_choices_tokens() -> None:
+    """With n > 1 SGLang sends one spec details object per choice and a usage that adds up all choices: reading
+    the first choice's rounds against every choice's tokens made the acceptance about n times too high."""
+    def choice(verify_ct: int, correct: int, accept_length: float, histogram: list[int]) -> dict[str, Any]:
+        return {"spec_accept_rate": correct / (4 * verify_ct), "spec_accept_length": accept_length,
+                "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": 4 * verify_ct,
+                "spec_verify_ct": verify_ct, "spec_correct_drafts_histogram": histogram}
+    body = {"id": "c", "object": "chat.completion", "choices": [
+        {"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"} for i in (0, 1)],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43},
+        "sglext": {"spec_tokens_details": [choice(4, 16, 5.0, [0, 4]), choice(6, 14, 10 / 3, [2, 3, 1])]}}
+    result = proto.parse_openai_response(json.dumps(body))
+    assert result.acceptance is not None
+    tokens, spec = result.acceptance
+    assert (tokens, spec.verify_ct) == (40, 10) and proto.accept_length(tokens, spec.verify_ct) == 4.0
+    assert spec.accept_length == pytest.approx(4.0) and (spec.num_correct_drafts, spec.num_proposed_drafts) == (30, 40)
+    assert spec.accept_rate == pytest.approx(0.75) and spec.correct_drafts_histogram == (2, 7, 1)
+    one = proto.parse_sglext_spec({"spec_tokens_details": choice(4, 16, 5.0, [0, 4])})
+    assert one is not None and (one.verify_ct, one.accept_length) == (4, 5.0)
+    with pytest.raises(ProtocolError, match=r"sglext.spec_tokens_details.1: expected an object"):
+        proto.parse_sglext_spec({"spec_tokens_details": [choice(4, 16, 5.0, [0, 4]), 7]})

@@ -4,8 +4,10 @@ abort is."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import zip_longest
+from typing import Any, cast
 
 from dfserve.errors import ProtocolError
 from dfserve.sglang.client.acceptance import accept_length
@@ -152,6 +154,33 @@ def parse_spec(meta: dict[str, Any], where: str = "meta_info") -> SpecStats | No
         correct_drafts_histogram=tuple(histogram) if histogram is not None else None,
         accept_length=float_field(meta, "spec_accept_length", where),
     )
+
+
+def pooled_spec(choices: Sequence[SpecStats]) -> SpecStats:
+    """One request's spec fields over its choices: with `n` > 1 SGLang reports each choice's, and its usage counts
+    the tokens of all. Rounds, drafts and histograms add up; the accept length and rate are taken over the totals
+    (`spec_accept_rate` is correct over proposed drafts, as SGLang has it); a field some choice lacks is None."""
+    if len(choices) == 1:
+        return choices[0]
+    verify_ct = sum(c.verify_ct for c in choices)
+    correct = _total([c.num_correct_drafts for c in choices])
+    proposed = _total([c.num_proposed_drafts for c in choices])
+    lengths = [c.accept_length for c in choices]
+    histograms = [c.correct_drafts_histogram for c in choices]
+    histogram = None
+    if all(h is not None for h in histograms):
+        histogram = tuple(map(sum, zip_longest(*cast(list[tuple[int, ...]], histograms), fillvalue=0)))
+    return SpecStats(
+        verify_ct=verify_ct, num_correct_drafts=correct, num_proposed_drafts=proposed,
+        accept_rate=correct / proposed if correct is not None and proposed else None,
+        correct_drafts_histogram=histogram,
+        accept_length=(None if any(x is None for x in lengths)
+                       else sum(cast(float, x) * c.verify_ct for x, c in zip(lengths, choices, strict=True)) / verify_ct),
+    )
+
+
+def _total(values: Sequence[int | None]) -> int | None:
+    return None if any(v is None for v in values) else sum(cast(list[int], values))
 
 
 def parse_meta_info(meta: Any) -> MetaInfo:

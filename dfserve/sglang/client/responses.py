@@ -15,6 +15,7 @@ from dfserve.sglang.client.meta import (
     parse_finish_reason,
     parse_meta_info,
     parse_spec,
+    pooled_spec,
 )
 from dfserve.sglang.simulated import SIM_MARKER_KEY
 from dfserve.sglang.wire import MAX_GENERATED, decode_json, int_field, json_bytes
@@ -87,19 +88,27 @@ class OpenAIResult:
 
 
 def parse_sglext_spec(sglext: Any) -> SpecStats | None:
-    """`sglext.spec_tokens_details`: one object, or a list with one per choice (n > 1; the first is read)."""
+    """`sglext.spec_tokens_details`: one object, or a list with one per choice (n > 1), pooled (`pooled_spec`): the
+    usage beside it counts every choice's tokens."""
     if sglext is None:
         return None
     if not isinstance(sglext, dict):
         raise ProtocolError(f"sglext: expected an object, got {sglext!r}")
     details = sglext.get("spec_tokens_details")
-    if isinstance(details, list):
-        details = details[0] if details else None
     if details is None:
         return None
-    if not isinstance(details, dict):
-        raise ProtocolError(f"sglext.spec_tokens_details: expected an object, got {details!r}")
-    return parse_spec(details, "sglext.spec_tokens_details")
+    where = "sglext.spec_tokens_details"
+    choices = details if isinstance(details, list) else [details]
+    stats = []
+    for index, choice in enumerate(choices):
+        named = f"{where}.{index}" if isinstance(details, list) else where
+        if not isinstance(choice, dict):
+            raise ProtocolError(f"{named}: expected an object, got {choice!r}")
+        spec = parse_spec(choice, named)
+        if spec is None:
+            return None  # a choice without a verify round: no rounds to divide by for all of them
+        stats.append(spec)
+    return pooled_spec(stats) if stats else None
 
 
 def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int | None:
