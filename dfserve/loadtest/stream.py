@@ -25,7 +25,9 @@ class StreamRead:
     verify_ct: int | None = None
     texts: list[str] = field(default_factory=list)
     """The output in the pieces it came in (chat, and native from a server streaming deltas), or the last event's
-    whole text (native)."""
+    whole text (native); of the first choice, with n > 1."""
+    choice_texts: dict[int, list[str]] = field(default_factory=dict)
+    """With n > 1 (chat): the other choices' pieces, by index (SGLang interleaves the choices' events)."""
     incremental: bool = False
     """A native stream whose events carry deltas (`NativeChunk.incremental`, seen once is enough)."""
     finish_reason: str | None = None
@@ -44,7 +46,9 @@ class StreamRead:
 
     @property
     def text(self) -> str:
-        return "".join(self.texts)
+        if not self.choice_texts:
+            return "".join(self.texts)
+        return sglang.joined_choices({0: "".join(self.texts)} | {i: "".join(t) for i, t in self.choice_texts.items()})
 
     def native_event(self, data: str, now: float) -> None:
         event = sglang.parse_native_event(data)
@@ -121,7 +125,7 @@ class StreamRead:
                 template.learn(data, event)
             if event.text:
                 self.chunk_times.append(now)
-                self.texts.append(event.text)
+                (self.choice_texts.setdefault(event.index, []) if event.index else self.texts).append(event.text)
             if event.finish_reason is not None:
                 self.finish_reason = event.finish_reason.kind
                 if event.finish_reason.error is not None:

@@ -51,6 +51,11 @@ def thinking(text: str) -> bytes:
                               b'"reasoning_content":' + quoted + b',"content":null')
 
 
+def second(text: str | None, finish: bool = False, first: bool = False) -> bytes:
+    """A chunk of the second choice (n = 2): SGLang sends each choice's chunks as events of their own."""
+    return chat(text, finish=finish, first=first).replace(b'"index":0', b'"index":1')
+
+
 ERROR = engine.openai_error_event("retracted", "SERVICE_UNAVAILABLE", 503)
 SIM_TIMES = sglang.sim_times_comment(sglang.SimStreamTimes((1.0, 2.0), (0.5, 1.5), 0.01))
 STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
@@ -96,6 +101,9 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
     "chat with an extra blank line": ("chat", chat("a") + b"\n" + chat("b") + chat(None, finish=True) + chat_end(2)),
     "chat of a reasoning model": ("chat", chat("", first=True) + b"".join(thinking(f"t{i} ") for i in range(5))
                                   + chat("a") + chat("b", finish=True) + chat_end(7)),
+    "chat of two choices interleaved": ("chat", chat("", first=True) + second("", first=True) + chat("a") + chat("b")
+                                        + second("x") + chat("c") + second("y") + second("z") + chat(None, finish=True)
+                                        + second(None, finish=True) + chat_end(6)),
     "chat with more verify rounds than tokens": ("chat", chat("a") + chat("b", finish=True)
                                                  + chat_end(3).replace(b'"completion_tokens":3', b'"completion_tokens":2')),
     "chat whose choices are not a list": ("chat", chat("a") + chat("b").replace(b'"choices":[', b'"choices":5,"x":[')
@@ -293,3 +301,19 @@ def test_records_no_recorder_writes_are_named() -> None:
     assert impossible(good.model_copy(update={"chunk_tokens": [1, -1]})) == "a count below 0"
     assert "more than completion_tokens" in (impossible(good.model_copy(update={"spec_verify_ct": 99})) or "")
     assert impossible(good.model_copy(update={"server_e2e_latency_s": float("nan")})) is None  # the server's word
+
+
+def test_an_answer_of_two_choices_is_each_choices_output_in_index_order_however_they_interleave() -> None:
+    """SGLang interleaves the choices' events as each is generated: read in arrival order, the same outputs would
+    hash differently from one server's timing to another's, and greedy pairs fail losslessness."""
+    def text(body: bytes) -> str:
+        stream = StreamRead()
+        ROUTE_FOR["chat"].read(stream, [e[6:].decode() for e in body.split(b"\n\n") if e.startswith(b"data: ")],
+                               [0.0] * body.count(b"\n\n"), False)
+        return stream.text
+    one = chat("a") + second("x") + chat("b") + chat("c") + second("y") + chat_end(5)
+    other = second("x") + second("y") + chat("a") + chat("b") + chat("c") + chat_end(5)
+    assert text(one) == text(other) == "abc\x00xy"
+    assert text(chat("a") + chat("b") + chat_end(2)) == "ab"
+    whole = {"choices": [{"index": 1, "message": {"content": "xy"}}, {"index": 0, "message": {"content": "abc"}}]}
+    assert sglang.parse_openai_response(json.dumps(whole)).text == "abc\x00xy"

@@ -53,7 +53,7 @@ def test_openai_bodies_round_trip() -> None:
     [usage_chunk] = engine.stream_end_chunks(head, obj="chat.completion.chunk", prompt_tokens=2, completion_tokens=3,
                                              spec=None, include_usage=True)
     usage = proto.parse_openai_event(json.dumps(usage_chunk))
-    assert isinstance(usage, proto.OpenAIChunk) and usage.usage == proto.Usage(2, 3) and not usage.has_choice
+    assert isinstance(usage, proto.OpenAIChunk) and usage.usage == proto.Usage(2, 3)
     text = proto.parse_openai_event(json.dumps(engine.completion_chunk_body(head, text="abc")))
     assert isinstance(text, proto.OpenAIChunk) and text.text == "abc"
     whole = proto.parse_openai_response(engine.completion_body(head, text="abc", finish=None, prompt_tokens=1,

@@ -69,8 +69,8 @@ def parse_usage(raw: Any) -> Usage | None:
 
 @dataclass(frozen=True)
 class OpenAIResult:
-    """First choice of an OpenAI chat or completions response; `meta` only with `return_meta_info`, `spec` only with
-    `return_spec_tokens_details` (and a verify round)."""
+    """An OpenAI chat or completions response: its output (`joined_choices`), the first choice's finish reason and
+    `meta` (only with `return_meta_info`), and `spec` (only with `return_spec_tokens_details`, and a verify round)."""
 
     text: str
     finish_reason: FinishReason | None
@@ -122,25 +122,45 @@ def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int |
 
 
 def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
-    """A whole `/v1/chat/completions` or `/v1/completions` response (first choice)."""
+    """A whole `/v1/chat/completions` or `/v1/completions` response: its output, every choice's (`OpenAIResult.text`),
+    and the first choice's finish reason and meta_info."""
     data = decode_json(body, "OpenAI response")
     if not isinstance(data, dict):
         raise ProtocolError("OpenAI response: expected an object")
     choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ProtocolError("OpenAI response: expected a non-empty 'choices' list")
+    if not isinstance(choices, list) or not choices or not all(isinstance(choice, dict) for choice in choices):
+        raise ProtocolError("OpenAI response: expected a non-empty 'choices' list of objects")
+    texts = {choice_index(choice, "OpenAI response"): _choice_text(choice) for choice in choices}
     choice = choices[0]
-    message = choice.get("message")
-    parts = (message.get("reasoning_content"), message.get("content")) if isinstance(message, dict) else (
-        choice.get("text"),)
     meta = choice.get("meta_info")
     return OpenAIResult(
-        text="".join(part for part in parts if isinstance(part, str)),  # a reasoning model's thinking, then answer
+        text=joined_choices(texts),
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         usage=parse_usage(data.get("usage")),
         meta=parse_meta_info(meta) if meta is not None else None,
         spec=parse_sglext_spec(data.get("sglext")),
     )
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    """A reasoning model's thinking (SGLang's --reasoning-parser), then its answer: both are generated text."""
+    message = choice.get("message")
+    parts = (message.get("reasoning_content"), message.get("content")) if isinstance(message, dict) else (
+        choice.get("text"),)
+    return "".join(part for part in parts if isinstance(part, str))
+
+
+def choice_index(choice: dict[str, Any], where: str) -> int:
+    index = choice.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ProtocolError(f"{where}: a choice's index: expected a count, got {index!r}")
+    return index
+
+
+def joined_choices(texts: dict[int, str]) -> str:
+    """One answer's output: its choice's text, or with n > 1 every choice's in index order, joined by NUL as a
+    native answer's several outputs are."""
+    return "\x00".join(texts[index] for index in sorted(texts))
 
 
 def strip_spec_details(body: bytes) -> bytes:

@@ -21,7 +21,7 @@ from dfserve.sglang.client.meta import (
     parse_meta_info,
     stream_error,
 )
-from dfserve.sglang.client.responses import Usage, parse_sglext_spec, parse_usage
+from dfserve.sglang.client.responses import Usage, choice_index, parse_sglext_spec, parse_usage
 from dfserve.sglang.wire import DONE, MAX_GENERATED, event_json, int_field
 
 _BOM = b"\xef\xbb\xbf"
@@ -284,14 +284,14 @@ def native_stream_end(events: bytes) -> NativeStreamEnd:
 
 @dataclass(frozen=True)
 class OpenAIChunk:
-    """One streamed chat/completions event: the first choice's delta text (its reasoning, then its content), finish
-    reason, and usage or spec details (`sglext`) if present."""
+    """One streamed chat/completions event: its choice's delta text (its reasoning, then its content), finish reason
+    and index (SGLang sends one choice an event, n > 1 included), and usage or spec details (`sglext`) if present."""
 
     text: str
     finish_reason: FinishReason | None
     usage: Usage | None
-    has_choice: bool
     spec: SpecStats | None = None
+    index: int = 0
 
 
 def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
@@ -302,18 +302,18 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
     choices = obj.get("choices") or []
     if not isinstance(choices, list):
         raise ProtocolError(f"OpenAI stream: choices: expected a list, got {type(choices).__name__}")
-    text = ""
-    finish = None
+    text, finish, index = "", None, 0
     if choices and isinstance(choices[0], dict):
         choice = choices[0]
+        index = choice_index(choice, "OpenAI stream")
         delta = choice.get("delta")
         # a reasoning model's thinking (SGLang's --reasoning-parser) is generated text as much as its answer
         parts = (delta.get("reasoning_content"), delta.get("content")) if isinstance(delta, dict) else (
             choice.get("text"),)
         text = "".join(part for part in parts if isinstance(part, str))
         finish = parse_finish_reason(choice.get("finish_reason"))
-    return OpenAIChunk(text=text, finish_reason=finish, usage=parse_usage(obj.get("usage")), has_choice=bool(choices),
-                       spec=parse_sglext_spec(obj.get("sglext")))
+    return OpenAIChunk(text=text, finish_reason=finish, usage=parse_usage(obj.get("usage")),
+                       spec=parse_sglext_spec(obj.get("sglext")), index=index)
 
 
 def _once(data: str, key: str) -> int:
@@ -361,8 +361,8 @@ class ChunkTemplate:
     def learn(self, data: str, event: OpenAIChunk) -> None:
         """Take `data`, decoded whole as `event`, as the template when it carries nothing but a delta text: then
         that text is the string value of its only `"content"` key (a delta's; a completion's `text` is not read)."""
-        if (not event.text or event.finish_reason is not None or event.usage is not None or event.spec is not None
-                or '"text":' in data):
+        if (not event.text or event.index or event.finish_reason is not None or event.usage is not None
+                or event.spec is not None or '"text":' in data):
             return
         at = _once(data, '"content":')
         if at < 0 or not data.startswith('"', at):
