@@ -16,6 +16,7 @@ import json
 import random
 import time
 from collections.abc import Awaitable
+from functools import partial
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -309,7 +310,8 @@ class GatewayApp:
         try:
             try:
                 target = f"{path}?{query}" if query else path
-                opened = await gateway.upstream.open(exchange.arm, method, target, body, headers)
+                opened = await gateway.upstream.open(exchange.arm, method, target, body, headers,
+                                                     partial(setattr, exchange, "replica"))
             except UpstreamFailure as failure:
                 exchange.status, exchange.error = failure.status, failure.kind
                 send_error(reply, failure.status, str(failure), "upstream_error", [(ARM_HEADER, exchange.arm.encode())])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -183,9 +183,12 @@ class Upstream:
             self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
 
     async def open(
-        self, arm_name: str, method: bytes, path: str, body: bytes, headers: bytes
+        self, arm_name: str, method: bytes, path: str, body: bytes, headers: bytes,
+        sending: Callable[[str], object] = lambda url: None,
     ) -> Opened:
-        """Send the request to a healthy replica of `arm_name`, retrying on another one until a response starts.
+        """Send the request to a healthy replica of `arm_name`, retrying on another one until a response starts;
+        `sending` is told each replica's URL as the request goes to it (a client that leaves while it waits for the
+        response's head left that replica).
 
         The last replica's 5xx is returned as it is when no other replica is left to try.
         """
@@ -208,6 +211,7 @@ class Upstream:
             tried.add(index)
             replica.in_flight += 1
             arm.in_flight += 1
+            sending(replica.url)
             response = Response(max_body_bytes=self.limits.max_response_bytes)
             try:
                 call = await replica.pool.open(method, path, body, headers, response)

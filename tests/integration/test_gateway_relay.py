@@ -497,6 +497,20 @@ def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
     assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
 
 
+def test_a_client_that_leaves_before_the_answer_starts_is_counted_against_the_replica_it_waited_for(
+        one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"}, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        text = httpx.get(gw + "/metrics").text
+        if metric(text, "dfserve_requests_total", arm="a", status="499") == 1:
+            break
+        time.sleep(0.05)
+    assert metric(text, "dfserve_requests_total", arm="a", status="499", replica=stub.url) == 1
+
+
 def test_a_slow_client_slows_the_upstream_instead_of_filling_the_gateway(one_arm: tuple[Stub, str]) -> None:
     stub, gw = one_arm
     with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
