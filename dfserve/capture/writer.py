@@ -265,7 +265,7 @@ class CaptureWriter:
         kept, redacted, replayable = redact(route, body, self.policy)
         return record_line(
             seq=self._seq, route=route, path=captured.path, arrival_unix_s=captured.arrival_unix_s,
-            offset_s=max(0.0, captured.arrival_perf_s - self._t0), sampling=sampling_of(route, body),
+            offset_s=max(0.0, captured.arrival_perf_s - self._t0), sampling=sampling_of(route, kept),
             headers=kept_headers(captured.headers, self.policy.drop_headers), body=kept,
             redaction=self.policy.redact, redacted=redacted,
             replayable=replayable)

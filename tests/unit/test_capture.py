@@ -159,6 +159,20 @@ def test_a_capture_folder_is_never_reused_and_closing_twice_is_harmless(tmp_path
         CaptureWriter.open(policy(tmp_path))
 
 
+def test_a_dropped_field_is_written_nowhere_its_sampling_settings_included(tmp_path: Path) -> None:
+    chat = {**CHAT, "stop": ["SECRET-STOP"], "seed": 42}
+    native = {**NATIVE, "sampling_params": {**NATIVE["sampling_params"], "stop": ["SECRET-STOP"]}}  # type: ignore[dict-item]
+    writer = CaptureWriter.open(policy(tmp_path, redact="drop", drop_fields=("stop", "seed", "sampling_params.stop")),
+                                clock=lambda: 0.0)
+    writer.observe(captured(chat, path="/v1/chat/completions"))
+    writer.observe(captured(native))
+    writer.close()
+    data = b"".join(p.read_bytes() for p in (tmp_path / "capture").glob("segment-*"))
+    assert b"SECRET-STOP" not in data and b'"seed":42' not in data
+    chat_record, native_record = read_capture(tmp_path / "capture")[1]
+    assert chat_record.sampling["temperature"] == 0.7 and native_record.sampling["max_new_tokens"] == 32
+
+
 def test_sampling_is_deterministic_for_a_seed_and_near_the_fraction(tmp_path: Path) -> None:
     def kept(seed: int, name: str) -> list[str]:
         writer = CaptureWriter.open(CapturePolicy(dir=tmp_path / name, fraction=0.25, seed=seed))
