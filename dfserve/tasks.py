@@ -67,6 +67,11 @@ class TaskSet:
     tasks: tuple[Task, ...]
 
     @property
+    def incomplete(self) -> str | None:
+        """Why the set is not the whole of its source, where it is not (a capture that lost requests)."""
+        return None
+
+    @property
     def sha256(self) -> str:
         """Hash of the ids and prompts in file order: equal hashes mean the same tasks were replayed."""
         digest = hashlib.sha256()

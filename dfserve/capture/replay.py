@@ -10,7 +10,8 @@ losslessness is judged on the greedy ones. What the load tester changes in each 
 with any setting. A body is never converted
 from one API to another: a run told `--api` replays a capture only when every request came on that route. A capture
 that cannot be replayed (user text hashed, prompt dropped, a batch), or one that is incomplete or tampered with, is
-refused in one line.
+refused in one line; one that lost requests between those it holds (`capture_holes`) is no replay of the traffic it
+captured, and says so (`TaskSet.incomplete`): the load tester refuses it unless forced, and records it.
 
     tasks = load_capture_tasks("capture:/var/dfserve/capture")
     tasks, sampling = tasks.for_run(sampling)
@@ -50,6 +51,8 @@ class ReplayTask(Task):
     body: dict[str, Any] = field(default_factory=dict, compare=False)
     arrival_s: float = 0.0
     """Seconds from the capture's start to its arrival."""
+    where: str = field(default="", compare=False)
+    """Its line in the capture (`segment-000001.jsonl:3`)."""
 
     def request(self, model: str) -> dict[str, Any]:
         """The body to send on its route to an arm serving `model`."""
@@ -65,6 +68,12 @@ class CaptureTaskSet(TaskSet):
     """The tasks of one capture, in arrival order."""
 
     arrivals_s: tuple[float, ...]
+    holes: str | None = None
+    """The requests the capture lost between those it holds (`capture_holes`)."""
+
+    @property
+    def incomplete(self) -> str | None:
+        return self.holes
 
     @property
     def routes(self) -> Counter[sglang.Api]:
@@ -104,22 +113,22 @@ def _settings(task: ReplayTask) -> Sampling:
         return Sampling(**ROUTE_FOR[task.route].settings(task.body))
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise FieldError("tasks", f"capture record {task.seq}: {'.'.join(map(str, first['loc']))}: "
+        raise FieldError("tasks", f"capture record {task.seq} ({task.where}): {'.'.join(map(str, first['loc']))}: "
                          f"{first['msg']}") from None
 
 
 def _with_defaults(task: ReplayTask, sampling: Sampling) -> ReplayTask:
     return _task(task.seq, task.route, ROUTE_FOR[task.route].with_defaults(task.body, sampling.params()),
-                 task.arrival_s)
+                 task.arrival_s, task.where)
 
 
-def _task(seq: int, route: sglang.Api, body: dict[str, Any], arrival_s: float) -> ReplayTask:
+def _task(seq: int, route: sglang.Api, body: dict[str, Any], arrival_s: float, where: str) -> ReplayTask:
     """Its id is the record's number and a hash of the route and body it is sent with."""
     digest = hashlib.sha256(json.dumps([route, body], sort_keys=True).encode()).hexdigest()[:16]
     prompt_value = body.get(PROMPT_FIELDS[route], body.get("input_ids"))
     plain = isinstance(prompt_value, str)
     return ReplayTask(id=f"c{seq:06d}-{digest}", prompt=prompt_value if plain else json.dumps(prompt_value),
-                      seq=seq, route=route, body=body, arrival_s=arrival_s)
+                      seq=seq, route=route, body=body, arrival_s=arrival_s, where=where)
 
 
 def _where(manifest: CaptureManifest, seq: int) -> str:
@@ -139,6 +148,20 @@ def _refusal(record: CaptureRecord) -> str | None:
     return ROUTE_FOR[record.route].refusal(record.body)
 
 
+def capture_holes(manifest: CaptureManifest) -> str | None:
+    """What a capture lost between the requests it holds, in words (None: nothing): a full queue, a failed write, a
+    request larger than a segment. Requests sampled out, and those after it reached its bound (it ends there), are
+    no holes."""
+    counts = manifest.counts
+    lost = {"its queue was full": counts.dropped_queue_full, "a write failed": counts.dropped_write_error,
+            "larger than a segment": counts.dropped_too_large}
+    if not any(lost.values()):
+        return None
+    said = ", ".join(f"{n} because {why}" if why != "larger than a segment" else f"{n} {why}"
+                     for why, n in lost.items() if n)
+    return f"the capture lost {sum(lost.values())} of its requests between the {counts.written} it holds ({said})"
+
+
 def load_capture_tasks(spec: str) -> CaptureTaskSet:
     """The tasks of `capture:DIR`, verified against its manifest."""
     directory = Path(spec.removeprefix(PREFIX))
@@ -152,5 +175,6 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
             raise FieldError("tasks", f"capture {directory}: record {record.seq} ({_where(manifest, record.seq)}) "
                              f"{refusal}")
     arrived = sorted(records, key=lambda r: r.offset_s)  # an observer sees exchanges as they end, not begin
-    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s) for r in arrived]
-    return CaptureTaskSet(name=name, tasks=tuple(tasks), arrivals_s=tuple(t.arrival_s for t in tasks))
+    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s, _where(manifest, r.seq)) for r in arrived]
+    return CaptureTaskSet(name=name, tasks=tuple(tasks), arrivals_s=tuple(t.arrival_s for t in tasks),
+                          holes=capture_holes(manifest))

@@ -171,12 +171,14 @@ def loadtest() -> None:
               help="With --until-decided: the gate file to decide, as for compare, e.g. "
                    "`rules: [{metric: accept_length, max_worse: 0.02}]` (default: the default gate).")
 @click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
+@click.option("--force", is_flag=True, help="Replay a capture that lost requests between those it holds (recorded "
+              "in the run's config.json; a verdict on the run says so).")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 speed: float | None, seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
                 name: str | None, metrics_port: int | None, pushgateway: str | None, max_error_rate: float,
                 pin_arms: bool, shard: str | None, headers: tuple[str, ...], api_key: str | None, quiet: bool,
-                until_decided: bool, gate: Path | None, look_every: int | None) -> None:
+                until_decided: bool, gate: Path | None, look_every: int | None, force: bool) -> None:
     """Run one load test; every arm gets the identical schedule. Ctrl-C stops and keeps what was recorded."""
     trace = arrival == "trace"
     if concurrency is None and rate is None and not trace:
@@ -199,6 +201,9 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         except ValidationError as exc:
             raise invalid_field(exc) from None
         task_set = load_tasks(tasks)
+        if task_set.incomplete is not None and not force:
+            raise UserError(f"--tasks {tasks}: {task_set.incomplete}: a replay of it is not the traffic captured; "
+                            "--force replays what it holds, recorded in the run's config.json")
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             task_set, sampling = task_set.for_run(sampling)
         plan = RunPlan(arms=tuple(_arm(a) for a in arms), api=cast("Api | None", api),

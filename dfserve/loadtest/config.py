@@ -47,6 +47,8 @@ class TaskSetInfo(_Model):
     name: str
     sha256: str
     size: int
+    incomplete: str | None = Field(None, description="why the tasks are not the whole of their source (a capture "
+                                   "that lost requests, replayed by force); a verdict on the run says so")
 
 
 def shared_servers(arms: Sequence[tuple[str, str]]) -> list[list[str]]:

@@ -98,7 +98,8 @@ class Native(Route):
                 "top_p": params.get("top_p")}
 
     def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
-        return {**body, "sampling_params": {**defaults.native(), **(body.get("sampling_params") or {})}}
+        fill = defaults.native()
+        return {**body, "sampling_params": {**fill, **_set(body.get("sampling_params") or {}, fill)}}
 
     def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Streamed, less the client's `rid` (one id sent to every arm would collide)."""
@@ -120,6 +121,12 @@ class Native(Route):
                 stream.native_event(data, now)
 
 
+def _set(settings: dict[str, Any], fill: dict[str, Any]) -> dict[str, Any]:
+    """`settings` less those of `fill`'s names it sets to null: a client's null leaves a setting to the server, as
+    one it did not send does (SGLang reads both as unset)."""
+    return {key: value for key, value in settings.items() if value is not None or key not in fill}
+
+
 class OpenAI(Route):
     asks_model = True
 
@@ -129,9 +136,9 @@ class OpenAI(Route):
 
     def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:
         fill = defaults.openai()
-        if "max_completion_tokens" in body:
+        if body.get("max_completion_tokens") is not None:
             fill.pop("max_tokens")
-        return {**fill, **body}
+        return {**fill, **_set(body, fill)}
 
     def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Streamed to the arm's model with usage and spec details, less `return_meta_info` (SGLang refuses it on

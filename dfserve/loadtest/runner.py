@@ -283,7 +283,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             routes=routes,
             arms=tuple(arm.model_copy(update={"arrival_stamps": "kernel" if client.pool.kernel_stamps else "loop"})
                        for arm, client in zip(arms, clients, strict=True)),
-            tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks)),
+            tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks),
+                              incomplete=plan.task_set.incomplete),
             num_requests=plan.num_requests,
             warmup=plan.warmup,
             sampling=plan.sampling,

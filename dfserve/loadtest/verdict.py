@@ -65,6 +65,8 @@ def incomplete(run: Run) -> list[str]:
         return [f"run {name} has no summary.json: it was killed, or is still running"]
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     problems = [f"run {name} was interrupted before its end"] if summary.interrupted else []
+    if run.config.tasks.incomplete is not None:
+        problems.append(f"run {name} replayed {run.config.tasks.name}, and {run.config.tasks.incomplete}")
     if summary.run_id != name:
         problems.append(f"run {name}: its summary.json is run {summary.run_id}'s")
     config = run.config

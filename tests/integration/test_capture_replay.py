@@ -293,3 +293,30 @@ def test_an_api_other_than_the_captured_routes_refuses_in_one_line(live_capture:
                                      "/generate, 2 to /v1/completions); bodies are not converted between APIs "
                                      "(without it, each is replayed on its own route)")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_capture_that_lost_requests_between_its_own_is_replayed_only_by_force_and_says_so(
+        captures: Path, tmp_path: Path) -> None:
+    """A full queue or a failed write leaves holes in the traffic a capture holds: its replay is not that traffic."""
+    holed = tmp_path / "holed"
+    holed.mkdir()
+    for path in (captures / "native").iterdir():
+        (holed / path.name).write_bytes(path.read_bytes())
+    manifest = json.loads((holed / "manifest.json").read_text())
+    manifest["counts"]["dropped_queue_full"] = 30
+    (holed / "manifest.json").write_text(json.dumps(manifest))
+    args = ("--tasks", f"capture:{holed}", "--rate", "50", "--num-requests", "6", "--warmup", "0", *FLAGS)
+    refused = loadtest(tmp_path / "runs", "--arm", "a=http://127.0.0.1:9", *args)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "the capture lost 30 of its requests between the 12 it holds (30 because its queue was full)" in refused.stderr
+    assert "--force replays" in refused.stderr and not (tmp_path / "runs").exists()
+    with sim_server() as url:
+        forced = loadtest(tmp_path / "runs", "--arm", f"a={url}", "--arm", f"b={url}", *args, "--name", "r", "--force")
+    assert forced.returncode == 0, forced.stderr
+    run = tmp_path / "runs" / "r"
+    assert "lost 30" in json.loads((run / "config.json").read_text())["tasks"]["incomplete"]
+    compared = subprocess.run(dfserve_argv("compare", str(run), "--force", "--out", str(tmp_path / "v")),
+                              capture_output=True, text=True, timeout=120)
+    assert compared.returncode in (0, 1, 3), compared.stderr
+    verdict = json.loads(next((tmp_path / "v").glob("*/verdict.json")).read_text())
+    assert any("lost 30" in line for line in verdict["incomplete"])

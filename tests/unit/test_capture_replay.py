@@ -68,6 +68,25 @@ def test_each_task_keeps_its_settings_and_unset_ones_come_from_the_flags(tmp_pat
     assert recorded.mixes_greedy  # the loosest, and the lowest: a sequential run awaits the greedy pairs
 
 
+def test_a_setting_a_client_sent_as_null_is_unset_and_comes_from_the_flags(tmp_path: Path) -> None:
+    """SGLang reads a null as unset; it must not make the whole capture unreplayable."""
+    tasks, recorded = load_capture_tasks(capture(tmp_path, [
+        ("/v1/chat/completions", chat("hi", max_tokens=None, temperature=None, max_completion_tokens=None), 0.0),
+        ("/generate", native("a", max_new_tokens=None, temperature=0.5), 1.0)])).for_run(FLAGS)
+    chat_task, native_task = tasks.tasks
+    assert isinstance(chat_task, ReplayTask) and isinstance(native_task, ReplayTask)
+    sent = chat_task.request("m")
+    assert (sent["max_tokens"], sent["temperature"], sent["max_completion_tokens"]) == (128, 0.0, None)
+    assert native_task.request("m")["sampling_params"] == {"max_new_tokens": 128, "temperature": 0.5, "top_p": 1.0}
+    assert recorded == Sampling(max_new_tokens=128, temperature=0.5, top_p=1.0, min_temperature=0.0)
+
+
+def test_a_bad_setting_is_named_with_its_line_in_the_capture(tmp_path: Path) -> None:
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0), ("/generate", native("b", max_new_tokens="many"), 1.0)])
+    with pytest.raises(FieldError, match=r"capture record 1 \(segment-000001.jsonl:2\): max_new_tokens"):
+        load_capture_tasks(spec).for_run(FLAGS)
+
+
 def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path: Path) -> None:
     tasks, _ = load_capture_tasks(capture(tmp_path, [
         ("/v1/chat/completions", chat("hi", max_completion_tokens=9, top_p=0.5, stream_options={"x": 1},
@@ -94,8 +113,8 @@ def test_the_client_sends_a_replayed_task_as_captured() -> None:
 
 def test_a_setting_out_of_range_refuses_naming_the_record(tmp_path: Path) -> None:
     tasks = load_capture_tasks(capture(tmp_path, [("/v1/chat/completions", chat("b", temperature=-1), 0.0)]))
-    with pytest.raises(FieldError, match=r"^tasks: capture record 0: temperature: Input should be greater than or "
-                       r"equal to 0"):
+    with pytest.raises(FieldError, match=r"^tasks: capture record 0 \(segment-000001.jsonl:1\): temperature: Input "
+                       r"should be greater than or equal to 0"):
         tasks.for_run(FLAGS)
     bad = capture(tmp_path, [("/generate", {"text": "a", "sampling_params": "hot"}, 0.0)], "bad")
     with pytest.raises(FieldError, match="has a sampling_params that is not an object"):
