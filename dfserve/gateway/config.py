@@ -143,7 +143,9 @@ class Limits(_Model):
 
 class HealthConfig(_Model):
     interval_s: float = Field(2.0, gt=0, description="Active GET /health per replica.")
-    timeout_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0, description="SGLang 0.5.23's /health generates a token and answers a "
+                             "second later at the soonest (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default): "
+                             "a timeout of a second or less ejects healthy replicas.")
     eject_after_failures: int = Field(3, gt=0, description="Consecutive failures (active or passive) that eject.")
     max_ejection_percent: float = Field(50, ge=0, le=100, allow_inf_nan=False,
                                         description="Most of an arm's replicas that requests' failures may eject (at "

@@ -51,9 +51,11 @@ maximum, 32 MB here), so that only back-pressure can stop the engine's writes be
 class Stub:
     """A scripted SGLang stand-in in a background thread. `x-stub` request header picks a behaviour."""
 
-    def __init__(self, status: int = 200, sock: socket.socket | None = None) -> None:
-        """Listens on `sock` when given (a `refusing_port` brought to life), else on a free loopback port."""
+    def __init__(self, status: int = 200, sock: socket.socket | None = None, health_s: float = 0.0) -> None:
+        """Listens on `sock` when given (a `refusing_port` brought to life), else on a free loopback port; answers
+        `/health` after `health_s`."""
         self.status = status
+        self.health_s = health_s
         self.seen: list[dict[str, Any]] = []
         self.cancelled = threading.Event()
         self.flood_written = 0
@@ -91,6 +93,7 @@ class Stub:
         self._loop.close()
 
     async def health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_s)
         return web.Response(status=200 if self.status < 500 else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -453,6 +456,17 @@ def test_requests_that_make_the_engine_fail_never_take_an_arm_down(tmp_path: Pat
     assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="http_500") == 5
     assert metric(text, "dfserve_replica_ejections_total", arm="a") == 0
     assert metric(text, "dfserve_replica_healthy", replica=stub.url) == 1
+
+
+def test_a_replica_whose_health_check_takes_a_second_as_sglangs_does_stays_healthy(tmp_path: Path) -> None:
+    """SGLang 0.5.23's /health generates a token, then answers a second later at the soonest."""
+    with Stub(health_s=1.1) as stub, gateway_server(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
+                                                                  health={"interval_s": 0.2, "eject_after_failures": 1})) as gw:
+        time.sleep(2.5)
+        text = httpx.get(gw + "/metrics").text
+        assert metric(text, "dfserve_upstream_errors_total", kind="health") == 0
+        assert metric(text, "dfserve_replica_healthy", arm="a") == 1
+        assert httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE).status_code == 200
 
 
 def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:
