@@ -281,3 +281,20 @@ def test_spec_details_of_every_choice_are_pooled_as_the_usage_beside_them_counts
     assert one is not None and (one.verify_ct, one.accept_length) == (4, 5.0)
     with pytest.raises(ProtocolError, match=r"sglext.spec_tokens_details.1: expected an object"):
         proto.parse_sglext_spec({"spec_tokens_details": [choice(4, 16, 5.0, [0, 4]), 7]})
+
+
+def test_every_choices_meta_info_counts_toward_a_whole_answers_acceptance() -> None:
+    """With n > 1 and return_meta_info each choice carries its own meta_info: the first alone undercounted by n."""
+    def choice(index: int, tokens: int, verify_ct: int) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length",
+                "meta_info": {"id": "r", "finish_reason": {"type": "length", "length": tokens}, "prompt_tokens": 3,
+                              "completion_tokens": tokens, "spec_verify_ct": verify_ct,
+                              "spec_accept_length": tokens / verify_ct}}
+    body = {"id": "c", "object": "chat.completion", "choices": [choice(0, 24, 17), choice(1, 24, 7)],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 48, "total_tokens": 51}}
+    result = proto.parse_openai_response(json.dumps(body))
+    assert result.acceptance is not None
+    tokens, spec = result.acceptance
+    assert (tokens, spec.verify_ct) == (48, 24) and result.meta is not None and result.meta.completion_tokens == 24
+    one = proto.parse_openai_response(json.dumps({**body, "choices": [choice(0, 24, 17)]})).acceptance
+    assert one is not None and (one[0], one[1].verify_ct) == (24, 17)

@@ -77,12 +77,17 @@ class OpenAIResult:
     usage: Usage | None
     meta: MetaInfo | None
     spec: SpecStats | None = None
+    choice_metas: tuple[MetaInfo | None, ...] = ()
+    """Every choice's `meta_info` (n > 1), in the order they came."""
 
     @property
     def acceptance(self) -> tuple[int, SpecStats] | None:
-        """Completion tokens and spec fields, from `meta_info` or `sglext`, whichever came; None without either."""
-        if self.meta is not None and self.meta.spec is not None:
-            return self.meta.completion_tokens, self.meta.spec
+        """Completion tokens and spec fields of every choice, from their `meta_info` or from `sglext`, whichever
+        came; None without either."""
+        metas = self.choice_metas or (self.meta,)
+        specs = [meta.spec for meta in metas if meta is not None and meta.spec is not None]
+        if specs and len(specs) == len(metas):
+            return sum(meta.completion_tokens for meta in metas if meta is not None), pooled_spec(specs)
         tokens = spec_completion_tokens(self.spec, self.usage)
         return (tokens, self.spec) if tokens is not None and self.spec is not None else None
 
@@ -131,14 +136,15 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
     if not isinstance(choices, list) or not choices or not all(isinstance(choice, dict) for choice in choices):
         raise ProtocolError("OpenAI response: expected a non-empty 'choices' list of objects")
     texts = {choice_index(choice, "OpenAI response"): _choice_text(choice) for choice in choices}
+    metas = tuple(parse_meta_info(c["meta_info"]) if c.get("meta_info") is not None else None for c in choices)
     choice = choices[0]
-    meta = choice.get("meta_info")
     return OpenAIResult(
         text=joined_choices(texts),
         finish_reason=parse_finish_reason(choice.get("finish_reason")),
         usage=parse_usage(data.get("usage")),
-        meta=parse_meta_info(meta) if meta is not None else None,
+        meta=metas[0],
         spec=parse_sglext_spec(data.get("sglext")),
+        choice_metas=metas,
     )
 
 
