@@ -134,7 +134,8 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
     arrival of its piece, in seconds from `t0_perf_s`), and a total that went back a protocol error, as the tester
     has them; the output text, and how the stream ended, from its last events."""
     end = native_stream_end(answer)
-    stream = StreamRead(texts=end.texts, incremental=end.incremental, failure=end.failure)
+    stream = StreamRead(texts=end.texts, incremental=end.incremental, failure=end.failure,
+                        finish_reason=end.finish_reason, error_code=end.error_code)
     for now, total in totals:
         if total < stream.completion_tokens:
             stream.failure = ("protocol", f"completion_tokens went backwards: {stream.completion_tokens} -> {total}")
@@ -167,10 +168,14 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
         if kind is None and stream.failure is not None:
             kind, message = stream.failure  # as the tester has it: an error event in band, events it cannot read
+        elif stream.failure is not None and stream.failure[0] == kind:
+            message = stream.failure[1]  # the server's words for it
         if kind is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
+    exact = exact and kind is None  # a failed answer's counts are no acceptance, as the tester has them
+    in_band = kind == "stream_error"  # HTTP 200, and the status the error carried (`Outcome.status`), if any
     return RequestRecord(
         arm=o.arm, route=o.route, index=exchanged.request_id, task_id=task.task_id,
         dispatched_s=start, sent_s=sent,
@@ -181,7 +186,8 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         finish_reason=stream.finish_reason if stream is not None else None,
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,
-        http_status=o.status or None, error_kind=kind, error_message=message,
+        http_status=200 if in_band else o.status or None, error_kind=kind, error_message=message,
+        error_code=o.status if in_band and o.status != 200 else None,
         temperature=task.temperature,
     )
 

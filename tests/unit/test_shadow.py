@@ -255,7 +255,20 @@ def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:
                        pieces=[(101.0, 1), (102.0, 2)])
     record = shadow_record(exchange, 100.0)
     assert (record.chunk_times_s, record.chunk_tokens) == ([1.0, 2.0], [1, 1])
-    assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest()
+    assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest() and record.finish_reason == "length"
+
+
+def test_an_error_in_band_is_recorded_as_the_tester_has_it() -> None:
+    """HTTP 200, the status the error carried, the server's words, and no acceptance (as the gateway hands it: the
+    outcome's status is the error's code)."""
+    error = b'data: {"error": {"message": "context too long", "code": 400}}\n\n'
+    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=error + sglang.SSE_DONE),
+                       pieces=[(101.0, 1)])
+    exchange = replace(exchange, outcome=replace(exchange.outcome, error="stream_error", status=400))
+    record = shadow_record(exchange, 100.0)
+    assert (record.error_kind, record.error_message, record.http_status, record.error_code) == (
+        "stream_error", "context too long", 200, 400)
+    assert (record.acceptance, record.spec_verify_ct) == ("unknown", None)
 
 
 @pytest.mark.parametrize("end", [b'data: {"error": {"message": "boom", "code": 500}}\n\n', b"data: {\"text\n\n"],
