@@ -12,6 +12,7 @@ eval (before the first forward) run the same checks::
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -116,6 +117,16 @@ class DrafterArch:
     num_context_layers: int
 
 
+MAX_BLOCK_SIZE = 1024
+"""Past any DFlash block (z-lab's are 16): a larger one is a broken config, whose masks would not fit in memory."""
+MAX_LAYERS = 1024
+"""Past any drafter's depth (z-lab's have a few layers): a larger count is a broken config."""
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterArch:
     """Check a DFlash config.json against its target; every problem is named in one `UserError`."""
     problems: list[str] = []
@@ -137,9 +148,15 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterA
         problems.append("dflash_config is missing")
         dflash = {}
     block_size = dflash.get("block_size", config.get("block_size", 16))
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        problems.append(f"block_size must be an integer >= 2, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        problems.append(f"block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, got {block_size!r}")
         block_size = 0
+    if ints["num_hidden_layers"] > MAX_LAYERS:
+        problems.append(f"num_hidden_layers must be at most {MAX_LAYERS}, got {ints['num_hidden_layers']}")
+        ints["num_hidden_layers"] = 0
+    if ints["num_key_value_heads"] and ints["num_attention_heads"] % ints["num_key_value_heads"]:
+        problems.append(f"num_attention_heads {ints['num_attention_heads']} is not a multiple of num_key_value_heads "
+                        f"{ints['num_key_value_heads']}")
     layer_ids = dflash.get("target_layer_ids")
     if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
         problems.append(f"dflash_config.target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
@@ -162,8 +179,9 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterA
             problems.append(f"layer_types must list one type per layer ({ints['num_hidden_layers']}), got {layer_types!r}")
         elif unknown := sorted({t for t in layer_types if t not in LAYER_TYPES}):
             problems.append(f"layer_types {unknown} not in {list(LAYER_TYPES)}")
-        elif "sliding_attention" in layer_types and not isinstance(config.get("sliding_window"), int):
-            problems.append("sliding_attention layers need an integer sliding_window")
+        elif "sliding_attention" in layer_types and not _count(config.get("sliding_window")):
+            problems.append(f"sliding_attention layers need a sliding_window of 1 token at least, got "
+                            f"{config.get('sliding_window')!r}")
     if problems:
         raise problems_error("drafter config", problems)
     return DrafterArch(
@@ -252,7 +270,16 @@ def _tensor_info(name: str, entry: object, start: int) -> TensorInfo:
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise ValueError(f"{name}: data_offsets is not [begin, end]")
+    size = _DTYPE_BYTES.get(dtype)
+    if size is not None and offsets[1] - offsets[0] != math.prod(shape) * size:
+        raise ValueError(f"{name}: data_offsets span {offsets[1] - offsets[0]} bytes, its {dtype} shape {shape} "
+                         f"needs {math.prod(shape) * size}")
     return TensorInfo(dtype, tuple(shape), (start + offsets[0], start + offsets[1]))
+
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+"""Bytes per element of safetensors' dtypes."""
 
 
 # Exponent and mantissa bits by safetensors dtype: a value is NaN or Inf when its exponent bits are all set.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dfserve.baselines import BaselineRegistry, entry
-from dfserve.deploy.assets import expected_tensors, read_json, verify_drafter_config
+from dfserve.deploy.assets import _tensor_info, expected_tensors, read_json, verify_drafter_config
 from dfserve.deploy.cli import deploy
 from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
 from dfserve.deploy.engines.sglang import server_args
@@ -132,6 +132,28 @@ def test_drafter_config_mismatches_are_all_named() -> None:
                  "target_layer_ids [12] outside", "mask_token_id must be a token id below 512",
                  "layer_types must list one type per layer (2)"):
         assert part in message
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0}, "sliding_window of 1 token"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": True}, "sliding_window of 1 token"),
+    ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
+    ({"num_hidden_layers": 10**7}, "num_hidden_layers must be at most 1024"),
+    ({"dflash_config": {"block_size": 100000, "mask_token_id": 1, "target_layer_ids": [1]}},
+     "block_size must be an integer from 2 to 1024"),
+])
+def test_a_drafter_config_no_model_can_be_built_from_is_refused_before_anything_is_allocated(
+        change: dict[str, object], said: str) -> None:
+    """Each of these loaded, then failed in the first forward (or allocated terabytes), or scored every key masked."""
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    with pytest.raises(UserError, match=said):
+        verify_drafter_config({**tiny_config(), **change}, target)
+
+
+def test_a_safetensors_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"w: data_offsets span 7 bytes, its BF16 shape \[2, 2\] needs 8"):
+        _tensor_info("w", {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 7]}, 0)
+    assert _tensor_info("w", {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8, 16]}, 100).data_offsets == (108, 116)
 
 
 def test_zlab_drafter_does_not_fit_a_different_target() -> None:
