@@ -120,7 +120,11 @@ def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor 
     trained mask-token embedding SGLang would merge from a `mask_embedding.pt` beside them."""
     from dflash.model import DFlashDraftModel
 
-    model, loading = DFlashDraftModel.from_pretrained(drafter.folder, dtype=dtype, output_loading_info=True)
+    try:
+        model, loading = DFlashDraftModel.from_pretrained(drafter.folder, dtype=dtype, output_loading_info=True)
+    except Exception as exc:  # what transformers and torch raise for a config or weights they cannot build a model of
+        said = (str(exc).splitlines() or [""])[0][:300]
+        raise FieldError("drafter", f"{drafter.folder}: does not load ({type(exc).__name__}: {said})") from None
     if loading.get("missing_keys") or loading.get("mismatched_keys"):
         raise FieldError("drafter", f"{drafter.folder}: weights missing or mis-shaped when loaded "
                          f"({sorted(loading.get('missing_keys') or [])[:3]})")

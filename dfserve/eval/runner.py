@@ -135,6 +135,8 @@ class _Prepared:
     feature_info: FeatureInfo
     head: TargetHead
     prompt: PromptSettings
+    models: dict[str, tuple[Any, torch.Tensor | None]]
+    """Each drafter's model and mask embedding, by label, loaded before any reference or feature is made."""
 
 
 def run_eval(plan: EvalPlan, console: Console) -> EvalOutcome:
@@ -168,7 +170,7 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     try:
         with JsonlAppender(run_dir / "anchors.jsonl") as out:
             for drafter in drafters:
-                for record in _score(plan, prepared, drafter, progress):
+                for record in _score(plan, prepared, drafter, prepared.models.pop(drafter.info.label), progress):
                     out.append(record)
                     records[drafter.info.label].append(record)
     except KeyboardInterrupt:
@@ -203,6 +205,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
             if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
                 raise FieldError("drafter", f"{why}; name it once")
     check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
+    models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "
@@ -274,7 +277,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     del model  # the drafters need only the features, the embedding and the head
     head = load_head(folder, target, dtype)
     return _Prepared(target, folder, target_sha, drafters, references, reference_info, store, feature_info, head,
-                     prompt)
+                     prompt, models)
 
 
 async def _server_info(url: str) -> Any:
@@ -364,9 +367,10 @@ def _config(plan: EvalPlan, run_id: str, prepared: _Prepared, drafters: list[Eva
     )
 
 
-def _score(plan: EvalPlan, prepared: _Prepared, drafter: EvalDrafter, progress: EvalProgress) -> Iterator[AnchorRecord]:
-    """The drafter's records, task by task (streamed to the run as they come)."""
-    model, mask_embedding = load_drafter(drafter, DTYPES[plan.dtype])
+def _score(plan: EvalPlan, prepared: _Prepared, drafter: EvalDrafter, loaded: tuple[Any, torch.Tensor | None],
+           progress: EvalProgress) -> Iterator[AnchorRecord]:
+    """The drafter's records, task by task (streamed to the run as they come), from its model as loaded."""
+    model, mask_embedding = loaded
     dtype = DTYPES[plan.dtype]
     references = prepared.references.references
     anchors = sum(max(0, len(r.output_ids) - 1) for r in references)

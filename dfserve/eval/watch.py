@@ -282,6 +282,9 @@ class Watcher:
         except UserError as exc:
             self._corrupt(seen, ready.step, str(exc))
             return
+        except Exception as exc:  # a checkpoint no check foresaw must not stop the watch, at every restart
+            self._corrupt(seen, ready.step, f"scoring failed ({type(exc).__name__}: {str(exc)[:300]})")
+            return
         self._finish(started, run_id)
 
     def _finish(self, started: CheckpointEntry, run_id: str) -> None:

@@ -338,7 +338,11 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     features = json.loads((first_run.run_dir / "config.json").read_text())["features"]["path"]
+    bogus = shutil.copytree(world.short, world.root / "bogus-activation", dirs_exist_ok=True)
+    (bogus / "config.json").write_text(json.dumps({**json.loads((bogus / "config.json").read_text()),
+                                                   "hidden_act": "bogus"}))
     cases = [
+        ([str(bogus)], {}, "--drafter: ", "bogus-activation: does not load (KeyError: "),
         ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
         ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
         ([str(last_tap)], {}, "drafter config: ", "include the target's last layer (3)"),

@@ -165,6 +165,22 @@ def test_a_checkpoint_called_corrupt_then_replaced_is_scored_from_its_new_bytes_
     assert read_state(tmp_path / "watch").checkpoints["step_20/checkpoint.pt"].status == "scored"
 
 
+def test_a_checkpoint_whose_scoring_fails_unforeseen_is_corrupt_and_the_watch_goes_on(tmp_path: Path) -> None:
+    """An error no check named (a forward pass that fails, say) must not stop the watch at every restart."""
+    _checkpoint(tmp_path, "step_10/checkpoint.pt")
+    _checkpoint(tmp_path, "step_20/checkpoint.pt", step=20)
+
+    def fails_first(staged: Path) -> None:
+        if staged.name.startswith("step-000000010"):
+            raise RuntimeError("shape '[1, 8, 3, 16]' is invalid")
+
+    watch = Staging(_plan(tmp_path, every=True), check=fails_first)
+    watch.run()
+    assert [line for line in watch.lines if line.startswith("corrupt:")] == [
+        "corrupt: step_10/checkpoint.pt: scoring failed (RuntimeError: shape '[1, 8, 3, 16]' is invalid)"]
+    assert read_state(tmp_path / "watch").checkpoints["step_20/checkpoint.pt"].status == "scored"
+
+
 def test_two_checkpoints_of_one_step_get_their_own_names_and_keep_them_through_a_restart(tmp_path: Path) -> None:
     model, ema = _checkpoint(tmp_path, "step_15/checkpoint.pt"), _checkpoint(tmp_path, "step_15/ema.pt", step=15)
     second = f"step-000000015-{hashlib.sha256(ema.key.encode()).hexdigest()[:8]}"
