@@ -130,13 +130,28 @@ def _probe_folder(folder: Path) -> Probe:
         raise FieldError("checkpoint", f"{folder / 'config.json'} is not readable JSON ({exc})") from None
     _check_shards(folder)
     step = None
-    for path in _files(folder):
-        if is_weights(path.name):
-            step = _probe_file(path).step if step is None else step
+    for path in model_weights(folder):
+        try:
+            found = _probe_file(path).step
+        except Exception as exc:  # torch and safetensors raise many kinds for a damaged file
+            if not path.exists():
+                raise
+            raise FieldError("checkpoint", f"{path} does not load ({exc.__class__.__name__}: "
+                             f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})") from None
+        step = found if step is None else step
     state = folder / "trainer_state.json"
     if state.is_file():
         step = _step_in(json.loads(state.read_text())) if step is None else step
     return Probe(step)
+
+
+def model_weights(folder: Path) -> list[Path]:
+    """The files a model is loaded from in a folder, as transformers loads it: its safetensors, else its
+    `pytorch_model*.bin`. A trainer's folder holds more (`optimizer.pt`, `rng_state.pth`, `training_args.bin`): not
+    weights, some not loadable without running pickled code, and an optimizer's state is larger than the model."""
+    files = [p for p in _files(folder) if p.parent == folder]
+    return ([p for p in files if p.suffix == ".safetensors"]
+            or [p for p in files if p.name.startswith("pytorch_model") and p.suffix == ".bin"])
 
 
 def _check_shards(folder: Path) -> None:

@@ -64,6 +64,21 @@ def test_probe_reads_the_step_trainers_store_and_refuses_a_cut_file(checkpoints:
         probe(cut_safetensors)
 
 
+def test_a_trainers_folder_is_probed_by_its_model_weights_alone(checkpoints: Path) -> None:
+    """Hugging Face's Trainer saves its RNG state (numpy's, pickled), its arguments (a pickled dataclass) and the
+    optimizer beside the model: none loads as weights, and the optimizer is larger than the model."""
+    import numpy as np
+
+    hf = checkpoints / "checkpoint-300"
+    torch.save({"numpy": np.random.get_state()}, hf / "rng_state.pth")
+    torch.save({"args": np.dtype("float32")}, hf / "training_args.bin")
+    (hf / "optimizer.pt").write_bytes(b"not even a checkpoint")
+    assert probe(hf).step == 300
+    (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:-4])
+    with pytest.raises(FieldError, match=r"checkpoint-300/model\.safetensors does not load"):
+        probe(hf)
+
+
 def test_staging_links_files_and_folders_and_writes_nothing_on_the_checkpoint_side(
         checkpoints: Path, tmp_path: Path) -> None:
     before = _tree(checkpoints)
