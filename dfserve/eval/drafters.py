@@ -115,6 +115,20 @@ def weights_sha256(folder: Path, checkpoint: Path | None, hashes: Path) -> str:
     return digest.hexdigest()
 
 
+def tensors_sha256(model: Any, mask_embedding: Tensor | None) -> str:
+    """The weights as loaded for scoring: each tensor's name, dtype, shape and values, and the mask embedding. One
+    model hashes the same however its files were laid out (a folder, a trainer's checkpoint, a `module.` prefix)."""
+    state = dict(model.state_dict())
+    if mask_embedding is not None:
+        state["\0mask_embedding"] = mask_embedding
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().contiguous().cpu()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor | None]:
     """z-lab's `DFlashDraftModel` with the folder's weights (every tensor present, nothing left random), and the
     trained mask-token embedding SGLang would merge from a `mask_embedding.pt` beside them."""

@@ -111,16 +111,21 @@ class DrafterInfo(_Model):
     weights_sha256: str | None = Field(None, description="hash of the weight bytes however given: the checkpoint "
                                        "file (or the one a dfserve-converted folder was made from), else the "
                                        "folder's .safetensors files; None: recorded before this field")
+    tensors_sha256: str | None = Field(None, description="hash of the weights as loaded for scoring (each tensor's "
+                                       "name, dtype, shape and values): one model however its files were laid out; "
+                                       "None: recorded before this field")
 
     def checkpoint_shared_with(self, other: DrafterInfo) -> str | None:
         """The hash proving two drafters one checkpoint: one `sha256` (weights and config), or the same weight bytes
-        scored as the same architecture (z-lab's folder and its weights given as a checkpoint file). None when they
-        differ or a hash is missing: nothing proves them one."""
+        or loaded tensors scored as the same architecture (z-lab's folder and its weights given as a checkpoint file,
+        a `module.`-prefixed copy). None when they differ or a hash is missing: nothing proves them one."""
         if self.sha256 is not None and self.sha256 == other.sha256:
             return self.sha256
-        same_weights = self.weights_sha256 is not None and self.weights_sha256 == other.weights_sha256
-        if same_weights and self._architecture() == other._architecture():
-            return self.weights_sha256
+        if self._architecture() != other._architecture():
+            return None
+        for mine, theirs in ((self.weights_sha256, other.weights_sha256), (self.tensors_sha256, other.tensors_sha256)):
+            if mine is not None and mine == theirs:
+                return mine
         return None
 
     def _architecture(self) -> tuple[object, ...]:

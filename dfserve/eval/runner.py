@@ -16,7 +16,7 @@ import asyncio
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +31,13 @@ from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError, UserError
 from dfserve.eval import features as feat
 from dfserve.eval import references as refs
-from dfserve.eval.drafters import DrafterContext, EvalDrafter, load_drafter, resolve_eval_drafter
+from dfserve.eval.drafters import (
+    DrafterContext,
+    EvalDrafter,
+    load_drafter,
+    resolve_eval_drafter,
+    tensors_sha256,
+)
 from dfserve.eval.metrics import anchor_records, summarize_drafter
 from dfserve.eval.progress import EvalProgress
 from dfserve.eval.prompts import prompt_ids, prompt_settings
@@ -200,12 +206,14 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     labels = [d.info.label for d in drafters]
     if duplicate := next((label for label in labels if labels.count(label) > 1), None):
         raise FieldError("drafter", f"two drafters are labelled {duplicate!r}; name them LABEL=DRAFTER")
+    check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
+    models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
+    drafters = [replace(d, info=d.info.model_copy(update={"tensors_sha256": tensors_sha256(*models[d.info.label])}))
+                for d in drafters]
     for index, drafter in enumerate(drafters):  # any two: `eval compare` may pair any two of the run's drafters
         for earlier in drafters[:index]:
             if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
                 raise FieldError("drafter", f"{why}; name it once")
-    check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
-    models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dfserve.baselines import BaselineRegistry
 from dfserve.cli import main
@@ -365,8 +365,13 @@ def test_one_checkpoint_named_twice_is_refused_before_any_work(world: World,
     """One checkpoint under two labels, or a folder beside its copy, would pass at exactly 0%: refused once the
     drafters are resolved, before any reference, feature or score, and no run folder is made."""
     copy = shutil.copytree(world.short, world.root / "short-copy")
+    bf16 = shutil.copytree(world.short, world.root / "short-bf16")  # in the dtype a checkpoint is converted to
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(bf16 / "model.safetensors").items()},
+              str(bf16 / "model.safetensors"))
+    trainer = _checkpoint(bf16, world.root / "short-bf16.pt")  # the same weights as a trainer saves them
     for drafters in ([f"a={world.short_checkpoint}", f"b={world.short_checkpoint}"], [f"short={world.short}",
-                                                                                      f"copy={copy}"]):
+                                                                                      f"copy={copy}"],
+                     [f"folder={bf16}", f"trainer={trainer}"]):
         status, out, err = run_cli(capsys, *eval_args(world, "twice", *drafters, out="twice", cache="twice-cache"))
         assert status == 2 and out == "", err
         assert err.startswith("dfserve: error: --drafter: drafters ") and err.count("\n") == 1, err
