@@ -206,14 +206,12 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     labels = [d.info.label for d in drafters]
     if duplicate := next((label for label in labels if labels.count(label) > 1), None):
         raise FieldError("drafter", f"two drafters are labelled {duplicate!r}; name them LABEL=DRAFTER")
+    _refuse_self_judged(drafters)  # by the files' hashes: before anything is loaded
     check_rules(plan.gate, metrics_of(plan.methods()))  # every rule names a method the run scores
     models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
     drafters = [replace(d, info=d.info.model_copy(update={"tensors_sha256": tensors_sha256(*models[d.info.label])}))
                 for d in drafters]
-    for index, drafter in enumerate(drafters):  # any two: `eval compare` may pair any two of the run's drafters
-        for earlier in drafters[:index]:
-            if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
-                raise FieldError("drafter", f"{why}; name it once")
+    _refuse_self_judged(drafters)  # and by the tensors loaded
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "
@@ -286,6 +284,14 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     head = load_head(folder, target, dtype)
     return _Prepared(target, folder, target_sha, drafters, references, reference_info, store, feature_info, head,
                      prompt, models)
+
+
+def _refuse_self_judged(drafters: list[EvalDrafter]) -> None:
+    """Any two, since `eval compare` may pair any two of the run's drafters."""
+    for index, drafter in enumerate(drafters):
+        for earlier in drafters[:index]:
+            if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
+                raise FieldError("drafter", f"{why}; name it once")
 
 
 async def _server_info(url: str) -> Any:
