@@ -1,7 +1,7 @@
 """The redaction policy and what a record keeps of a request: pure functions, tested without a writer.
 
-`hash` replaces the user text (native `text` and `input_ids`, chat `messages[].content`, completions `prompt`)
-by the sha256 of its JSON, so equal prompts stay recognisable as equal while the text is gone; such a record says
+`hash` replaces the user text (native `text` and `input_ids`; chat messages' `content`, `reasoning_content`, `name`
+and tool-call arguments; completions `prompt` and `suffix`; OpenAI's end-user `user`) by the sha256 of its JSON, so equal prompts stay recognisable as equal while the text is gone; such a record says
 it cannot be replayed. `drop` removes named fields (dotted paths), and a record that lost its prompt that way
 cannot be replayed either.
 """
@@ -62,21 +62,32 @@ def _drop(body: dict[str, Any], path: str) -> bool:
     return False
 
 
+MESSAGE_TEXT = ("content", "reasoning_content", "name")
+"""What a chat message carries of its user's: its text, a model's thinking sent back, the name of who wrote it."""
+USER_TEXT: dict[str, tuple[str, ...]] = {"native": ("text", "input_ids"), "chat": ("user",),
+                                         "completions": ("prompt", "suffix", "user")}
+"""Top-level fields of user text per route (`user`: OpenAI's end-user identifier)."""
+
+
 def _hash_text(route: Api, body: dict[str, Any]) -> list[str]:
     hashed = []
-    if route == "chat":
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            for message in messages:
-                if isinstance(message, dict) and "content" in message:
-                    message["content"] = text_hash(message["content"])
-            hashed.append("messages[].content")
-        return hashed
-    for key in ("text", "input_ids") if route == "native" else ("prompt",):
+    messages = body.get("messages") if route == "chat" else None
+    if isinstance(messages, list):
+        for message in (m for m in messages if isinstance(m, dict)):
+            for key in MESSAGE_TEXT:
+                if key in message:
+                    message[key] = text_hash(message[key])
+                    hashed.append(f"messages[].{key}")
+            for call in message.get("tool_calls") or ():
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and "arguments" in function:
+                    function["arguments"] = text_hash(function["arguments"])
+                    hashed.append("messages[].tool_calls[].function.arguments")
+    for key in USER_TEXT[route]:
         if key in body:
             body[key] = text_hash(body[key])
             hashed.append(key)
-    return hashed
+    return list(dict.fromkeys(hashed))
 
 
 def redact(route: Api, body: dict[str, Any], policy: CapturePolicy) -> tuple[dict[str, Any], tuple[str, ...], bool]:

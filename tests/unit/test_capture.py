@@ -72,9 +72,22 @@ def test_keep_is_the_body_untouched(tmp_path: Path) -> None:
 def test_hash_replaces_every_message_text_and_says_it_cannot_replay(tmp_path: Path) -> None:
     body, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="hash"))
     assert [m["content"] for m in body["messages"]] == [text_hash("be brief"), text_hash("sort a list")]
-    assert "sort a list" not in json.dumps(body)
-    assert (fields, replayable) == (("messages[].content",), False)
+    assert "sort a list" not in json.dumps(body) and body["user"] == text_hash("alice")
+    assert (fields, replayable) == (("messages[].content", "user"), False)
     assert body["temperature"] == 0.7 and CHAT["messages"][1]["content"] == "sort a list"  # type: ignore[index]
+    agent = {"messages": [{"role": "user", "name": "alice", "content": "fix it"},
+                          {"role": "assistant", "content": None, "reasoning_content": "the key is in .env",
+                           "tool_calls": [{"id": "t", "type": "function",
+                                           "function": {"name": "read", "arguments": '{"path": "/home/alice/.env"}'}}]}],
+             "tools": [{"type": "function", "function": {"name": "read"}}]}
+    hashed, fields, _ = redact("chat", agent, policy(tmp_path, redact="hash"))
+    assert not any(secret in json.dumps(hashed) for secret in ("alice", "fix it", ".env"))
+    assert fields == ("messages[].content", "messages[].name", "messages[].reasoning_content",
+                      "messages[].tool_calls[].function.arguments")
+    assert hashed["tools"] == agent["tools"]  # the tools a deployment offers are not a user's words
+    completion, fields, _ = redact("completions", {"prompt": "def f(", "suffix": "return secret"},
+                                   policy(tmp_path, redact="hash"))
+    assert "secret" not in json.dumps(completion) and fields == ("prompt", "suffix")
     native, fields, _ = redact("native", {**NATIVE, "input_ids": [1, 2]}, policy(tmp_path, redact="hash"))
     assert native["text"] == text_hash("def f():") and native["input_ids"] == text_hash([1, 2])
     assert fields == ("text", "input_ids")
