@@ -270,6 +270,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
 
     try:
         provenance = Provenance.here()  # tens of ms the first time: before the clock starts, not in the schedule
+        tasks = TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks),
+                            incomplete=plan.task_set.incomplete)  # hashing every prompt: a replayed trace's head was late
         t0 = time.perf_counter()
         writer.begin(t0)
         clients = [
@@ -283,8 +285,7 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
             routes=routes,
             arms=tuple(arm.model_copy(update={"arrival_stamps": "kernel" if client.pool.kernel_stamps else "loop"})
                        for arm, client in zip(arms, clients, strict=True)),
-            tasks=TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks),
-                              incomplete=plan.task_set.incomplete),
+            tasks=tasks,
             num_requests=plan.num_requests,
             warmup=plan.warmup,
             sampling=plan.sampling,
