@@ -27,7 +27,11 @@ class StreamRead:
     """The output in the pieces it came in (chat, and native from a server streaming deltas), or the last event's
     whole text (native); of the first choice, with n > 1."""
     choice_texts: dict[int, list[str]] = field(default_factory=dict)
-    """With n > 1 (chat): the other choices' pieces, by index (SGLang interleaves the choices' events)."""
+    """With several outputs (n > 1, a batch): the others' pieces, by index (SGLang interleaves their events)."""
+    output_tokens: dict[int, int] = field(default_factory=dict)
+    """Native: each output's running total, by index (`completion_tokens` is their sum)."""
+    verify_cts: dict[int, int] = field(default_factory=dict)
+    """Native: each finished output's verify rounds, by index (`verify_ct` is their sum)."""
     incremental: bool = False
     """A native stream whose events carry deltas (`NativeChunk.incremental`, seen once is enough)."""
     finish_reason: str | None = None
@@ -55,20 +59,23 @@ class StreamRead:
         if isinstance(event, sglang.StreamError):
             self._in_band(event)
             return
-        meta = event.meta
+        meta, index = event.meta, event.index
         self.counted = True
-        delta = meta.completion_tokens - self.completion_tokens
+        before = self.output_tokens.get(index, 0)
+        delta = meta.completion_tokens - before
         if delta < 0:
-            raise ProtocolError(f"completion_tokens went backwards: {self.completion_tokens} -> {meta.completion_tokens}")
+            raise ProtocolError(f"completion_tokens went backwards: {before} -> {meta.completion_tokens}")
         if delta:
             self.chunk_times.append(now)
             self.chunk_tokens.append(delta)
-            self.completion_tokens = meta.completion_tokens
+            self.output_tokens[index] = meta.completion_tokens
+            self.completion_tokens += delta
         self.incremental = self.incremental or event.incremental
+        texts = self.choice_texts.setdefault(index, []) if index else self.texts
         if self.incremental:
-            self.texts.append(event.text)
+            texts.append(event.text)
         else:
-            self.texts = [event.text]
+            texts[:] = [event.text]
         self.prompt_tokens = meta.prompt_tokens
         self.simulated = meta.simulated
         finish = meta.finish_reason
@@ -78,7 +85,9 @@ class StreamRead:
             self._in_band(finish.error)
             return
         self.finish_reason = finish.kind
-        self.verify_ct = meta.spec.verify_ct if meta.spec is not None else None
+        if meta.spec is not None:
+            self.verify_cts[index] = meta.spec.verify_ct
+            self.verify_ct = sum(self.verify_cts.values())
         self.server_e2e = meta.e2e_latency_s
         if meta.sim_chunk_sent_unix_s is not None:
             self.sim_sent = list(meta.sim_chunk_sent_unix_s)

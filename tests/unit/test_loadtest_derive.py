@@ -44,6 +44,11 @@ def native(text: str, tokens: int, final: bool = False) -> bytes:
     return engine.sse_event(engine.generate_response_body(text, list(range(tokens)), meta))
 
 
+def native_of(index: int, text: str, tokens: int, final: bool = False) -> bytes:
+    """An event of output `index` of several (n > 1): SGLang adds its index to the event."""
+    return native(text, tokens, final).replace(b'data: {', b'data: {"index":%d,' % index, 1)
+
+
 def thinking(text: str) -> bytes:
     """A reasoning model's chunk of its thinking (SGLang's --reasoning-parser): `reasoning_content`, no content."""
     quoted = json.dumps(text).encode()
@@ -104,6 +109,10 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
     "chat of two choices interleaved": ("chat", chat("", first=True) + second("", first=True) + chat("a") + chat("b")
                                         + second("x") + chat("c") + second("y") + second("z") + chat(None, finish=True)
                                         + second(None, finish=True) + chat_end(6)),
+    "native of two outputs at their own paces": ("native", native_of(0, "a", 1) + native_of(1, "x", 2)
+                                                 + native_of(1, "xy", 5) + native_of(0, "ab", 3)
+                                                 + native_of(1, "xyz", 7, final=True) + native_of(0, "abc", 7, final=True)
+                                                 + sglang.SSE_DONE),
     "chat with more verify rounds than tokens": ("chat", chat("a") + chat("b", finish=True)
                                                  + chat_end(3).replace(b'"completion_tokens":3', b'"completion_tokens":2')),
     "chat whose choices are not a list": ("chat", chat("a") + chat("b").replace(b'"choices":[', b'"choices":5,"x":[')
@@ -317,3 +326,16 @@ def test_an_answer_of_two_choices_is_each_choices_output_in_index_order_however_
     assert text(chat("a") + chat("b") + chat_end(2)) == "ab"
     whole = {"choices": [{"index": 1, "message": {"content": "xy"}}, {"index": 0, "message": {"content": "abc"}}]}
     assert sglang.parse_openai_response(json.dumps(whole)).text == "abc\x00xy"
+
+
+def test_a_native_answer_of_two_outputs_counts_both_each_at_its_own_pace() -> None:
+    """SGLang interleaves the outputs' events, each with its own running total: read as one total, the second
+    output's lower count was 'went backwards', a protocol error on an answer SGLang completed."""
+    events = (native_of(0, "a", 1) + native_of(1, "x", 2) + native_of(1, "xy", 5) + native_of(0, "ab", 3)
+              + native_of(1, "xyz", 7, final=True) + native_of(0, "abc", 7, final=True) + sglang.SSE_DONE)
+    stream = StreamRead()
+    datas = [e[6:].decode() for e in events.split(b"\n\n") if e.startswith(b"data: ")]
+    ROUTE_FOR["native"].read(stream, datas, [0.1 * i for i in range(len(datas))], False)
+    assert ended(stream).failure is None
+    assert (stream.completion_tokens, stream.chunk_tokens, stream.verify_ct) == (14, [1, 2, 3, 2, 2, 4], 6)
+    assert stream.text == "abc\x00xyz"

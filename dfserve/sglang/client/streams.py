@@ -231,6 +231,9 @@ class NativeChunk:
     (`--incremental-streaming-output`), so `text` is only what is new. A stream's first event cannot tell. SGLang
     0.5.23 sends text and ids alike, whole or new (`tokenizer_manager.py`); older releases that sent new ids with
     the whole text would be read as deltas, and their outputs joined wrongly."""
+    index: int = 0
+    """Which output it is of a request for several (`sampling_params.n`, a batch of prompts): SGLang interleaves
+    their events, each with its own counts (`TokenizerManager._stream_batch_responses`)."""
 
 
 def parse_native_event(data: str) -> NativeChunk | StreamError:
@@ -242,7 +245,8 @@ def parse_native_event(data: str) -> NativeChunk | StreamError:
         raise ProtocolError("/generate stream: event without 'meta_info'")
     text, ids, meta = obj.get("text", ""), obj.get("output_ids"), parse_meta_info(obj["meta_info"])
     return NativeChunk(text=text if isinstance(text, str) else "", meta=meta,
-                       incremental=isinstance(ids, list) and len(ids) < meta.completion_tokens)
+                       incremental=isinstance(ids, list) and len(ids) < meta.completion_tokens,
+                       index=choice_index(obj, "/generate stream"))
 
 
 @dataclass(frozen=True, slots=True)
