@@ -63,11 +63,19 @@ def _walk(root: Path, folder: Path, depth: int, found: list[Seen]) -> None:
         try:
             if entry.is_dir(follow_symlinks=False) and depth < _MAX_DEPTH:
                 _walk(root, Path(entry.path), depth + 1, found)
-            elif entry.is_file(follow_symlinks=False) and is_weights(entry.name):
+            elif (entry.is_file(follow_symlinks=False) and is_weights(entry.name)) or _linked_from_outside(root, entry):
                 stat = entry.stat()
                 found.append(Seen(relative, False, stat.st_size, stat.st_mtime_ns))
         except FileNotFoundError:  # rotated away by the trainer between listing and stat
             continue
+
+
+def _linked_from_outside(root: Path, entry: os.DirEntry[str]) -> bool:
+    """A link to a weights file outside the checkpoint folder is a checkpoint; one to a file inside (`latest.pt`) is
+    another name of one the walk finds as itself."""
+    if not entry.is_symlink() or not is_weights(entry.name) or not entry.is_file():
+        return False
+    return not Path(entry.path).resolve().is_relative_to(root.resolve())
 
 
 def _folder(root: Path, folder: Path) -> Seen | None:

@@ -48,6 +48,18 @@ def test_scan_finds_each_layout_once_and_never_a_temporary_name(checkpoints: Pat
     assert folder.folder and folder.size == sum(p.stat().st_size for p in (checkpoints / "checkpoint-300").iterdir())
 
 
+def test_a_link_to_a_checkpoint_elsewhere_is_found_and_one_to_a_checkpoint_here_is_not_found_twice(
+        checkpoints: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere" / "ck.pt"
+    elsewhere.parent.mkdir()
+    torch.save({"step": 700, "model": {"w": torch.ones(3)}}, elsewhere)
+    (checkpoints / "step_700.pt").symlink_to(elsewhere)
+    (checkpoints / "newest.pt").symlink_to(checkpoints / "latest.pt")
+    seen = {s.key: s for s in scan(checkpoints)}
+    assert "step_700.pt" in seen and "newest.pt" not in seen
+    assert seen["step_700.pt"].size == elsewhere.stat().st_size and probe(checkpoints / "step_700.pt").step == 700
+
+
 def test_probe_reads_the_step_trainers_store_and_refuses_a_cut_file(checkpoints: Path) -> None:
     assert probe(checkpoints / "latest.pt").step == 7
     assert probe(checkpoints / "step_100" / "checkpoint.pt").step == 100
