@@ -29,12 +29,11 @@ from dfserve.gateway.relay import (
     ARM_HEADER,
     HOP_BY_HOP,
     Exchange,
-    NativeStream,
-    OpenAIStream,
     measure_whole,
     outcome,
     relay_stream,
     response_headers,
+    stream_kind,
 )
 from dfserve.gateway.routing import Router, UnknownArm
 from dfserve.gateway.scrape import Scraper
@@ -340,7 +339,7 @@ class GatewayApp:
         headers = response_headers(response.headers, arm, replica)
         if response.media_type() == b"text/event-stream":
             reply.start(response.status, headers)
-            await relay_stream(opened, reply, NativeStream() if exchange.route == "native" else OpenAIStream(),
+            await relay_stream(opened, reply, stream_kind(exchange),
                                exchange, self.gateway.config.limits.max_event_bytes,
                                sglang.SPEC_DETAILS_KEY if strip_spec else None)
             return

@@ -153,6 +153,17 @@ class NativeStream:
         return Acceptance(count, verify_ct, sglang.accept_length(count, verify_ct), "exact"), error
 
 
+class NativeOutputs:
+    """Native `/generate` asking several outputs (`sglang.asks_several_outputs`): each event with text is a chunk
+    (TTFT, gaps), and the counts are left unknown rather than one output's; a shadow record reads every event."""
+
+    marks = sglang.NATIVE_OUTPUTS
+    alarm = None
+
+    def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        return Acceptance(), sglang.native_stream_error(tail)
+
+
 class OpenAIStream:
     """Streamed chat/completions: content chunks counted; spec details, usage and errors read from the last events."""
 
@@ -170,6 +181,14 @@ class OpenAIStream:
         tokens = end.usage.completion_tokens
         length = sglang.estimated_accept_length(tokens, count or 0)
         return Acceptance(tokens, None, length, "estimated" if length is not None else None), end.error
+
+
+def stream_kind(exchange: Exchange) -> StreamKind:
+    """How an exchange's stream is read: by its route, and a native request for several outputs event by event."""
+    if exchange.route != "native":
+        return OpenAIStream()
+    several = exchange.request is not None and sglang.asks_several_outputs(exchange.request)
+    return NativeOutputs() if several else NativeStream()
 
 
 def meter(relay: EventRelay, exchange: Exchange) -> None:

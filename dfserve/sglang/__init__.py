@@ -36,6 +36,7 @@ from dfserve.sglang.client.requests import (
     Api,
     RequestInfo,
     SamplingParams,
+    asks_several_outputs,
     chat_body,
     completions_body,
     generate_body,
@@ -63,6 +64,7 @@ from dfserve.sglang.client.responses import (
 )
 from dfserve.sglang.client.streams import (
     CONTENT_CHUNKS,
+    NATIVE_OUTPUTS,
     NATIVE_TOKENS,
     OPENAI_ALARM,
     ChunkTemplate,
@@ -103,6 +105,7 @@ from dfserve.sglang.wire import (
 __all__ = [
     "CONTENT_CHUNKS",
     "DONE",
+    "NATIVE_OUTPUTS",
     "NATIVE_TOKENS",
     "OPENAI_ALARM",
     "RETURN_META_INFO",
@@ -134,6 +137,7 @@ __all__ = [
     "TokenMarks",
     "Usage",
     "accept_length",
+    "asks_several_outputs",
     "chat_body",
     "completions_body",
     "decode_json",

@@ -54,12 +54,16 @@ class RequestTask:
 
     task_id: str
     temperature: float
+    several: bool = False
+    """A native request for several outputs (`sglang.asks_several_outputs`): the gateway counted none of them."""
 
     @classmethod
     def of(cls, exchanged: Exchanged) -> RequestTask:
         """From the gateway's decoding of the body (`Exchanged.request`), or the body's own where it has none."""
         request = exchanged.request if exchanged.request is not None else _decoded(exchanged.body)
-        return cls(hashlib.sha256(exchanged.body).hexdigest()[:16], request_temperature(exchanged.outcome.route, request))
+        route = exchanged.outcome.route
+        several = route == "native" and isinstance(request, Mapping) and sglang.asks_several_outputs(request)
+        return cls(hashlib.sha256(exchanged.body).hexdigest()[:16], request_temperature(route, request), several)
 
 
 def _decoded(body: bytes) -> object:
@@ -154,18 +158,19 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     sent = exchanged.sent_s - t0_perf_s if exchanged.sent_s is not None else start
     kind = error_kind(o.error, o.status)
     message = (exchanged.unparsed or o.error) if kind is not None else None
-    exact = o.measure == "exact" and o.verify_rounds is not None
-    if (kind is None and exact and o.output_tokens is not None
-            and (why := sglang.impossible_rounds(o.output_tokens, o.verify_rounds or 0)) is not None):
-        kind, message = "protocol", why
+    tokens, rounds = o.output_tokens, o.verify_rounds
+    exact = o.measure == "exact" and rounds is not None
     text, chunk_times, chunk_tokens, stream = None, [], None, None
     if exchanged.pieces is not None:
-        if o.route == "native":
+        if o.route == "native" and not task.several:
             stream = recorded_native_stream(cast(Sequence[tuple[float, int]], exchanged.pieces), exchanged.answer,
                                             t0_perf_s)
         else:
             stream = recorded_stream(o.route, cast(Sequence[tuple[float, bytes]], exchanged.pieces), t0_perf_s)
         chunk_times, chunk_tokens = stream.chunk_times, stream.chunk_tokens if o.route == "native" else None
+        if task.several:  # the relay kept every event: the counts are read here, output by output
+            tokens, rounds = stream.completion_tokens if stream.counted else None, stream.verify_ct
+            exact = tokens is not None and rounds is not None
         if kind is None and stream.failure is not None:
             kind, message = stream.failure  # as the tester has it: an error event in band, events it cannot read
         elif stream.failure is not None and stream.failure[0] == kind:
@@ -174,6 +179,9 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
             text = stream.text
     elif kind is None:
         text = output_text(o.route, exchanged.answer, exchanged.streamed)
+    if (kind is None and exact and tokens is not None
+            and (why := sglang.impossible_rounds(tokens, rounds or 0)) is not None):
+        kind, message, text = "protocol", why, None
     exact = exact and kind is None  # a failed answer's counts are no acceptance, as the tester has them
     in_band = kind == "stream_error"  # HTTP 200, and the status the error carried (`Outcome.status`), if any
     return RequestRecord(
@@ -182,7 +190,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         first_token_s=origin + o.ttft_s if o.ttft_s is not None else None,
         end_s=origin + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
         prompt_tokens=stream.prompt_tokens if stream is not None else None,
-        completion_tokens=o.output_tokens, spec_verify_ct=o.verify_rounds if exact else None,
+        completion_tokens=tokens, spec_verify_ct=rounds if exact else None,
         finish_reason=stream.finish_reason if stream is not None else None,
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,

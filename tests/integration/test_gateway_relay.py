@@ -178,6 +178,14 @@ class Stub:
             await response.write(sse(NATIVE_IN_BAND) + b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+        if request.headers.get("x-stub") == "outputs":  # n = 2: each output's events with its own counts
+            for index, tokens in ((0, 1), (1, 2), (1, 6), (0, 4)):
+                await response.write(sse({"index": index, "text": "x" * tokens, "meta_info": {
+                    **META, "completion_tokens": tokens, "spec_verify_ct": 2}}))
+                await asyncio.sleep(0.01)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for tokens, final in ((1, False), (5, False), (12, True)):
             meta = dict(META, completion_tokens=tokens) if final else {
                 "id": "r1", "finish_reason": None, "prompt_tokens": 5, "completion_tokens": tokens}
@@ -346,6 +354,21 @@ def test_spec_details_in_a_read_of_their_own_give_exact_acceptance(one_arm: tupl
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="exact") == 1
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="chat") == 4
+
+
+def test_a_native_stream_of_several_outputs_is_timed_and_its_counts_left_unknown_not_one_outputs(
+        one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    body = {"text": "hi", "sampling_params": {"n": 2}, "stream": True}
+    direct = httpx.post(stub.url + "/generate", json=body, headers={"x-stub": "outputs"})
+    via = httpx.post(gw + "/generate", json=body, headers={"x-stub": "outputs"})
+    assert via.status_code == 200 and via.content == direct.content
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_requests_total", arm="a", route="native", status="2xx") == 1
+    assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="native") == 1
+    assert metric(text, "dfserve_inter_chunk_latency_seconds_count", arm="a", route="native") == 3
+    assert metric(text, "dfserve_output_tokens_total", arm="a", route="native") == 0  # one output's 4 were counted
+    assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="native") == 0
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

@@ -14,6 +14,7 @@ from dfserve.gateway.relay import (
     Acceptance,
     Binned,
     Exchange,
+    NativeOutputs,
     NativeStream,
     OpenAIStream,
     StreamKind,
@@ -21,6 +22,7 @@ from dfserve.gateway.relay import (
     meter,
     outcome,
     response_headers,
+    stream_kind,
 )
 from dfserve.metrics import ITL_BUCKETS_S
 
@@ -172,3 +174,17 @@ def test_a_client_waits_from_its_request_and_a_mirror_is_timed_from_its_own_send
     assert (mirror.ttft_s, mirror.e2e_s) == pytest.approx((0.1, 1.0))
     unsent = outcome(Exchange(arm="b", route="chat", mirror=True, start=10.0, end=10.5))  # refused before a replica
     assert unsent.e2e_s == pytest.approx(0.5)
+
+
+def test_a_native_stream_of_several_outputs_is_read_event_by_event_and_its_counts_left_unknown() -> None:
+    """SGLang interleaves the outputs' events, each with its own running total: read as one total, the gateway
+    counted one output's tokens and rounds."""
+    several = [{"text": "a", "sampling_params": {"n": 2}}, {"text": ["a", "b"]}, {"input_ids": [[1], [2]]}]
+    assert all(isinstance(stream_kind(Exchange(arm="a", route="native", request=r)), NativeOutputs) for r in several)
+    one = [{"text": "a", "sampling_params": {"n": 1}}, {"input_ids": [1, 2]}, {"text": "a"}]
+    assert all(isinstance(stream_kind(Exchange(arm="a", route="native", request=r)), NativeStream) for r in one)
+    events = [b'data: {"index":%d,"text":"%s","meta_info":{"completion_tokens":%d}}\n\n' % (i, t, n)
+              for i, t, n in ((0, b"a", 1), (1, b"x", 2), (1, b"xy", 5), (0, b"ab", 3))]
+    relay, _ = relayed(NativeOutputs(), [*events, sglang.SSE_DONE])
+    assert relay.first == 1.0 and relay.chunk_gaps[0][-1] == 0 and sum(relay.chunk_gaps[0]) == 3
+    assert NativeOutputs().read_end(relay.tokens, relay.tail) == (Acceptance(), None)

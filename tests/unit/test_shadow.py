@@ -258,6 +258,26 @@ def test_a_recorded_native_stream_has_tokens_per_chunk() -> None:
     assert record.output_sha256 == hashlib.sha256(b"ab").hexdigest() and record.finish_reason == "length"
 
 
+def test_a_native_stream_of_several_outputs_is_recorded_from_every_event_as_the_tester_reads_it() -> None:
+    """The gateway cannot count interleaved outputs (`NativeOutputs`): the relay keeps every event, and the record
+    reads them output by output, at temperature 1 too, where one output runs ahead of the other."""
+    def event(index: int, text: str, tokens: int, verify: int | None = None) -> bytes:
+        meta: dict[str, object] = {"completion_tokens": tokens, "prompt_tokens": 3}
+        if verify is not None:
+            meta |= {"spec_verify_ct": verify, "finish_reason": {"type": "length", "length": tokens}}
+        return b"data: " + json.dumps({"index": index, "text": text, "meta_info": meta}).encode() + b"\n\n"
+    pieces = [(101.0, event(0, "a", 1)), (101.1, event(1, "x", 2)), (101.2, event(1, "xyz", 6, verify=2)),
+              (101.3, event(0, "ab", 4, verify=2)), (101.4, sglang.SSE_DONE)]
+    body = {"text": "p", "sampling_params": {"n": 2, "temperature": 1.0}, "stream": True}
+    exchange = replace(exchanged(0, "zlab", False, streamed=True, answer=pieces[-2][1] + sglang.SSE_DONE),
+                       pieces=pieces, body=json.dumps(body).encode(), request=body,
+                       outcome=Outcome(arm="zlab", route="native", replica="r", status=200, error=None, ttft_s=1.0,
+                                       e2e_s=1.4, output_tokens=None, verify_rounds=None, measure=None))
+    record = shadow_record(exchange, 100.0)
+    assert record.ok and (record.completion_tokens, record.spec_verify_ct, record.acceptance) == (10, 4, "exact")
+    assert record.chunk_tokens == [1, 2, 4, 3] and record.output_sha256 == hashlib.sha256(b"ab\x00xyz").hexdigest()
+
+
 def test_an_error_in_band_is_recorded_as_the_tester_has_it() -> None:
     """HTTP 200, the status the error carried, the server's words, and no acceptance (as the gateway hands it: the
     outcome's status is the error's code)."""

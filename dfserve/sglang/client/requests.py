@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -132,6 +132,15 @@ class RequestInfo:
     user: str | None
     return_meta_info: bool
     return_spec_tokens_details: bool
+
+
+def asks_several_outputs(body: Mapping[str, Any]) -> bool:
+    """A native `/generate` body that asks for several outputs (`sampling_params.n` above 1, or a batch of prompts):
+    SGLang interleaves their events in one stream, each with its own running counts."""
+    params, ids = body.get("sampling_params"), body.get("input_ids")
+    n = params.get("n") if isinstance(params, dict) else None
+    return ((isinstance(n, int) and not isinstance(n, bool) and n > 1) or isinstance(params, list)
+            or isinstance(body.get("text"), list) or (isinstance(ids, list) and any(isinstance(i, list) for i in ids)))
 
 
 def inspect_request(body: bytes) -> RequestInfo:

@@ -125,6 +125,11 @@ class TokenMarks:
 NATIVE_TOKENS = TokenMarks((b'"completion_tokens":',), cumulative=True)
 
 
+NATIVE_OUTPUTS = TokenMarks((b'"text":',), cumulative=False)
+"""A native stream of several outputs (`asks_several_outputs`): each event with text is a chunk. Their running
+totals are each output's own, interleaved, which a relay reading one total cannot add up."""
+
+
 CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":'), cumulative=False)
 
 
