@@ -20,6 +20,7 @@ Files are created 0600 (set with fchmod, whatever the umask), the folder 0700.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -85,6 +86,12 @@ def create_private(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+RESERVE = ".manifest-reserve"
+RESERVE_BYTES = 64 << 10
+MANIFEST_BYTES_PER_SEGMENT = 1 << 10
+"""The reserve (`CaptureWriter._reserve`) holds twice what the manifest takes at most: its old and new copies."""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -179,6 +186,7 @@ class CaptureWriter:
             policy.dir.mkdir(0o700)
             os.chmod(policy.dir, 0o700)
             writer._write_manifest(complete=False)
+            writer._reserve()
         except FileExistsError:
             raise FieldError("dir", f"{policy.dir} exists; a capture folder is never reused") from None
         except OSError as exc:
@@ -337,16 +345,43 @@ class CaptureWriter:
                                segments=tuple(self._segments), complete=complete, stopped=self._stopped,
                                counts=self.counts)
 
+    def _reserve(self) -> None:
+        """Room on disk for the manifest's last rewrites, taken at the start: a disk that fills under the segments
+        would otherwise leave no room to say what they hold, and the whole capture would read as unfinished."""
+        fd = create_private(self.policy.dir / RESERVE)
+        try:  # bytes no file system compresses away, where zeros or a preallocation may take no room
+            _write_all(fd, os.urandom(RESERVE_BYTES + MANIFEST_BYTES_PER_SEGMENT * self.policy.max_segments))
+        finally:
+            os.close(fd)
+
     def _write_manifest(self, complete: bool) -> CaptureManifest:
+        """Written whole or not at all (a new file renamed over the old); where the disk is full, once more after
+        the reserve is given back, which is let go too once the capture is complete."""
         manifest = self._manifest(complete)
+        data = manifest.model_dump_json(indent=2).encode()
+        try:
+            self._replace_manifest(data)
+        except OSError as exc:
+            reserve = self.policy.dir / RESERVE
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve.exists():
+                raise
+            reserve.unlink()
+            self._replace_manifest(data)
+        if complete:
+            (self.policy.dir / RESERVE).unlink(missing_ok=True)
+        return manifest
+
+    def _replace_manifest(self, data: bytes) -> None:
         path = self.policy.dir / MANIFEST
         tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
         tmp.unlink(missing_ok=True)
         fd = create_private(tmp)
         try:
-            _write_all(fd, manifest.model_dump_json(indent=2).encode())
+            _write_all(fd, data)
             os.fsync(fd)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        return manifest

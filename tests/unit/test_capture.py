@@ -248,6 +248,36 @@ def test_a_failing_disk_never_raises_into_observe_and_is_logged_once(
     assert len([r for r in caplog.records if "No space left" in r.getMessage()]) == 1
 
 
+def test_a_disk_that_fills_under_the_segments_still_gets_a_true_manifest_from_the_reserve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk has no room for the manifest's rewrite either: without the room reserved at the start, the whole
+    capture read as unfinished, and nothing of it could be replayed. Here the disk is full until the reserve is
+    given back."""
+    real_write = writer_module._write_all
+    writer = CaptureWriter.open(policy(tmp_path))
+    reserve = tmp_path / "capture" / writer_module.RESERVE
+    full = False
+
+    def filling(fd: int, data: bytes) -> None:
+        if full and reserve.exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, data)
+
+    monkeypatch.setattr(writer_module, "_write_all", filling)
+    for _ in range(3):
+        writer.observe(captured(NATIVE))
+    writer.flush()
+    full = True
+    for _ in range(3):
+        writer.observe(captured(NATIVE))
+    writer.flush()
+    manifest = writer.close()
+    assert manifest.complete and manifest.stopped is not None and "No space left" in manifest.stopped
+    assert (manifest.counts.written, manifest.counts.dropped_write_error) == (3, 3)
+    assert len(read_capture(tmp_path / "capture")[1]) == 3
+    assert sorted(p.name for p in (tmp_path / "capture").iterdir()) == ["manifest.json", "segment-000001.jsonl"]
+
+
 def test_a_write_that_fails_mid_batch_leaves_whole_lines_and_a_true_manifest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_write = writer_module._write_all
