@@ -519,17 +519,22 @@ def test_dead_replica_is_ejected_then_readmitted(tmp_path: Path) -> None:
                 assert revived.seen
 
 
+def metrics_once_left(gw: str) -> str:
+    """The gateway's /metrics once it has counted the one client that left (499), within 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = httpx.get(gw + "/metrics").text
+        if metric(text, "dfserve_requests_total", arm="a", status="499") == 1 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_client_disconnect_cancels_upstream(one_arm: tuple[Stub, str]) -> None:
     stub, gw = one_arm
     with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "slow"}) as response:
         next(response.iter_raw())
     assert stub.cancelled.wait(5), "upstream request was not cancelled"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        text = httpx.get(gw + "/metrics").text
-        if metric(text, "dfserve_requests_total", arm="a", status="499") == 1:
-            break
-        time.sleep(0.05)
+    text = metrics_once_left(gw)
     assert metric(text, "dfserve_requests_total", arm="a", status="499", error="client_disconnect") == 1
     assert metric(text, "dfserve_requests_in_flight", arm="a") == 0
 
@@ -539,12 +544,7 @@ def test_a_client_that_leaves_before_the_answer_starts_is_counted_against_the_re
     stub, gw = one_arm
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"}, timeout=0.3)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        text = httpx.get(gw + "/metrics").text
-        if metric(text, "dfserve_requests_total", arm="a", status="499") == 1:
-            break
-        time.sleep(0.05)
+    text = metrics_once_left(gw)
     assert metric(text, "dfserve_requests_total", arm="a", status="499", replica=stub.url) == 1
 
 
