@@ -8,7 +8,9 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,6 +43,20 @@ class Recorder:
         self.closed = True
 
 
+class Stalled:
+    """A configured observer, so in the observers' process: it waits until `go` exists, and says it was closed."""
+
+    def __init__(self, go: Path) -> None:
+        self.go = go
+
+    def observe(self, exchanged: Exchanged) -> None:
+        while not self.go.exists():
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        (self.go.parent / "closed").touch()
+
+
 class Raising:
     def observe(self, exchanged: Exchanged) -> None:
         raise RuntimeError("observer down")
@@ -52,12 +68,11 @@ class Raising:
 RAISED = 'dfserve_gateway_observer_failures_total{observer="raising",reason="failed"} 36.0'
 
 
-def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     requests = 12
     listening: list[str] = []
-    gate = threading.Event()
-    recorder, stalled = Recorder(expected=3 * requests), Recorder(gate)
-    monkeypatch.setitem(observers.KINDS, "test_stalled", lambda options: stalled)
+    recorder, go = Recorder(expected=3 * requests), tmp_path / "go"
+    monkeypatch.setitem(observers.KINDS, "test_stalled", lambda options: Stalled(go))
     with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:
         config = load_config(None, {
             "host": "127.0.0.1", "port": 0, "scrape.enabled": False, "health.interval_s": 60,
@@ -91,7 +106,7 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
                     if RAISED in text:
                         break
                     await asyncio.sleep(0.1)
-            gate.set()
+            go.touch()
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
             return statuses, text
@@ -115,6 +130,6 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
     assert RAISED in metrics
     (behind,) = [line for line in metrics.splitlines()
                  if line.startswith('dfserve_gateway_observer_failures_total{observer="test_stalled",reason="behind"}')]
-    assert float(behind.rsplit(" ", 1)[1]) >= 3 * requests - 3 and stalled.closed
+    assert float(behind.rsplit(" ", 1)[1]) >= 3 * requests - 3 and (tmp_path / "closed").exists()
     assert 'dfserve_gateway_observer_failures_total{observer="recorder",reason="behind"} 0.0' in metrics
     assert 'dfserve_gateway_observer_failures_total{observer="recorder",reason="failed"} 0.0' in metrics
