@@ -143,11 +143,6 @@ def loop_cpu_s(pid: int) -> float:
     return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds run by every thread of process `pid`, ended ones included."""
-    return time.clock_gettime_ns(process_cpu_clock(pid)) / 1e9
-
-
 def process_cpu_clock(pid: int) -> int:
     """Linux's clock id for another process's CPU time, scheduler-precise (`MAKE_PROCESS_CPUCLOCK(pid,
     CPUCLOCK_SCHED)` in the kernel's posix-timers.h)."""
@@ -169,9 +164,6 @@ class Sample:
     cpu_s: float | None = None
     loop_cpu_s: float | None = None
     """Of `cpu_s`, the proxy's event loop's (its main thread's)."""
-    process_cpu_s: float | None = None
-    """Of `cpu_s`, the proxy's own process's (every thread of it); the rest is its children's (the gateway's
-    observers' process)."""
 
     def absorb(self, other: Sample) -> None:
         """Pool another run's figures into these (the runs of one path are interleaved with the other paths')."""
@@ -185,8 +177,6 @@ class Sample:
             self.cpu_s = (self.cpu_s or 0.0) + other.cpu_s
         if other.loop_cpu_s is not None:
             self.loop_cpu_s = (self.loop_cpu_s or 0.0) + other.loop_cpu_s
-        if other.process_cpu_s is not None:
-            self.process_cpu_s = (self.process_cpu_s or 0.0) + other.process_cpu_s
 
 
 class Stream:
@@ -368,15 +358,12 @@ def measure(api: str, targets: Sequence[tuple[str, dict[str, str], int | None]],
     try:
         cpu_before = [group_cpu_s(pgid) if pgid else 0.0 for _, _, pgid in targets]
         loop_before = [loop_cpu_s(pgid) if pgid else 0.0 for _, _, pgid in targets]
-        process_before = [process_cpu_s(pgid) if pgid else 0.0 for _, _, pgid in targets]
         samples = uvloop.run(closed_loop([(url, headers) for url, headers, _ in targets], concurrency, requests, args,
                                          api == "native"))
         for sample, before, (_, _, pgid) in zip(samples, cpu_before, targets, strict=True):
             sample.cpu_s = (group_cpu_s(pgid) - before) if pgid else None
         for sample, before, (_, _, pgid) in zip(samples, loop_before, targets, strict=True):
             sample.loop_cpu_s = (loop_cpu_s(pgid) - before) if pgid else None
-        for sample, before, (_, _, pgid) in zip(samples, process_before, targets, strict=True):
-            sample.process_cpu_s = (process_cpu_s(pgid) - before) if pgid else None
     finally:
         gc.enable()
     return samples
@@ -406,14 +393,12 @@ def summarize(api: str, path: str, concurrency: int, runs: list[Sample]) -> Row:
               p99_spread("gap_path_s"),
               tuple(run.cpu_s / run.chunks * 1e6 for run in runs if run.cpu_s is not None and run.chunks))
     loop_us = pooled.loop_cpu_s / pooled.chunks * 1e6 if pooled.loop_cpu_s is not None and pooled.chunks else 0.0
-    process_us = (pooled.process_cpu_s / pooled.chunks * 1e6 if pooled.process_cpu_s is not None and pooled.chunks
-                  else 0.0)
     print(f"{api:>6} {path:>14} x{concurrency:<4} n={row.requests:<5} err={row.errors:<3} "
           f"unattributed={pooled.unattributed:<5} "
           f"ttft {row.ttft[0]:7.2f} / {row.ttft[1]:7.2f} ms | gap {row.gap[0]:6.2f} / {row.gap[1]:6.2f} ms | "
           f"transport {row.transport[0]:6.2f} / {row.transport[1]:6.2f} | delivery {row.delivery[0]:6.2f} / "
           f"{row.delivery[1]:6.2f} | gap on path {row.gap_path[0]:5.2f} / {row.gap_path[1]:5.2f} | "
-          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us (process {process_us:5.1f}, loop {loop_us:5.1f}) | "
+          f"cpu/chunk {row.cpu_us_per_chunk or 0:7.1f} us (loop {loop_us:5.1f}) | "
           f"{row.chunks_per_request:5.1f} chunks/request | "
           f"{row.chunks_per_s:7.0f}/s", flush=True)
     return row

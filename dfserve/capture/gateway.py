@@ -1,8 +1,7 @@
 """The gateway's side of capture: an observer of finished exchanges that hands each client request to a
 `CaptureWriter`.
 
-The gateway tells its observers of every exchange once it is over, on a thread of their own in the observers'
-process (`gateway.apart`); this observer keeps
+The gateway tells its observers of every exchange once it is over, on a thread of their own; this observer keeps
 the client's request (not its shadow mirrors, which are copies of it) with the time it arrived: the gateway's
 `perf_counter` stamp of the request having been read (the replay's offsets), and the wall clock derived from it
 (provenance). It reads only the fields it names (`FinishedExchange`), so the gateway's own record type fits it.

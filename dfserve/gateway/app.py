@@ -155,7 +155,6 @@ class Gateway:
         if self._upstream is not None:
             self._upstream.close()
             await self._upstream.http.aclose()
-        self.observers.seal()
         await asyncio.to_thread(self.observers.close)
 
 

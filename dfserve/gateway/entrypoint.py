@@ -14,19 +14,18 @@ import logging
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from dfserve.capture.gateway import CaptureObserver
 from dfserve.gateway.admin import MAX_ADMIN_BODY_BYTES, MAX_ADMIN_CONNECTIONS, AdminApp
 from dfserve.gateway.app import Gateway, GatewayApp
 from dfserve.gateway.config import GatewayConfig
-from dfserve.gateway.observers import Observer, builder
+from dfserve.gateway.observers import Observer, build
 from dfserve.gateway.server import Server, ServerLimits
 from dfserve.gateway.watch import ConfigWatcher, reload_routing
 from dfserve.listen import announce, bind, raise_open_files_limit
 from dfserve.metrics import REFUSAL_REASONS, ShadowDecisionMetrics
-from dfserve.shadow.monitor import DecidingRecorder, DecisionGauges, LiveDecision
+from dfserve.shadow.monitor import DecidingRecorder, LiveDecision
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.verdict import live_design
 
@@ -38,42 +37,32 @@ def assemble(config: GatewayConfig, observers: Mapping[str, Observer] | None = N
     each of `config.observers` (named by kind), then `observers` (named by key); a kind that is not registered is
     refused naming its field."""
     gateway = Gateway(config)
-    seam = gateway.observers
-    capture, shadow = config.capture, config.shadow
-    if capture is not None:
-        seam.add_apart("capture", partial(CaptureObserver.of_policy, capture), queue_size=capture.queue_size)
-    if shadow is not None:
-        seam.add_apart("shadow", _shadow_observer(gateway, config), queue_size=shadow.queue_size)
+    if config.capture is not None:
+        gateway.observers.add("capture", CaptureObserver.of_policy(config.capture),
+                              queue_size=config.capture.queue_size)
+    if config.shadow is not None:
+        gateway.observers.add("shadow", _shadow_observer(gateway, config), queue_size=config.shadow.queue_size)
     for index, entry in enumerate(config.observers):
-        seam.add_apart(entry.kind, builder(entry.kind, entry.options, f"observers.{index}.kind"),
-                       queue_size=entry.queue_size)
-    seam.start()
+        observer = build(entry.kind, entry.options, f"observers.{index}.kind")
+        gateway.observers.add(entry.kind, observer, queue_size=entry.queue_size)
     for name, observer in (observers or {}).items():
-        seam.add(name, observer)
+        gateway.observers.add(name, observer)
     return gateway
 
 
-def _shadow_observer(gateway: Gateway, config: GatewayConfig) -> Callable[[], Observer]:
-    """What builds the shadow recorder, in the observers' process; with `until_decided`, deciding as it records
-    (`shadow.monitor`), its gauges and the mirroring's switch the gateway's."""
+def _shadow_observer(gateway: Gateway, config: GatewayConfig) -> Observer:
+    """The shadow recorder; with `until_decided`, deciding as it records (`shadow.monitor`)."""
     policy, routing = config.shadow, config.routing
     assert policy is not None
     primary = routing.primary or ""
     deciding = live_design(policy, routing.arms, primary)
-    remote = gateway.observers.remote
-    metrics = ShadowDecisionMetrics.build(gateway.registry) if deciding is not None else None
-    gauges = DecisionGauges(remote(metrics.set_state), remote(metrics.pairs.set)) if metrics is not None else None
-    stop_mirroring = remote(gateway.stop_mirroring)
-
-    def build() -> Observer:
-        recorder = ShadowRecorder(policy, primary, {name: arm.replicas[0] for name, arm in routing.arms.items()
-                                                    if arm.replicas}, deciding)
-        if deciding is None or gauges is None:
-            return recorder
-        # the recorder writes a request whose exchange was lost max_pending requests later: the decision waits longer
-        decision = LiveDecision(deciding[0], deciding[1], 2 * policy.max_pending)
-        return DecidingRecorder(recorder, decision, gauges, stop_mirroring)
-    return build
+    recorder = ShadowRecorder(policy, primary, {name: arm.replicas[0] for name, arm in routing.arms.items()
+                                                if arm.replicas}, deciding)
+    if deciding is None:
+        return recorder
+    # the recorder writes a request whose exchange was lost max_pending requests later: the decision waits longer
+    decision = LiveDecision(deciding[0], deciding[1], 2 * policy.max_pending)
+    return DecidingRecorder(recorder, decision, ShadowDecisionMetrics.build(gateway.registry), gateway.stop_mirroring)
 
 
 async def serve(config: GatewayConfig, reload: Callable[[], GatewayConfig] | None = None,

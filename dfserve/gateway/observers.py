@@ -4,13 +4,12 @@ Every request the gateway sends to an arm (a client's, or a shadow mirror of one
 limits or failed) ends in one `Exchanged` record, handed once to `Observers.finished`; a request the gateway
 refuses before it picks an arm (invalid JSON, an unknown route, an oversize body) is no exchange. Metrics are the
 first observer (`MetricsObserver`), run inline on the event loop: it is a few dictionary lookups, and the families
-it updates are read on the loop (`GET /metrics`). The gateway's configured observers (a capture of requests, shadow
-records) run in a process of their own (`add_apart`, `gateway.apart`): the loop's cost per exchange is a `marshal`
-into a pipe's buffer. There, as for an observer object added here (`add`), each observer runs on a thread of its
-own, fed by a bounded queue, and never on the loop's hot path. The thread takes its exchanges in batches: woken by
-one with no backlog behind it (`BATCH_BACKLOG`), it waits `BATCH_WAIT_S` for more, then observes everything queued
-by then, and an observer with a `flush` method has it called after each batch, to write a batch at once. An
-exchange that finds the queue full is dropped for that observer (one with a `missed` method is told, to count it in
+it updates are read on the loop (`GET /metrics`). Every other observer (a capture of requests, shadow records)
+runs on a thread of its own, fed by a bounded queue: the loop's cost per exchange is one `put_nowait`, and an
+observer's work never runs on the hot path. The thread takes its exchanges in batches: woken by one with no
+backlog behind it (`BATCH_BACKLOG`), it waits `BATCH_WAIT_S` for more, then observes everything queued by then, and
+an observer with a `flush` method has it called after each batch, to write a batch at once. An exchange that
+finds the queue full is dropped for that observer (one with a `missed` method is told, on the loop, to count it in
 what it writes), and an observer that raises loses that exchange: both are counted
 (`dfserve_gateway_observer_failures_total{observer, reason}`, reason `behind` or `failed`) and logged once per
 observer and reason; neither ever fails or slows a client's request.
@@ -32,13 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import Counter
 
 from dfserve.errors import FieldError
-from dfserve.gateway.apart import ApartObserver, ApartProcess, Remote
 from dfserve.metrics import DfserveMetrics, ObserverMetrics, Outcome, observe
 
 log = logging.getLogger("dfserve.gateway")
@@ -88,29 +85,6 @@ class Exchanged:
     def timed_from_s(self) -> float:
         """Where its outcome's TTFT and E2E are timed from (`latency_origin`)."""
         return latency_origin(self.mirror, self.start_s, self.sent_s)
-
-    def wire(self) -> tuple[Any, ...]:
-        """What `marshal` carries to the observers' process (`gateway.apart`): everything but the outcome's binned
-        gaps, which are the metrics' (kept in the gateway); the decoded body last."""
-        o = self.outcome
-        return (self.request_id, self.mirror, self.method, self.path, self.headers, self.body, self.start_s,
-                (o.arm, o.route, o.replica, o.status, o.error, o.ttft_s, o.e2e_s, o.output_tokens, o.verify_rounds,
-                 o.accept_length, o.measure),
-                self.unparsed, self.answer, self.streamed, self.mirrors, self.pieces, self.sent_s, self.request)
-
-    def missed_wire(self) -> tuple[Any, ...]:
-        """The wire of an exchange an observer will not see: enough to count it (`Missing`), no body or pieces."""
-        wire = self.wire()
-        return (*wire[:4], b"", b"", *wire[6:9], b"", *wire[10:12], None, wire[13], None)
-
-    @classmethod
-    def from_wire(cls, wire: Sequence[Any]) -> Exchanged:
-        (request_id, mirror, method, path, headers, body, start_s, o, unparsed, answer, streamed, mirrors, pieces,
-         sent_s, request) = wire
-        outcome = Outcome(arm=o[0], route=o[1], replica=o[2], status=o[3], error=o[4], ttft_s=o[5], e2e_s=o[6],
-                          output_tokens=o[7], verify_rounds=o[8], accept_length=o[9], measure=o[10])
-        return cls(request_id, mirror, method, path, headers, body, start_s, outcome, unparsed, answer, streamed,
-                   tuple(mirrors), pieces, request, sent_s)
 
 
 def latency_origin(mirror: bool, start_s: float, sent_s: float | None) -> float:
@@ -164,13 +138,13 @@ def register(kind: str) -> Callable[[ObserverKind], ObserverKind]:
     return add
 
 
-def builder(kind: str, options: Mapping[str, Any], field: str) -> Callable[[], Observer]:
-    """What builds the observer a config entry names; `FieldError` naming `field` for an unknown kind, at once."""
+def build(kind: str, options: Mapping[str, Any], field: str) -> Observer:
+    """The observer a config entry names; `FieldError` naming `field` for an unknown kind."""
     factory = KINDS.get(kind)
     if factory is None:
         known = ", ".join(sorted(KINDS)) or "none registered"
         raise FieldError(field, f"no observer kind {kind!r} (known: {known})")
-    return partial(factory, options)
+    return factory(options)
 
 
 class MetricsObserver:
@@ -197,13 +171,11 @@ class _Faults:
         self.counters = counters
         self.logged: set[str] = set()
 
-    def __call__(self, reason: str, exc: BaseException | str | None) -> None:
-        """`exc`: what the observer raised, or what it raised as its process said it (`gateway.apart`)."""
+    def __call__(self, reason: str, exc: BaseException | None) -> None:
         self.counters[reason].inc()
         if reason not in self.logged:
             self.logged.add(reason)
-            why = (f"it raised {type(exc).__name__}: {exc}" if isinstance(exc, BaseException)
-                   else exc if exc is not None else "its queue is full")
+            why = f"it raised {type(exc).__name__}: {exc}" if exc is not None else "its queue is full"
             log.error("observer %s missed an exchange (%s); counted in dfserve_gateway_observer_failures_total, "
                       "logged once", self.name, why)
 
@@ -228,15 +200,10 @@ the loop would wait the interpreter's switch interval (5 ms) behind a batch, add
 costs the observer its warm caches, so not after every exchange."""
 
 
-Faults = Callable[[str, BaseException | str | None], None]
-"""Counts and logs an observer's missed exchange: the reason (`behind`, `failed`) and what it raised, if it did."""
-
-
-class Lane:
+class _Lane:
     """A bounded queue drained by a thread that calls one observer."""
 
-    def __init__(self, name: str, observer: Observer, queue_size: int, faults: Faults) -> None:
-        self.name = name
+    def __init__(self, name: str, observer: Observer, queue_size: int, faults: _Faults) -> None:
         self.observer = observer
         self.faults = faults
         self.queue: queue.Queue[object] = queue.Queue(queue_size)
@@ -249,15 +216,11 @@ class Lane:
             self.queue.put_nowait(exchanged)
         except queue.Full:
             self.faults("behind", None)
-            self.tell_missed(exchanged)
-
-    def tell_missed(self, exchanged: Exchanged) -> None:
-        """An exchange this observer will not see: it counts it, if it counts them (`Missing`)."""
-        if self.missed is not None:
-            try:
-                self.missed(exchanged)
-            except Exception as exc:
-                self.faults("failed", exc)
+            if self.missed is not None:
+                try:
+                    self.missed(exchanged)
+                except Exception as exc:
+                    self.faults("failed", exc)
 
     def _drain(self) -> None:
         observer, flush = self.observer, self.observer.flush if isinstance(self.observer, Flushing) else None
@@ -300,7 +263,7 @@ class Lane:
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             log.error("observer %s did not finish within %g s of the gateway's stop; left behind",
-                      self.name, timeout_s)
+                      self.faults.name, timeout_s)
 
 
 class Observers:
@@ -309,13 +272,8 @@ class Observers:
     def __init__(self, metrics: ObserverMetrics) -> None:
         self.metrics = metrics
         self._inline: list[tuple[Observer, _Faults]] = []
-        self._lanes: list[Lane] = []
+        self._lanes: list[_Lane] = []
         self._names: set[str] = set()
-        self._apart: list[ApartObserver] = []
-        self._faults: dict[str, _Faults] = {}
-        self._process: ApartProcess | None = None
-        self.remote = Remote()
-        """Wraps a function of the gateway for an observer in the observers' process to call (`add_apart`)."""
 
     @property
     def names(self) -> Sequence[str]:
@@ -325,32 +283,14 @@ class Observers:
         """Register `observer` under `name` (its `observer` label). Off the loop, on a thread of its own with a
         queue of `queue_size` exchanges, unless `inline`: only for work as cheap as a counter's, which then runs
         on the event loop for every exchange."""
-        faults = self._named(name)
-        if inline:
-            self._inline.append((observer, faults))
-        else:
-            self._lanes.append(Lane(name, observer, queue_size, faults))
-
-    def add_apart(self, name: str, build: Callable[[], Observer], *, queue_size: int = 4096) -> None:
-        """Register the observer `build` makes, to be built and run in the observers' process (`gateway.apart`),
-        on a thread of its own there with a queue of `queue_size` exchanges; a function of the gateway it calls
-        must be wrapped by `remote` before `start`."""
-        self._named(name)
-        self._apart.append(ApartObserver(name, build, queue_size))
-
-    def _named(self, name: str) -> _Faults:
         if name in self._names:
             raise FieldError("observers", f"two observers named {name!r}")
         self._names.add(name)
-        faults = self._faults[name] = _Faults(name, self.metrics.watch(name))
-        return faults
-
-    def start(self) -> None:
-        """Start the observers' process, if any observer is to run apart; what building one raised is raised."""
-        if self._apart and self._process is None:
-            process = ApartProcess(self._apart, dict(self._faults), self.remote)
-            process.start()
-            self._process = process
+        faults = _Faults(name, self.metrics.watch(name))
+        if inline:
+            self._inline.append((observer, faults))
+        else:
+            self._lanes.append(_Lane(name, observer, queue_size, faults))
 
     def finished(self, exchanged: Exchanged) -> None:
         """Hand one exchange to every observer; nothing an observer does reaches the caller."""
@@ -361,23 +301,12 @@ class Observers:
                 faults("failed", exc)
         for lane in self._lanes:
             lane.offer(exchanged)
-        if self._process is not None:
-            self._process.offer(exchanged.wire(), exchanged.missed_wire)
-
-    def seal(self, timeout_s: float = 5.0) -> None:
-        """On the event loop, as the gateway stops: the exchanges that finished are sent to the observers' process,
-        and no more (`close` does it where nothing runs a loop)."""
-        if self._process is not None:
-            self._process.seal(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Every exchange queued is observed, then each observer is closed (the gateway's stop)."""
         lanes, self._lanes = self._lanes, []
         for lane in lanes:
             lane.stop(timeout_s)
-        process, self._process = self._process, None
-        if process is not None:
-            process.close(timeout_s)
         for observer, faults in self._inline:
             try:
                 observer.close()

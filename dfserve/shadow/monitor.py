@@ -33,8 +33,7 @@ come at any time, so a gate with an identical-output rule passes only once that 
 (traffic that never asks for temperature 0 is decided by `dfserve compare` when its folder closes, or by a gate
 without the rule).
 
-    decider = DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending=10_000),
-                               DecisionGauges.of(metrics), stop)
+    decider = DecidingRecorder(recorder, LiveDecision(design, "inhouse", max_pending=10_000), metrics, stop)
     gateway.observers.add("shadow", decider)
 """
 
@@ -188,33 +187,19 @@ class LiveDecision:
         return look
 
 
-@dataclass(frozen=True)
-class DecisionGauges:
-    """Where the gateway shows the live decision (`ShadowDecisionMetrics`): set through these, which the recorder's
-    process calls in the gateway's (`Observers.remote`)."""
-
-    set_state: Callable[[str], None]
-    set_pairs: Callable[[int], None]
-
-    @classmethod
-    def of(cls, metrics: ShadowDecisionMetrics) -> DecisionGauges:
-        return cls(metrics.set_state, metrics.pairs.set)
-
-
 class DecidingRecorder:
     """The gateway's `shadow` observer when it decides as it records: the recorder writes, the decision follows
     on the same thread; once decided, the folder is closed with its decision and `stop_mirroring` is called (it
-    hands the switch to the event loop). The pairs gauge is set once a batch (`flush`)."""
+    hands the switch to the event loop)."""
 
-    def __init__(self, recorder: ShadowRecorder, decision: LiveDecision, gauges: DecisionGauges,
+    def __init__(self, recorder: ShadowRecorder, decision: LiveDecision, metrics: ShadowDecisionMetrics,
                  stop_mirroring: Callable[[], None]) -> None:
         self.recorder = recorder
         self.decision = decision
-        self.gauges = gauges
+        self.metrics = metrics
         self.stop_mirroring = stop_mirroring
-        self._pairs_shown = 0
         recorder.on_record = decision.written
-        gauges.set_state("deciding")
+        metrics.set_state("deciding")
 
     def observe(self, exchanged: Exchanged) -> None:
         self.recorder.observe(exchanged)
@@ -223,15 +208,16 @@ class DecidingRecorder:
             return
         if self.recorder.stopped:
             decision.abandon()
-            self.gauges.set_state("abandoned")
+            self.metrics.set_state("abandoned")
             log.error("shadow.until_decided: recording stopped (shadow.max_folders) before the gate was decided; the "
                       "live decision is given up, and dfserve compare judges each folder")
             return
         look = decision.seen(exchanged)
+        self.metrics.pairs.set(decision.pairs)
         if look is not None:
             self._decided(look)
         elif decision.state == "abandoned":
-            self.gauges.set_state("abandoned")
+            self.metrics.set_state("abandoned")
             log.error("shadow.until_decided: request %s was never recorded and %d later ones wait behind it; the "
                       "live decision is given up, mirroring and recording go on, and dfserve compare judges each "
                       "folder", decision.stalled_at, decision.max_pending)
@@ -242,22 +228,14 @@ class DecidingRecorder:
         self.stop_mirroring()
         write_model(decision.folder / DECISION, decision.decision)
         self.recorder.close()
-        self._show_pairs()
-        self.gauges.set_state(decision.state)
+        self.metrics.set_state(decision.state)
         rules = "; ".join(f"{r.metric} {r.status}" for r in look.rules)
         log.warning("shadow decided: %s at look %d after %d mirrored pairs (%s); mirroring stopped, clients stay on "
                     "the primary, and a restart starts a new decision; record folder complete: %s",
                     look.verdict, look.number, look.pairs, rules, decision.folder)
 
-    def _show_pairs(self) -> None:
-        if self.decision.pairs != self._pairs_shown:
-            self._pairs_shown = self.decision.pairs
-            self.gauges.set_pairs(self._pairs_shown)
-
     def flush(self) -> None:
         self.recorder.flush()
-        self._show_pairs()
 
     def close(self) -> None:
         self.recorder.close()
-        self._show_pairs()

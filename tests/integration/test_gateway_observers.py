@@ -8,9 +8,7 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -43,20 +41,6 @@ class Recorder:
         self.closed = True
 
 
-class Stalled:
-    """A configured observer, so in the observers' process: it waits until `go` exists, and says it was closed."""
-
-    def __init__(self, go: Path) -> None:
-        self.go = go
-
-    def observe(self, exchanged: Exchanged) -> None:
-        while not self.go.exists():
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        (self.go.parent / "closed").touch()
-
-
 class Raising:
     def observe(self, exchanged: Exchanged) -> None:
         raise RuntimeError("observer down")
@@ -68,11 +52,12 @@ class Raising:
 RAISED = 'dfserve_gateway_observer_failures_total{observer="raising",reason="failed"} 36.0'
 
 
-def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     requests = 12
     listening: list[str] = []
-    recorder, go = Recorder(expected=3 * requests), tmp_path / "go"
-    monkeypatch.setitem(observers.KINDS, "test_stalled", lambda options: Stalled(go))
+    gate = threading.Event()
+    recorder, stalled = Recorder(expected=3 * requests), Recorder(gate)
+    monkeypatch.setitem(observers.KINDS, "test_stalled", lambda options: stalled)
     with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:
         config = load_config(None, {
             "host": "127.0.0.1", "port": 0, "scrape.enabled": False, "health.interval_s": 60,
@@ -106,7 +91,7 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
                     if RAISED in text:
                         break
                     await asyncio.sleep(0.1)
-            go.touch()
+            gate.set()
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
             return statuses, text
@@ -130,6 +115,6 @@ def test_every_exchange_reaches_every_observer_once(monkeypatch: pytest.MonkeyPa
     assert RAISED in metrics
     (behind,) = [line for line in metrics.splitlines()
                  if line.startswith('dfserve_gateway_observer_failures_total{observer="test_stalled",reason="behind"}')]
-    assert float(behind.rsplit(" ", 1)[1]) >= 3 * requests - 3 and (tmp_path / "closed").exists()
+    assert float(behind.rsplit(" ", 1)[1]) >= 3 * requests - 3 and stalled.closed
     assert 'dfserve_gateway_observer_failures_total{observer="recorder",reason="behind"} 0.0' in metrics
     assert 'dfserve_gateway_observer_failures_total{observer="recorder",reason="failed"} 0.0' in metrics

@@ -21,7 +21,7 @@ from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
 from dfserve.metrics import SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
-from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, DecisionGauges, LiveDecision
+from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.verdict import compare_shadow, live_design
@@ -62,8 +62,7 @@ def deciding(tmp_path: Path, look_every: int = 4, max_pending: int = 10_000, rec
     metrics = ShadowDecisionMetrics.build(CollectorRegistry())
     stops = Stops()
     recorder = ShadowRecorder(policy, "zlab", ENGINES, (design, "inhouse"))
-    return DecidingRecorder(recorder, LiveDecision(design, "inhouse", 2 * max_pending), DecisionGauges.of(metrics),
-                             stops), metrics, stops
+    return DecidingRecorder(recorder, LiveDecision(design, "inhouse", 2 * max_pending), metrics, stops), metrics, stops
 
 
 def state(metrics: ShadowDecisionMetrics) -> str:
@@ -338,7 +337,7 @@ def test_recording_stopped_at_max_folders_gives_the_decision_up(tmp_path: Path) 
     assert live is not None
     metrics = ShadowDecisionMetrics.build(CollectorRegistry())
     recorder = ShadowRecorder(policy, "zlab", ENGINES, live)
-    decider = DecidingRecorder(recorder, LiveDecision(live[0], "inhouse", 8), DecisionGauges.of(metrics), Stops())
+    decider = DecidingRecorder(recorder, LiveDecision(live[0], "inhouse", 8), metrics, Stops())
     for rid in range(3):
         for e in request(rid):
             decider.observe(e)
