@@ -27,7 +27,7 @@ from dfserve import sglang, stamped_socket
 from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import FieldError, UserError
 from dfserve.headers import ARM as PIN_HEADER
-from dfserve.loadtest.client import ArmClient
+from dfserve.loadtest.client import ArmClient, prepare_all
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.routes import ROUTE_FOR
@@ -272,11 +272,15 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         provenance = Provenance.here()  # tens of ms the first time: before the clock starts, not in the schedule
         tasks = TaskSetInfo(name=plan.task_set.name, sha256=plan.task_set.sha256, size=len(plan.task_set.tasks),
                             incomplete=plan.task_set.incomplete)  # hashing every prompt: a replayed trace's head was late
+        indices = shard_indices(total, plan.shard)
+        sent = list({order[i].id: order[i] for i in indices}.values())
+        bodies = prepare_all(sent, plan.default_api, plan.sampling.params(), [arm.model for arm in arms])
         t0 = time.perf_counter()
         writer.begin(t0)
         clients = [
             ArmClient(arm.name, arm.url, plan.default_api, plan.sampling.params(), writer.submit, model=arm.model, t0=t0,
-                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms, headers=dict(plan.headers))
+                      request_timeout_s=plan.request_timeout_s, pin_arm=plan.pin_arms, headers=dict(plan.headers),
+                      bodies=bodies)
             for arm in arms
         ]
         config = RunConfig(
@@ -301,7 +305,6 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
         )
         write_model(run_dir / "config.json", config)
         deadline = t0 + plan.duration_s if plan.duration_s is not None else float("inf")
-        indices = shard_indices(total, plan.shard)
         concurrency = None if load.concurrency is None else shard_concurrency(load.concurrency, plan.shard)
         drive: asyncio.Future[Any]
         if offsets is None:

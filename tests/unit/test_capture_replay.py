@@ -105,8 +105,10 @@ def test_the_client_sends_a_replayed_task_as_captured() -> None:
     client = ArmClient("a", "http://127.0.0.1:9", "native", SamplingParams(), lambda _: None, t0=0.0,
                        request_timeout_s=1.0)
     try:
-        route, body = client.request(task)
-        assert route.path == "/generate" and body == {"text": "p", "sampling_params": {"top_k": 5}, "stream": True}
+        sent = client.request(task)
+        assert sent.route.path == "/generate" and sent.request == {"text": "p", "sampling_params": {"top_k": 5},
+                                                                   "stream": True}
+        assert json.loads(sent.body) == sent.request
     finally:
         client.close()
 
@@ -229,15 +231,16 @@ def test_each_request_goes_on_its_own_route_and_a_task_set_on_the_runs(tmp_path:
     client = ArmClient("a", "http://127.0.0.1:9", "chat", SamplingParams(max_new_tokens=9), lambda _: None,
                        model="served", t0=0.0, request_timeout_s=1.0)
     try:
-        assert [client.request(t)[0].path for t in tasks.tasks] == [
+        assert [client.request(t).route.path for t in tasks.tasks] == [
             "/generate", "/v1/chat/completions", "/v1/completions", "/v1/completions"]
         plain = Task(id="t", prompt="def f():")
-        assert client.request(plain) == (ROUTE_FOR["chat"], sglang.chat_body(
+        sent = client.request(plain)
+        assert (sent.route, sent.request) == (ROUTE_FOR["chat"], sglang.chat_body(
             "served", [{"role": "user", "content": "def f():"}], SamplingParams(max_new_tokens=9), stream=True,
             return_spec_tokens_details=True, include_usage=True))
         client.api = "completions"
-        route, body = client.request(plain)
-        assert route.path == "/v1/completions" and body == {
+        sent = client.request(plain)
+        assert sent.route.path == "/v1/completions" and sent.request == {
             "model": "served", "prompt": "def f():", "stream": True, "max_tokens": 9, "temperature": 0.0,
             "top_p": 1.0, "return_spec_tokens_details": True, "stream_options": {"include_usage": True}}
     finally:

@@ -131,3 +131,41 @@ def test_an_error_document_in_a_200_event_stream_is_a_protocol_error_in_the_serv
         finished, _ = run([body + framing], head)
         record = derive(0.0, finished)
         assert (record.error_kind, record.error_message) == ("protocol", "an event stream without an event: nope")
+
+
+def test_a_request_encoded_before_the_run_goes_out_as_it_was_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run encodes its bodies before its clock starts (`prepare_all`): sending one encodes nothing."""
+    task = ReplayTask(id="t", prompt="p", route="chat", body={"messages": [{"role": "user", "content": "p" * 1000}]})
+    sampling = SamplingParams(max_new_tokens=8)
+    bodies = tester_client.prepare_all([task, task], "chat", sampling, ["served", "served"])
+    assert list(bodies) == [("t", "served")]  # once per task and model, whatever names it twice
+    received: list[bytes] = []
+    answer = HEAD + chunk(chat_event("x", "stop")) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        received.append(await reader.readexactly(length))
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async def go() -> list[Finished]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        finished: list[Finished] = []
+        client = ArmClient("a", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "chat", sampling,
+                           finished.append, model="served", t0=0.0, request_timeout_s=10.0, bodies=bodies)
+        monkeypatch.setattr(tester_client.json, "dumps", lambda *args, **kwargs: pytest.fail("encoded as sent"))
+        try:
+            await client.send(task, 0, warmup=False, scheduled_s=None)
+        finally:
+            monkeypatch.undo()
+            client.close()
+            server.close()
+            await server.wait_closed()
+        return finished
+
+    (finished,) = asyncio.run(go())
+    assert received == [bodies[("t", "served")].body] and finished.http_status == 200 and finished.error is None
+    assert json.loads(received[0])["messages"] == task.body["messages"]
