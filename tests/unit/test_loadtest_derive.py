@@ -49,6 +49,11 @@ def native_of(index: int, text: str, tokens: int, final: bool = False) -> bytes:
     return native(text, tokens, final).replace(b'data: {', b'data: {"index":%d,' % index, 1)
 
 
+def spaced(event: bytes) -> bytes:
+    """An event as a server that writes JSON with Python's default separators sends it (`"content": "x"`)."""
+    return b"data: " + json.dumps(json.loads(event[len(b"data: "):])).encode() + b"\n\n"
+
+
 def thinking(text: str) -> bytes:
     """A reasoning model's chunk of its thinking (SGLang's --reasoning-parser): `reasoning_content`, no content."""
     quoted = json.dumps(text).encode()
@@ -101,6 +106,8 @@ STREAMS: dict[str, tuple[sglang.Api, bytes]] = {
                                                   + chat(None, finish=True) + chat_end(2)),
     "chat with a field after data": ("chat", chat("a") + b"event: x\n\n" + chat("b") + chat(None, finish=True)
                                      + chat_end(2)),
+    "chat with spaces after colons and commas": ("chat", b"".join(spaced(chat(t)) for t in ("a", '"b": "c"', "d"))
+                                                 + spaced(chat(None, finish=True)) + chat_end(3)),
     "chat with data without its space": ("chat", chat("a") + chat("b").replace(b"data: ", b"data:")
                                          + chat(None, finish=True) + chat_end(2)),
     "chat with an extra blank line": ("chat", chat("a") + b"\n" + chat("b") + chat(None, finish=True) + chat_end(2)),
@@ -195,6 +202,9 @@ def test_only_the_chunks_that_do_not_fit_the_template_are_decoded(monkeypatch: p
         return parse(data)
 
     monkeypatch.setattr(sglang, "parse_openai_event", counted)
+    spaced_stream = derive(10.0, finished(cuts(STREAMS["chat with spaces after colons and commas"][1], "events")))
+    assert spaced_stream.ok and len(decoded) == 4  # the first content chunk, then its end: not `"b": "c"`'s
+    decoded.clear()
     record = derive(10.0, finished(cuts(STREAMS["chat"][1], "events")))
     assert record.ok and len(record.chunk_times_s) == 40
     assert [json.loads(data)["choices"] for data in decoded[:2]] == [

@@ -374,6 +374,8 @@ class ChunkTemplate:
                 or event.spec is not None or '"text":' in data):
             return
         at = _once(data, '"content":')
+        while at >= 0 and data.startswith(" ", at):  # `"content": "`: json.dumps' default separators
+            at += 1
         if at < 0 or not data.startswith('"', at):
             return
         text, end = _scanstring(data, at + 1)
