@@ -94,6 +94,12 @@ def test_measure_whole() -> None:
     meta = {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 12, "spec_verify_ct": 3}
     batch = json.dumps([{"text": "a", "meta_info": meta}, {"text": "b", "meta_info": dict(meta, spec_verify_ct=1)}])
     assert measure_whole("native", batch.encode()) == (Acceptance(24, 4, 24 / 4, "exact"), None)
+    first_token_stop = {"id": "s", "finish_reason": {"type": "stop", "matched": "wo"}, "prompt_tokens": 1,
+                        "completion_tokens": 1}  # no spec fields: SGLang 0.5.23 leaves them out at 0 rounds
+    mixed = json.dumps([{"text": "", "meta_info": first_token_stop}, {"text": "b", "meta_info": meta}])
+    assert measure_whole("native", mixed.encode()) == (Acceptance(13, 3, 13 / 3, "exact"), None)  # as streamed
+    alone = json.dumps([{"text": "", "meta_info": first_token_stop}])
+    assert measure_whole("native", alone.encode())[0] == Acceptance(output_tokens=1)
     chat = {"choices": [{"message": {"content": "x"}, "meta_info": meta}], "usage": {"completion_tokens": 12}}
     assert measure_whole("chat", json.dumps(chat).encode())[0].measure == "exact"
     del chat["choices"][0]["meta_info"]
