@@ -73,21 +73,25 @@ def _decoded(body: bytes) -> object:
         return None
 
 
-def output_text(route: str, answer: bytes, streamed: bool) -> str | None:
-    """The answer's output text where `answer` holds all of it: a whole body, or a native stream's last event
-    (SGLang repeats the whole output in each, unless it streams deltas); None for an OpenAI stream (`answer` is only
-    its end: its text is read from its pieces, `recorded_stream`)."""
+def output_text(route: str, answer: bytes, streamed: bool) -> tuple[str | None, str | None]:
+    """The answer's output text where `answer` holds all of it (a whole body, or a native stream's last event: SGLang
+    repeats the whole output in each, unless it streams deltas), and how it finished (the first output's, of
+    several); no text for an OpenAI stream (`answer` is only its end: its text is read from its pieces,
+    `recorded_stream`)."""
     if not streamed:
         try:
             if route == "native":
-                return "\x00".join(r.text for r in sglang.parse_generate_response(answer))
-            return sglang.parse_openai_response(answer).text
+                results = sglang.parse_generate_response(answer)
+                finish = results[0].meta.finish_reason if results else None
+                return "\x00".join(r.text for r in results), finish.kind if finish is not None else None
+            result = sglang.parse_openai_response(answer)
+            return result.text, result.finish_reason.kind if result.finish_reason is not None else None
         except ProtocolError:
-            return None
+            return None, None
     if route != "native":
-        return None
+        return None, None
     end = native_stream_end(answer)
-    return end.text if end.failure is None and not end.incremental else None
+    return end.text if end.failure is None and not end.incremental else None, end.finish_reason
 
 
 def greedy_held(base: RequestRecord, cand: RequestRecord) -> bool:
@@ -160,7 +164,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     message = (exchanged.unparsed or o.error) if kind is not None else None
     tokens, rounds = o.output_tokens, o.verify_rounds
     exact = o.measure == "exact" and rounds is not None
-    text, chunk_times, chunk_tokens, stream = None, [], None, None
+    text, finish, chunk_times, chunk_tokens, stream = None, None, [], None, None
     if exchanged.pieces is not None:
         if o.route == "native" and not task.several:
             stream = recorded_native_stream(cast(Sequence[tuple[float, int]], exchanged.pieces), exchanged.answer,
@@ -178,7 +182,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         if kind is None and not stream.incremental:  # deltas: only the last is kept
             text = stream.text
     elif kind is None:
-        text = output_text(o.route, exchanged.answer, exchanged.streamed)
+        text, finish = output_text(o.route, exchanged.answer, exchanged.streamed)
     if (kind is None and exact and tokens is not None
             and (why := sglang.impossible_rounds(tokens, rounds or 0)) is not None):
         kind, message, text = "protocol", why, None
@@ -191,7 +195,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         end_s=origin + o.e2e_s if o.e2e_s is not None else None, chunk_times_s=chunk_times, chunk_tokens=chunk_tokens,
         prompt_tokens=stream.prompt_tokens if stream is not None else None,
         completion_tokens=tokens, spec_verify_ct=rounds if exact else None,
-        finish_reason=stream.finish_reason if stream is not None else None,
+        finish_reason=stream.finish_reason if stream is not None else finish,
         acceptance="exact" if exact else "unknown",
         output_sha256=output_sha256(text) if text is not None else None,
         http_status=200 if in_band else o.status or None, error_kind=kind, error_message=message,

@@ -97,11 +97,16 @@ def test_an_output_with_a_lone_escaped_surrogate_is_hashed_not_lost() -> None:
 
 def test_outputs_the_gateway_holds() -> None:
     event = b'data: ' + _native("whole so far", 3, 1) + b'\n\ndata: [DONE]\n\n'
-    assert output_text("native", event, streamed=True) == "whole so far"
-    assert output_text("chat", b'data: {"choices": []}\n\ndata: [DONE]\n\n', streamed=True) is None
+    assert output_text("native", event, streamed=True) == ("whole so far", "length")
+    assert output_text("chat", b'data: {"choices": []}\n\ndata: [DONE]\n\n', streamed=True) == (None, None)
     chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
-    assert output_text("chat", json.dumps(chat).encode(), streamed=False) == "hi"
-    assert output_text("native", b"not json", streamed=False) is None
+    assert output_text("chat", json.dumps(chat).encode(), streamed=False) == ("hi", "stop")
+    assert output_text("native", b"not json", streamed=False) == (None, None)
+    meta = {"id": "r", "prompt_tokens": 1, "completion_tokens": 2}
+    two = [{"text": "a", "meta_info": {**meta, "finish_reason": {"type": "length", "length": 2}}},
+           {"text": "b", "meta_info": {**meta, "finish_reason": {"type": "stop", "matched": 2}}}]
+    assert output_text("native", json.dumps(two).encode(), streamed=False) == ("a\x00b", "length")
+    assert shadow_record(exchanged(1, "zlab", False), 100.0).finish_reason == "length"  # a whole body's, as streams
 
 
 @pytest.mark.parametrize(("route", "body", "temperature"), [
