@@ -35,6 +35,9 @@ class StreamRead:
     incremental: bool = False
     """A native stream whose events carry deltas (`NativeChunk.incremental`, seen once is enough)."""
     finish_reason: str | None = None
+    """How the output of lowest index finished, of those that did (`finished`): with several, the last to finish
+    depends on timing."""
+    finish_reasons: dict[int, str] = field(default_factory=dict)
     simulated: bool = False
     sim_sent: list[float] | None = None
     sim_due: list[float] | None = None
@@ -53,6 +56,11 @@ class StreamRead:
         if not self.choice_texts:
             return "".join(self.texts)
         return sglang.joined_choices({0: "".join(self.texts)} | {i: "".join(t) for i, t in self.choice_texts.items()})
+
+    def finished(self, index: int, kind: str) -> None:
+        """Output `index` says how it finished (the last word of each counts)."""
+        self.finish_reasons[index] = kind
+        self.finish_reason = self.finish_reasons[min(self.finish_reasons)]
 
     def native_event(self, data: str, now: float) -> None:
         event = sglang.parse_native_event(data)
@@ -84,7 +92,7 @@ class StreamRead:
         if finish.error is not None:
             self._in_band(finish.error)
             return
-        self.finish_reason = finish.kind
+        self.finished(index, finish.kind)
         if meta.spec is not None:
             self.verify_cts[index] = meta.spec.verify_ct
             self.verify_ct = sum(self.verify_cts.values())
@@ -136,7 +144,7 @@ class StreamRead:
                 self.chunk_times.append(now)
                 (self.choice_texts.setdefault(event.index, []) if event.index else self.texts).append(event.text)
             if event.finish_reason is not None:
-                self.finish_reason = event.finish_reason.kind
+                self.finished(event.index, event.finish_reason.kind)
                 if event.finish_reason.error is not None:
                     self._in_band(event.finish_reason.error)
             if event.usage is not None:

@@ -349,3 +349,21 @@ def test_a_native_answer_of_two_outputs_counts_both_each_at_its_own_pace() -> No
     assert ended(stream).failure is None
     assert (stream.completion_tokens, stream.chunk_tokens, stream.verify_ct) == (14, [1, 2, 3, 2, 2, 4], 6)
     assert stream.text == "abc\x00xyz"
+
+
+@pytest.mark.parametrize("api", ["native", "chat"])
+def test_several_outputs_finish_as_the_first_output_did_whichever_ends_last(api: sglang.Api) -> None:
+    if api == "native":
+        first = native_of(0, "ab", 2, final=True).replace(b'"type":"length"', b'"type":"stop"')
+        other = native_of(1, "xy", 2, final=True)
+        assert b'"type":"stop"' in first and b'"type":"length"' in other
+    else:
+        first, other = chat("a", finish="stop"), second("x").replace(b'"finish_reason":null', b'"finish_reason":"length"')
+        assert b'"finish_reason":"length"' in other
+    reasons = set()
+    for events in (first + other, other + first):
+        stream = StreamRead()
+        datas = [e[6:].decode() for e in (events + sglang.SSE_DONE).split(b"\n\n") if e.startswith(b"data: ")]
+        ROUTE_FOR[api].read(stream, datas, [0.1 * i for i in range(len(datas))], False)
+        reasons.add(stream.finish_reason)
+    assert reasons == {"stop"}
