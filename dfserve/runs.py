@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, UserError, describe_invalid
@@ -209,6 +210,36 @@ def _kind_of(data: bytes) -> object:
     except (ValueError, RecursionError):
         return None
     return document.get("kind") if isinstance(document, dict) else None
+
+
+S = TypeVar("S", bound="SealedSummary")
+
+
+class SealedSummary(BaseModel):
+    """A run's summary.json: it holds the seals of the run's other files, and seals its own fields, so that turning
+    `interrupted` off, or dropping a seal to edit what it sealed, shows. Like every seal here, it catches an edit,
+    not a forger who computes it again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    summary_sha256: str | None = Field(None, description="sha256 of this summary's other fields (`sealed`); None "
+                                       "in a summary older than this seal")
+
+    def sealed(self: S) -> S:
+        """This summary with the seal of its own fields, as it is written."""
+        return self.model_copy(update={"summary_sha256": self._fields_sha256()})
+
+    def _fields_sha256(self) -> str:
+        return hashlib.sha256(self.model_copy(update={"summary_sha256": None}).model_dump_json().encode()).hexdigest()
+
+    def unsealed(self, path: Path) -> str | None:
+        """Why this summary, read from `path`, is not as its writer left it; None when it is."""
+        where = f"{path.parent.name}/{path.name}"
+        if self.summary_sha256 is None:
+            return (f"{where} holds no sha256 of its own fields (written by an older dfserve, or edited): whether its "
+                    "run was interrupted cannot be checked")
+        if self.summary_sha256 != self._fields_sha256():
+            return f"{where} is not as its writer left it (its fields' sha256 is not the one it holds): edited"
+        return None
 
 
 def unsealed(path: Path, sealed: str | None) -> str | None:

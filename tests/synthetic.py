@@ -85,5 +85,5 @@ def write_run(out: Path, config: RunConfig, records: Sequence[RequestRecord], *,
     if summary:
         write_model(run_dir / "summary.json", summarize(config, records, interrupted, {}).model_copy(
             update={"records_sha256": file_sha256(run_dir / "requests.jsonl"),
-                    "config_sha256": file_sha256(run_dir / "config.json")}))
+                    "config_sha256": file_sha256(run_dir / "config.json")}).sealed())
     return run_dir

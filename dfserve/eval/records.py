@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dfserve.runs import Provenance
+from dfserve.runs import Provenance, SealedSummary
 from dfserve.verdict.results import Figure, Judgement
 from dfserve.verdict.wording import differences
 
@@ -204,7 +204,7 @@ class DrafterSummary(_Model):
         return next(m for m in self.methods if m.method == name)
 
 
-class EvalSummary(_Model):
+class EvalSummary(SealedSummary):
     schema_version: Literal[1] = 1
     kind: Literal["eval-summary"] = "eval-summary"
     run_id: str

@@ -182,7 +182,7 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     except KeyboardInterrupt:
         interrupted = True
     summary = _summarize(plan, config, records, interrupted).model_copy(
-        update={"records_sha256": file_sha256(run_dir / "anchors.jsonl")})
+        update={"records_sha256": file_sha256(run_dir / "anchors.jsonl")}).sealed()
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary))
     if not interrupted:

@@ -124,8 +124,10 @@ class EvalRun:
                 for m in written.methods):
             problems.append(f"{where} drafter {label}: summary.json's figures are not those of its records in "
                             "anchors.jsonl (records missing or edited)")
-        if (why := unsealed(self.path / "anchors.jsonl", self.summary.records_sha256)) is not None:
-            problems.append(f"{where}: {why}")
+        for why in (unsealed(self.path / "anchors.jsonl", self.summary.records_sha256),
+                    self.summary.unsealed(self.path / "summary.json")):
+            if why is not None:
+                problems.append(f"{where}: {why}")
         return problems
 
     def label(self, wanted: str | None, field: str, default_index: int) -> str:

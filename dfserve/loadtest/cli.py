@@ -324,7 +324,7 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
     summary."""
     summary = summarize(config, records, interrupted, read_lag).model_copy(
         update={"records_sha256": file_sha256(run_dir / "requests.jsonl"),
-                "config_sha256": file_sha256(run_dir / "config.json")})
+                "config_sha256": file_sha256(run_dir / "config.json")}).sealed()
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary, records))
     _print_summary(config, summary)

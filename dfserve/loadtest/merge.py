@@ -87,9 +87,8 @@ def read_shard(path: Path) -> ShardRun:
                         unfinished=True)
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     read_lag = {a.arm: a.tester_read_lag for a in summary.arms if a.tester_read_lag is not None}
-    edited = unsealed(records, summary.records_sha256)
-    if edited is None and summary.config_sha256 is not None:
-        edited = unsealed(path / "config.json", summary.config_sha256)
+    edited = (unsealed(records, summary.records_sha256) or unsealed(path / "config.json", summary.config_sha256)
+              or summary.unsealed(summary_file))
     return ShardRun(path, config, list(read_records(records)), summary.interrupted, read_lag,
                     {a.arm: a.requests for a in summary.arms}, _ends_mid_line(records), edited)
 

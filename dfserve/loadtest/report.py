@@ -19,6 +19,7 @@ from dfserve.loadtest import records as rec
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.schedule import ScheduleFidelity, schedule_fidelity
+from dfserve.runs import SealedSummary
 from dfserve.stamped_socket import ReadLag
 from dfserve.svg import page, svg_cdf, svg_histogram, table
 from dfserve.verdict import stats
@@ -83,7 +84,7 @@ class ArmSummary(_Model):
                                                 "both came in one read (None: no request had two chunks)")
 
 
-class Summary(_Model):
+class Summary(SealedSummary):
     schema_version: Literal[1] = 1
     kind: Literal["loadtest-summary"] = "loadtest-summary"
     run_id: str

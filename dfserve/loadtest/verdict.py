@@ -94,10 +94,10 @@ def incomplete(run: Run) -> list[str]:
         if figures_differ(arm, measured):
             problems.append(f"run {name} arm {arm.arm}: summary.json's figures are not those of its records in "
                             "requests.jsonl (edited?)")
-    if (why := unsealed(run.path / "requests.jsonl", summary.records_sha256)) is not None:
-        problems.append(f"run {name}: {why}")
-    if summary.config_sha256 is not None and (why := unsealed(run.path / "config.json", summary.config_sha256)):
-        problems.append(f"run {name}: {why}")
+    for why in (unsealed(run.path / "requests.jsonl", summary.records_sha256),
+                unsealed(run.path / "config.json", summary.config_sha256), summary.unsealed(summary_file)):
+        if why is not None:
+            problems.append(f"run {name}: {why}")
     return problems
 
 

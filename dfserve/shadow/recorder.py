@@ -130,7 +130,7 @@ class _Folder:
         summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired > 0,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms),
                           records_sha256=file_sha256(self.path / "requests.jsonl"),
-                          config_sha256=file_sha256(self.path / "config.json"))
+                          config_sha256=file_sha256(self.path / "config.json")).sealed()
         write_model(self.path / "summary.json", summary)
 
 

@@ -171,8 +171,9 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
     if (why := unsealed(path / "requests.jsonl", summary.records_sha256)) is not None:
         problems.append(f"shadow folder {config.run_id}: {why}")
     problems += [f"shadow folder {config.run_id}: {line}" for line in impossible_records(records)]
-    if summary.config_sha256 is not None and (why := unsealed(path / "config.json", summary.config_sha256)):
-        problems.append(f"shadow folder {config.run_id}: {why}")
+    for why in (unsealed(path / "config.json", summary.config_sha256), summary.unsealed(summary_file)):
+        if why is not None:
+            problems.append(f"shadow folder {config.run_id}: {why}")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: summary.json's figures are not those of its records "
                  "in requests.jsonl (edited?)" for arm in summary.arms
                  if held[arm.arm] == arm.requests and figures_differ(arm, [r for r in records if r.arm == arm.arm])]

@@ -55,7 +55,7 @@ def records_of(label: str, tau: int) -> list[AnchorRecord]:
             for task in TASKS for anchor in range(10)]
 
 
-def eval_run(root: Path, run_id: str, drafters: dict[DrafterInfo, int]) -> Path:
+def eval_run(root: Path, run_id: str, drafters: dict[DrafterInfo, int], interrupted: bool = False) -> Path:
     """A whole run folder as `runner.run_eval` leaves it: config.json, anchors.jsonl, a summary.json sealing them;
     each drafter's rounds all of the τ given."""
     folder = root / run_id
@@ -76,10 +76,10 @@ def eval_run(root: Path, run_id: str, drafters: dict[DrafterInfo, int]) -> Path:
     write_model(folder / "config.json", config)
     records = {info.label: records_of(info.label, tau) for info, tau in drafters.items()}
     (folder / "anchors.jsonl").write_text("".join(r.model_dump_json() + "\n" for rs in records.values() for r in rs))
-    summary = EvalSummary(run_id=run_id, interrupted=False, judgements=(), records_sha256=file_sha256(
+    summary = EvalSummary(run_id=run_id, interrupted=interrupted, judgements=(), records_sha256=file_sha256(
         folder / "anchors.jsonl"), drafters=tuple(summarize_drafter(label, rs, TASKS, config.methods(), 4)
                                                   for label, rs in records.items()))
-    write_model(folder / "summary.json", summary)
+    write_model(folder / "summary.json", summary.sealed())
     return folder
 
 
@@ -164,3 +164,15 @@ def test_eval_run_refuses_one_checkpoint_named_twice_before_any_target_work(
                                               "1234abcd1234…): a drafter is never judged against itself; name it "
                                               "once\n")
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_an_interrupted_run_turned_whole_in_its_summary_is_judged_only_forced(tmp_path: Path) -> None:
+    run = eval_run(tmp_path / "runs", "eval-1", {drafter("base", SHA): 3, drafter("cand", "d" * 64): 4},
+                   interrupted=True)
+    summary = run / "summary.json"
+    summary.write_text(summary.read_text().replace('"interrupted": true', '"interrupted": false'))
+    assert '"interrupted": false' in summary.read_text()
+    with pytest.raises(UserError, match=r"eval-1/summary\.json is not as its writer left it .*: edited"):
+        compare_eval_runs(run, None, None, None, None, tmp_path / "out")
+    verdict, _ = compare_eval_runs(run, None, None, None, None, tmp_path / "forced", force=True)
+    assert verdict.forced

@@ -514,3 +514,24 @@ def test_records_edited_whatever_figures_are_kept_are_judged_only_forced(tmp_pat
     del summary["records_sha256"]
     (ab / "summary.json").write_text(json.dumps(summary))
     assert "ab/summary.json holds no sha256 of requests.jsonl" in refusal([str(ab)])
+
+
+def test_a_summary_whose_flags_or_seals_were_edited_is_refused(tmp_path: Path) -> None:
+    """Turning `interrupted` off, or dropping config.json's seal to edit config.json, passed unforced."""
+    edits = {"config-seal-dropped": lambda s: {k: v for k, v in s.items() if k != "config_sha256"},
+             "interrupted-turned-off": lambda s: {**s, "interrupted": False},
+             "own-seal-dropped": lambda s: {k: v for k, v in s.items() if k != "summary_sha256"}}
+    for name, edit in edits.items():
+        ab = make_run(tmp_path / name, name, {"zlab": synthetic("zlab", 60, 9.0, seed=1),
+                                              "inhouse": synthetic("inhouse", 60, 9.0, seed=2)},
+                      interrupted=name == "interrupted-turned-off")
+        path = ab / "summary.json"
+        summary = json.loads(path.read_text())
+        assert summary["summary_sha256"]
+        path.write_text(json.dumps(edit(summary)))
+        said = refusal([str(ab)])
+        assert (f"{name}/summary.json holds no sha256 of its own fields" in said if name == "own-seal-dropped" else
+                f"{name}/summary.json is not as its writer left it (its fields' sha256 is not the one it holds): "
+                "edited" in said), said
+    dropped = tmp_path / "config-seal-dropped" / "config-seal-dropped"
+    assert "config-seal-dropped/summary.json holds no sha256 of config.json" in refusal([str(dropped)])

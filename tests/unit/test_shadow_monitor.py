@@ -20,6 +20,7 @@ from dfserve.gateway.app import Gateway
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
+from dfserve.loadtest.report import Summary
 from dfserve.metrics import SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
 from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
 from dfserve.shadow.policy import ShadowPolicy
@@ -226,8 +227,9 @@ def _edit_config(folder: Path, change: Callable[[dict[str, Any]], object]) -> No
     config = json.loads((folder / "config.json").read_text())
     change(config)
     (folder / "config.json").write_text(json.dumps(config))
-    summary = json.loads((folder / "summary.json").read_text())
-    (folder / "summary.json").write_text(json.dumps({**summary, "config_sha256": file_sha256(folder / "config.json")}))
+    summary = Summary.model_validate_json((folder / "summary.json").read_text())
+    resealed = summary.model_copy(update={"config_sha256": file_sha256(folder / "config.json")}).sealed()
+    (folder / "summary.json").write_text(resealed.model_dump_json())
 
 
 def test_compare_refuses_a_decided_folder_whose_design_was_edited(tmp_path: Path) -> None:
