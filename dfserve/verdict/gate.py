@@ -109,6 +109,6 @@ def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
         kind = kind_of(spec)
         if getattr(rule, kind.limit) is None:
             raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{kind.limit}' only")
-        if kind.vacuous(rule.limit):
+        if kind.vacuous(spec, rule.limit):
             raise FieldError("gate", f"rules.{number}.{kind.limit}: {rule.limit:g} passes any candidate on "
                              f"{rule.metric}; a rule that judges nothing would stand for one that does")

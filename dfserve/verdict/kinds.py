@@ -33,18 +33,24 @@ class Kind:
     track: Callable[[MetricSpec[Any], float, int], Track[Any]]
     limit: Literal["max_worse", "at_least"] = "max_worse"
     relative: bool = True
-    vacuous: Callable[[float], bool] = lambda limit: False
-    """A limit no candidate can miss: a gate rule with it would judge nothing."""
+    vacuous: Callable[[MetricSpec[Any], float], bool] = lambda spec, limit: False
+    """A limit no candidate can miss on a metric: a gate rule with it would judge nothing."""
+
+
+def _fall_whole(spec: MetricSpec[Any], limit: float) -> bool:
+    """A relative limit of 1 or more on a metric where higher is better: a value of 0 or more falls by all of itself
+    at most (one where lower is better may rise without bound)."""
+    return spec.higher_is_better and limit >= 1
 
 
 KINDS: Mapping[str, Kind] = {
-    "ratio": Kind(bootstrap.ratio, RatioTrack),
-    "quantile": Kind(bootstrap.quantile, lambda spec, limit, tasks: QuantileTrack(spec)),
+    "ratio": Kind(bootstrap.ratio, RatioTrack, vacuous=_fall_whole),
+    "quantile": Kind(bootstrap.quantile, lambda spec, limit, tasks: QuantileTrack(spec), vacuous=_fall_whole),
     "error_rate": Kind(bootstrap.error_rate, lambda spec, limit, tasks: ErrorTrack(), relative=False,
-                       vacuous=lambda limit: limit >= 1),  # a rate rises by 1 at most
+                       vacuous=lambda spec, limit: limit >= 1),  # a rate rises by 1 at most
     "identical": Kind(lambda name, spec, pairs, weights: bootstrap.identical(spec, pairs),
                       lambda spec, limit, tasks: LosslessTrack(spec), limit="at_least", relative=False,
-                      vacuous=lambda limit: limit <= 0),
+                      vacuous=lambda spec, limit: limit <= 0),
 }
 
 

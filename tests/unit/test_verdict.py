@@ -44,10 +44,12 @@ def test_a_gate_that_would_decide_nothing_is_refused_when_read(tmp_path: Path, t
 @pytest.mark.parametrize(("rule", "message"), [
     ("{metric: error_rate, max_worse: 1}", "rules.1.max_worse: 1 passes any candidate on error_rate"),
     ("{metric: lossless_fraction, at_least: 0}", "rules.1.at_least: 0 passes any candidate on lossless_fraction"),
+    ("{metric: output_tokens_per_s, max_worse: 1}", "rules.1.max_worse: 1 passes any candidate on output_tokens_per_s"),
 ])
 def test_a_rule_no_candidate_can_miss_is_refused(tmp_path: Path, rule: str, message: str) -> None:
+    """Higher is better on throughput: a candidate falls by all of it at most. Latency may rise without bound."""
     path = tmp_path / "gate.yaml"
-    path.write_text(f"rules:\n  - {{metric: accept_length, max_worse: 0.02}}\n  - {rule}\n")
+    path.write_text(f"rules:\n  - {{metric: ttft_p99, max_worse: 5}}\n  - {rule}\n")
     with pytest.raises(FieldError, match=message):
         load_gate(path)
     path.write_text(f"rules:\n  - {rule.replace(': 1}', ': 0.05}').replace(': 0}', ': 0.9}')}\n")
