@@ -16,6 +16,7 @@ import platform
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -157,12 +158,22 @@ class JsonlAppender:
 M = TypeVar("M", bound=BaseModel)
 
 
+def read_regular(path: Path) -> bytes:
+    """A file's bytes; `OSError` for anything but a regular file (a link is followed): a pipe or a device put where
+    a run's file should be would block or never end."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return file.read()
+
+
 def read_model(path: Path, model: type[M], missing: str) -> M:
     """A pydantic document from disk; a missing or malformed file is a `UserError` naming the file and field, and
     a document of another kind (an eval run's config where a load test's is read) is named as such, as is a key
     given twice in one object (JSON readers keep one of the two, each its own)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path)
         document = model.model_validate_json(data)
         if (twice := key_given_twice(data)) is not None:
             raise UserError(f"{path}: key {twice!r} given twice in one object (edited?)")
@@ -259,9 +270,9 @@ def read_jsonl(path: Path, model: type[M], what: str) -> Iterator[M]:
     say, as JSON lets it). A torn last line (a crash mid-write: no LF after it) is skipped; anything else
     malformed, bytes that are not UTF-8 included, is an error naming the line."""
     try:
-        lines = path.read_bytes().split(b"\n")
+        lines = read_regular(path).split(b"\n")
     except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc})") from None
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue

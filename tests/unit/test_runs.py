@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,7 @@ from dfserve.runs import (
     JsonlAppender,
     Provenance,
     create_run_dir,
+    read_jsonl,
     read_model,
     redacted,
     run_name,
@@ -118,3 +120,15 @@ def test_a_key_given_twice_is_refused_however_valid_either_copy(tmp_path: Path) 
     path.write_text('{"kind": "eval-run", "n": 1, "n": 2}')
     with pytest.raises(UserError, match=r"config\.json: key 'n' given twice in one object \(edited\?\)"):
         read_model(path, Document, "missing")
+
+
+def test_a_pipe_where_a_runs_file_should_be_is_refused_without_waiting(tmp_path: Path) -> None:
+    """A FIFO put in place of requests.jsonl made `compare` wait forever for a writer."""
+    os.mkfifo(tmp_path / "requests.jsonl")
+    with pytest.raises(UserError, match=r"requests\.jsonl: cannot read \(not a regular file\)"):
+        list(read_jsonl(tmp_path / "requests.jsonl", Row, "a row"))
+    with pytest.raises(UserError, match=r"requests\.jsonl: cannot read \(not a regular file\)"):
+        read_model(tmp_path / "requests.jsonl", Row, "missing")
+    (tmp_path / "rows.jsonl").write_text('{"n": 1}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "rows.jsonl")
+    assert [row.n for row in read_jsonl(tmp_path / "link.jsonl", Row, "a row")] == [1]
