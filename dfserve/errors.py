@@ -60,7 +60,7 @@ def describe_invalid(exc: ValidationError, where: str) -> str:
     first = exc.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or "(top level)"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {field}: {first['msg']}{more}"
+    return f"{where}: {field}: {first['msg'].removeprefix('Value error, ')}{more}"
 
 
 def invalid_field(exc: ValidationError) -> FieldError:

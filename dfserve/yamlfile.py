@@ -1,7 +1,8 @@
 """YAML files the user writes (gates, gateway configs, host profiles), read one way: as UTF-8, safely, and strictly.
 
 A mapping that names a key twice is refused: YAML itself keeps the last, so a gate with `rules:` twice would be
-judged by whichever came second, unseen. Nesting deep enough to exhaust the parser's recursion is refused too.
+judged by whichever came second, unseen. Nesting deep enough to exhaust the parser's recursion is refused too, as
+are aliases that expand past `MAX_VALUES` and NUL characters.
 Every failure is one `UserError` line naming the file (`where`) and, where the parser knows it, the line.
 """
 
@@ -32,10 +33,36 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_VALUES = 1_000_000
+"""The most values a document may hold once its aliases are expanded: nine levels of nine aliases each (`&a [*a,
+*a, ...]`) are a few lines that expand to 387 million, which whatever writes the document out (JSON, argv) tries
+to hold."""
+
+
+def _checked(document: Any, where: str) -> Any:
+    """`document`, once its values counted with its aliases expanded are within `MAX_VALUES`, and none of its
+    strings holds a NUL (no argument, environment variable or file name can carry one)."""
+    stack, count = [document], 0
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"{where}: more than {MAX_VALUES:,} values once its aliases are expanded (an alias "
+                            "repeated inside itself?)")
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str) and "\x00" in value:
+            raise UserError(f"{where}: {value[:40]!r}: a NUL character (\\0) in a value, which nothing can pass on")
+    return document
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """The document in `text` (read from `where`)."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader, stricter
+        return _checked(yaml.load(text, Loader=_StrictLoader), where)  # a SafeLoader, stricter
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or type(exc).__name__

@@ -9,6 +9,7 @@ are added as data, not code::
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dfserve.errors import FieldError, UserError, describe_invalid
 from dfserve.yamlfile import parse_yaml
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Strict(BaseModel):
@@ -71,6 +74,15 @@ class HostProfile(_Strict):
     zlab: ModelFacts | None = Field(default=None, description="None: no z-lab release fits the host's targets.")
     sglang: SGLangSettings
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _variable_names(cls, env: dict[str, str]) -> dict[str, str]:
+        """A name a shell, `env` and Kubernetes all take (no '=', space or empty name: a process cannot be given
+        one)."""
+        if (bad := next((name for name in env if not ENV_NAME.fullmatch(name)), None)) is not None:
+            raise ValueError(f"{bad!r} is not an environment variable name (letters, digits and _, not first a digit)")
+        return env
 
 
 def profile_names() -> list[str]:

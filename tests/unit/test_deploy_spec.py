@@ -51,6 +51,31 @@ def test_profile_from_file_and_bad_profiles(tmp_path: Path) -> None:
     assert "--" not in str(unknown.value) + str(invalid.value)
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ('{"A B": "1"}', r"env: 'A B' is not an environment variable name"),
+    ('{"X=Y": "1"}', r"env: 'X=Y' is not an environment variable name"),
+    ('{"": "1"}', r"env: '' is not an environment variable name"),
+    ('{A: "x\\0y"}', r"'x\\x00y': a NUL character \(\\0\) in a value"),
+])
+def test_a_profile_whose_environment_no_process_can_be_given_is_refused(tmp_path: Path, env: str, message: str) -> None:
+    """A posix_spawn of it raised a traceback; the Kubernetes manifest had an env var with an empty name."""
+    text = (Path(__file__).parents[2] / "dfserve/deploy/profiles/pro6000.yaml").read_text()
+    profile = tmp_path / "host.yaml"
+    profile.write_text(text.split("\nenv:\n")[0] + f"\nenv: {env}\n")
+    with pytest.raises(FieldError, match=message) as refused:
+        load_profile(str(profile))
+    assert refused.value.field == "profile_name"
+
+
+def test_yaml_whose_aliases_expand_past_a_million_values_is_refused(tmp_path: Path) -> None:
+    levels = ["a: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [
+        f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, 8)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    with pytest.raises(FieldError, match=r"bomb\.yaml: more than 1,000,000 values once its aliases are expanded"):
+        load_profile(str(bomb))
+
+
 def test_zlab_tensor_table_matches_the_released_drafter() -> None:
     """z-lab's drafters have 3 + 11 per layer tensors (58 for 5 layers); fc fuses 5 target layers of 5120."""
     target = resolve_target(None, PROFILE, None)
