@@ -26,6 +26,7 @@ from typing import Any
 import click
 
 from dfserve.errors import FieldError, UserError, command_flags, flags_for
+from dfserve.flags import FINITE
 from dfserve.listen import wait_healthy, wait_listening
 from dfserve.runs import new_run_id
 from dfserve.terminal import terminal_width, wrapped
@@ -149,7 +150,7 @@ def check_options(offline: bool, given: Sequence[str], cache: Path | None, count
 @click.option("--num-requests", type=int, default=128, show_default=True, help="Measured requests per arm.")
 @click.option("--concurrency", type=int, default=16, show_default=True, help="Requests in flight per arm.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--time-scale", type=float, default=1.0, show_default=True,
+@click.option("--time-scale", type=FINITE, default=1.0, show_default=True,
               help="Multiplies the modelled Pro6000's latencies: 1 = real time, 0.2 = five times faster, "
                    "2 = twice as slow.")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dfserve.errors import UserError
+from dfserve.flags import FiniteFloat
 
 from .engine import NAME_STYLES
 from .render import Settings, render, write
@@ -25,11 +26,11 @@ ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
                    "to sglang_...")
 @click.option("--baseline-arm", default="baseline", show_default=True, help="Arm the ratios and alerts treat as baseline.")
 @click.option("--candidate-arm", default="candidate", show_default=True, help="Arm compared against the baseline.")
-@click.option("--accept-tolerance", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True,
+@click.option("--accept-tolerance", type=FiniteFloat(0, 1, min_open=True), default=0.95, show_default=True,
               help="Alert when the candidate's acceptance length is below this share of the baseline's.")
-@click.option("--error-ratio", type=click.FloatRange(0, 1, min_open=True), default=0.05, show_default=True,
+@click.option("--error-ratio", type=FiniteFloat(0, 1, min_open=True), default=0.05, show_default=True,
               help="Error ratio over 5 minutes above which a jump alerts.")
-@click.option("--ttft-p99-seconds", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
+@click.option("--ttft-p99-seconds", type=FiniteFloat(0, min_open=True), default=2.0, show_default=True,
               help="Alert when an arm's TTFT p99 over 5 minutes exceeds this.")
 def dashboards(out: Path, sglang_names: str, baseline_arm: str, candidate_arm: str, accept_tolerance: float,
                error_ratio: float, ttft_p99_seconds: float) -> None:

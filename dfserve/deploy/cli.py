@@ -26,6 +26,7 @@ from dfserve.deploy.profiles import load_profile
 from dfserve.deploy.spec import build_spec
 from dfserve.deploy.supervise import running, start, status, stop
 from dfserve.errors import FieldError, UserError, command_flags, flags_for
+from dfserve.flags import FINITE
 from dfserve.listen import ensure_free
 from dfserve.runs import link_input
 
@@ -69,7 +70,7 @@ def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
 @click.option("--port", type=int, default=30000, help="Listen port; 0 takes a free one (the record and `deploy status` say which).")
 @_root_option
 @click.option("--tp-size", type=int, help="Overrides the profile's value.")
-@click.option("--mem-fraction-static", type=float, help="Overrides the profile's value.")
+@click.option("--mem-fraction-static", type=FINITE, help="Overrides the profile's value.")
 @click.option("--context-length", type=int, help="Overrides the profile's value.")
 @click.option("--max-running-requests", type=int, help="Overrides the profile's value.")
 @click.option("--attention-backend", help="Target attention backend; overrides the profile's.")
@@ -78,7 +79,7 @@ def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra argument for SGLang, repeatable: --sglang-arg=--log-level=debug")
 @click.option("--sglang-python", envvar="DFSERVE_SGLANG_PYTHON", default=sys.executable, help="Interpreter SGLang is installed in.")
 @click.option("--sim-profile", help="Simulator acceptance profile (default: zlab or inhouse by drafter).")
-@click.option("--time-scale", type=float, default=1.0, help="Simulator time scale.")
+@click.option("--time-scale", type=FINITE, default=1.0, help="Simulator time scale.")
 @click.option("--seed", type=int, default=0, help="Simulator seed.")
 @click.option("--dry-run", is_flag=True, help="Print the exact command and environment, start nothing.")
 @click.option("--check", is_flag=True, help="Validate the argv with the engine's own parser (SGLang: and its DFLASH "
@@ -92,7 +93,7 @@ def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
                    "local model folders must lie under it. [default: --root]")
 @click.option("--node-selector", "node_selector", multiple=True, metavar="KEY=VALUE",
               help="--emit k8s: a node label the engine pod requires, repeatable.")
-@click.option("--health-timeout", type=float, default=1800.0,
+@click.option("--health-timeout", type=FINITE, default=1800.0,
               help="Seconds the engine may take to answer /health_generate (--emit k8s: the startup probe's allowance).")
 @click.pass_context
 def deploy(ctx: click.Context, **opts: object) -> None:
@@ -225,7 +226,7 @@ def status_command(name: str, root: Path) -> None:
 @deploy.command("stop")
 @click.argument("name")
 @_root_option
-@click.option("--grace", type=float, default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--grace", type=FINITE, default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 def stop_command(name: str, root: Path, grace: float) -> None:
     """Stop a deployment's engine: gracefully, then forced after --grace seconds."""
     result, now = stop(root / name, grace_s=grace)

@@ -22,6 +22,7 @@ from rich.table import Table
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
+from dfserve.flags import FiniteFloat
 from dfserve.terminal import compact_table
 from dfserve.verdict.gate import read_gate
 from dfserve.verdict.printer import print_judgement
@@ -225,9 +226,9 @@ use for (a part of the tasks)."""
                    "report.html. A restarted watch resumes from it.")
 @click.option("--every-checkpoint", is_flag=True,
               help="Score every checkpoint, oldest first (default: the newest first, skipping older pending ones).")
-@click.option("--poll-seconds", type=click.FloatRange(min=0.01), default=30.0,
+@click.option("--poll-seconds", type=FiniteFloat(min=0.01), default=30.0,
               help="Between two looks at CHECKPOINTS; a file is complete once unchanged over two looks.")
-@click.option("--stop-after-idle", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+@click.option("--stop-after-idle", type=FiniteFloat(min=0), default=None, metavar="SECONDS",
               help="Stop once nothing new has appeared for this long (default: watch until stopped).")
 @click.option("--stage", type=click.Choice(["link", "copy"]), default="link",
               help="Stage each checkpoint beside the runs by hard link, or by copy (CHECKPOINTS on another file "

@@ -10,6 +10,7 @@ import click
 from pydantic import ValidationError
 
 from dfserve.errors import UserError, command_flags, describe_invalid, flags_for
+from dfserve.flags import FINITE
 from dfserve.gateway.config import ArmConfig, GatewayConfig, load_config
 
 
@@ -40,8 +41,8 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
 @click.option("--admin-host", help="Admin listener address [127.0.0.1].")
 @click.option("--admin-port", type=int, help="Admin listener port (0: a free one); the token comes from $DFSERVE_ADMIN_TOKEN.")
 @click.option("--seed", type=int, help="Seed of the weighted split.")
-@click.option("--health-interval", type=float, help="Seconds between active health checks [2].")
-@click.option("--scrape-interval", type=float, help="Seconds between replica /metrics scrapes [15].")
+@click.option("--health-interval", type=FINITE, help="Seconds between active health checks [2].")
+@click.option("--scrape-interval", type=FINITE, help="Seconds between replica /metrics scrapes [15].")
 @click.option("--capture", "capture_dir", type=click.Path(path_type=Path, file_okay=False),
               help="Capture clients' requests into this new folder, for replay (the config's capture: block).")
 @click.option("--record", "record_dir", type=click.Path(path_type=Path, file_okay=False),
@@ -54,7 +55,7 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
 @click.option("--gate", type=click.Path(path_type=Path, dir_okay=False),
               help="with --until-decided: the gate's YAML file (default: the shadow gate).")
 @click.option("--look-every", type=int, help="with --until-decided: mirrored pairs between looks [16].")
-@click.option("--watch-interval", type=float,
+@click.option("--watch-interval", type=FINITE,
               help="Check --config this often and apply its routing when it changes; the admin API turns read-only.")
 def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> None:
     """Split, stick or mirror OpenAI/SGLang traffic between drafter arms and measure each arm."""

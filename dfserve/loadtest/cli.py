@@ -28,6 +28,7 @@ from dfserve.baselines import BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
+from dfserve.flags import FINITE, FiniteFloat
 from dfserve.headers import is_field_name
 from dfserve.http1 import is_base_url
 from dfserve.loadtest.config import RunConfig, Sampling, SequentialDesign, shared_servers
@@ -136,23 +137,23 @@ def loadtest() -> None:
 @click.option("--num-requests", type=int, default=400, show_default=True, help="Measured requests per arm.")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Requests before them, left out of every figure.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--temperature", type=FINITE, default=0.0, show_default=True)
+@click.option("--top-p", type=FINITE, default=1.0, show_default=True)
 @click.option("--concurrency", type=int, default=None, help="Closed loop: requests in flight per arm; open loop: a cap.")
-@click.option("--rate", type=float, default=None, help="Open loop: requests per second per arm.")
+@click.option("--rate", type=FINITE, default=None, help="Open loop: requests per second per arm.")
 @click.option("--arrival", type=click.Choice(["poisson", "constant", "trace"]), default="poisson", show_default=True,
               help="trace: the captured arrival times of --tasks capture:DIR, in order (no --rate).")
-@click.option("--speed", type=float, default=None, help="With --arrival trace: replay this many times faster "
+@click.option("--speed", type=FINITE, default=None, help="With --arrival trace: replay this many times faster "
               "(default 1).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds task order and Poisson gaps.")
-@click.option("--duration", type=float, default=None, help="Stop sending new requests after this many seconds.")
-@click.option("--request-timeout", type=float, default=600.0, show_default=True, help="Seconds per request.")
+@click.option("--duration", type=FINITE, default=None, help="Stop sending new requests after this many seconds.")
+@click.option("--request-timeout", type=FINITE, default=600.0, show_default=True, help="Seconds per request.")
 @click.option("--model", default=None, help="Model name for OpenAI bodies (default: the server's first model).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
 @click.option("--name", default=None, help="Run directory name (must not exist).")
 @click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT (0: a free port, named on stderr).")
 @click.option("--pushgateway", default=None, metavar="URL", help="Push the final metrics to a Prometheus Pushgateway.")
-@click.option("--max-error-rate", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+@click.option("--max-error-rate", type=FiniteFloat(0.0, 1.0), default=0.05, show_default=True,
               help="Exit 4 when any arm's share of failed measured requests is above this (the run is kept).")
 @click.option("--pin-arms", is_flag=True,
               help="Send x-dfserve-arm: NAME with every request, so arms behind one dfserve gateway are each measured.")

@@ -166,3 +166,13 @@ def test_gateway_families_are_summed_across_gateway_pods() -> None:
     for expr, summed in (("dfserve_arm_weight", False), ("sum by (arm, pod) (dfserve_arm_weight)", False),
                          ("max by (arm) (rate(dfserve_arm_weight[5m]))", True), ("count(dfserve_x)", True)):
         assert _across_pods(expr, expr.index("dfserve_")) is summed, expr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e309"])
+def test_an_alert_threshold_that_could_never_fire_is_refused(tmp_path: Path, value: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`> inf` never fires, and `nan` passed the flag's bound: both were written into the rules, exit 0."""
+    with pytest.raises(SystemExit) as exited:
+        main(["dashboards", "--ttft-p99-seconds", value, "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2 and not (tmp_path / "out").exists()
+    assert f"Invalid value for '--ttft-p99-seconds': '{value}' is not a finite number." in capsys.readouterr().err

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from dfserve.deploy.sim.config import SimConfig
 from dfserve.deploy.sim.faults import FaultConfig
 from dfserve.errors import command_flags, flags_for, invalid_field
+from dfserve.flags import FINITE
 
 
 def build_config(**values: object) -> SimConfig:
@@ -24,7 +25,7 @@ def build_config(**values: object) -> SimConfig:
 @click.option("--host", default="127.0.0.1", help="Address to listen on.")
 @click.option("--port", type=int, default=30000, help="Listen port; 0 takes a free one (the log line says which).")
 @click.option("--profile", default="zlab", help="Drafter profile: zlab, inhouse, none (no speculation), or FILE.json.")
-@click.option("--time-scale", type=float, default=1.0, help="Multiplies every modelled time (0.02: 50x faster).")
+@click.option("--time-scale", type=FINITE, default=1.0, help="Multiplies every modelled time (0.02: 50x faster).")
 @click.option("--seed", type=int, default=0, help="Seeds acceptance draws, jitter and faults.")
 @click.option("--max-running-requests", type=int, default=48, help="Requests decoded at once; the rest queue.")
 @click.option("--max-prefill-tokens", type=int, default=16384, help="Prompt tokens one prefill step admits.")
@@ -41,14 +42,14 @@ def build_config(**values: object) -> SimConfig:
               help="Like SGLang's --api-key: every route but health, readiness and metrics needs Authorization: Bearer KEY.")
 @click.option("--spec-details/--no-spec-details", default=True,
               help="Answer return_spec_tokens_details (SGLang 0.5.23); off: ignore it, as earlier SGLang does.")
-@click.option("--lossy-fraction", type=float, default=0.0, help="Fraction of prompts whose output text differs.")
-@click.option("--error-rate", type=float, default=0.0, help="Fraction of requests answered with HTTP 500.")
-@click.option("--stall-fraction", type=float, default=0.0, help="Fraction of requests that stall mid-stream.")
-@click.option("--stall-s", type=float, default=5.0, help="Length of a stall, seconds at time scale 1.")
-@click.option("--disconnect-fraction", type=float, default=0.0, help="Fraction of requests dropped mid-stream.")
-@click.option("--abort-fraction", type=float, default=0.0,
+@click.option("--lossy-fraction", type=FINITE, default=0.0, help="Fraction of prompts whose output text differs.")
+@click.option("--error-rate", type=FINITE, default=0.0, help="Fraction of requests answered with HTTP 500.")
+@click.option("--stall-fraction", type=FINITE, default=0.0, help="Fraction of requests that stall mid-stream.")
+@click.option("--stall-s", type=FINITE, default=5.0, help="Length of a stall, seconds at time scale 1.")
+@click.option("--disconnect-fraction", type=FINITE, default=0.0, help="Fraction of requests dropped mid-stream.")
+@click.option("--abort-fraction", type=FINITE, default=0.0,
               help="Fraction of requests the engine aborts mid-stream with status 503 (in band in a 200 stream).")
-@click.option("--backlog-fraction", type=float, default=0.0,
+@click.option("--backlog-fraction", type=FINITE, default=0.0,
               help="Fraction of streams whose client falls behind: one chunk then carries several verify rounds.")
 def sim(**values: object) -> None:
     """Serve the simulated SGLang engine: SGLang's HTTP API with modelled acceptance and latency."""

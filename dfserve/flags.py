@@ -1,0 +1,24 @@
+"""Click types shared by the commands' flags."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+
+class FiniteFloat(click.FloatRange):
+    """A number flag within optional bounds that refuses `nan` and `inf`, which float() reads from text: `nan`
+    passes every comparison with a bound, and an alert at `> inf` can never fire."""
+
+    name = "finite number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+FINITE = FiniteFloat()
