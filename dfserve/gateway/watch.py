@@ -50,6 +50,9 @@ def reload_routing(gateway: Gateway, load: Callable[[], GatewayConfig], source: 
         loaded = load()
         version = routing_version(loaded.routing)
         if version == gateway.version:
+            if later := restart_fields(gateway.config, loaded):
+                log.warning("config %s: routing unchanged; %s changed, which take effect at the next start", source,
+                            ", ".join(later))
             return "unchanged"
         gateway.apply(loaded.routing)
     except Exception as exc:

@@ -129,6 +129,19 @@ def test_fields_outside_routing_are_named_as_needing_a_restart(tmp_path: Path) -
     assert restart_fields(running, load_config(path, {})) == ["port", "health"]
 
 
+def test_a_version_that_changes_only_what_needs_a_restart_says_so(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Its routing unchanged, the reload ended there, without a word of the limits it did not apply."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(document(10)))
+    watcher, _ = watcher_on(path)
+    assert watcher.poll() == "unchanged" and not caplog.records
+    replace(path, yaml.safe_dump(document(10, limits={"max_body_bytes": 5})))
+    assert watcher.poll() == "unchanged"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"config {path}: routing unchanged; limits changed, which take effect at the next start"]
+
+
 @pytest.mark.parametrize(("bad", "overrides", "field"), [
     ("routing: 5\n", {}, "routing"),
     ("admin: 5\n", {"admin.port": 0}, "admin"),
