@@ -55,9 +55,12 @@ def hf_cached_file(repo_id: str, filename: str) -> Path | None:
 
 def resolve_target(target: str | None, profile: HostProfile, target_config: Path | None) -> Target:
     """The target's config.json: the `target_config` file, a local folder, the hub cache, or the profile's facts."""
+    if target is not None and not target.strip():
+        raise FieldError("target", "empty: give a local model folder or a Hugging Face id, or leave it out for the "
+                         "profile's")
     if target is None and profile.target is None:
         raise FieldError("target", f"profile {profile.name} names no target; give a local model folder")
-    model_path = target or profile.target.model_path  # type: ignore[union-attr]
+    model_path = target if target is not None else profile.target.model_path  # type: ignore[union-attr]
     local = Path(model_path).expanduser()
     if target_config is not None:
         path = str(local.resolve()) if local.is_dir() else model_path

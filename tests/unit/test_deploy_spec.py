@@ -92,6 +92,9 @@ def test_target_from_profile_facts_local_folder_and_cache(tmp_path: Path, monkey
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     facts = resolve_target(None, PROFILE, None)
     assert facts.config_source.startswith("profile pro6000") and facts.num_hidden_layers == 64
+    for empty in ("", "  "):  # taken for the profile's target, without a word
+        with pytest.raises(FieldError, match=r"^target: empty: give a local model folder"):
+            resolve_target(empty, PROFILE, None)
     local = resolve_target(str(TINY_TARGET), PROFILE, None)
     assert local.hidden_size == 64 and local.model_path == str(TINY_TARGET.resolve())
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.6-27B" / "snapshots" / "abc123"
