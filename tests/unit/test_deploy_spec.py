@@ -241,6 +241,8 @@ def test_passthrough_refuses_what_sglang_reads_as_a_spec_flag(args: list[str], s
     (["--model-cache", "/nowhere"], "--model-cache: only with --emit k8s"),
     (["--node-selector", "pool=gpu"], "--node-selector: only with --emit k8s"),
     (["--sim-profile", "inhouse"], "--sim-profile: only with a simulated engine (--engine sim)"),
+    (["--engine", "sim", "--sim-profile", "nope", "--dry-run"],
+     "--sim-profile: 'nope' is neither one of zlab, inhouse, none nor a .json file"),
     (["--seed", "3"], "--seed: only with a simulated engine (--engine sim)"),
     (["--drafter-config", "/nonexistent.json"], "--drafter-config: only with a checkpoint --drafter (the config it is converted with), not zlab"),
     (["--registry", "runs"], "--registry: only with --drafter baseline"),

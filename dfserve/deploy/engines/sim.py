@@ -38,19 +38,26 @@ def sim_args(spec: DeploymentSpec) -> list[str]:
     ]
 
 
+def _read_profile(spec: DeploymentSpec) -> None:
+    try:
+        load_profile(spec.sim.profile)
+    except FieldError as exc:
+        raise FieldError("sim_profile", exc.message) from None
+
+
 @EngineKind.register("sim")
 class Simulator(EngineKind):
     simulated = True
 
     def argv(self, spec: DeploymentSpec, python: str) -> list[str]:
-        """The simulator runs under dfserve's own interpreter, whatever SGLang's is."""
+        """The simulator runs under dfserve's own interpreter, whatever SGLang's is; its profile is read first, so
+        that a bad one is refused before a dry run prints it or a start spawns it (whose error named its own
+        `--profile`, the deploy's host profile)."""
+        _read_profile(spec)
         return sim_argv(spec)
 
     def check(self, spec: DeploymentSpec, python: str) -> str:
-        try:
-            load_profile(spec.sim.profile)
-        except FieldError as exc:
-            raise FieldError("sim_profile", exc.message) from None
+        _read_profile(spec)
         try:
             with flags_for(command_flags(sim)):
                 build_config(**sim.make_context("sim", sim_args(spec)).params)
