@@ -49,10 +49,11 @@ def _root_option(f):
 def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
     env = kind.env(spec)
     prefix = ["env", *(f"{key}={value}" for key, value in sorted(env.items()))] if env else []
+    argv = kind.argv(spec, python)
     click.echo(f"# {spec.name}: engine {spec.engine}, drafter {spec.drafter.label}, target {spec.target}", err=True)
     if spec.port == 0:
         click.echo("# --port 0: a start picks a free port and puts it in place of 0", err=True)
-    click.echo(shlex.join([*prefix, *kind.argv(spec, python)]))
+    click.echo(shlex.join([*prefix, *argv]))
 
 
 @click.group(invoke_without_command=True, context_settings={"show_default": True})
