@@ -23,7 +23,7 @@ from dfserve.deploy.deployment import DeploymentSpec
 from dfserve.deploy.drafters import Drafter, resolve_drafter, resolve_target
 from dfserve.deploy.engines import EngineKind, engine_kind, engine_names
 from dfserve.deploy.profiles import load_profile
-from dfserve.deploy.spec import build_spec
+from dfserve.deploy.spec import build_spec, check_name
 from dfserve.deploy.supervise import running, start, status, stop
 from dfserve.errors import FieldError, UserError, command_flags, flags_for
 from dfserve.flags import FINITE
@@ -82,7 +82,8 @@ def _print_command(spec: DeploymentSpec, kind: EngineKind, python: str) -> None:
 @click.option("--sim-profile", help="Simulator acceptance profile (default: zlab or inhouse by drafter).")
 @click.option("--time-scale", type=FINITE, default=1.0, help="Simulator time scale.")
 @click.option("--seed", type=int, default=0, help="Simulator seed.")
-@click.option("--dry-run", is_flag=True, help="Print the exact command and environment, start nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the exact command and environment, start nothing (a checkpoint "
+              "is still converted: the command reads its folder).")
 @click.option("--check", is_flag=True, help="Validate the argv with the engine's own parser (SGLang: and its DFLASH "
               "rules); starts nothing.")
 @click.option("--emit", type=click.Choice(["k8s"]), help="Write Kubernetes objects instead of starting an engine.")
@@ -213,7 +214,7 @@ def manifests_command(out: Path) -> None:
 @_root_option
 def status_command(name: str, root: Path) -> None:
     """Show a deployment's last start and whether its engine answers."""
-    record, state = status(root / name)
+    record, state = status(root / check_name(name))
     click.echo(f"{name}: {state}")
     click.echo(f"  engine: {record.spec.engine}{' (simulated)' if record.simulated else ''}, version {record.engine_version}")
     click.echo(f"  url: {record.spec.base_url}  pid: {record.pid}")
@@ -230,6 +231,6 @@ def status_command(name: str, root: Path) -> None:
 @click.option("--grace", type=FINITE, default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 def stop_command(name: str, root: Path, grace: float) -> None:
     """Stop a deployment's engine: gracefully, then forced after --grace seconds."""
-    result, now = stop(root / name, grace_s=grace)
+    result, now = stop(root / check_name(name), grace_s=grace)
     how = "forced" if result.forced else "graceful" if result.was_running else "had already exited"
     click.echo(f"{name}: {'stopped' if now else 'already stopped'} ({how}) at {result.stopped_at}")

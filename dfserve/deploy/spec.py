@@ -19,6 +19,14 @@ from dfserve.deploy.profiles import HostProfile, SGLangSettings
 from dfserve.errors import FieldError, invalid_field
 
 NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def check_name(name: str) -> str:
+    """A deployment's name: a folder under the deploy root and a Kubernetes object's name alike."""
+    if not NAME_RE.match(name):
+        raise FieldError("name", f"{name!r} must be lowercase letters, digits and '-', start with a letter, end with "
+                         "a letter or digit, at most 63 characters (it names the Kubernetes Deployment and Service)")
+    return name
 """Deployment names double as Kubernetes object names; a Service's must be a DNS-1035 label (starts with a letter)."""
 SPEC_FLAGS = (
     "--model-path", "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-dflash-block-size",
@@ -75,10 +83,12 @@ def build_spec(
     if drafter.kind == "simulated" and not kind.simulated:
         raise FieldError("drafter", f"{SIMULATED_PREFIX}{drafter.source}: exists only as a simulator profile, so it runs "
                          f"only on a simulated engine, not {{other}} {engine}", other="engine")
-    name = name or default_name(profile, drafter, engine)
-    if not NAME_RE.match(name):
-        raise FieldError("name", f"{name!r} must be lowercase letters, digits and '-', start with a letter, end with "
-                         "a letter or digit, at most 63 characters (it names the Kubernetes Deployment and Service)")
+    if name is None:
+        name = default_name(profile, drafter, engine)
+        if not NAME_RE.match(name):
+            raise FieldError("name", f"the name made of profile {profile.name!r} and the drafter, {name!r}, is no "
+                             f"deployment name; give one with {{other}}", other="name")
+    check_name(name)
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     try:
         settings = SGLangSettings.model_validate({**profile.sglang.model_dump(), **given})

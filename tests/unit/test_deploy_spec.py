@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,3 +327,32 @@ def test_a_json_file_python_cannot_parse_is_a_field_error(tmp_path: Path, data: 
     with pytest.raises(FieldError) as caught:
         read_json(path, "drafter")
     assert caught.value.field == "drafter" and said in str(caught.value)
+
+
+@pytest.mark.parametrize("command", ["status", "stop"])
+@pytest.mark.parametrize("name", ["../../etc", "", "Upper"])
+def test_status_and_stop_refuse_what_is_no_deployment_name(command: str, name: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`status ../../etc` looked for a deployment two folders above the deploy root."""
+    from dfserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["deploy", command, name, "--root", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"dfserve: error: name: {name!r} must be lowercase letters, digits and '-', "
+                                       "start with a letter, end with a letter or digit, at most 63 characters (it "
+                                       "names the Kubernetes Deployment and Service)\n")
+
+
+def test_a_default_name_that_is_no_deployment_name_blames_the_profile(tmp_path: Path) -> None:
+    """It blamed --name, which the user never gave."""
+    text = (Path(__file__).parents[2] / "dfserve/deploy/profiles/pro6000.yaml").read_text()
+    digits = tmp_path / "host.yaml"
+    digits.write_text(re.sub(r"(?m)^name: .*$", 'name: "6000"', text))
+    profile = load_profile(str(digits))
+    target = resolve_target(None, profile, None)
+    drafter = resolve_drafter("zlab", profile, target, Path("unused"))
+    with pytest.raises(FieldError, match=r"the name made of profile '6000' and the drafter, '6000-zlab', is no "
+                                         r"deployment name; give one with name$") as caught:
+        build_spec(profile, target, drafter, engine="sglang", port=30000)
+    assert caught.value.field == "name"
