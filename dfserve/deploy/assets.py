@@ -127,8 +127,10 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterArch:
-    """Check a DFlash config.json against its target; every problem is named in one `UserError`."""
+def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str = "drafter config",
+                          field: str | None = None) -> DrafterArch:
+    """Check a DFlash config.json (read from `source`) against its target; every problem is named in one
+    `UserError`, a `FieldError` on `field` when an input given is to blame."""
     problems: list[str] = []
     if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
         problems.append(f"architectures must include {DRAFTER_ARCHITECTURE!r}, got {config.get('architectures')!r}")
@@ -183,7 +185,7 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target) -> DrafterA
             problems.append(f"sliding_attention layers need a sliding_window of 1 token at least, got "
                             f"{config.get('sliding_window')!r}")
     if problems:
-        raise problems_error("drafter config", problems)
+        raise problems_error(source, problems, field)
     return DrafterArch(
         ints["hidden_size"], ints["intermediate_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
         ints["num_key_value_heads"], head_dim, ints["vocab_size"], block_size, len(layer_ids),

@@ -345,8 +345,8 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
         ([str(bogus)], {}, "--drafter: ", "bogus-activation: does not load (KeyError: "),
         ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
         ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
-        ([str(last_tap)], {}, "drafter config: ", "include the target's last layer (3)"),
-        ([str(outside)], {}, "drafter config: ", "target_layer_ids [6] outside the target's 4 layers"),
+        ([str(last_tap)], {}, "--drafter: drafter config ", "include the target's last layer (3)"),
+        ([str(outside)], {}, "--drafter: drafter config ", "target_layer_ids [6] outside the target's 4 layers"),
         ([str(truncated)], {}, "--drafter: ", "model.safetensors is not a safetensors file (ValueError: its tensors "
          "end at byte"),
         ([str(world.short)], {"target": other_target, "features": features}, "--features: ",

@@ -356,3 +356,22 @@ def test_a_default_name_that_is_no_deployment_name_blames_the_profile(tmp_path: 
                                          r"deployment name; give one with name$") as caught:
         build_spec(profile, target, drafter, engine="sglang", port=30000)
     assert caught.value.field == "name"
+
+
+def test_a_drafter_config_that_does_not_fit_names_its_flag_and_file(tmp_path: Path) -> None:
+    """It said `drafter config: 1 problem(s): ...`, naming neither."""
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({**tiny_config(), "architectures": ["LlamaForCausalLM"]}))
+    checkpoint = tmp_path / "step.pt"
+    checkpoint.write_bytes(b"never read: the config is checked first")
+    with pytest.raises(FieldError) as caught:
+        resolve_drafter(str(checkpoint), PROFILE, target, tmp_path / "store", llama)
+    assert caught.value.field == "drafter_config"
+    assert caught.value.message == (f"drafter config {llama}: 1 problem(s): architectures must include "
+                                    "'DFlashDraftModel', got ['LlamaForCausalLM']")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(llama.read_text())
+    with pytest.raises(FieldError, match=rf"^drafter: drafter config {folder}/config\.json: 1 problem") as caught:
+        resolve_drafter(str(folder), PROFILE, target, tmp_path / "store")
