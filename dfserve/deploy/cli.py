@@ -175,6 +175,8 @@ def _node_selector(pairs: tuple[str, ...]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise FieldError("node_selector", f"{pair!r} is not KEY=VALUE")
+        if key in selector:
+            raise FieldError("node_selector", f"{key!r} given twice ({selector[key]!r} and {value!r})")
         selector[key] = value
     return selector
 

@@ -252,6 +252,8 @@ def test_passthrough_refuses_what_sglang_reads_as_a_spec_flag(args: list[str], s
     (["--emit", "k8s", "--name", "1zlab"], "--name: '1zlab' must be"),
     (["--emit", "k8s", "--namespace", "Bad NS_!"], "--namespace: 'Bad NS_!' is not a namespace name"),
     (["--emit", "k8s", "--image", ""], "--image: '' is not an image reference"),
+    (["--emit", "k8s", "--image", "UPPER/Case:tag"], "--image: 'UPPER/Case:tag' is not an image reference ("),
+    (["--emit", "k8s", "--node-selector", "a=1", "--node-selector", "a=2"], "--node-selector: 'a' given twice ('1' and '2')"),
     (["--emit", "k8s", "--node-selector", "bad key=value"], "--node-selector: 'bad key' is not a label key"),
     (["--emit", "k8s", "--node-selector", "example.com/pool=va lue/"], "--node-selector: example.com/pool='va lue/': not a label value"),
 ])
