@@ -84,8 +84,9 @@ class RoutingConfig(_Model):
     @classmethod
     def _names(cls, arms: dict[str, ArmConfig]) -> dict[str, ArmConfig]:
         for name in arms:
-            if not name or not name.replace("-", "").replace("_", "").isalnum():
-                raise ValueError(f"arm name {name!r}: use letters, digits, '-' and '_'")
+            if not name or not name.isascii() or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"arm name {name!r}: use ASCII letters, digits, '-' and '_' (a label the "
+                                 "dashboards, headers and --set paths all take)")
         return arms
 
     @field_validator("sticky_header")

@@ -65,6 +65,10 @@ def test_arm_flag() -> None:
     for bad in ("candidate", "c=x@http://h:1", "c=1@", "=1@http://h:1"):
         with pytest.raises(UserError, match="--arm"):
             parse_arm_flag(bad)
+    for unnamed in ("ärm", "a.b", "a b"):  # `dfserve dashboards` refused the first; --set paths split the second
+        with pytest.raises(UserError, match=rf"arm name '{unnamed}': use ASCII letters, digits, '-' and '_'"):
+            load_config(None, {"routing.mode": "split", "routing.arms": {unnamed: {"weight": 1,
+                                                                                  "replicas": ["http://h:1"]}}})
     for unbounded in ("inf", "-inf", "nan", "1e400", "1e308"):
         with pytest.raises(UserError, match=r"^--arm: weight: Input should be"):
             parse_arm_flag(f"c={unbounded}@http://h:1")
