@@ -287,4 +287,5 @@ def load_config(path: Path | None, overrides: dict[str, Any], flags: Mapping[str
             key, flag = named
             raise UserError(f"{flag}: {'' if first == key else first.removeprefix(key + '.') + ': '}"
                             f"{exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
-        raise UserError(describe_invalid(exc, where)) from None
+        within = [flag for key, flag in (flags or {}).items() if key in overrides and key.startswith(first + ".")]
+        raise UserError(describe_invalid(exc, f"{where} with {', '.join(within)}" if within else where)) from None

@@ -207,3 +207,12 @@ def test_sticky_header_token_characters(tmp_path: Path) -> None:
     assert load_config(path, {}).routing.sticky_header == "X-User_id.v2!#$%&'*+^`|~"
     assert _refused(tmp_path, "mode: sticky\nsticky_header: 'X-User_id:'\n" + ARM).startswith(
         "routing.sticky_header: 'X-User_id:' is not an HTTP header name")
+
+
+def test_a_flag_that_makes_the_files_section_invalid_is_named_beside_the_file(tmp_path: Path) -> None:
+    """`--mode shadow` over a file without a primary was blamed on the file alone."""
+    path = tmp_path / "split.yaml"
+    path.write_text('routing:\n  mode: split\n  arms:\n    a: {weight: 1, replicas: ["http://127.0.0.1:1"]}\n')
+    with pytest.raises(UserError) as caught:
+        load_config(path, {"routing.mode": "shadow"}, {"routing.mode": "--mode"})
+    assert str(caught.value) == f"{path} with --mode: routing: shadow mode needs primary: one of ['a']"
