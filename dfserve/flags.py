@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+from dfserve.errors import UserError
+
 
 class FiniteFloat(click.FloatRange):
     """A number flag within optional bounds that refuses `nan` and `inf`, which float() reads from text: `nan`
@@ -17,7 +19,8 @@ class FiniteFloat(click.FloatRange):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
+            flag = param.opts[0] if param is not None and param.opts else "a number"
+            raise UserError(f"{flag}: {value!r} is not a finite number")
         return number
 
 

@@ -175,4 +175,4 @@ def test_an_alert_threshold_that_could_never_fire_is_refused(tmp_path: Path, val
     with pytest.raises(SystemExit) as exited:
         main(["dashboards", "--ttft-p99-seconds", value, "--out", str(tmp_path / "out")])
     assert exited.value.code == 2 and not (tmp_path / "out").exists()
-    assert f"Invalid value for '--ttft-p99-seconds': '{value}' is not a finite number." in capsys.readouterr().err
+    assert capsys.readouterr().err == f"dfserve: error: --ttft-p99-seconds: '{value}' is not a finite number\n"
