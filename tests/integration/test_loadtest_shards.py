@@ -15,6 +15,7 @@ import pytest
 
 from dfserve.deploy.hashes import file_sha256
 from dfserve.loadtest.records import RequestRecord, read_records
+from dfserve.loadtest.report import Summary
 from tests.integration.servers import dfserve_argv, sim_server
 
 pytestmark = pytest.mark.slow
@@ -105,7 +106,9 @@ def sealed(config: Path, document: dict[str, Any]) -> None:
     """`document` written as the run's config.json, and sealed in its summary.json as the run would have."""
     config.write_text(json.dumps(document))
     summary = config.parent / "summary.json"
-    summary.write_text(json.dumps({**json.loads(summary.read_text()), "config_sha256": file_sha256(config)}))
+    resealed = Summary.model_validate_json(summary.read_text()).model_copy(
+        update={"config_sha256": file_sha256(config)}).sealed()
+    summary.write_text(resealed.model_dump_json())
 
 
 def test_merge_refuses_missing_duplicate_and_foreign_shards(tmp_path: Path, engines: dict[str, str],
