@@ -107,11 +107,21 @@ class Drafter:
     converted: bool = False
 
 
+def _config_of(path: Path, field: str) -> tuple[str, str]:
+    """Where a drafter config was read (`verify_drafter_config`'s source), and the input it came from."""
+    return f"drafter config {path}", field
+
+
+def _profiles_config(profile: HostProfile) -> tuple[str, str]:
+    """The same for the z-lab config a host profile holds."""
+    return f"profile {profile.name}'s zlab.config", "profile_name"
+
+
 def verify_folder(folder: Path, target: Target) -> DrafterArch:
     """Check a Hugging Face DFlash folder's config, tensor table and values against the target. A tensor in two
     weight files is a problem: which copy a loader keeps is up to it."""
     config = read_json(folder / "config.json", "drafter")
-    arch = verify_drafter_config(config, target, f"drafter config {folder / 'config.json'}", "drafter")
+    arch = verify_drafter_config(config, target, *_config_of(folder / "config.json", "drafter"))
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise FieldError("drafter", f"folder {folder} holds no *.safetensors weights")
@@ -178,8 +188,8 @@ def resolve_drafter(
         repo = profile.zlab.model_path
         cached = hf_cached_file(repo, "config.json")
         config = read_json(cached, "drafter") if cached else dict(profile.zlab.config)
-        arch = (verify_drafter_config(config, target, f"drafter config {cached}", "drafter") if cached else
-                verify_drafter_config(config, target, f"profile {profile.name}'s zlab.config", "profile_name"))
+        arch = verify_drafter_config(config, target, *(_config_of(cached, "drafter") if cached else
+                                                       _profiles_config(profile)))
         return Drafter("zlab", "zlab", repo, arch.block_size, None, repo, "zlab")
     path = Path(drafter).expanduser()
     if not path.exists():
@@ -191,9 +201,8 @@ def resolve_drafter(
     if drafter_config is None and profile.zlab is None:
         raise FieldError("drafter_config", f"profile {profile.name} has no z-lab config to convert {path.name} with; pass the drafter's config.json")
     template = read_json(drafter_config, "drafter_config") if drafter_config else dict(profile.zlab.config)  # type: ignore[union-attr]
-    arch = (verify_drafter_config(template, target, f"drafter config {drafter_config}", "drafter_config")
-            if drafter_config else
-            verify_drafter_config(template, target, f"profile {profile.name}'s zlab.config", "profile_name"))
+    arch = verify_drafter_config(template, target, *(_config_of(drafter_config, "drafter_config") if drafter_config
+                                                     else _profiles_config(profile)))
     from dfserve.deploy.convert import convert_checkpoint  # torch loads only when a checkpoint is converted
 
     result = convert_checkpoint(path, store, target, template, arch, hashes)

@@ -317,3 +317,11 @@ def test_a_shard_whose_records_were_edited_after_its_summary_says_so(tmp_path: P
     (other / "config.json").write_text((other / "config.json").read_text().replace('"run_id"', ' "run_id"', 1))
     edited = read_shard(other).edited
     assert edited is not None and edited.startswith("shard-0b/config.json is not as its writer left it")
+    late = write_run(tmp_path, config.model_copy(update={"run_id": "shard-0c"}),
+                     [r for r in synthetic("zlab", 4, 3.0, seed=1) if r.index % 2 == 0], interrupted=True)
+    summary = late / "summary.json"
+    summary.write_text(summary.read_text().replace('"interrupted": true', '"interrupted": false'))
+    assert '"interrupted": false' in summary.read_text() and not read_shard(late).interrupted
+    edited = read_shard(late).edited  # an interrupted shard turned whole merged as whole
+    assert edited == ("shard-0c/summary.json is not as its writer left it (its fields' sha256 is not the one it "
+                      "holds): edited")

@@ -551,6 +551,19 @@ def test_a_request_waiting_when_the_primary_changes_is_recorded_nowhere(tmp_path
         assert not compare_shadow(folder, None, None, False, tmp_path / "v").verdict.forced
 
 
+def test_a_folder_whose_summary_was_edited_is_refused_unless_forced(tmp_path: Path) -> None:
+    """The `interrupted` flag (requests written without all their records) was not sealed, and a folder whose
+    config's seal was dropped, so that an arm's drafter could be renamed, was judged unforced."""
+    for name, edit in (("flag", lambda s: {**s, "interrupted": not s["interrupted"]}),
+                       ("unsealed", lambda s: {k: v for k, v in s.items() if k != "config_sha256"})):
+        folder = _record(tmp_path / name, _traffic(10, 4))
+        summary = folder / "summary.json"
+        summary.write_text(json.dumps(edit(json.loads(summary.read_text()))))
+        with pytest.raises(Untrusted, match=r"summary\.json is not as its writer left it \(its fields' sha256"):
+            compare_shadow(folder, None, None, False, tmp_path / name / "v")
+        assert compare_shadow(folder, None, None, True, tmp_path / name / "v").verdict.forced
+
+
 def test_mirrors_records_without_their_primarys_are_refused_unless_forced(tmp_path: Path) -> None:
     folder = _record(tmp_path, _traffic(10, 4))
     requests = folder / "requests.jsonl"
