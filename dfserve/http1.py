@@ -92,6 +92,9 @@ class Response:
     """Body bytes, de-chunked, with the clock reading taken when they arrived (one entry per read)."""
     sent: float | None = None
     """The clock reading just before the request was written."""
+    completed: float | None = None
+    """When the read that completed the response arrived (its last byte's date, as its pieces are dated); None
+    until it is complete. A response's end is when its last byte came, not when the loop got to it."""
     max_body_bytes: int | None = None
     """The most body it holds: one more byte fails the response (`BodyTooLarge`). None: no bound."""
     body_bytes: int = 0
@@ -157,7 +160,7 @@ class _Connection(asyncio.Protocol):
         self.done: asyncio.Future[Response] | None = None
         self.head: asyncio.Future[None] | None = None
         """Resolved once the response head is parsed, or the response ended without one (then see `done`)."""
-        self._last = self._sent = 0.0
+        self._last = self._sent = self._read_at = 0.0
         self._buffer = bytearray()
         self._head_bytes = 0  # of the heads read so far, interim ones included
         self._head_done = False
@@ -178,7 +181,7 @@ class _Connection(asyncio.Protocol):
             self.arrival = transport.arrival
 
     def data_received(self, data: bytes) -> None:
-        now = self._last = self.arrival()
+        now = self._last = self._read_at = self.arrival()
         if self.done is None or self.done.done():
             if data:
                 self._keep_alive = False  # bytes no request asked for: the server's framing is out of step
@@ -195,7 +198,7 @@ class _Connection(asyncio.Protocol):
             self._dechunker.owner = None
         if self.done is not None and not self.done.done():
             if self._head_done and self._dechunker is None and self._remaining is None:
-                self._finish()  # a body delimited by the connection's end
+                self._finish(self._read_at)  # a body delimited by the connection's end
             else:
                 self._fail(Disconnected(f"connection closed mid-response ({exc or 'EOF'})"))
 
@@ -307,8 +310,10 @@ class _Connection(asyncio.Protocol):
             self.done.set_exception(exc)
         self.abort()
 
-    def _finish(self) -> None:
+    def _finish(self, arrival: float) -> None:
+        """The response is complete: `arrival` is the date of the read that completed it."""
         self._finished = True
+        self.response.completed = arrival
         if self._stamped is not None:
             self._stamped.not_a_chunk()
         if self.done is not None and not self.done.done():
@@ -346,7 +351,7 @@ class _Connection(asyncio.Protocol):
         if self._dechunker is None:
             self._plain(now, data)
         elif self._dechunker.feed(now, data):
-            self._body_done()
+            self._body_done(now)
         elif self._dechunker.owner is None and self.transport is not None:
             # The rest of the body is read by the de-chunker as the transport's protocol: no Python per read.
             self._dechunker.owner = self
@@ -354,14 +359,15 @@ class _Connection(asyncio.Protocol):
 
     def body_done(self) -> None:
         """From the de-chunker: the body is complete; the connection takes its transport back."""
+        assert self._dechunker is not None
         self._take_back()
-        self._body_done()
+        self._body_done(self._dechunker.last_read)
 
-    def _body_done(self) -> None:
+    def _body_done(self, arrival: float) -> None:
         assert self._dechunker is not None
         if self._dechunker.overrun:
             self._keep_alive = False
-        self._finish()
+        self._finish(arrival)
 
     def body_failed(self, exc: BadChunk | EventTooLarge) -> None:
         """From the de-chunker: the body's framing is broken, or its sink refused it."""
@@ -407,7 +413,7 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = False
         self._head_done = True
         if self._no_body or status in _NO_BODY:
-            self._finish()
+            self._finish(self._read_at)
             return
         if chunked:
             self._dechunker = Dechunker(self.sink, self.arrival)
@@ -430,7 +436,7 @@ class _Connection(asyncio.Protocol):
         if len(data) > take:
             self._keep_alive = False  # bytes after the body: the server's framing is out of step
         if self._remaining == 0:
-            self._finish()
+            self._finish(now)
 
 
 def _failure(exc: BadChunk | BadResponse | EventTooLarge) -> Exception:

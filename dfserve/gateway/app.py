@@ -322,7 +322,8 @@ class GatewayApp:
                 raise
             exchange.error = "client_disconnect"
         finally:
-            exchange.end = time.perf_counter()
+            completed = opened.response.completed if opened is not None else None
+            exchange.end = completed if completed is not None else time.perf_counter()
             if opened is not None:
                 clean = exchange.error in (None, STREAM_ERROR)  # an error in band ends a well-formed stream
                 gateway.upstream.release(opened, clean=clean, failure=exchange.error)

@@ -149,7 +149,7 @@ class Upstream:
 
     def _replica(self, url: str) -> Replica:
         return Replica(url, Pool(url, time.perf_counter, connect_timeout_s=self.limits.connect_timeout_s,
-                                 read_timeout_s=self.limits.read_timeout_s))
+                                 read_timeout_s=self.limits.read_timeout_s, kernel_stamps=True))
 
     def close(self) -> None:
         for arm in self.arms.values():

@@ -339,8 +339,9 @@ class ArmClient:
         error: Failure | None = None
 
         def finish(error: Failure | None) -> None:
+            end = response.completed if response.completed is not None else time.perf_counter()
             sent = Sent(self.arm, task.id, index, warmup, scheduled_s, dispatched,
-                        response.sent - self.t0 if response.sent is not None else None, time.perf_counter() - self.t0,
+                        response.sent - self.t0 if response.sent is not None else None, end - self.t0,
                         route.api, task.temperature(), route.output_budget(request))
             self._sink(Finished(sent, response.status, list(response.pieces), error))
 

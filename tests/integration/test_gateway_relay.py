@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.integration.servers import LOOPBACK, gateway_server, refusing_port, url_of
+from tests.integration.servers import LOOPBACK, gateway_argv, gateway_server, refusing_port, serve, url_of
 
 CHAT_EVENTS = [
     {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
@@ -59,6 +62,9 @@ class Stub:
         self.seen: list[dict[str, Any]] = []
         self.cancelled = threading.Event()
         self.flood_written = 0
+        self.headed = threading.Event()
+        """A `held` stream's head is written; its events wait for `release`."""
+        self.release = threading.Event()
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((LOOPBACK, 0))
@@ -186,11 +192,15 @@ class Stub:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
+        held = request.headers.get("x-stub") == "held"
+        if held:
+            self.headed.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 10)
         for tokens, final in ((1, False), (5, False), (12, True)):
             meta = dict(META, completion_tokens=tokens) if final else {
                 "id": "r1", "finish_reason": None, "prompt_tokens": 5, "completion_tokens": tokens}
             await response.write(sse({"text": "x" * tokens, "meta_info": meta}))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0 if held else 0.01)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -369,6 +379,29 @@ def test_a_native_stream_of_several_outputs_is_timed_and_its_counts_left_unknown
     assert metric(text, "dfserve_inter_chunk_latency_seconds_count", arm="a", route="native") == 3
     assert metric(text, "dfserve_output_tokens_total", arm="a", route="native") == 0  # one output's 4 were counted
     assert metric(text, "dfserve_spec_verify_rounds_total", arm="a", route="native") == 0
+
+
+def test_a_gateway_that_reads_an_answer_late_times_it_by_its_arrival(tmp_path: Path) -> None:
+    """TTFT and E2E are the replica's and the network's: a gateway whose loop gets to an answer late (here: stopped
+    while the whole answer arrives) dates its reads by the kernel, and ends the request when its last byte came."""
+    stop_s = 0.6
+    with Stub() as stub, serve(gateway_argv(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}}))
+                               ) as gateway:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, gateway.url + "/generate", json={"text": "hi", "stream": True},
+                                 headers={"x-stub": "held"}, timeout=10)
+            assert stub.headed.wait(10)
+            os.kill(gateway.process.pid, signal.SIGSTOP)
+            try:
+                stub.release.set()
+                time.sleep(stop_s)
+            finally:
+                os.kill(gateway.process.pid, signal.SIGCONT)
+            assert answer.result().status_code == 200 and answer.result().content.endswith(b"data: [DONE]\n\n")
+        text = httpx.get(gateway.url + "/metrics").text
+    assert metric(text, "dfserve_e2e_request_latency_seconds_count", arm="a") == 1
+    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="0.25") == 1
+    assert metric(text, "dfserve_time_to_first_token_seconds_bucket", arm="a", le="0.3") == 1
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

@@ -363,3 +363,34 @@ def test_a_late_read_of_a_head_alone_is_not_counted_as_a_chunk_left_waiting() ->
     lag = uvloop.run(go())
     # the chunk that followed, read at once, may still be late by a ms on a slow machine: the head's lag is the test
     assert lag is not None and lag.reads == 3 and lag.late_reads <= 1 and lag.max_lag_s < BUSY_S / 2
+
+
+ENDS = {
+    "chunked": (HEAD + b"5\r\nfirst\r\n", b"4\r\nlast\r\n0\r\n\r\n"),
+    "length": (b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nfirst", b"last"),
+    "close": (b"HTTP/1.1 200 OK\r\n\r\nfirst", b"last"),
+}
+
+
+@pytest.mark.parametrize("framing", ENDS)
+def test_a_response_is_complete_when_its_last_byte_arrived_not_when_a_busy_loop_got_to_it(
+        framing: str, reader: None) -> None:
+    """A response's end (`Response.completed`, the load tester's and the gateway's end of a request) is the date of
+    the read that completed it, whether the de-chunker, the length or the connection's end said it was the last."""
+    async def go() -> tuple[tuple[float, float], float | None, float, bytes]:
+        async with fetching_one() as (_, response, peer, fetching):
+            first, last = ENDS[framing]
+            peer.sendall(first)
+            await until(lambda: bool(response.pieces))
+            window = send(peer, last)
+            if framing == "close":
+                peer.shutdown(socket.SHUT_WR)
+            hold_the_loop()  # while the last bytes wait in the kernel
+            await fetching
+            done_at = time.perf_counter()
+        return window, response.completed, done_at, response.body()
+
+    window, completed, done_at, body = uvloop.run(go())
+    assert body == b"firstlast"
+    assert completed is not None and dated_within(completed, window), (completed, window)
+    assert done_at - window[1] >= BUSY_S

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -28,12 +30,15 @@ def chat_event(content: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP) -> tuple[Finished, int]:
+def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP,
+        then: Callable[[], None] | None = None) -> tuple[Finished, int]:
     """One chat request to a server that writes `head`, then `answer`'s chunks (each a read of its own, as far as
-    the loop goes, chunked unless `head` gives a length) until the client hangs up; what the client handed its
-    sink, and how many bytes the server got to write."""
+    the loop goes, chunked unless `head` gives a length) until the client hangs up, then calls `then`, on the
+    client's loop, and closes after the client; what the client handed its sink, and how many bytes the server got
+    to write."""
     framed = b"chunked" in head
     written = 0
+    served = asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal written
@@ -50,7 +55,11 @@ def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP) -> 
                 await asyncio.sleep(0)
             writer.write(b"0\r\n\r\n" if framed else b"")
             await writer.drain()
+        if then is not None:
+            then()
+            await reader.read()  # the client's end first: a FIN after the answer would date its last read
         writer.close()
+        served.set()
 
     async def go() -> Finished:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -63,6 +72,8 @@ def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP) -> 
             await client.send(task, 0, warmup=False, scheduled_s=None)
         finally:
             client.close()
+            if then is not None:
+                await asyncio.wait_for(served.wait(), 5)
             server.close()
             await server.wait_closed()
         return finished[0]
@@ -169,3 +180,18 @@ def test_a_request_encoded_before_the_run_goes_out_as_it_was_encoded(monkeypatch
     (finished,) = asyncio.run(go())
     assert received == [bodies[("t", "served")].body] and finished.http_status == 200 and finished.error is None
     assert json.loads(received[0])["messages"] == task.body["messages"]
+
+
+def test_a_request_ends_when_its_last_byte_arrived_not_when_a_busy_loop_got_to_it() -> None:
+    """E2E is the server's and the network's: the loop busy when the answer's end comes (other streams' work) is
+    not added to it."""
+    written_by: list[float] = []
+
+    def busy_loop() -> None:
+        written_by.append(time.perf_counter())
+        while time.perf_counter() < written_by[0] + 0.1:
+            pass
+
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop)
+    assert finished.error is None and finished.sent.sent_s is not None
+    assert finished.sent.sent_s < finished.sent.end_s <= written_by[0], (finished.sent.end_s - written_by[0])
