@@ -108,8 +108,13 @@ class CaptureCounts(_Model):
     dropped_queue_full: int = Field(0, description="client requests the capture's thread could not take in time "
                                     "(its queue was full), dropped before sampling: with a fraction below 1, more "
                                     "than would have been written")
-    dropped_write_error: int = 0
-    dropped_over_bound: int = Field(0, description="after the capture reached max_bytes or max_segments")
+    dropped_write_error: int = Field(0, description="lost to a write that failed (the capture stopped there)")
+    dropped_over_bound: int = Field(0, description="after the capture reached max_bytes or max_segments, requests "
+                                    "that arrived after the last one it holds")
+    dropped_after_error: int = Field(0, description="after a failed write stopped the capture, requests that "
+                                     "arrived after the last one it holds")
+    dropped_in_window: int = Field(0, description="after the capture stopped, requests that had arrived before the "
+                                   "last one it holds (still running when it stopped): lost from its window")
     dropped_too_large: int = Field(0, description="one record larger than a segment")
 
 

@@ -35,7 +35,7 @@ from dfserve.capture.read import read_capture
 from dfserve.capture.redact import PROMPT_FIELDS
 from dfserve.errors import FieldError
 from dfserve.loadtest.config import Sampling
-from dfserve.loadtest.routes import ROUTE_FOR
+from dfserve.loadtest.routes import ROUTE_FOR, first_set
 from dfserve.tasks import Task, TaskSet
 
 PREFIX = "capture:"
@@ -125,7 +125,7 @@ def _with_defaults(task: ReplayTask, sampling: Sampling) -> ReplayTask:
 def _task(seq: int, route: sglang.Api, body: dict[str, Any], arrival_s: float, where: str) -> ReplayTask:
     """Its id is the record's number and a hash of the route and body it is sent with."""
     digest = hashlib.sha256(json.dumps([route, body], sort_keys=True).encode()).hexdigest()[:16]
-    prompt_value = body.get(PROMPT_FIELDS[route], body.get("input_ids"))
+    prompt_value = first_set(body, PROMPT_FIELDS[route], "input_ids")
     plain = isinstance(prompt_value, str)
     return ReplayTask(id=f"c{seq:06d}-{digest}", prompt=prompt_value if plain else json.dumps(prompt_value),
                       seq=seq, route=route, body=body, arrival_s=arrival_s, where=where)
@@ -150,15 +150,16 @@ def _refusal(record: CaptureRecord) -> str | None:
 
 def capture_holes(manifest: CaptureManifest) -> str | None:
     """What a capture lost between the requests it holds, in words (None: nothing): a full queue, a failed write, a
-    request larger than a segment. Requests sampled out, and those after it reached its bound (it ends there), are
-    no holes."""
+    request larger than a segment or one it could not record, and, once it stopped, those that had arrived before the
+    last it holds. Requests sampled out, and those that arrived after it stopped (at its bound or a failed write: its
+    window ends there), are no holes."""
     counts = manifest.counts
-    lost = {"its queue was full": counts.dropped_queue_full, "a write failed": counts.dropped_write_error,
-            "larger than a segment": counts.dropped_too_large}
+    lost = {"because its queue was full": counts.dropped_queue_full, "because a write failed": counts.dropped_write_error,
+            "larger than a segment": counts.dropped_too_large, "it could not record": counts.unreadable,
+            "still running when it stopped": counts.dropped_in_window}
     if not any(lost.values()):
         return None
-    said = ", ".join(f"{n} because {why}" if why != "larger than a segment" else f"{n} {why}"
-                     for why, n in lost.items() if n)
+    said = ", ".join(f"{n} {why}" for why, n in lost.items() if n)
     return f"the capture lost {sum(lost.values())} of its requests between the {counts.written} it holds ({said})"
 
 

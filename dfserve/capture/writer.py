@@ -7,7 +7,9 @@ reached its bound, the request is counted as dropped; each kind of drop is logge
 
 The bound stops the capture rather than dropping the oldest segments: a capture is a window of traffic to replay,
 and its arrival offsets are measured from its start, so it stays one unbroken window from its first request; a
-reader never finds a segment deleted under it. To capture a later window, start a new capture folder.
+reader never finds a segment deleted under it. To capture a later window, start a new capture folder. The writer
+sees requests as they end, not as they arrive: once it stopped, a request that arrived before the last one it holds
+(a long one, still running) is a hole in its window, counted apart (`dropped_in_window`) from those after it.
 
 Files are created 0600 (set with fchmod, whatever the umask), the folder 0700.
 
@@ -174,6 +176,8 @@ class CaptureWriter:
         self._segment: _Segment | None = None
         self._stopped: str | None = None
         self._stop_kind = ""
+        self._last_offset_s = -1.0
+        """The arrival offset of the latest request it holds: where its window ends once it stopped."""
         self._logged: set[str] = set()
         self._seq = 0
 
@@ -216,7 +220,7 @@ class CaptureWriter:
             self._segment.flush()
         except OSError as exc:
             self._salvage()
-            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
+            self._stop("dropped_after_error", f"cannot write: {exc.strerror or exc}")
 
     def close(self) -> CaptureManifest:
         """Write what is pending, close the last segment and mark the capture complete (logged, not raised, when
@@ -226,7 +230,7 @@ class CaptureWriter:
                 self._close_segment()
             except OSError as exc:
                 self._salvage()
-                self._stop("dropped_write_error", f"cannot close a segment: {exc.strerror or exc}")
+                self._stop("dropped_after_error", f"cannot close a segment: {exc.strerror or exc}")
         try:
             return self._write_manifest(complete=True)
         except OSError as exc:
@@ -244,19 +248,24 @@ class CaptureWriter:
             log.warning(message)
 
     def _take(self, captured: Captured) -> None:
+        offset_s = max(0.0, captured.arrival_perf_s - self._t0)
         if self._stopped is not None:
-            self._counts[self._stop_kind] += 1
+            self._drop_after_stop(offset_s)
             return
         try:
-            line = self._line(captured)
+            line = self._line(captured, offset_s)
         except (ValueError, TypeError) as exc:  # a body pydantic cannot write back out: this request only
             self._counts["unreadable"] += 1
             self._log_once("unreadable", f"capture {self.policy.dir}: a request could not be recorded ({exc})")
             return
         if line is not None:
-            self._append(line)
+            self._append(line, offset_s)
 
-    def _line(self, captured: Captured) -> bytes | None:
+    def _drop_after_stop(self, offset_s: float) -> None:
+        """Count a request the stopped capture does not hold: a hole where it arrived before the last it holds."""
+        self._counts["dropped_in_window" if offset_s < self._last_offset_s else self._stop_kind] += 1
+
+    def _line(self, captured: Captured, offset_s: float) -> bytes | None:
         route = ROUTE_OF.get(captured.path)
         if route is None:
             self._counts["not_a_route"] += 1
@@ -273,12 +282,12 @@ class CaptureWriter:
         kept, redacted, replayable = redact(route, body, self.policy)
         return record_line(
             seq=self._seq, route=route, path=captured.path, arrival_unix_s=captured.arrival_unix_s,
-            offset_s=max(0.0, captured.arrival_perf_s - self._t0), sampling=sampling_of(route, kept),
+            offset_s=offset_s, sampling=sampling_of(route, kept),
             headers=kept_headers(captured.headers, self.policy.drop_headers), body=kept,
             redaction=self.policy.redact, redacted=redacted,
             replayable=replayable)
 
-    def _append(self, line: bytes) -> None:
+    def _append(self, line: bytes, offset_s: float) -> None:
         limit = self.policy.segment_bytes
         if len(line) > limit:
             self._counts["dropped_too_large"] += 1
@@ -291,7 +300,7 @@ class CaptureWriter:
                 if len(self._segments) >= self.policy.max_segments:
                     self._stop("dropped_over_bound", f"reached max_bytes {self.policy.max_bytes} in "
                                f"{self.policy.max_segments} segments")
-                    self._counts["dropped_over_bound"] += 1
+                    self._drop_after_stop(offset_s)
                     return
                 self._write_manifest(complete=False)
             if self._segment is None:
@@ -299,10 +308,11 @@ class CaptureWriter:
             self._segment.append(line)
             self._counts["written"] += 1
             self._seq += 1
+            self._last_offset_s = max(self._last_offset_s, offset_s)
         except OSError as exc:
             self._counts["dropped_write_error"] += 1
             self._salvage()
-            self._stop("dropped_write_error", f"cannot write: {exc.strerror or exc}")
+            self._stop("dropped_after_error", f"cannot write: {exc.strerror or exc}")
 
     def _salvage(self) -> None:
         """After a failed write, keep the open segment's whole lines (cut back to the last one written, then the
@@ -336,7 +346,7 @@ class CaptureWriter:
     def _stop(self, kind: str, reason: str) -> None:
         self._stopped, self._stop_kind = reason, kind
         self._log_once(kind, f"capture {self.policy.dir}: stopped, {reason}; later requests are dropped and "
-                       f"counted ({kind})")
+                       f"counted ({kind}, or dropped_in_window where they arrived before the last it holds)")
         with contextlib.suppress(OSError):
             self._write_manifest(complete=False)
 

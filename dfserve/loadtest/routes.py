@@ -83,12 +83,12 @@ class Native(Route):
         return sglang.generate_body(task.as_text(), sampling, stream=True)
 
     def refusal(self, body: dict[str, Any]) -> str | None:
-        prompt = body.get("text", body.get("input_ids"))
+        prompt = first_set(body, "text", "input_ids")
         if not isinstance(prompt, str | list):
             return "has no prompt (text or input_ids)"
         if isinstance(body.get("text"), list) or _batch(body.get("input_ids")):
             return "is a batch (text or input_ids is a list of prompts); a replayed request carries one prompt"
-        if not isinstance(body.get("sampling_params", {}), dict):
+        if not isinstance(body.get("sampling_params", {}), dict | None):
             return "has a sampling_params that is not an object"
         return None
 
@@ -121,6 +121,11 @@ class Native(Route):
                 stream.native_event(data, now)
 
 
+def first_set(body: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of `keys` that `body` sets to other than null (SGLang reads a null as unset)."""
+    return next((value for key in keys if (value := body.get(key)) is not None), None)
+
+
 def _set(settings: dict[str, Any], fill: dict[str, Any]) -> dict[str, Any]:
     """`settings` less those of `fill`'s names it sets to null: a client's null leaves a setting to the server, as
     one it did not send does (SGLang reads both as unset)."""
@@ -131,7 +136,7 @@ class OpenAI(Route):
     asks_model = True
 
     def settings(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"max_new_tokens": body.get("max_tokens", body.get("max_completion_tokens")),
+        return {"max_new_tokens": first_set(body, "max_tokens", "max_completion_tokens"),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p")}
 
     def with_defaults(self, body: dict[str, Any], defaults: sglang.SamplingParams) -> dict[str, Any]:

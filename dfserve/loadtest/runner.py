@@ -45,6 +45,9 @@ CONNECT_TIMEOUT_S = 10.0
 MAX_REQUESTS = 10_000_000
 """Of a run's measured requests, and of its warm-up: its schedule is built whole, in memory, before the first is
 sent."""
+MAX_SCHEDULE_S = 30 * 86400
+"""Past any load test's span: a schedule longer than this (infinite, where a rate or a speed is near zero) is a
+mistyped flag, not a run to wait for."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ class RunPlan:
             self.task_set.check(self.api, self.load.kind == "trace", self.warmup + self.num_requests)
         elif self.load.kind == "trace":
             raise FieldError("arrival", "trace replays captured arrival times; give {other} capture:DIR", other="tasks")
+        _, offsets = self.order()
+        if offsets and not offsets[-1] <= MAX_SCHEDULE_S:
+            raise FieldError("speed" if self.load.kind == "trace" else "rate",
+                             f"puts the last request {offsets[-1]:.3g} s after the start, past "
+                             f"{MAX_SCHEDULE_S // 86400} days")
 
     @property
     def default_api(self) -> sglang.Api:

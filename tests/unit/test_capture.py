@@ -22,6 +22,7 @@ from dfserve.capture.format import MANIFEST, CapturePolicy, CaptureRecord
 from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.redact import kept_headers, redact, sampling_of, text_hash
+from dfserve.capture.replay import capture_holes
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError, UserError
 from dfserve.gateway.observers import Exchanged, Observers
@@ -33,7 +34,7 @@ NATIVE = {"text": "def f():", "sampling_params": {"temperature": 0, "max_new_tok
 
 
 def policy(tmp_path: Path, **fields: object) -> CapturePolicy:
-    return CapturePolicy(dir=tmp_path / "capture", **fields)  # type: ignore[arg-type]
+    return CapturePolicy(**{"dir": tmp_path / "capture", **fields})  # type: ignore[arg-type]
 
 
 def captured(body: dict[str, object], path: str = "/generate", at: float = 0.0) -> Captured:
@@ -218,6 +219,39 @@ def test_rotation_bounds_segments_and_bytes_and_then_stops(tmp_path: Path, caplo
     assert len([r for r in caplog.records if "stopped" in r.getMessage()]) == 1
 
 
+def test_a_request_still_running_when_the_capture_stopped_is_a_hole_in_its_window(tmp_path: Path) -> None:
+    """The writer sees requests as they end: one that arrived among those it holds and ended after the bound
+    stopped it is lost from its window (its replay is incomplete, said); those that arrived after are not."""
+    body = {"text": "x" * 900}
+    manifests = {}
+    for name, late in (("after", False), ("within", True)):
+        writer = CaptureWriter.open(policy(tmp_path, max_bytes=4096, max_segments=1, dir=tmp_path / name),
+                                    clock=lambda: 0.0)
+        for i in range(8):
+            writer.observe(captured(body, at=2.0 + i))
+        if late:
+            writer.observe(captured(body, at=1.0))  # a long request: arrived first, ended last
+        manifests[name] = writer.close()
+    after, within = manifests["after"].counts, manifests["within"].counts
+    assert after.written == within.written and 0 < after.written < 8
+    assert (after.dropped_over_bound, after.dropped_in_window) == (8 - after.written, 0)
+    assert (within.dropped_over_bound, within.dropped_in_window) == (8 - within.written, 1)
+    assert capture_holes(manifests["after"]) is None
+    assert capture_holes(manifests["within"]) == (f"the capture lost 1 of its requests between the {within.written} it "
+                                                  "holds (1 still running when it stopped)")
+
+
+def test_a_request_the_capture_could_not_record_is_a_hole(tmp_path: Path) -> None:
+    """A lone surrogate in a prompt (which SGLang's JSON decoder takes) cannot be written back out: the replay
+    lacks that request, and says so."""
+    writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 0.0)
+    for at, body in enumerate((NATIVE, {"text": "\ud800"}, NATIVE)):
+        writer.observe(captured(body, at=at))
+    manifest = writer.close()
+    assert (manifest.counts.written, manifest.counts.unreadable) == (2, 1)
+    assert capture_holes(manifest) == "the capture lost 1 of its requests between the 2 it holds (1 it could not record)"
+
+
 def test_a_record_larger_than_a_segment_is_dropped_and_counted(tmp_path: Path) -> None:
     manifest = write(tmp_path, [{"text": "x" * 5000}, NATIVE], max_bytes=4096, max_segments=1).close()
     assert (manifest.counts.dropped_too_large, manifest.counts.written) == (1, 1)
@@ -242,7 +276,8 @@ def test_a_failing_disk_never_raises_into_observe_and_is_logged_once(
         for _ in range(6):
             writer.observe(captured(NATIVE))
         manifest = writer.close()
-    assert (manifest.counts.written, manifest.counts.dropped_write_error) == (2, 4)
+    counts = manifest.counts
+    assert (counts.written, counts.dropped_write_error, counts.dropped_after_error) == (2, 1, 3)  # 1 lost, 3 after
     assert manifest.stopped is not None and "No space left" in manifest.stopped
     assert len(read_capture(tmp_path / "capture")[1]) == 2  # the lines before the failure are kept, whole
     assert len([r for r in caplog.records if "No space left" in r.getMessage()]) == 1
@@ -322,9 +357,9 @@ def test_a_full_queue_drops_without_blocking_and_the_manifest_counts_it(
     release = threading.Event()
     real_line = CaptureWriter._line
 
-    def slow_line(self: CaptureWriter, item: Captured) -> bytes | None:
+    def slow_line(self: CaptureWriter, item: Captured, offset_s: float) -> bytes | None:
         release.wait(10)
-        return real_line(self, item)
+        return real_line(self, item, offset_s)
 
     monkeypatch.setattr(CaptureWriter, "_line", slow_line)
     observer = CaptureObserver(CaptureWriter.open(policy(tmp_path)))

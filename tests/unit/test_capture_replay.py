@@ -20,6 +20,7 @@ from dfserve.loadtest.judge import comparability
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import summarize
 from dfserve.loadtest.routes import ROUTE_FOR
+from dfserve.loadtest.runner import RunPlan
 from dfserve.loadtest.schedule import LoadShape, schedule_fidelity, trace_offsets
 from dfserve.sglang import SamplingParams
 from dfserve.tasks import Task, load_tasks
@@ -79,6 +80,23 @@ def test_a_setting_a_client_sent_as_null_is_unset_and_comes_from_the_flags(tmp_p
     assert (sent["max_tokens"], sent["temperature"], sent["max_completion_tokens"]) == (128, 0.0, None)
     assert native_task.request("m")["sampling_params"] == {"max_new_tokens": 128, "temperature": 0.5, "top_p": 1.0}
     assert recorded == Sampling(max_new_tokens=128, temperature=0.5, top_p=1.0, min_temperature=0.0)
+
+
+def test_a_null_that_hides_a_set_value_or_stands_for_a_whole_field_is_unset_too(tmp_path: Path) -> None:
+    """A null `max_tokens` beside `max_completion_tokens`, a null `sampling_params`, a null `text` beside
+    `input_ids`: requests SGLang serves, so a replay sends them as they came."""
+    tasks, recorded = load_capture_tasks(capture(tmp_path, [
+        ("/v1/chat/completions", chat("hi", max_tokens=None, max_completion_tokens=7), 0.0),
+        ("/generate", {"text": "a", "sampling_params": None}, 1.0),
+        ("/generate", {"text": None, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}}, 2.0)],
+    )).for_run(FLAGS)
+    chat_task, null_params, ids = tasks.tasks
+    assert isinstance(chat_task, ReplayTask) and isinstance(null_params, ReplayTask) and isinstance(ids, ReplayTask)
+    assert (chat_task.request("m")["max_completion_tokens"], chat_task.request("m")["max_tokens"]) == (7, None)
+    assert null_params.request("m")["sampling_params"] == {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0}
+    assert ids.request("m")["input_ids"] == [1, 2, 3] and ids.prompt == "[1, 2, 3]"
+    assert recorded.max_new_tokens == 128
+    assert ROUTE_FOR["chat"].settings(chat_task.body)["max_new_tokens"] == 7
 
 
 def test_a_bad_setting_is_named_with_its_line_in_the_capture(tmp_path: Path) -> None:
@@ -291,6 +309,20 @@ def test_a_trace_fits_the_capture(tmp_path: Path) -> None:
     tasks.check(None, trace=False, count=300)  # other arrivals repeat the set, as for any task set
     order, arrivals = tasks.trace(2)
     assert [t.prompt for t in order] == ["a", "b"] and arrivals == [0.0, 1.0]
+
+
+@pytest.mark.parametrize(("load", "field"), [
+    (LoadShape(kind="trace", speed=5e-324), "speed"), (LoadShape(kind="trace", speed=1e-9), "speed"),
+    (LoadShape(kind="constant", rate=5e-324), "rate"), (LoadShape(kind="poisson", rate=1e-9), "rate")])
+def test_a_schedule_that_would_never_end_refuses_naming_its_flag(tmp_path: Path, load: LoadShape, field: str) -> None:
+    """A near-zero speed or rate put requests at infinity: the run sent one, then ended as if complete."""
+    tasks = load_capture_tasks(capture(tmp_path, [("/generate", native("a"), 0.0), ("/generate", native("b"), 1.0)]))
+    with pytest.raises(FieldError, match=r"puts the last request .* s after the start, past 30 days$") as caught:
+        RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=2, warmup=0, sampling=FLAGS,
+                load=load, out=tmp_path)
+    assert caught.value.field == field
+    RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=2, warmup=0, sampling=FLAGS,
+            load=LoadShape(kind="trace", speed=1e-6), out=tmp_path)  # a 12-day replay of a 1 s gap: slow, not absurd
 
 
 def test_config_records_the_routes_and_two_runs_compare_only_with_the_same(tmp_path: Path) -> None:
