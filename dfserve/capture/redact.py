@@ -1,8 +1,11 @@
 """The redaction policy and what a record keeps of a request: pure functions, tested without a writer.
 
-`hash` replaces the user text (native `text` and `input_ids`; chat messages' `content`, `reasoning_content`, `name`
-and tool-call arguments; completions `prompt` and `suffix`; OpenAI's end-user `user`) by the sha256 of its JSON, so equal prompts stay recognisable as equal while the text is gone; such a record says
-it cannot be replayed. `drop` removes named fields (dotted paths), and a record that lost its prompt that way
+`hash` replaces the user text by the sha256 of its JSON, so equal prompts stay recognisable as equal while the text
+is gone; such a record says it cannot be replayed. User text is what a user sent or is known by: the prompt (native
+`text`, `input_ids` and images, audio, video; chat messages' `content`, reasoning, `name` and tool-call arguments,
+legacy `function_call`s' too; completions `prompt` and `suffix`), OpenAI's end-user `user` and the request's
+`metadata`. What the deployment sends with every request (tools, response formats, stop strings, constraints) is
+kept. `drop` removes named fields (dotted paths), and a record that lost its prompt that way
 cannot be replayed either.
 """
 
@@ -62,10 +65,11 @@ def _drop(body: dict[str, Any], path: str) -> bool:
     return False
 
 
-MESSAGE_TEXT = ("content", "reasoning_content", "name")
+MESSAGE_TEXT = ("content", "reasoning_content", "reasoning", "name")
 """What a chat message carries of its user's: its text, a model's thinking sent back, the name of who wrote it."""
-USER_TEXT: dict[str, tuple[str, ...]] = {"native": ("text", "input_ids"), "chat": ("user",),
-                                         "completions": ("prompt", "suffix", "user")}
+USER_TEXT: dict[str, tuple[str, ...]] = {"native": ("text", "input_ids", "image_data", "audio_data", "video_data"),
+                                         "chat": ("user", "metadata"),
+                                         "completions": ("prompt", "suffix", "user", "metadata")}
 """Top-level fields of user text per route (`user`: OpenAI's end-user identifier)."""
 
 
@@ -78,16 +82,25 @@ def _hash_text(route: Api, body: dict[str, Any]) -> list[str]:
                 if key in message:
                     message[key] = text_hash(message[key])
                     hashed.append(f"messages[].{key}")
-            for call in message.get("tool_calls") or ():
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict) and "arguments" in function:
-                    function["arguments"] = text_hash(function["arguments"])
+            calls = message.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                if isinstance(call, dict) and _hash_arguments(call.get("function")):
                     hashed.append("messages[].tool_calls[].function.arguments")
+            if _hash_arguments(message.get("function_call")):
+                hashed.append("messages[].function_call.arguments")
     for key in USER_TEXT[route]:
         if key in body:
             body[key] = text_hash(body[key])
             hashed.append(key)
     return list(dict.fromkeys(hashed))
+
+
+def _hash_arguments(function: object) -> bool:
+    """A function call's arguments hashed, where it has them."""
+    if isinstance(function, dict) and "arguments" in function:
+        function["arguments"] = text_hash(function["arguments"])
+        return True
+    return False
 
 
 def redact(route: Api, body: dict[str, Any], policy: CapturePolicy) -> tuple[dict[str, Any], tuple[str, ...], bool]:

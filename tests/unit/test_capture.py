@@ -92,6 +92,14 @@ def test_hash_replaces_every_message_text_and_says_it_cannot_replay(tmp_path: Pa
     native, fields, _ = redact("native", {**NATIVE, "input_ids": [1, 2]}, policy(tmp_path, redact="hash"))
     assert native["text"] == text_hash("def f():") and native["input_ids"] == text_hash([1, 2])
     assert fields == ("text", "input_ids")
+    legacy = {"messages": [{"role": "assistant", "reasoning": "alice's key", "function_call": {
+        "name": "read", "arguments": '{"path": "/home/alice/.env"}'}}], "metadata": {"user_id": "alice"}}
+    hashed, fields, _ = redact("chat", legacy, policy(tmp_path, redact="hash"))
+    assert "alice" not in json.dumps(hashed) and hashed["messages"][0]["function_call"]["name"] == "read"
+    assert fields == ("messages[].reasoning", "messages[].function_call.arguments", "metadata")
+    media, fields, _ = redact("native", {**NATIVE, "image_data": "data:image/png;base64,QUxJQ0U="},
+                              policy(tmp_path, redact="hash"))
+    assert "QUxJQ0U" not in json.dumps(media) and fields == ("text", "image_data")
     lone, _, _ = redact("native", {**NATIVE, "text": "a\ud800"}, policy(tmp_path, redact="hash"))  # a client's escape
     assert lone["text"].startswith("sha256:") and lone["text"] != text_hash("a")
 
