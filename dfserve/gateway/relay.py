@@ -158,10 +158,10 @@ class NativeOutputs:
     (TTFT, gaps), and the counts are left unknown rather than one output's; a shadow record reads every event."""
 
     marks = sglang.NATIVE_OUTPUTS
-    alarm = None
+    alarm = sglang.NATIVE_ALARM  # an output that failed: the other outputs' events may follow it
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
-        return Acceptance(), sglang.native_stream_error(tail)
+        return Acceptance(), sglang.native_outputs_error(tail)
 
 
 class OpenAIStream:

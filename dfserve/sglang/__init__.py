@@ -64,6 +64,7 @@ from dfserve.sglang.client.responses import (
 )
 from dfserve.sglang.client.streams import (
     CONTENT_CHUNKS,
+    NATIVE_ALARM,
     NATIVE_OUTPUTS,
     NATIVE_TOKENS,
     OPENAI_ALARM,
@@ -76,6 +77,7 @@ from dfserve.sglang.client.streams import (
     TokenMarks,
     ends_with_done,
     last_spec_verify_ct,
+    native_outputs_error,
     native_stream_end,
     native_stream_error,
     openai_stream_end,
@@ -105,6 +107,7 @@ from dfserve.sglang.wire import (
 __all__ = [
     "CONTENT_CHUNKS",
     "DONE",
+    "NATIVE_ALARM",
     "NATIVE_OUTPUTS",
     "NATIVE_TOKENS",
     "OPENAI_ALARM",
@@ -155,6 +158,7 @@ __all__ = [
     "joined_choices",
     "json_bytes",
     "last_spec_verify_ct",
+    "native_outputs_error",
     "native_stream_end",
     "native_stream_error",
     "openai_stream_end",

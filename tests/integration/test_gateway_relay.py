@@ -184,11 +184,19 @@ class Stub:
             await response.write(sse(NATIVE_IN_BAND) + b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        if request.headers.get("x-stub") == "outputs":  # n = 2: each output's events with its own counts
+        if request.headers.get("x-stub") in ("outputs", "outputs-abort"):  # n = 2: each output's own counts
             for index, tokens in ((0, 1), (1, 2), (1, 6), (0, 4)):
-                await response.write(sse({"index": index, "text": "x" * tokens, "meta_info": {
-                    **META, "completion_tokens": tokens, "spec_verify_ct": 2}}))
+                meta = {**META, "completion_tokens": tokens, "spec_verify_ct": 2}
+                if (index, request.headers.get("x-stub")) == (0, "outputs-abort"):  # output 0 retracted, 1 goes on
+                    meta["finish_reason"] = {"type": "abort", "message": "retracted", "status_code": 503}
+                await response.write(sse({"index": index, "text": "x" * tokens, "meta_info": meta}))
                 await asyncio.sleep(0.01)
+                if meta["finish_reason"] != META["finish_reason"]:
+                    for tokens in (7, 9, 12):  # the other output's events after it: more than the relay's tail
+                        await response.write(sse({"index": 1, "text": "x" * tokens, "meta_info": {
+                            **META, "completion_tokens": tokens, "spec_verify_ct": 3}}))
+                        await asyncio.sleep(0.01)
+                    break
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -312,12 +320,13 @@ def test_spec_details_a_client_asked_for_stay_and_a_server_without_them_leaves_a
 @pytest.mark.parametrize(("route", "body", "status", "mode"), [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 12}, "stream": True}, "4xx", "in-band"),
     ("/v1/chat/completions", CHAT_STREAM, "5xx", "in-band"),
-    ("/v1/chat/completions", CHAT_STREAM, "5xx", "in-band-apart")])
+    ("/v1/chat/completions", CHAT_STREAM, "5xx", "in-band-apart"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2}, "stream": True}, "5xx", "outputs-abort")])
 def test_a_stream_ended_by_an_error_in_band_is_a_failure(one_arm: tuple[Stub, str], route: str,
                                                          body: dict[str, Any], status: str, mode: str) -> None:
     """HTTP 200, then an error event: the client gets the bytes as sent, the metrics count a failure with the class
     of the error's code, and none of its latencies or tokens; also when the closing chunks after the error came in
-    reads of their own."""
+    reads of their own, and when one output of several aborted and the other's events went on after it."""
     stub, gw = one_arm
     direct = httpx.post(stub.url + route, json=body, headers={"x-stub": mode})
     via = httpx.post(gw + route, json=body, headers={"x-stub": mode})

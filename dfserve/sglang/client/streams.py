@@ -187,6 +187,27 @@ def native_stream_error(events: bytes) -> StreamError | None:
     return None
 
 
+NATIVE_ALARM = _IN_BAND_ERROR
+"""What marks a native event as one a stream of several outputs is read with wherever it came (`EventRelay.alarmed`):
+an output's error or abort, after which SGLang goes on streaming the other outputs."""
+
+
+def native_outputs_error(events: bytes) -> StreamError | None:
+    """The first in-band error among the events of a native stream of several outputs (each ends with its own
+    finish reason); None when every output ended well."""
+    if not any(key in events for key in _IN_BAND_ERROR):
+        return None
+    for data in SSEDecoder().feed(events):
+        if data == DONE:
+            continue
+        event = parse_native_event(data)
+        if isinstance(event, StreamError):
+            return event
+        if event.meta.finish_reason is not None and event.meta.finish_reason.error is not None:
+            return event.meta.finish_reason.error
+    return None
+
+
 @dataclass(frozen=True)
 class OpenAIStreamEnd:
     """What the last events of a chat/completions stream show: an in-band error, the usage chunk, the spec details."""
