@@ -171,7 +171,10 @@ class OpenAIStream:
     alarm = sglang.OPENAI_ALARM
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
+        """`ProtocolError` for a stream that ended well without a finish reason (the load tester's rule)."""
         end = sglang.openai_stream_end(tail)
+        if end.error is None and not end.finished:
+            raise ProtocolError("stream finished without a finish_reason")
         tokens = sglang.spec_completion_tokens(end.spec, end.usage)
         if end.spec is not None and tokens is not None:
             verify_ct = end.spec.verify_ct

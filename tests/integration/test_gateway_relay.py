@@ -146,6 +146,8 @@ class Stub:
                 events = [*CHAT_EVENTS[:-1], SPEC_CHUNK, CHAT_EVENTS[-1]]
             if mode == "in-band":  # aborted after two chunks: the error event, then usage (SGLang sends it still)
                 events = [*CHAT_EVENTS[:2], IN_BAND, CHAT_EVENTS[-1]]
+            if mode == "no-finish":  # every chunk, and [DONE], but no finish reason
+                events = [*CHAT_EVENTS[:3], CHAT_EVENTS[-1]]
             if mode in ("in-band-apart", "apart"):  # each event read apart (in-band: an error 4 back from the end)
                 spec = [SPEC_CHUNK] if body.get("return_spec_tokens_details") else []
                 middle = [IN_BAND] if mode == "in-band-apart" else CHAT_EVENTS[2:-1]
@@ -341,16 +343,19 @@ def test_a_stream_ended_by_an_error_in_band_is_a_failure(one_arm: tuple[Stub, st
     assert healthy.status_code == 200
 
 
-@pytest.mark.parametrize(("route", "body"), [
-    ("/generate", {"text": "hi", "stream": True}), ("/generate", {"text": "hi"}), ("/v1/chat/completions", CHAT_WHOLE)])
+@pytest.mark.parametrize(("route", "body", "mode"), [
+    ("/generate", {"text": "hi", "stream": True}, "garbage"), ("/generate", {"text": "hi"}, "garbage"),
+    ("/v1/chat/completions", CHAT_WHOLE, "garbage"), ("/v1/chat/completions", CHAT_STREAM, "garbage"),
+    ("/v1/chat/completions", CHAT_STREAM, "no-finish")])
 def test_a_200_answer_that_is_not_sglangs_is_a_protocol_failure_passed_on_as_it_came(
-        one_arm: tuple[Stub, str], route: str, body: dict[str, Any]) -> None:
+        one_arm: tuple[Stub, str], route: str, body: dict[str, Any], mode: str) -> None:
     """A replica answering 200 with what is not SGLang's answer did not answer: the client gets the bytes as they
-    came, and the metrics count the arm's protocol failure, with none of its latencies, as the load tester would. (An
-    OpenAI stream's events are relayed unread but for their keys: its garbage is seen by shadow records only.)"""
+    came, and the metrics count the arm's protocol failure, with none of its latencies, as the load tester would;
+    an OpenAI stream whose events are read only for their keys is one when no finish reason came before `[DONE]`
+    (its events not JSON, or without one)."""
     stub, gw = one_arm
-    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": "garbage"})
-    via = httpx.post(gw + route, json=body, headers={"x-stub": "garbage"})
+    direct = httpx.post(stub.url + route, json=body, headers={"x-stub": mode})
+    via = httpx.post(gw + route, json=body, headers={"x-stub": mode})
     assert via.status_code == 200 and via.content == direct.content
     text = httpx.get(gw + "/metrics").text
     api = "native" if route == "/generate" else "chat"

@@ -215,13 +215,17 @@ class OpenAIStreamEnd:
     error: StreamError | None = None
     usage: Usage | None = None
     spec: SpecStats | None = None
+    finished: bool = False
+    """A choice's finish reason came (with the alarm's pieces: `OPENAI_ALARM`): a stream without one did not end
+    as SGLang ends one, whatever `[DONE]` says."""
 
 
-OPENAI_ALARM = (b'"error":', b'"finish_reason":"abort"', b'"finish_reason": "abort"', b'"spec_tokens_details":')
-"""What marks an OpenAI stream's event as one its end is read with, wherever it came: an error or an abort, which
-SGLang follows with closing chunks (the usage chunk, spec details) and `[DONE]`, and the spec details, which SGLang
-writes before the usage chunk and `[DONE]`. Those may come in reads of their own and push it out of a stream's last
-pieces, so a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with them (`openai_stream_end`)."""
+OPENAI_ALARM = (b'"error":', b'"finish_reason":"', b'"finish_reason": "', b'"spec_tokens_details":')
+"""What marks an OpenAI stream's event as one its end is read with, wherever it came: an error, a finish reason (an
+abort among them), which SGLang follows with closing chunks (the usage chunk, spec details) and `[DONE]`, and the
+spec details, which SGLang writes before the usage chunk and `[DONE]`. Those may come in reads of their own and push
+it out of a stream's last pieces, so a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with
+them (`openai_stream_end`)."""
 
 _OPENAI_END_KEYS = (*(key.decode() for key in OPENAI_ALARM), '"usage":{', '"usage": {', '"sglext":')
 
@@ -231,7 +235,7 @@ def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
     are decoded. After an error event SGLang still sends the usage chunk (with include_usage) and `[DONE]`
     (``OpenAIServingChat._generate_chat_stream``); an abort without a status (`/abort_request`) is a final chunk
     with `finish_reason: "abort"`, then the same closing chunks."""
-    error, usage, spec = None, None, None
+    error, usage, spec, finished = None, None, None, False
     for data in SSEDecoder().feed(events):
         if data == DONE or not any(key in data for key in _OPENAI_END_KEYS):
             continue
@@ -239,11 +243,12 @@ def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
         if isinstance(event, StreamError):
             error = event
             continue
-        if event.finish_reason is not None and error is None:
-            error = event.finish_reason.error
+        if event.finish_reason is not None:
+            finished = True
+            error = error or event.finish_reason.error
         usage = event.usage or usage
         spec = event.spec or spec
-    return OpenAIStreamEnd(error, usage, spec)
+    return OpenAIStreamEnd(error, usage, spec, finished)
 
 
 @dataclass(frozen=True)
