@@ -213,3 +213,5 @@ class EvalSummary(SealedSummary):
     judgements: tuple[Judgement, ...] = Field(description="each later drafter against the first, paired by task")
     records_sha256: str | None = Field(None, description="sha256 of anchors.jsonl as written (`runs.unsealed`): a "
                                        "record edited since shows, whatever figures are kept")
+    config_sha256: str | None = Field(None, description="sha256 of config.json as written: the drafters, cache and "
+                                      "settings a verdict pairs two runs on; None in a summary older than this seal")

@@ -182,7 +182,8 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
     except KeyboardInterrupt:
         interrupted = True
     summary = _summarize(plan, config, records, interrupted).model_copy(
-        update={"records_sha256": file_sha256(run_dir / "anchors.jsonl")}).sealed()
+        update={"records_sha256": file_sha256(run_dir / "anchors.jsonl"),
+                "config_sha256": file_sha256(run_dir / "config.json")}).sealed()
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary))
     if not interrupted:
@@ -254,6 +255,9 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
         refs.store_references(plan.cache, references)
     else:
         refs.check_vocabulary(references, target.vocab_size, str(refs.reference_path(plan.cache, key)))
+    if not any(len(reference.output_ids) >= 2 for reference in references.references):
+        raise FieldError("max_new_tokens", "no task's reference output is two tokens or longer: there is no verify "
+                         "round to score, and τ is undefined (raise it, or give tasks the target answers at length)")
     if server is not None and server.speculative_algorithm:
         console.print(f"[yellow]note:[/] {plan.reference} decodes with {server.speculative_algorithm}: its greedy "
                       "output should be the target's own, but verify kernels round differently from decode")

@@ -125,6 +125,7 @@ class EvalRun:
             problems.append(f"{where} drafter {label}: summary.json's figures are not those of its records in "
                             "anchors.jsonl (records missing or edited)")
         for why in (unsealed(self.path / "anchors.jsonl", self.summary.records_sha256),
+                    unsealed(self.path / "config.json", self.summary.config_sha256),
                     self.summary.unsealed(self.path / "summary.json")):
             if why is not None:
                 problems.append(f"{where}: {why}")

@@ -360,6 +360,18 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     assert {name: _tree(world.root / name) for name in before} == before
 
 
+def test_a_run_that_would_score_no_verify_round_is_refused_before_its_folder(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outputs of one token leave no round: τ was NaN, written as null into the baseline registry, which no command
+    could read after."""
+    status, _, err = run_cli(capsys, *eval_args(world, "one-token", str(world.short), out="one-token",
+                                                cache="one-token-cache", **{"max-new-tokens": 1}))
+    assert status == 2 and err.splitlines()[-1] == (
+        "dfserve: error: --max-new-tokens: no task's reference output is two tokens or longer: there is no verify "
+        "round to score, and τ is undefined (raise it, or give tasks the target answers at length)")
+    assert not (world.root / "one-token").exists()
+
+
 def test_one_checkpoint_named_twice_is_refused_before_any_work(world: World,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """One checkpoint under two labels, or a folder beside its copy, would pass at exactly 0%: refused once the

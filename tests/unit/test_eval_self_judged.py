@@ -77,7 +77,7 @@ def eval_run(root: Path, run_id: str, drafters: dict[DrafterInfo, int], interrup
     records = {info.label: records_of(info.label, tau) for info, tau in drafters.items()}
     (folder / "anchors.jsonl").write_text("".join(r.model_dump_json() + "\n" for rs in records.values() for r in rs))
     summary = EvalSummary(run_id=run_id, interrupted=interrupted, judgements=(), records_sha256=file_sha256(
-        folder / "anchors.jsonl"), drafters=tuple(summarize_drafter(label, rs, TASKS, config.methods(), 4)
+        folder / "anchors.jsonl"), config_sha256=file_sha256(folder / "config.json"), drafters=tuple(summarize_drafter(label, rs, TASKS, config.methods(), 4)
                                                   for label, rs in records.items()))
     write_model(folder / "summary.json", summary.sealed())
     return folder
@@ -175,4 +175,17 @@ def test_an_interrupted_run_turned_whole_in_its_summary_is_judged_only_forced(tm
     with pytest.raises(UserError, match=r"eval-1/summary\.json is not as its writer left it .*: edited"):
         compare_eval_runs(run, None, None, None, None, tmp_path / "out")
     verdict, _ = compare_eval_runs(run, None, None, None, None, tmp_path / "forced", force=True)
+    assert verdict.forced
+
+
+def test_a_run_whose_config_was_edited_is_judged_only_forced(tmp_path: Path) -> None:
+    """config.json says which drafters a run scored, on which cache: a second run of one checkpoint, its hashes edited
+    away, was judged against the first unforced (PASS, +0.0%)."""
+    first = eval_run(tmp_path / "runs", "eval-1", {drafter("base", SHA): 3})
+    second = eval_run(tmp_path / "runs", "eval-2", {drafter("cand", SHA): 3})
+    config = second / "config.json"
+    config.write_text(config.read_text().replace(SHA, "d" * 64))
+    with pytest.raises(UserError, match=r"eval-2/config\.json is not as its writer left it .*: edited"):
+        compare_eval_runs(first, second, "base", None, None, tmp_path / "out")
+    verdict, _ = compare_eval_runs(first, second, "base", None, None, tmp_path / "forced", force=True)
     assert verdict.forced
