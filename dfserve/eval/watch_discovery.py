@@ -82,9 +82,11 @@ class Ready:
 def choose(ready: Sequence[Ready], done: set[str], every: bool) -> tuple[list[Ready], list[Ready]]:
     """What to score now, in order, and what is skipped for good.
 
-    `every`: all pending, oldest step first. Otherwise the newest only: when checkpoints land faster than they are
-    scored, the trend follows the run's head and the older pending ones are listed as skipped."""
+    `every`: all pending, oldest step first. Otherwise the newest step's only: when checkpoints land faster than
+    they are scored, the trend follows the run's head and the older pending ones are listed as skipped. Files of one
+    step are all tried (a model beside its optimizer's state: which one is the drafter shows when it is loaded)."""
     pending = sorted((r for r in ready if r.key not in done), key=lambda r: (r.step, r.key))
-    if every or len(pending) <= 1:
+    if every or not pending:
         return pending, []
-    return [pending[-1]], pending[:-1]
+    newest = pending[-1].step
+    return [r for r in pending if r.step == newest], [r for r in pending if r.step < newest]

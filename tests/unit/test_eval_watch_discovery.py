@@ -66,4 +66,7 @@ def test_newest_first_skips_the_older_pending_ones_every_checkpoint_scores_all_i
     chosen, skipped = choose(ready, done={"s50"}, every=True)
     assert chosen == [Ready("s100", 100), Ready("s200", 200), Ready("s300", 300)] and skipped == []
     assert choose([Ready("s100", 100)], done=set(), every=False) == ([Ready("s100", 100)], [])
+    beside = [Ready("step_300/optimizer.pt", 300), Ready("step_300/model.pt", 300), Ready("step_200/model.pt", 200)]
+    assert choose(beside, done=set(), every=False) == (  # the model was skipped for its optimizer's state
+        [Ready("step_300/model.pt", 300), Ready("step_300/optimizer.pt", 300)], [Ready("step_200/model.pt", 200)])
     assert choose(ready, done={"s50", "s100", "s200", "s300"}, every=False) == ([], [])
