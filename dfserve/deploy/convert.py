@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,8 +113,8 @@ def load_checkpoint(path: Path) -> Mapping[str, torch.Tensor]:
             return load_file(str(path))
         except Exception as exc:
             raise FieldError("drafter", f"{path} is not a readable safetensors file ({exc.__class__.__name__}: {exc})") from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # mapped, not read whole, where the file allows it: the zip format torch writes since 1.6
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:
         raise FieldError("drafter", f"{path} is not a torch checkpoint that loads with weights_only "
                          f"({exc.__class__.__name__}: {str(exc)[:200]})") from None

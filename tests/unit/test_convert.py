@@ -62,6 +62,17 @@ def test_every_trainer_layout_converts_to_zlab_names_in_bf16(tmp_path: Path, lay
     assert record["sha256"] == result.sha256 and record["tensors"] == len(state)
 
 
+def test_a_checkpoint_in_torchs_legacy_format_converts(tmp_path: Path) -> None:
+    """Saved without the zip format (`_use_new_zipfile_serialization=False`): it loads with weights_only, unmapped
+    (it was refused with torch's message that mmap needs the zip format)."""
+    state = tiny_state_dict()
+    checkpoint = tmp_path / "legacy.pt"
+    torch.save({"model": state}, checkpoint, _use_new_zipfile_serialization=False)
+    result = convert(checkpoint, tmp_path / "store")
+    with safe_open(str(result.folder / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(state)
+
+
 def test_safetensors_input_with_prefix(tmp_path: Path) -> None:
     state = tiny_state_dict(dtype=torch.float16)
     checkpoint = write_checkpoint(tmp_path / "drafter.safetensors", with_prefix(state, "module."))
