@@ -23,5 +23,9 @@ class FiniteFloat(click.FloatRange):
             raise UserError(f"{flag}: {value!r} is not a finite number")
         return number
 
+    def _describe_range(self) -> str:
+        """No bounds, nothing to say in the help (click would print `x<=None`)."""
+        return super()._describe_range() if self.min is not None or self.max is not None else ""
+
 
 FINITE = FiniteFloat()
