@@ -288,7 +288,15 @@ class Watcher:
         self._finish(started, run_id)
 
     def _finish(self, started: CheckpointEntry, run_id: str) -> None:
-        point = self._point(started, self.runs / run_id)
+        """Its run paired with the baseline's into the trend; a run that cannot be (another feature cache: its
+        drafter taps other layers) marks the checkpoint corrupt, as at every restart it would stop the watch."""
+        try:
+            point = self._point(started, self.runs / run_id)
+        except FieldError as exc:
+            self._save(started.model_copy(update={"status": "corrupt", "detail": exc.message}))
+            self.log(f"corrupt: {started.key}: {exc.message}")
+            self._publish()
+            return
         self._save(started.model_copy(update={"status": "scored", "point": point}))
         self.result.scored.append(started.key)
         trend = self._publish()
@@ -303,7 +311,7 @@ class Watcher:
         base_config, base_records = _read_records(base_dir)
         config, records = _read_records(run_dir)
         if problems := base_config.comparable_with(config):
-            raise FieldError("out", f"{run_dir} cannot be paired with the baseline's run {base_dir}: "
+            raise FieldError("out", f"its run {run_dir.name} cannot be paired with the baseline's run {base_dir.name}: "
                              + "; ".join(problems))
         base_label, label = base_config.drafters[0].label, config.drafters[0].label
         judgement = judge_offline(base_label, base_records, label, records, [t.id for t in base_config.tasks.tasks],

@@ -18,7 +18,7 @@ from dfserve.deploy.profiles import load_profile
 from dfserve.errors import FieldError
 from dfserve.eval.records import Figure
 from dfserve.eval.runner import EvalPlan
-from dfserve.eval.trend import TrendBaseline
+from dfserve.eval.trend import TrendBaseline, TrendPoint
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE
 from dfserve.eval.watch import Watcher, WatchPlan
 from dfserve.eval.watch_discovery import Ready, Seen
@@ -179,6 +179,28 @@ def test_a_checkpoint_whose_scoring_fails_unforeseen_is_corrupt_and_the_watch_go
     assert [line for line in watch.lines if line.startswith("corrupt:")] == [
         "corrupt: step_10/checkpoint.pt: scoring failed (RuntimeError: shape '[1, 8, 3, 16]' is invalid)"]
     assert read_state(tmp_path / "watch").checkpoints["step_20/checkpoint.pt"].status == "scored"
+
+
+class Unpaired(Staging):
+    """Runs that cannot be paired with the baseline's (their drafter taps other layers: another feature cache)."""
+
+    _finish = Watcher._finish
+
+    def _point(self, started: CheckpointEntry, run_dir: Path) -> TrendPoint:
+        raise FieldError("out", f"its run {run_dir.name} cannot be paired with the baseline's run baseline: "
+                         "feature cache: fff5 vs 1221")
+
+
+def test_a_run_that_cannot_be_paired_with_the_baselines_is_corrupt_and_the_watch_goes_on(tmp_path: Path) -> None:
+    """It stopped the watch, and the restart's resume stopped it again, at every restart."""
+    _checkpoint(tmp_path, "step_10/checkpoint.pt")
+    _checkpoint(tmp_path, "step_20/checkpoint.pt")
+    watch = Unpaired(_plan(tmp_path, every=True))
+    watch.run()
+    assert [line for line in watch.lines if line.startswith("corrupt:")] == [
+        f"corrupt: step_{step}/checkpoint.pt: its run step-0000000{step} cannot be paired with the baseline's run "
+        "baseline: feature cache: fff5 vs 1221" for step in (10, 20)]
+    assert {e.status for e in read_state(tmp_path / "watch").checkpoints.values()} == {"corrupt"}
 
 
 def test_two_checkpoints_of_one_step_get_their_own_names_and_keep_them_through_a_restart(tmp_path: Path) -> None:
