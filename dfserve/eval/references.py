@@ -102,6 +102,19 @@ def store_references(cache: Path, references: ReferenceSet) -> Path:
     return path
 
 
+def keep_references(cache: Path, references: ReferenceSet) -> ReferenceSet:
+    """`references` stored in the cache; or, where a run sharing the cache stored its own under the same key while
+    these were made, those: every later run reads them, so this one scores on them too."""
+    try:
+        store_references(cache, references)
+    except FileExistsError:
+        stored = cached_references(cache, references.key)
+        if stored is None:
+            raise
+        return stored
+    return references
+
+
 def check_vocabulary(references: ReferenceSet, vocab_size: int, where: str) -> None:
     """Every token must be one the target knows: an id beyond its vocabulary means the server or cache served
     another model's tokens."""

@@ -230,3 +230,22 @@ def test_a_reference_cache_entry_that_is_not_a_file_is_one_line_naming_it(tmp_pa
     refs.reference_path(tmp_path, key).mkdir(parents=True)
     with pytest.raises(UserError, match=r"reference cache .*references-[0-9a-f]{16}\.json: not a file; remove it"):
         refs.cached_references(tmp_path, key)
+
+
+def test_references_a_run_sharing_the_cache_stored_first_are_the_ones_kept(tmp_path: Path) -> None:
+    """Two runs started together on a new cache: the second to finish its references failed, after making them all,
+    with "exists; run files are written once"."""
+    from dfserve.eval import references as refs
+
+    key = refs.ReferenceKey(target_sha256="t", tasks_sha256="s", task_ids=("a",), prompts_sha256="p",
+                            prompt=PromptSettings(format="raw", thinking=False, template_sha256=None),
+                            max_new_tokens=8, stop_ids=(), source="local", server_model=None)
+
+    def made(output: tuple[int, ...]) -> refs.ReferenceSet:
+        return refs.ReferenceSet(key=key, source="local", created_at="now", references=(
+            refs.Reference(task="a", prompt_ids=(1,), output_ids=output, finish="length"),))
+
+    first = refs.keep_references(tmp_path, made((5, 6)))
+    second = refs.keep_references(tmp_path, made((5, 7)))
+    assert first.references[0].output_ids == second.references[0].output_ids == (5, 6)
+    assert refs.cached_references(tmp_path, key) == first
