@@ -16,7 +16,6 @@ import platform
 import secrets
 import shutil
 import socket
-import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, UserError, describe_invalid
+from dfserve.regular_files import open_regular
 
 
 def utc_now_iso() -> str:
@@ -159,12 +159,8 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def read_regular(path: Path) -> bytes:
-    """A file's bytes; `OSError` for anything but a regular file (a link is followed): a pipe or a device put where
-    a run's file should be would block or never end."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with open(descriptor, "rb") as file:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
+    """A file's bytes (`open_regular`)."""
+    with open_regular(path) as file:
         return file.read()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dfserve.errors import FieldError, UserError
+from dfserve.regular_files import open_regular
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -244,7 +245,7 @@ def read_safetensors_header(path: Path, field: str = "drafter") -> dict[str, Ten
     that is not one (torn, not JSON, entries of the wrong shape), or data past the file's end (a truncated copy), is
     a `FieldError` about `field` naming the file."""
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
                 raise ValueError("header length implausible")

@@ -10,6 +10,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from dfserve.regular_files import open_regular
+
 
 def file_sha256(path: Path, cache: Path | None = None, remember: bool = True) -> str:
     """SHA-256 of a file's content; remembered under `cache` per (device, inode, size, mtime) so 15 GB is read once."""
@@ -17,7 +19,7 @@ def file_sha256(path: Path, cache: Path | None = None, remember: bool = True) ->
     if key is not None and key.is_file():
         return key.read_text(encoding="utf-8").strip()
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
         while block := handle.read(1 << 22):
             digest.update(block)
     value = digest.hexdigest()

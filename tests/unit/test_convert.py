@@ -344,3 +344,16 @@ def test_a_converted_folder_damaged_since_is_refused_on_reuse(tmp_path: Path, ho
     assert caught.value.field == "drafter" and "\n" not in message
     assert message.startswith(f"drafter: {folder}, converted earlier from {checkpoint}") and problem in message
     assert "remove it to convert again" in message
+
+
+def test_a_pipe_where_weights_should_be_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named model.safetensors made `eval run` wait forever, reading its header or hashing it."""
+    from dfserve.deploy.assets import read_safetensors_header
+    from dfserve.deploy.hashes import file_sha256
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(FieldError, match=r"model\.safetensors is not a safetensors file \(OSError: .*not a regular"):
+        read_safetensors_header(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        file_sha256(fifo)

@@ -81,13 +81,23 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    last = b'data: {"choices":[{"index":0,"delta":{"content":"ab"},"finish_reason":"stop"}]}\n\n'
     relay, _ = relayed(OpenAIStream(), [b": ping\n\n" + role + chunk + chunk])
-    assert relay.tokens == 2 and OpenAIStream().read_end(relay.tokens, relay.tail)[0].accept_length is None
-    relay.received(2.0, chunk + usage)
+    assert relay.tokens == 2
+    relay.received(2.0, last + usage)
     relay.received(3.0, b"data: [DONE]\n\n")
     assert relay.first == 1.0 and relay.chunk_gaps == ((1, 0, 0), 1.0) and relay.token_gaps is None
-    acceptance, error = OpenAIStream().read_end(relay.tokens, relay.tail)
+    acceptance, error = OpenAIStream().read_end(relay.tokens, relay.alarmed + relay.tail)
     assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated" and error is None
+    without_usage = relay.alarmed + last + b"data: [DONE]\n\n"
+    assert OpenAIStream().read_end(relay.tokens, without_usage)[0].accept_length is None
+
+
+def test_an_openai_stream_without_a_finish_reason_did_not_end_as_sglang_ends_one() -> None:
+    """Its events read only for their keys: the finish reason is what says it ended well (the load tester's rule)."""
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
+    with pytest.raises(ProtocolError, match="stream finished without a finish_reason"):
+        OpenAIStream().read_end(1, chunk + b"data: [DONE]\n\n")
 
 
 def test_measure_whole() -> None:
