@@ -1,8 +1,9 @@
 """Read a capture folder back, trusting nothing: the manifest must say the capture is complete, every segment on
 disk must be listed, and each listed segment must have the line count, size and sha256 the writer recorded when
-it closed it. A truncated, edited, added or missing segment is refused in one line naming it, as is a segment name
-that would reach outside the folder, or a record whose redaction contradicts the manifest or its own `replayable`
-(a hashed capture made to look replayable).
+it closed it, and together they must hold as many records as the manifest counts written. A truncated, edited,
+added or missing segment is refused in one line naming it, as is a segment name that would reach outside the folder,
+or a record whose redaction contradicts the manifest or its own `replayable` (a hashed capture made to look
+replayable).
 
     manifest, records = read_capture(Path("capture"))
 """
@@ -68,6 +69,9 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
             records.append(record)
     if [r.seq for r in records] != list(range(len(records))):
         raise UserError(f"{where}: records out of order or missing (seq is not 0, 1, 2, ...)")
+    if manifest.counts.written != len(records):
+        raise UserError(f"{where}: {MANIFEST} counts {manifest.counts.written} written, its segments hold "
+                        f"{len(records)} (edited)")
     return manifest, records
 
 
@@ -83,4 +87,6 @@ def _contradiction(record: CaptureRecord, manifest: CaptureManifest) -> str | No
         return f"redaction is {record.redaction} but {MANIFEST}'s policy is redact: {manifest.policy.redact}"
     if record.redaction == "hash" and record.replayable:
         return "replayable is true but redaction is hash: its user text is hashes, not prompts"
+    if record.redaction == "keep" and (record.redacted or not record.replayable):
+        return "redaction is keep, but the record says it was redacted or cannot be replayed"
     return None

@@ -4,6 +4,7 @@ refuses an incomplete or tampered capture."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -426,6 +427,30 @@ def test_a_truncated_edited_added_or_missing_segment_is_refused(two_segments: Pa
     tamper(two_segments / "segment-000001.jsonl")  # type: ignore[operator]
     with pytest.raises(UserError, match=message):
         read_capture(two_segments)
+
+
+def test_a_manifest_whose_counts_are_not_its_segments_is_refused(two_segments: Path) -> None:
+    """`written: 100` over segments of 6 records read as a whole capture, its holes unsaid."""
+    path = two_segments / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["counts"]["written"] = 100
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"manifest.json counts 100 written, its segments hold 6 \(edited\)$"):
+        read_capture(two_segments)
+
+
+def test_a_kept_record_that_says_it_cannot_be_replayed_is_refused_as_edited(tmp_path: Path) -> None:
+    """It was refused as "its prompt was dropped (redact: drop )", which no policy did."""
+    write(tmp_path, [NATIVE])
+    segment = tmp_path / "capture" / "segment-000001.jsonl"
+    data = segment.read_bytes().replace(b'"replayable":true', b'"replayable":false')
+    segment.write_bytes(data)
+    path = tmp_path / "capture" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["segments"][0].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))  # resealed
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="redaction is keep, but the record says it was redacted or cannot be replayed"):
+        read_capture(tmp_path / "capture")
 
 
 def test_an_unclosed_capture_is_refused(tmp_path: Path) -> None:
