@@ -186,7 +186,7 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
                 "config_sha256": file_sha256(run_dir / "config.json")}).sealed()
     write_model(run_dir / "summary.json", summary)
     write_atomic(run_dir / "report.html", render_html(config, summary))
-    if not interrupted:
+    if not interrupted and plan.shard is None:  # a part's τ is of some of the tasks, not the drafter's
         BaselineRegistry(plan.registry).record_offline(*_offline_scores(plan, config, summary, run_dir))
     return EvalOutcome(run_dir, config, summary)
 

@@ -374,6 +374,8 @@ def test_a_feature_cache_built_in_parts_merges_into_the_one_a_whole_run_reuses(
             status, _, err = run_cli(capsys, *_run(trained, tmp_path, f"part-{i}", tmp_path / f"part-{i}",
                                                    "--shard", f"{i}/2"))
             assert status == 0, err
+        registry = tmp_path / "registry" / "baselines.json"
+        assert not registry.exists() or "part-" not in registry.read_text()  # a part's τ is not the drafter's
         part0 = json.loads((tmp_path / "runs" / "part-0" / "config.json").read_text())
         assert [t["id"] for t in part0["tasks"]["tasks"]] == ["he-0", "he-2"]  # tasks 0, 2 of 4
         merge = ["eval", "cache", "merge", "--cache", tmp_path / "cache", "--tasks", trained.tasks, "--num-tasks", TASKS]
