@@ -240,7 +240,8 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
             message = f"upstream replica sent {failure}"
         else:
             message = f"upstream replica failed mid-stream ({type(failure).__name__})"
-        reply.end(sglang.stream_error_events(message, "upstream_error", 502))
+        # after a whole stream (a body cut short of its Content-Length after `[DONE]`, say) the client has its end
+        reply.end(b"" if _whole(relay) else sglang.stream_error_events(message, "upstream_error", 502))
         return
     tail = relay.tail
     if not _whole(relay):

@@ -127,6 +127,15 @@ class Stub:
         mode = request.headers.get("x-stub", "")
         if mode == "stall":
             await asyncio.sleep(3)
+        if mode == "long-length":  # a whole stream, then the connection closed short of its Content-Length
+            wire = b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
+            short = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            short.content_length = len(wire) + 100
+            await short.prepare(request)
+            await short.write(wire)
+            assert request.transport is not None
+            request.transport.close()
+            return short
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": "stub"})
         await response.prepare(request)
         try:
@@ -508,6 +517,18 @@ def test_failure_after_first_byte_ends_with_well_formed_error_event(one_arm: tup
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_upstream_errors_total", arm="a", kind="stream_cut") == 1
     assert metric(text, "dfserve_requests_total", arm="a", status="error", error="stream_cut") == 1
+    assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
+
+
+def test_a_whole_stream_whose_connection_closed_short_of_its_length_gets_no_error_after_its_end(
+        one_arm: tuple[Stub, str]) -> None:
+    """The client had every event and `[DONE]`: an error event and a second `[DONE]` after them made its stream
+    malformed. The replica's framing was still broken: counted so."""
+    stub, gw = one_arm
+    response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "long-length"})
+    assert response.status_code == 200
+    assert response.content == b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
+    text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
 
 
