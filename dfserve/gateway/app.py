@@ -338,7 +338,8 @@ class GatewayApp:
         exchange.replica, exchange.status, exchange.sent = opened.replica.url, response.status, response.sent
         arm, replica = opened.arm.name, opened.replica.url
         headers = response_headers(response.headers, arm, replica)
-        if response.media_type() == b"text/event-stream":
+        coded = response.header(b"content-encoding") not in (None, b"identity")  # asked identity, sent gzip: no events
+        if response.media_type() == b"text/event-stream" and not coded:
             reply.start(response.status, headers)
             await relay_stream(opened, reply, stream_kind(exchange),
                                exchange, self.gateway.config.limits.max_event_bytes,

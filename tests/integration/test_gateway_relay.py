@@ -4,6 +4,7 @@ handling, retries before the first byte, failures after it, client disconnects a
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -127,6 +128,10 @@ class Stub:
         mode = request.headers.get("x-stub", "")
         if mode == "stall":
             await asyncio.sleep(3)
+        if mode == "gzip":  # asked for identity, gzips anyway
+            wire = b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
+            return web.Response(body=gzip.compress(wire), headers={"Content-Type": "text/event-stream",
+                                                                   "Content-Encoding": "gzip"})
         if mode == "long-length":  # a whole stream, then the connection closed short of its Content-Length
             wire = b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
             short = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -524,12 +529,23 @@ def test_a_whole_stream_whose_connection_closed_short_of_its_length_gets_no_erro
         one_arm: tuple[Stub, str]) -> None:
     """The client had every event and `[DONE]`: an error event and a second `[DONE]` after them made its stream
     malformed. The replica's framing was still broken: counted so."""
-    stub, gw = one_arm
+    _, gw = one_arm
     response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "long-length"})
     assert response.status_code == 200
     assert response.content == b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
     text = httpx.get(gw + "/metrics").text
     assert metric(text, "dfserve_requests_total", arm="a", status="2xx") == 0
+
+
+def test_a_gzipped_stream_is_passed_on_whole_as_it_came_and_counted_unreadable(one_arm: tuple[Stub, str]) -> None:
+    """The gateway asks for identity; a replica that gzips anyway: its events cannot be read as they pass, and an
+    error event in plain text after gzip bytes broke the client's decoding."""
+    _, gw = one_arm
+    response = httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "gzip"})
+    assert response.status_code == 200 and response.headers["content-encoding"] == "gzip"
+    assert response.content == b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"  # httpx decoded it
+    text = httpx.get(gw + "/metrics").text
+    assert metric(text, "dfserve_requests_total", arm="a", status="error", error="protocol") == 1
 
 
 def test_requests_that_make_the_engine_fail_never_take_an_arm_down(tmp_path: Path) -> None:
