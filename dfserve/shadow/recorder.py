@@ -24,6 +24,7 @@ forced. A request still waiting when recording ends (the gateway's stop) is writ
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -124,8 +125,13 @@ class _Folder:
             self.appender.write_lines(lines)
 
     def close(self) -> None:
+        """Its summary written, complete; a folder that holds no record is removed instead (opened when the last
+        one filled, or at the start, and no mirrored request came after): nothing to judge, and not a run to list."""
         self.flush()
         self.appender.close()
+        if not self.records:
+            shutil.rmtree(self.path)
+            return
         arms = dict.fromkeys(r.arm for r in self.records)
         summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired > 0,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms),

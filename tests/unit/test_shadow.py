@@ -404,6 +404,18 @@ def test_recorder_keeps_only_mirrored_requests_and_rotates(tmp_path: Path) -> No
     assert len(list(read_records(_folders(tmp_path)[1] / "requests.jsonl"))) == 4
 
 
+def test_a_folder_that_holds_no_record_when_recording_ends_is_removed(tmp_path: Path) -> None:
+    """The folder opened when the last one filled, with no mirrored request after: it was left closed and empty,
+    and `dfserve compare` on it said it had mirrored arms []."""
+    recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path, records_per_folder=2), "zlab")
+    recorder.observe(exchanged(1, "zlab", False))
+    recorder.observe(exchanged(1, "inhouse", True))  # the folder is full: closed, the next opened
+    assert len(_folders(tmp_path)) == 2
+    recorder.close()
+    (only,) = _folders(tmp_path)
+    assert (only / "summary.json").exists() and len(list(read_records(only / "requests.jsonl"))) == 2
+
+
 class Totals(list[tuple[float, int]]):
     """What a relay kept, which a weak reference can follow."""
 
@@ -616,8 +628,8 @@ def test_a_folders_wall_clock_zero_is_read_with_its_clock_zero_not_after_the_arm
     monkeypatch.setattr(recorder_module, "server_info", lambda url: time.sleep(0.2))
     before = time.time()
     recorder = ShadowRecorder(ShadowPolicy(dir=tmp_path / "shadow"), "zlab", ENGINES)
-    recorder.close()
     config = json.loads((_folders(tmp_path / "shadow")[0] / "config.json").read_text())
+    recorder.close()
     assert before <= config["t0_unix_s"] < before + 0.1 < time.time() - 0.5
 
 
