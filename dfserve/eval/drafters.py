@@ -116,14 +116,17 @@ def weights_sha256(folder: Path, checkpoint: Path | None, hashes: Path) -> str:
 
 
 def tensors_sha256(model: Any, mask_embedding: Tensor | None) -> str:
-    """The weights as loaded for scoring: each tensor's name, dtype, shape and values, and the mask embedding. One
-    model hashes the same however its files were laid out (a folder, a trainer's checkpoint, a `module.` prefix)."""
+    """The weights as loaded for scoring: each tensor's name, dtype, shape and values, and the mask embedding, the
+    floating ones rounded to bfloat16, the dtype a drafter is deployed in. One model hashes the same however its files
+    were laid out (a folder, a trainer's checkpoint, a `module.` prefix) and whatever `--dtype` it was scored in: a
+    float32 folder and the same weights as a checkpoint, converted to bfloat16, are one drafter deployed."""
     state = dict(model.state_dict())
     if mask_embedding is not None:
         state["\0mask_embedding"] = mask_embedding
     digest = hashlib.sha256()
     for name in sorted(state):
-        tensor = state[name].detach().contiguous().cpu()
+        tensor = state[name].detach().cpu()
+        tensor = (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\n".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

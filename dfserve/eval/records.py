@@ -112,8 +112,8 @@ class DrafterInfo(_Model):
                                        "file (or the one a dfserve-converted folder was made from), else the "
                                        "folder's .safetensors files; None: recorded before this field")
     tensors_sha256: str | None = Field(None, description="hash of the weights as loaded for scoring (each tensor's "
-                                       "name, dtype, shape and values): one model however its files were laid out; "
-                                       "None: recorded before this field")
+                                       "name, dtype, shape and values, rounded to bfloat16 as deployed): one model "
+                                       "however its files were laid out; None: recorded before this field")
 
     def checkpoint_shared_with(self, other: DrafterInfo) -> str | None:
         """The hash proving two drafters one checkpoint: one `sha256` (weights and config), or the same weight bytes

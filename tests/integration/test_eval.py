@@ -381,9 +381,10 @@ def test_one_checkpoint_named_twice_is_refused_before_any_work(world: World,
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(bf16 / "model.safetensors").items()},
               str(bf16 / "model.safetensors"))
     trainer = _checkpoint(bf16, world.root / "short-bf16.pt")  # the same weights as a trainer saves them
+    float32 = _checkpoint(world.short, world.root / "short-fp32.pt")  # converted to bfloat16, scored in float32
     for drafters in ([f"a={world.short_checkpoint}", f"b={world.short_checkpoint}"], [f"short={world.short}",
                                                                                       f"copy={copy}"],
-                     [f"folder={bf16}", f"trainer={trainer}"]):
+                     [f"folder={bf16}", f"trainer={trainer}"], [f"folder={world.short}", f"trainer={float32}"]):
         status, out, err = run_cli(capsys, *eval_args(world, "twice", *drafters, out="twice", cache="twice-cache"))
         assert status == 2 and out == "", err
         assert err.startswith("dfserve: error: --drafter: drafters ") and err.count("\n") == 1, err
