@@ -74,9 +74,22 @@ _RECORD_FIELDS = tuple(CaptureRecord.model_fields.items())
 
 def record_line(**fields: Any) -> bytes:
     """A `CaptureRecord` line, byte for byte as `model_dump_json` writes it, of fields the writer built itself:
-    not validated again (that costs twice the writing; the reader validates every line)."""
-    return to_json({name: fields[name] if name in fields else field.get_default()
-                    for name, field in _RECORD_FIELDS}, inf_nan_mode="null") + b"\n"  # as the model writes them
+    not validated again (that costs twice the writing; the reader validates every line). `ValueError` for a body
+    with a number JSON cannot hold (a client's NaN or Infinity, which Python's JSON reads): written as null, it
+    would replay as unset, a request the client never sent."""
+    line = to_json({name: fields[name] if name in fields else field.get_default()
+                    for name, field in _RECORD_FIELDS}, inf_nan_mode="constants") + b"\n"
+    if (b"NaN" in line or b"Infinity" in line) and not _finite(fields.get("body")):
+        raise ValueError("a number JSON cannot hold (NaN or Infinity)")
+    return line
+
+
+def _finite(body: object) -> bool:
+    try:
+        json.dumps(body, allow_nan=False)
+    except ValueError:
+        return False
+    return True
 
 
 def create_private(path: Path) -> int:

@@ -155,12 +155,25 @@ def test_a_line_is_byte_for_byte_the_records_own_json() -> None:
     fields = {"seq": 7, "route": "chat", "path": "/v1/chat/completions", "arrival_unix_s": 1.7e9 + 0.123456,
               "offset_s": 1e-7, "sampling": {"temperature": 0.7, "stop": ["\n"]},
               "headers": (("x-team", "infra é"),), "redaction": "hash", "redacted": ("messages[].content",),
-              "body": json.loads('{"messages": [{"role": "user", "content": "h\\u00e9 \\u2028"}], "n": 1e999, '
-                                 '"big": 123456789012345678901234567890, "none": null, "nan": NaN}'),
+              "body": json.loads('{"messages": [{"role": "user", "content": "h\\u00e9 \\u2028 NaN"}], "n": 1e300, '
+                                 '"big": 123456789012345678901234567890, "none": null, "Infinity": 1}'),
               "replayable": False}
     line = writer_module.record_line(**fields)
     assert line == (CaptureRecord(**fields).model_dump_json() + "\n").encode()  # type: ignore[arg-type]
     assert CaptureRecord.model_validate_json(line).redacted == ("messages[].content",)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_body_with_a_number_json_cannot_hold_is_a_request_not_recorded(tmp_path: Path, number: str) -> None:
+    """Python's JSON reads a client's NaN; written as null it replayed as unset, a request the client never sent
+    (and one the server refused live, served on replay)."""
+    writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 0.0)
+    body = f'{{"text": "a", "sampling_params": {{"temperature": {number}}}}}'.encode()
+    writer.observe(Captured("/generate", body, [], 0.0, 0.0))
+    writer.observe(captured(NATIVE, at=1.0))
+    manifest = writer.close()
+    assert (manifest.counts.written, manifest.counts.unreadable) == (1, 1)
+    assert [record.body for record in read_capture(tmp_path / "capture")[1]] == [NATIVE]
 
 
 def test_files_are_0600_and_the_folder_0700_whatever_the_umask(tmp_path: Path) -> None:
