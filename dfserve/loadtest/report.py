@@ -50,6 +50,13 @@ class ReadWithNext(_Model):
     chunks: int = Field(ge=0, description="token chunks read with the next one")
     of_chunks: int = Field(ge=1, description="token chunks with a next one")
 
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> ReadWithNext | None:
+        """Of answered records; None where none has two token chunks."""
+        together = [rec.read_with_next(r) for r in records if len(r.chunk_times_s) >= 2]
+        return cls(first_chunks=sum(flags[0] for flags in together), of_first_chunks=len(together),
+                   chunks=sum(map(sum, together)), of_chunks=sum(map(len, together))) if together else None
+
     def surely_over(self, share: float) -> bool:
         """Whether the first chunks or all chunks read with the next are over `share` beyond sampling noise (the low
         end of the 95% Wilson interval): one in sixty is not one in a hundred."""
@@ -175,7 +182,6 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
     ends = [r.end_s for r in ok if r.end_s is not None]
     span = max(ends) - min(starts) if starts and ends else 0.0
     histogram = Counter(t for r in ok for t in rec.round_tokens(r))
-    together = [rec.read_with_next(r) for r in ok if len(r.chunk_times_s) >= 2]
     return ArmSummary(
         arm=arm,
         requests=len(measured),
@@ -195,9 +201,7 @@ def summarize_arm(arm: str, records: Sequence[RequestRecord]) -> ArmSummary:
         output_tokens_per_s=output_tokens / span if span > 0 else None,
         round_tokens_histogram=[histogram.get(k, 0) for k in range(max(histogram, default=-1) + 1)],
         simulated=any(r.simulated for r in measured),
-        read_with_next=ReadWithNext(
-            first_chunks=sum(flags[0] for flags in together), of_first_chunks=len(together),
-            chunks=sum(map(sum, together)), of_chunks=sum(map(len, together))) if together else None,
+        read_with_next=ReadWithNext.of(ok),
     )
 
 

@@ -39,7 +39,7 @@ from dfserve.loadtest.records import (
     impossible_records,
     read_records,
 )
-from dfserve.loadtest.report import Summary, figures_differ
+from dfserve.loadtest.report import READ_WITH_NEXT_WARNED, ReadWithNext, Summary, figures_differ
 from dfserve.runs import Provenance, read_model, unsealed, write_model
 from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.monitor import DECISION, Decided, judge_live
@@ -249,6 +249,21 @@ def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
             for line in differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field))]
 
 
+def read_together(records: Sequence[RequestRecord], arms: Iterable[str]) -> list[str]:
+    """A note per arm whose chunks surely over `READ_WITH_NEXT_WARNED` came in one read with the next, so carry its
+    date: the replica sent them together, or the gateway's loop fell behind (the load tester tells which by its own
+    reads' lag; the gateway's records cannot)."""
+    notes = []
+    for arm in dict.fromkeys(arms):
+        together = ReadWithNext.of([r for r in records if r.arm == arm and r.ok])
+        if together is not None and together.surely_over(READ_WITH_NEXT_WARNED):
+            notes.append(f"{arm}: {together.first_chunks} of {together.of_first_chunks} first chunks and "
+                         f"{together.chunks} of {together.of_chunks} chunks came in one read with the next one, so are "
+                         "dated by it (the replica sent them together, or the gateway's loop fell behind): TTFT and "
+                         "inter-chunk tails may be off by a chunk gap")
+    return notes
+
+
 def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:
     """Judge a shadow folder's candidate arm against its primary (and its secondary, as the noise floor); write the
     verdict into a new folder under `out` (default: beside the folder)."""
@@ -269,6 +284,7 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
             raise Untrusted(f"not the gateway's decision ({undesigned})")
         differ.append(undesigned)
     pairs, notes = request_pairs(records, config.primary, cand)
+    notes += read_together(records, (config.primary, cand, *filter(None, (config.secondary,))))
     if copied(pairs.base, pairs.cand):
         missing.append(f"the records of {cand} are those of {config.primary}, to the microsecond: a drafter judged "
                        "against itself")

@@ -667,6 +667,24 @@ def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: P
     assert (judged.path.parent / "noise-floor.json").exists()
 
 
+def test_chunks_read_with_the_next_are_a_note_of_the_verdict(tmp_path: Path) -> None:
+    """A gateway whose loop fell a chunk gap behind dates a chunk by the next (the kernel keeps the newer stamp):
+    said beside the verdict for the arm it happened to, as the load tester warns of its own."""
+    relay, _ = relayed(native_stream(16), 100.0)
+
+    def streamed(rid: int, arm: str, mirror: bool, together: bool) -> Exchanged:
+        first = 100.0 + rid + 0.01
+        totals = [(first, 2), (first if together else first + 0.01, 4), (first + 0.02, 16)]
+        return replace(exchanged(rid, arm, mirror, streamed=True, answer=relay.tail), pieces=totals)
+
+    traffic = [e for rid in range(30) for e in (streamed(rid, "zlab", False, False), streamed(rid, "inhouse", True,
+                                                                                             rid % 3 == 0))]
+    judged = compare_shadow(_record(tmp_path, traffic), None, None, False, tmp_path / "v")
+    assert [note.split(":")[0] for note in judged.notes if "one read with the next" in note] == ["inhouse"]
+    assert ("inhouse: 10 of 30 first chunks and 10 of 60 chunks came in one read with the next one, so are dated by "
+            "it") in " ".join(judged.notes)
+
+
 def test_losslessness_on_live_traffic(tmp_path: Path) -> None:
     differing = compare_shadow(_record(tmp_path / "a", _traffic(30, 4, cand_text="other")), None, None, False,
                                tmp_path / "v")
@@ -817,7 +835,8 @@ def test_greedy_streams_of_deltas_never_pass_losslessness_on_outputs_the_gateway
     traffic = [replace(exchanged(rid, arm, mirror, streamed=True, answer=relay.tail), pieces=relay.pieces)
                for rid in range(30) for arm, mirror in (("zlab", False), ("inhouse", True))]
     judged = compare_shadow(_record(tmp_path, traffic), None, None, False, tmp_path / "v")
-    assert judged.notes == [NO_HASH] and "--incremental-streaming-output" in NO_HASH
+    notes = [note for note in judged.notes if "one read with the next" not in note]  # `relayed` reads some so
+    assert notes == [NO_HASH] and "--incremental-streaming-output" in NO_HASH
     lossless = judged.verdict.judgement.lossless
     assert lossless is not None and (lossless.pairs, lossless.identical) == (0, 0)  # unknown outputs never match
     rule = next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction")
