@@ -164,16 +164,23 @@ class NativeOutputs:
         return Acceptance(), sglang.native_outputs_error(tail)
 
 
+@dataclass(frozen=True)
 class OpenAIStream:
-    """Streamed chat/completions: content chunks counted; spec details, usage and errors read from the last events."""
+    """Streamed chat/completions: content chunks counted; spec details, usage and errors read from the last events.
+    A stream of one choice is also read for its finish reason (`sglang.OPENAI_FINISH_ALARM`)."""
 
+    one_choice: bool = True
     marks = sglang.CONTENT_CHUNKS
-    alarm = sglang.OPENAI_ALARM
+
+    @property
+    def alarm(self) -> tuple[bytes, ...]:
+        return sglang.OPENAI_FINISH_ALARM if self.one_choice else sglang.OPENAI_ALARM
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
-        """`ProtocolError` for a stream that ended well without a finish reason (the load tester's rule)."""
+        """`ProtocolError` for a stream of one choice that ended well without a finish reason (the load tester's
+        rule)."""
         end = sglang.openai_stream_end(tail)
-        if end.error is None and not end.finished:
+        if self.one_choice and end.error is None and not end.finished:
             raise ProtocolError("stream finished without a finish_reason")
         tokens = sglang.spec_completion_tokens(end.spec, end.usage)
         if end.spec is not None and tokens is not None:
@@ -189,7 +196,8 @@ class OpenAIStream:
 def stream_kind(exchange: Exchange) -> StreamKind:
     """How an exchange's stream is read: by its route, and a native request for several outputs event by event."""
     if exchange.route != "native":
-        return OpenAIStream()
+        choices = exchange.request.get("n") if exchange.request is not None else None
+        return OpenAIStream(one_choice=choices is None or choices == 1)
     several = exchange.request is not None and sglang.asks_several_outputs(exchange.request)
     return NativeOutputs() if several else NativeStream()
 

@@ -204,3 +204,26 @@ def test_a_native_stream_of_several_outputs_is_read_event_by_event_and_its_count
     relay, _ = relayed(NativeOutputs(), [*events, sglang.SSE_DONE])
     assert relay.first == 1.0 and relay.chunk_gaps[0][-1] == 0 and sum(relay.chunk_gaps[0]) == 3
     assert NativeOutputs().read_end(relay.tokens, relay.tail) == (Acceptance(), None)
+
+
+def test_an_abort_of_one_choice_of_several_is_read_whatever_finished_after_it() -> None:
+    """n = 2: choice 0 stops, then choice 1 is aborted, then the spec details and the usage, each read apart. With
+    every finish reason an alarm, choice 0's stop held the relay's first place and the later pieces pushed the abort
+    out of its latest: a success with an acceptance sample."""
+    def event(obj: object) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def choice(index: int, content: str, finish: str | None = None) -> bytes:
+        return event({"id": "c", "choices": [{"index": index, "delta": {"content": content}, "finish_reason": finish}]})
+
+    pieces = [choice(0, "a"), choice(1, "b"), choice(0, "", "stop"), choice(1, "c"), choice(1, "", "abort"),
+              event({"id": "c", "choices": [], "sglext": {"spec_tokens_details": {"spec_verify_ct": 2}}}),
+              event({"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}), sglang.SSE_DONE]
+    kind = stream_kind(Exchange(arm="a", route="chat", request={"n": 2}))
+    assert kind == OpenAIStream(one_choice=False)
+    relay = EventRelay(lambda _: None, False, kind.marks.keys, kind.marks.cumulative, BOUNDS, 1 << 20, None, False,
+                       kind.alarm)
+    for at, piece in enumerate(pieces, start=1):
+        relay.received(float(at), piece)
+    _, error = kind.read_end(relay.tokens, relay.alarmed + relay.stripped + relay.tail)
+    assert error is not None and stream_kind(Exchange(arm="a", route="chat", request={})) == OpenAIStream()

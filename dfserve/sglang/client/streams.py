@@ -216,18 +216,23 @@ class OpenAIStreamEnd:
     usage: Usage | None = None
     spec: SpecStats | None = None
     finished: bool = False
-    """A choice's finish reason came (with the alarm's pieces: `OPENAI_ALARM`): a stream without one did not end
-    as SGLang ends one, whatever `[DONE]` says."""
+    """A choice's finish reason came (read with the alarm's pieces: `OPENAI_FINISH_ALARM`): a stream of one choice
+    without one did not end as SGLang ends one, whatever `[DONE]` says."""
 
 
-OPENAI_ALARM = (b'"error":', b'"finish_reason":"', b'"finish_reason": "', b'"spec_tokens_details":')
-"""What marks an OpenAI stream's event as one its end is read with, wherever it came: an error, a finish reason (an
-abort among them), which SGLang follows with closing chunks (the usage chunk, spec details) and `[DONE]`, and the
-spec details, which SGLang writes before the usage chunk and `[DONE]`. Those may come in reads of their own and push
-it out of a stream's last pieces, so a relay keeps the pieces it occurs in (`EventRelay.alarmed`) to be read with
+OPENAI_ALARM = (b'"error":', b'"finish_reason":"abort"', b'"finish_reason": "abort"', b'"spec_tokens_details":')
+"""What marks an OpenAI stream's event as one its end is read with, wherever it came: an error or an abort, which
+SGLang follows with closing chunks (the usage chunk, spec details) and `[DONE]`, and the spec details, which SGLang
+writes before the usage chunk and `[DONE]`. Those may come in reads of their own and push it out of a stream's last
+pieces, so a relay keeps the pieces it occurs in (`EventRelay.alarmed`: the first and the latest) to be read with
 them (`openai_stream_end`)."""
 
-_OPENAI_END_KEYS = (*(key.decode() for key in OPENAI_ALARM), '"usage":{', '"usage": {', '"sglext":')
+OPENAI_FINISH_ALARM = (*OPENAI_ALARM, b'"finish_reason":"', b'"finish_reason": "')
+"""`OPENAI_ALARM` and any finish reason, for a stream of one choice: its finish (or its error) is the first piece the
+relay keeps. Not for several choices: one's `stop` would hold the first place, and another's abort, in the latest,
+could be pushed out by a later finish."""
+
+_OPENAI_END_KEYS = (*(key.decode() for key in OPENAI_FINISH_ALARM), '"usage":{', '"usage": {', '"sglext":')
 
 
 def openai_stream_end(events: bytes) -> OpenAIStreamEnd:
