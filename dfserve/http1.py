@@ -266,6 +266,11 @@ class _Connection(asyncio.Protocol):
         if self._dechunker is not None:
             self._dechunker.sink = sink
 
+    def last_arrival(self) -> float:
+        """The date of the latest read, its own or its de-chunker's (`Call.last_arrival`)."""
+        dechunker = self._dechunker
+        return max(self._read_at, dechunker.last_read) if dechunker is not None else self._read_at
+
     def ended_by_server(self) -> bool:
         """An idle connection with something to read: the server's end of it (or bytes no request asked for), in
         the kernel though the loop has not read it yet. One `poll` of the socket."""
@@ -458,6 +463,11 @@ class Call:
     async def finish(self) -> None:
         """Wait for the end of the body; raises `Disconnected`, `BadResponse` or `ReadTimeout` on a failure."""
         await self.done
+
+    def last_arrival(self) -> float:
+        """When the latest read of its response arrived: where a response abandoned once the client had what it
+        wanted (a stream read to `[DONE]`, its chunked end still to come) ended for the client."""
+        return self.connection.last_arrival()
 
     def attach(self, sink: Sink) -> None:
         """Hand the body to `sink` (`_Connection.attach`): a relay's hot path, with no Python between reads."""

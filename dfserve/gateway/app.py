@@ -323,6 +323,8 @@ class GatewayApp:
             exchange.error = "client_disconnect"
         finally:
             completed = opened.response.completed if opened is not None else None
+            if completed is None and opened is not None and exchange.error is None:
+                completed = opened.call.last_arrival()  # the client had its whole stream and left before the end
             exchange.end = completed if completed is not None else time.perf_counter()
             if opened is not None:
                 clean = exchange.error in (None, STREAM_ERROR)  # an error in band ends a well-formed stream

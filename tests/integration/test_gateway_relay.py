@@ -132,6 +132,13 @@ class Stub:
             wire = b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
             return web.Response(body=gzip.compress(wire), headers={"Content-Type": "text/event-stream",
                                                                    "Content-Encoding": "gzip"})
+        if mode == "end-held":  # a whole stream to [DONE]; its chunked end waits for `release`
+            held = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await held.prepare(request)
+            await held.write(b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n")
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 10)
+            await held.write_eof()
+            return held
         if mode == "long-length":  # a whole stream, then the connection closed short of its Content-Length
             wire = b"".join(sse(e) for e in CHAT_EVENTS) + b"data: [DONE]\n\n"
             short = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -430,6 +437,31 @@ def test_a_gateway_that_reads_an_answer_late_times_it_by_its_arrival(tmp_path: P
     assert metric(text, "dfserve_e2e_request_latency_seconds_count", arm="a") == 1
     assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="0.25") == 1
     assert metric(text, "dfserve_time_to_first_token_seconds_bucket", arm="a", le="0.3") == 1
+
+
+def test_a_client_that_leaves_at_done_ends_the_exchange_at_the_arrival_of_the_last_piece(tmp_path: Path) -> None:
+    """The OpenAI SDK closes at `[DONE]`, before the replica's chunked end: the exchange ends when `[DONE]` arrived,
+    not when the gateway's loop (here: stopped meanwhile) heard the client go."""
+    with Stub() as stub, serve(gateway_argv(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}}))
+                               ) as gateway:
+        with httpx.Client(timeout=10) as client, client.stream(
+                "POST", gateway.url + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "end-held"}) as answer:
+            lines = answer.iter_lines()  # held: a generator let go closes the response
+            for line in lines:
+                if line == "data: [DONE]":
+                    break
+            os.kill(gateway.process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.6)  # the client has left; the gateway hears of it when it runs again
+        finally:
+            os.kill(gateway.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while metric(text := httpx.get(gateway.url + "/metrics").text, "dfserve_requests_total", arm="a") == 0:
+            assert time.monotonic() < deadline, "the exchange never ended"
+            time.sleep(0.02)
+        stub.release.set()  # the replica's end comes only after the exchange ended without it
+    assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
+    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="0.25") == 1
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:

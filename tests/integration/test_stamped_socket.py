@@ -394,3 +394,30 @@ def test_a_response_is_complete_when_its_last_byte_arrived_not_when_a_busy_loop_
     assert body == b"firstlast"
     assert completed is not None and dated_within(completed, window), (completed, window)
     assert done_at - window[1] >= BUSY_S
+
+
+def test_a_response_abandoned_before_its_end_is_dated_by_its_latest_read() -> None:
+    """A stream read to `[DONE]` whose chunked end is still to come (the OpenAI SDK closes there): the gateway ends
+    the exchange at the arrival of the last piece read, however late its loop got to it."""
+    async def go() -> tuple[tuple[float, float], float, float | None]:
+        loop = asyncio.get_running_loop()
+        with listener() as server:
+            server.setblocking(False)
+            pool = Pool(f"http://127.0.0.1:{server.getsockname()[1]}", time.perf_counter, kernel_stamps=True)
+            response = Response()
+            opening = asyncio.ensure_future(pool.open(b"POST", "/generate", b"{}", b"", response))
+            peer, _ = await loop.sock_accept(server)
+            await loop.sock_recv(peer, 65536)
+            peer.sendall(HEAD)
+            call = await opening
+            window = send(peer, b"e\r\ndata: [DONE]\n\n\r\n")
+            hold_the_loop()
+            await until(lambda: bool(response.pieces))
+            arrival, completed = call.last_arrival(), response.completed
+            call.close()  # abandoned: its connection is closed, not kept
+            pool.close()
+            peer.close()
+        return window, arrival, completed
+
+    window, arrival, completed = uvloop.run(go())
+    assert dated_within(arrival, window) and completed is None, (arrival - window[0], completed)
