@@ -114,7 +114,8 @@ class CaptureCounts(_Model):
     dropped_after_error: int = Field(0, description="after a failed write stopped the capture, requests that "
                                      "arrived after the last one it holds")
     dropped_in_window: int = Field(0, description="after the capture stopped, requests that had arrived before the "
-                                   "last one it holds (still running when it stopped): lost from its window")
+                                   "last one it holds (still running when it stopped): its window ends at the first "
+                                   "of them (`CaptureManifest.lost_from_offset_s`)")
     dropped_too_large: int = Field(0, description="one record larger than a segment")
 
 
@@ -127,3 +128,6 @@ class CaptureManifest(_Model):
     complete: bool = Field(False, description="the writer closed the capture; until then it may still grow")
     stopped: str | None = Field(None, description="why capture stopped before it was closed (a bound, an error)")
     counts: CaptureCounts = CaptureCounts()
+    lost_from_offset_s: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
+        "the arrival of the first request lost from the window once the capture stopped (`dropped_in_window`): it "
+        "holds every request that arrived before, and a replay takes those only"))

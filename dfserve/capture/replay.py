@@ -70,6 +70,8 @@ class CaptureTaskSet(TaskSet):
     arrivals_s: tuple[float, ...]
     holes: str | None = None
     """The requests the capture lost between those it holds (`capture_holes`)."""
+    shortened: str | None = None
+    """Why it replays fewer requests than it holds, in words: its window ends where it lost a request."""
 
     @property
     def incomplete(self) -> str | None:
@@ -150,13 +152,12 @@ def _refusal(record: CaptureRecord) -> str | None:
 
 def capture_holes(manifest: CaptureManifest) -> str | None:
     """What a capture lost between the requests it holds, in words (None: nothing): a full queue, a failed write, a
-    request larger than a segment or one it could not record, and, once it stopped, those that had arrived before the
-    last it holds. Requests sampled out, and those that arrived after it stopped (at its bound or a failed write: its
-    window ends there), are no holes."""
+    request larger than a segment or one it could not record. Requests sampled out, those that arrived after it
+    stopped (at its bound or a failed write: its window ends there), and those still running when it stopped (the
+    replay ends before the first of them, `load_capture_tasks`) are no holes."""
     counts = manifest.counts
     lost = {"because its queue was full": counts.dropped_queue_full, "because a write failed": counts.dropped_write_error,
-            "larger than a segment": counts.dropped_too_large, "it could not record": counts.unreadable,
-            "still running when it stopped": counts.dropped_in_window}
+            "larger than a segment": counts.dropped_too_large, "it could not record": counts.unreadable}
     if not any(lost.values()):
         return None
     said = ", ".join(f"{n} {why}" for why, n in lost.items() if n)
@@ -176,6 +177,13 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
             raise FieldError("tasks", f"capture {directory}: record {record.seq} ({_where(manifest, record.seq)}) "
                              f"{refusal}")
     arrived = sorted(records, key=lambda r: r.offset_s)  # an observer sees exchanges as they end, not begin
-    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s, _where(manifest, r.seq)) for r in arrived]
+    until = manifest.lost_from_offset_s
+    window = [r for r in arrived if until is None or r.offset_s < until]
+    if not window:
+        raise FieldError("tasks", f"capture {directory}: its first request, at {until:g} s, was still running when "
+                         "it stopped, and was lost: it holds no whole window to replay")
+    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s, _where(manifest, r.seq)) for r in window]
+    ends = (f"replays its first {len(window)} of {len(arrived)} requests, those that arrived before {until:g} s: a "
+            "request that arrived then was still running when it stopped, and was lost" if until is not None else None)
     return CaptureTaskSet(name=name, tasks=tuple(tasks), arrivals_s=tuple(t.arrival_s for t in tasks),
-                          holes=capture_holes(manifest))
+                          holes=capture_holes(manifest), shortened=ends)

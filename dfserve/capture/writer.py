@@ -9,7 +9,8 @@ The bound stops the capture rather than dropping the oldest segments: a capture 
 and its arrival offsets are measured from its start, so it stays one unbroken window from its first request; a
 reader never finds a segment deleted under it. To capture a later window, start a new capture folder. The writer
 sees requests as they end, not as they arrive: once it stopped, a request that arrived before the last one it holds
-(a long one, still running) is a hole in its window, counted apart (`dropped_in_window`) from those after it.
+(a long one, still running) is lost from its window, counted apart (`dropped_in_window`) from those after it, and
+the whole window ends at the first of them (`lost_from_offset_s`).
 
 Files are created 0600 (set with fchmod, whatever the umask), the folder 0700.
 
@@ -191,6 +192,8 @@ class CaptureWriter:
         self._stop_kind = ""
         self._last_offset_s = -1.0
         """The arrival offset of the latest request it holds: where its window ends once it stopped."""
+        self._lost_from_s: float | None = None
+        """The arrival of the first request that ended after the stop though it arrived within the window."""
         self._logged: set[str] = set()
         self._seq = 0
 
@@ -275,8 +278,13 @@ class CaptureWriter:
             self._append(line, offset_s)
 
     def _drop_after_stop(self, offset_s: float) -> None:
-        """Count a request the stopped capture does not hold: a hole where it arrived before the last it holds."""
-        self._counts["dropped_in_window" if offset_s < self._last_offset_s else self._stop_kind] += 1
+        """Count a request the stopped capture does not hold; one that arrived before the last it holds ends the
+        whole window there."""
+        if offset_s < self._last_offset_s:
+            self._counts["dropped_in_window"] += 1
+            self._lost_from_s = min(offset_s, self._lost_from_s if self._lost_from_s is not None else offset_s)
+        else:
+            self._counts[self._stop_kind] += 1
 
     def _line(self, captured: Captured, offset_s: float) -> bytes | None:
         route = ROUTE_OF.get(captured.path)
@@ -366,7 +374,7 @@ class CaptureWriter:
     def _manifest(self, complete: bool) -> CaptureManifest:
         return CaptureManifest(started_unix_s=self._started_unix_s, policy=self.policy,
                                segments=tuple(self._segments), complete=complete, stopped=self._stopped,
-                               counts=self.counts)
+                               counts=self.counts, lost_from_offset_s=self._lost_from_s)
 
     def _reserve(self) -> None:
         """Room on disk for the manifest's last rewrites, taken at the start: a disk that fills under the segments

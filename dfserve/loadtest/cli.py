@@ -206,6 +206,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             raise UserError(f"--tasks {tasks}: {task_set.incomplete}: a replay of it is not the traffic captured; "
                             "--force replays what it holds, recorded in the run's config.json")
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
+            if task_set.shortened is not None:
+                click.echo(f"note: --tasks {tasks}: {task_set.shortened}", err=True)
             task_set, sampling = task_set.for_run(sampling)
         plan = RunPlan(arms=tuple(_arm(a) for a in arms), api=cast("Api | None", api),
                        task_set=task_set, num_requests=num_requests, warmup=warmup, sampling=sampling,

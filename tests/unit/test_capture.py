@@ -23,7 +23,7 @@ from dfserve.capture.format import MANIFEST, CapturePolicy, CaptureRecord
 from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.redact import kept_headers, redact, sampling_of, text_hash
-from dfserve.capture.replay import capture_holes
+from dfserve.capture.replay import capture_holes, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError, UserError
 from dfserve.gateway.observers import Exchanged, Observers
@@ -241,26 +241,31 @@ def test_rotation_bounds_segments_and_bytes_and_then_stops(tmp_path: Path, caplo
     assert len([r for r in caplog.records if "stopped" in r.getMessage()]) == 1
 
 
-def test_a_request_still_running_when_the_capture_stopped_is_a_hole_in_its_window(tmp_path: Path) -> None:
-    """The writer sees requests as they end: one that arrived among those it holds and ended after the bound
-    stopped it is lost from its window (its replay is incomplete, said); those that arrived after are not."""
+def test_a_request_still_running_when_the_capture_stopped_ends_its_window(tmp_path: Path) -> None:
+    """The writer sees requests as they end: one that arrived among those it holds and ended after the bound stopped
+    it is lost, so the capture is whole only up to its arrival, and a replay takes the requests before it; it was
+    called complete, then refused as holed (every capture with a long request in flight at its bound)."""
     body = {"text": "x" * 900}
     manifests = {}
     for name, late in (("after", False), ("within", True)):
         writer = CaptureWriter.open(policy(tmp_path, max_bytes=4096, max_segments=1, dir=tmp_path / name),
                                     clock=lambda: 0.0)
         for i in range(8):
-            writer.observe(captured(body, at=2.0 + i))
+            writer.observe(captured(body, at=float(i)))
         if late:
-            writer.observe(captured(body, at=1.0))  # a long request: arrived first, ended last
+            writer.observe(captured(body, at=1.5))  # a long request: arrived second, ended last
         manifests[name] = writer.close()
     after, within = manifests["after"].counts, manifests["within"].counts
-    assert after.written == within.written and 0 < after.written < 8
+    assert after.written == within.written and 2 < after.written < 8
     assert (after.dropped_over_bound, after.dropped_in_window) == (8 - after.written, 0)
     assert (within.dropped_over_bound, within.dropped_in_window) == (8 - within.written, 1)
-    assert capture_holes(manifests["after"]) is None
-    assert capture_holes(manifests["within"]) == (f"the capture lost 1 of its requests between the {within.written} it "
-                                                  "holds (1 still running when it stopped)")
+    assert (manifests["after"].lost_from_offset_s, manifests["within"].lost_from_offset_s) == (None, 1.5)
+    assert capture_holes(manifests["after"]) is None and capture_holes(manifests["within"]) is None
+    whole, shortened = (load_capture_tasks(f"capture:{tmp_path / name}") for name in ("after", "within"))
+    assert whole.arrivals_s == tuple(float(i) for i in range(after.written)) and whole.shortened is None
+    assert shortened.arrivals_s == (0.0, 1.0) and shortened.shortened == (
+        f"replays its first 2 of {within.written} requests, those that arrived before 1.5 s: a request that arrived "
+        "then was still running when it stopped, and was lost")
 
 
 def test_a_request_the_capture_could_not_record_is_a_hole(tmp_path: Path) -> None:
