@@ -47,7 +47,7 @@ MAX_REQUESTS = 10_000_000
 sent."""
 MAX_SCHEDULE_S = 30 * 86400
 """Past any load test's span: a schedule longer than this (infinite, where a rate or a speed is near zero) is a
-mistyped flag, not a run to wait for."""
+mistyped flag, not a run to wait for; unless a duration bounds the run (then only an infinite one is)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class RunPlan:
         elif self.load.kind == "trace":
             raise FieldError("arrival", "trace replays captured arrival times; give {other} capture:DIR", other="tasks")
         _, offsets = self.order()
-        if offsets and not offsets[-1] <= MAX_SCHEDULE_S:
+        if offsets and not (offsets[-1] <= MAX_SCHEDULE_S or (self.duration_s is not None and offsets[-1] < math.inf)):
             raise FieldError("speed" if self.load.kind == "trace" else "rate",
                              f"puts the last request {offsets[-1]:.3g} s after the start, past "
                              f"{MAX_SCHEDULE_S // 86400} days")

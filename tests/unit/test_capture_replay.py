@@ -323,6 +323,9 @@ def test_a_schedule_that_would_never_end_refuses_naming_its_flag(tmp_path: Path,
     assert caught.value.field == field
     RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=2, warmup=0, sampling=FLAGS,
             load=LoadShape(kind="trace", speed=1e-6), out=tmp_path)  # a 12-day replay of a 1 s gap: slow, not absurd
+    if load.kind != "trace" and load.rate != 5e-324:  # a ceiling of requests, the duration the bound
+        RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=2, warmup=0, sampling=FLAGS,
+                load=load, out=tmp_path, duration_s=60.0)
 
 
 def test_config_records_the_routes_and_two_runs_compare_only_with_the_same(tmp_path: Path) -> None:
