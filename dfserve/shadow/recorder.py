@@ -130,7 +130,7 @@ class _Folder:
         self.flush()
         self.appender.close()
         if not self.records:
-            shutil.rmtree(self.path)
+            shutil.rmtree(self.path, ignore_errors=True)  # what cannot be removed stays, unsealed: never judged
             return
         arms = dict.fromkeys(r.arm for r in self.records)
         summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired > 0,
