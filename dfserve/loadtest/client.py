@@ -85,6 +85,12 @@ def read_events(api: sglang.Api, events: list[str], times: list[float], *, decod
     return ended(stream)
 
 
+def answered_in_time(response: Response, timeout_s: float) -> bool:
+    """Whether the answer was complete, by its last byte's arrival, within `timeout_s` of the request."""
+    return (response.completed is not None and response.sent is not None
+            and response.completed - response.sent <= timeout_s)
+
+
 def ended(stream: StreamRead) -> StreamRead:
     """`stream` read to its end, failed by the tester's rules where it did not end well: without `[DONE]`, without
     a finish reason, or with more verify rounds than tokens (each round commits one at least: such counts would make
@@ -354,7 +360,8 @@ class ArmClient:
         except ConnectFailed as exc:
             error = ("connect", str(exc))
         except TimeoutError:
-            error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
+            if not answered_in_time(response, self.timeout_s):  # else its end came in time, read by a loop late
+                error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
         except (Disconnected, OSError) as exc:
             error = ("disconnect", str(exc) or type(exc).__name__)
         except (BadResponse, EventTooLarge) as exc:

@@ -31,7 +31,7 @@ def chat_event(content: str, finish: str | None = None) -> bytes:
 
 
 def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP,
-        then: Callable[[], None] | None = None) -> tuple[Finished, int]:
+        then: Callable[[], None] | None = None, timeout_s: float = 10.0) -> tuple[Finished, int]:
     """One chat request to a server that writes `head`, then `answer`'s chunks (each a read of its own, as far as
     the loop goes, chunked unless `head` gives a length) until the client hangs up, then calls `then`, on the
     client's loop, and closes after the client; what the client handed its sink, and how many bytes the server got
@@ -66,7 +66,7 @@ def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP,
         port = server.sockets[0].getsockname()[1]
         finished: list[Finished] = []
         client = ArmClient("a", f"http://127.0.0.1:{port}", "chat", SamplingParams(max_new_tokens=8), finished.append,
-                           t0=0.0, request_timeout_s=10.0, max_event_bytes=CAP, max_answer_bytes=answer_cap)
+                           t0=0.0, request_timeout_s=timeout_s, max_event_bytes=CAP, max_answer_bytes=answer_cap)
         task = ReplayTask(id="t", prompt="p", route="chat", body={"messages": [{"role": "user", "content": "p"}]})
         try:
             await client.send(task, 0, warmup=False, scheduled_s=None)
@@ -195,3 +195,15 @@ def test_a_request_ends_when_its_last_byte_arrived_not_when_a_busy_loop_got_to_i
     finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop)
     assert finished.error is None and finished.sent.sent_s is not None
     assert finished.sent.sent_s < finished.sent.end_s <= written_by[0], (finished.sent.end_s - written_by[0])
+
+
+def test_an_answer_whole_before_its_timeout_is_no_timeout_however_late_the_loop_reads_it() -> None:
+    """The loop busy past the request's timeout when its end arrived: the read comes first, then the timeout's
+    cancellation, which called a whole answer a timeout."""
+    def busy_loop() -> None:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop, timeout_s=0.15)
+    assert finished.error is None and derive(0.0, finished).ok
