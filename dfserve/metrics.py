@@ -15,6 +15,7 @@ them: every request toward `dfserve_requests_total`, only those that succeeded t
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from dfserve import families
 Family = TypeVar("Family", Counter, Gauge, Histogram)
 
 # Latency buckets in seconds: fine at the low end (a token every few ms), reaching minutes for long generations.
+ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""An arm's name, as the `arm` label, a header value, a `--set` path and a dashboard's matcher all take it."""
+ARM_NAME_RULE = "ASCII letters, digits, '-' and '_'"
+
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
 ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 300)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import click
 
 from dfserve.errors import UserError
 from dfserve.flags import FiniteFloat
+from dfserve.metrics import ARM_NAME, ARM_NAME_RULE
 
 from .engine import NAME_STYLES
 from .render import Settings, render, write
 from .rules import RuleSettings
 
 DEFAULT_OUT = Path("dashboards/generated")
-ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @click.command("dashboards")
@@ -37,7 +36,7 @@ def dashboards(out: Path, sglang_names: str, baseline_arm: str, candidate_arm: s
     """Write the "dfserve A/B" and "dfserve engine" dashboards, the alert rules, and their k8s objects."""
     for flag, arm in (("--baseline-arm", baseline_arm), ("--candidate-arm", candidate_arm)):
         if not ARM_NAME.fullmatch(arm):
-            raise UserError(f"{flag}: {arm!r} is not an arm name (letters, digits, '.', '_', '-')")
+            raise UserError(f"{flag}: {arm!r} is not an arm name ({ARM_NAME_RULE}, as the gateway takes them)")
     if baseline_arm == candidate_arm:
         raise UserError(f"--candidate-arm: must differ from --baseline-arm ({baseline_arm!r})")
     settings = Settings(

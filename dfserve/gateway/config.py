@@ -28,6 +28,7 @@ from dfserve.capture.format import CapturePolicy
 from dfserve.errors import FieldError, UserError, describe_invalid
 from dfserve.headers import is_field_name
 from dfserve.http1 import is_base_url
+from dfserve.metrics import ARM_NAME, ARM_NAME_RULE
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.yamlfile import read_yaml
 
@@ -84,9 +85,9 @@ class RoutingConfig(_Model):
     @classmethod
     def _names(cls, arms: dict[str, ArmConfig]) -> dict[str, ArmConfig]:
         for name in arms:
-            if not name or not name.isascii() or not name.replace("-", "").replace("_", "").isalnum():
-                raise ValueError(f"arm name {name!r}: use ASCII letters, digits, '-' and '_' (a label the "
-                                 "dashboards, headers and --set paths all take)")
+            if not ARM_NAME.fullmatch(name):
+                raise ValueError(f"arm name {name!r}: use {ARM_NAME_RULE} (a label the dashboards, headers and --set "
+                                 "paths all take)")
         return arms
 
     @field_validator("sticky_header")

@@ -129,10 +129,13 @@ def test_cli_writes_every_file_and_rejects_bad_arms(tmp_path: Path, capsys: pyte
     assert "sglang_num_running_reqs" in json.dumps(board)
     rule_file = (tmp_path / "prometheus" / "dfserve-rules.yml").read_text()
     assert 'arm="inhouse"' in rule_file and "sglang_generation_tokens_total" in rule_file and "sglang:" not in rule_file
-    with pytest.raises(SystemExit) as exit_info:
-        main(["dashboards", "--out", str(tmp_path), "--candidate-arm", 'x"y'])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().startswith("dfserve: error: --candidate-arm:")
+    for arm in ('x"y', "z-lab.v1"):  # a dot: a name the gateway refuses, so its alerts would never see one
+        with pytest.raises(SystemExit) as exit_info:
+            main(["dashboards", "--out", str(tmp_path), "--candidate-arm", arm])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"dfserve: error: --candidate-arm: {arm!r} is not an arm name (ASCII letters, digits, '-' and '_', as the "
+            "gateway takes them)")
 
 
 AGGREGATION = re.compile(r"\b(?:sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?\($")
