@@ -240,7 +240,9 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
         reply.unhook()
         meter(relay, exchange)
-    if failure is not None:
+    # A failure after a whole stream (the replica gone, or its body short of its Content-Length, after `[DONE]`) is
+    # none: the client has its answer, as one that leaves at `[DONE]` has.
+    if failure is not None and not _whole(relay):
         exchange.error = mid_stream_error(failure)
         if exchange.error == "client_stalled":
             message = str(failure)
@@ -248,8 +250,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
             message = f"upstream replica sent {failure}"
         else:
             message = f"upstream replica failed mid-stream ({type(failure).__name__})"
-        # after a whole stream (a body cut short of its Content-Length after `[DONE]`, say) the client has its end
-        reply.end(b"" if _whole(relay) else sglang.stream_error_events(message, "upstream_error", 502))
+        reply.end(sglang.stream_error_events(message, "upstream_error", 502))
         return
     tail = relay.tail
     if not _whole(relay):
