@@ -130,7 +130,8 @@ class Limits(_Model):
     body_timeout_s: float = Field(60.0, gt=0, description="Time a client has to send a whole request body, from the "
                                   "end of its head; then 408 and close.")
     idle_timeout_s: float = Field(75.0, gt=0, description="A kept-alive connection with no request under way is "
-                                  "closed after this long.")
+                                  "closed after this long; one whose client takes nothing of a whole answer for "
+                                  "this long is cut off (its next request waits until it takes the answer).")
     max_concurrent_per_arm: int = Field(512, gt=0, description="Requests in flight per arm before 429.")
     connect_timeout_s: float = Field(3.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0, description="Longest wait for response headers (from the request, "

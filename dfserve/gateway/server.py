@@ -304,6 +304,7 @@ class ClientConnection(asyncio.Protocol):
         self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._answer_taken: asyncio.Future[None] | None = None
 
     # asyncio callbacks ------------------------------------------------------------------------------------------
 
@@ -353,6 +354,7 @@ class ClientConnection(asyncio.Protocol):
         self.server.lost(self)
         if self._timer is not None:
             self._timer.cancel()
+        self._taken()
         if self.task is not None and self.reply is not None and not self.reply.complete:
             self.reply.lost()
             self.task.cancel()
@@ -364,8 +366,13 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writes_paused = False
+        self._taken()
         if self.reply is not None:
             self.reply.resume()
+
+    def _taken(self) -> None:
+        if self._answer_taken is not None and not self._answer_taken.done():
+            self._answer_taken.set_result(None)
 
     # httptools callbacks ----------------------------------------------------------------------------------------
 
@@ -448,7 +455,7 @@ class ClientConnection(asyncio.Protocol):
             target = httptools.parse_url(incoming.url)
         except httptools.HttpParserInvalidURLError:
             raise _Refused(400, f"malformed request target {incoming.url[:80]!r}") from None
-        path = unquote(target.path.decode("latin-1"))
+        path = unquote((target.path or b"/").decode("latin-1"))  # absolute-form with no path: RFC 9112 §3.2.2
         query = quote(target.query, safe=_PRINTABLE) if target.query else ""
         http11 = parser.get_http_version() == "1.1"
         reply = Reply(self, head_only=method == "HEAD", http11=http11,
@@ -472,6 +479,8 @@ class ClientConnection(asyncio.Protocol):
     async def _run(self, request: Request, reply: Reply) -> None:
         try:
             await self.handler(request, reply)
+            if self.writes_paused and not self.closed:
+                await self._until_taken()
         except asyncio.CancelledError:
             if not self.closed:
                 self.abort()
@@ -506,6 +515,27 @@ class ClientConnection(asyncio.Protocol):
             self._wait(_BODY if incoming.in_body else _HEAD if incoming.in_head else _IDLE, self.loop.time())
             if self._deadline < self._timer_at:
                 self._arm()
+
+    async def _until_taken(self) -> None:
+        """Wait until the client has taken most of its answer (its socket drained to the transport's low mark): the
+        next request waits for it, so a client that sends requests and reads nothing cannot have answer after
+        answer made upstream and held in the gateway's memory; one that takes nothing of it for `idle_timeout_s`
+        is cut off."""
+        assert self.transport is not None
+        taken = self._answer_taken = self.loop.create_future()
+        unsent = self.transport.get_write_buffer_size()
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(taken), self.limits.idle_timeout_s)
+                    return
+                except TimeoutError:
+                    if self.transport.get_write_buffer_size() >= unsent:
+                        self.abort()
+                        return
+                    unsent = self.transport.get_write_buffer_size()
+        finally:
+            self._answer_taken = None
 
     def refuse(self, status: int, message: str) -> None:
         """Answer the server's own error, after the answers still owed, and close the connection (what follows in
@@ -578,9 +608,13 @@ class ClientConnection(asyncio.Protocol):
                 self.refuse(408, f"{waiting} not received within {limit_s:g} s")
 
     def close(self) -> None:
+        """Close once what was written is sent; a client that does not take it within `idle_timeout_s` is cut off
+        (a transport closed with bytes the peer never reads stays open, and counted, for good)."""
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+            if self.transport.get_write_buffer_size():
+                self.loop.call_later(self.limits.idle_timeout_s, self.transport.abort)
 
     def abort(self) -> None:
         if self.transport is not None:

@@ -260,6 +260,84 @@ def test_a_full_client_socket_pauses_the_source_until_it_drains() -> None:
     assert size > 0 and size % len(piece) == 0
 
 
+def _silent_client(port: int) -> socket.socket:
+    """A connection whose receive buffer is small and which reads nothing until told."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((LOOPBACK, port))
+    return sock
+
+
+def test_a_client_that_reads_nothing_has_no_next_answer_made_until_it_takes_the_last() -> None:
+    """Pipelined requests from a client that reads nothing: each answer waits for the one before it to be taken, so
+    the upstream work and the memory a client holds stay one answer's; all are answered once it reads."""
+    answer = b"x" * (8 << 20)
+
+    async def scenario() -> tuple[int, int, list[int]]:
+        made: list[str] = []
+
+        async def big(request: Request, reply: Reply) -> None:
+            made.append(request.path)
+            reply.whole(200, JSON, answer)
+
+        async with server(big) as port:
+            sock = _silent_client(port)
+            sock.sendall(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(6)))
+            await asyncio.sleep(1.0)
+            made_before_reading = len(made)
+            reader, writer = await asyncio.open_connection(sock=sock)
+            sizes = [len((await asyncio.wait_for(read_response(reader), 20))[2]) for _ in range(6)]
+            writer.close()
+        return made_before_reading, len(made), sizes
+
+    made_before_reading, made_in_all, sizes = asyncio.run(scenario())
+    assert made_before_reading <= 2
+    assert made_in_all == 6 and sizes == [len(answer)] * 6
+
+
+def test_a_client_that_does_not_take_its_answer_is_cut_off_after_the_idle_timeout_and_frees_its_place() -> None:
+    """Whether its answer is still over the transport's high mark (the next request waits for it) or under it when
+    the connection goes idle (closing waits for it to be sent), a client that takes nothing of it for
+    `idle_timeout_s` is cut off and no longer counts against `max_connections`."""
+    async def sized(request: Request, reply: Reply) -> None:
+        assert reply.connection.transport is not None  # the kernel takes little of it: the transport holds the rest
+        reply.connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        reply.whole(200, JSON, b"x" * (1 << 20))
+
+    async def scenario(read_to_under_the_high_mark: bool) -> tuple[bool, float, bytes]:
+        listener, port = await listen(sized, replace(LIMITS, max_connections=1, idle_timeout_s=0.5))
+        try:
+            silent = _silent_client(port)
+            silent.setblocking(False)
+            silent.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            quiet = time.perf_counter()
+            await asyncio.sleep(0.3)
+            (connection,) = listener.connections
+            while read_to_under_the_high_mark and connection.writes_paused and not connection.closed:
+                with contextlib.suppress(BlockingIOError):
+                    silent.recv(65536)  # the client reads, slowly: it is not cut off while it takes some
+                await asyncio.sleep(0.001)
+                quiet = time.perf_counter()
+            unsent = connection.transport.get_write_buffer_size() > 0 if connection.transport else False
+            for _ in range(100):  # 5 s at most
+                if not listener.connections:
+                    break
+                await asyncio.sleep(0.05)
+            cut_after_s = time.perf_counter() - quiet
+            other = await asyncio.to_thread(socket.create_connection, (LOOPBACK, port), 10)
+            other.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = (await asyncio.to_thread(_read_to_end, other)).split(b"\r\n", 1)[0]
+            silent.close()
+        finally:
+            await listener.stop(drain_s=1.0)
+        return unsent, cut_after_s, answer
+
+    for read_to_under_the_high_mark in (False, True):
+        unsent, cut_after_s, answer = asyncio.run(scenario(read_to_under_the_high_mark))
+        assert unsent  # the answer was not taken whole
+        assert 0.4 < cut_after_s < 3.0 and answer == b"HTTP/1.1 200 OK"
+
+
 def test_a_handler_bug_is_a_500_json_error() -> None:
     async def broken(request: Request, reply: Reply) -> None:
         raise RuntimeError("bug")
@@ -571,6 +649,22 @@ def test_a_chunk_size_line_or_trailer_section_past_the_head_limit_is_refused() -
         # Refused long before the 50 MB: what was sent includes what loopback's socket buffers held unread (several
         # MB once autotuned), more of it when the server's loop is slow to run on a busy machine.
         assert sent < 20_000_000
+
+
+def test_an_absolute_form_target_without_a_path_is_the_root() -> None:
+    """RFC 9112 §3.2.2: `http://host` asks for `/` (httptools gives it no path at all)."""
+    async def scenario() -> list[tuple[int, str]]:
+        async with server(echo) as port:
+            reader, writer = await asyncio.open_connection(LOOPBACK, port)
+            answers = []
+            for target in (b"http://x", b"http://x?q=1", b"http://x/v1"):
+                writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % target)
+                status, _, body = await read_response(reader)
+                answers.append((status, json.loads(body)["path"]))
+            writer.close()
+        return answers
+
+    assert asyncio.run(scenario()) == [(200, "/"), (200, "/"), (200, "/v1")]
 
 
 def test_parser_edges_are_answered_as_rfc_9112_says() -> None:
