@@ -44,6 +44,14 @@ def drafter_identity(drafter: str) -> str:
     return name if CONVERTED_DRAFTER.fullmatch(name) else drafter
 
 
+def one_drafter(base: str, candidate: str) -> list[str]:
+    """One line when both sides serve one drafter (as their engines name it): a verdict on them judges the
+    baseline's drafter against itself, and says nothing of a candidate."""
+    if drafter_identity(base) != drafter_identity(candidate):
+        return []
+    return [f"both sides serve drafter {base!r}: the candidate would be judged against the baseline's own drafter"]
+
+
 class BaselineEntry(BaseModel):
     """One change of a target's baseline."""
 
@@ -185,8 +193,8 @@ def refusals(registry: BaselineRegistry, verdict: Verdict, unfounded: Sequence[s
 def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *, force: bool = False,
                     reason: str | None = None, unfounded: Sequence[str] = ()) -> Promotion:
     """Record the candidate of an online verdict as its target's baseline (the first promotion of a target
-    records its baseline first). Refused always: an offline verdict, one that judged a run against itself, and one
-    promoted before; unless `force` with a `reason` (recorded, and more than blanks): anything `refusals` names."""
+    records its baseline first). Refused always: an offline verdict, one that judged a run or a drafter against
+    itself, and one promoted before; unless `force` with a `reason` (recorded, and more than blanks): anything `refusals` names."""
     if force and not (reason and reason.strip()):
         raise FieldError("force", "give {other} TEXT; it is recorded with the promotion", other="reason")
     if verdict.source != "loadtest":
@@ -195,6 +203,8 @@ def promote_verdict(registry: BaselineRegistry, verdict: Verdict, file: Path, *,
     base, cand = verdict.baseline, verdict.candidate
     if base.run_id == cand.run_id and (base.name == cand.name or base.run_dir != cand.run_dir):
         raise UserError(f"{file}: the verdict judged run {base.run_id} against itself; it promotes nothing")
+    if same := one_drafter(base.drafter, cand.drafter):
+        raise UserError(f"{file}: {same[0]}; it promotes nothing")
     digest = hashlib.sha256(verdict.model_dump_json().encode()).hexdigest()  # of its content, however laid out
     raw = hashlib.sha256(file.read_bytes()).hexdigest()  # what promotions recorded before the content's hash
     with registry.locked():

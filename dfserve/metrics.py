@@ -142,7 +142,9 @@ abort through `/abort_request`, which carries none)."""
 PROTOCOL_ERROR = "protocol"
 """Failure kind of a 2xx answer that is not SGLang's (a body or events that do not read as its JSON): no success,
 whatever its status said; the load tester calls the same answer a protocol error."""
-CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", "cancelled"})
+GATEWAY_STOPPED = "cancelled"
+"""The failure kind of an exchange the gateway's own stop cut short."""
+CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", GATEWAY_STOPPED})
 """Failure kinds where the client side gave up, not the arm: the gateway's client went away or stopped reading, or
 the load tester cancelled the request when its run stopped."""
 Measure = Literal["exact", "estimated"]

@@ -59,13 +59,15 @@ def twin(records: list[RequestRecord], arm: str) -> list[RequestRecord]:
 
 
 def run_config(run_id: str, num_requests: int = 100, max_running: int = 48) -> RunConfig:
-    """A run's config with two arms, zlab and inhouse, on the same target; started at an instant of its own."""
+    """A run's config with two arms, zlab and inhouse, each its drafter on the same target; started at an instant of
+    its own."""
     info = {"model_path": "Qwen/Qwen3.6-27B", "max_running_requests": max_running,
             "speculative_draft_model_path": "z-lab/Qwen3.6-27B-DFlash"}
+    inhouse = {**info, "speculative_draft_model_path": "/models/dflash-inhouse"}
     return RunConfig(
         run_id=run_id, api="native",
         arms=(ArmInfo(name="zlab", url="http://127.0.0.1:1", server_info=info, model="m"),
-              ArmInfo(name="inhouse", url="http://127.0.0.1:2", server_info=info, model="m")),
+              ArmInfo(name="inhouse", url="http://127.0.0.1:2", server_info=inhouse, model="m")),
         tasks=TaskSetInfo(name="humaneval", sha256="abc", size=164), num_requests=num_requests, warmup=0,
         sampling=Sampling(max_new_tokens=256, temperature=0.0, top_p=1.0), load=LoadShape(kind="closed", concurrency=8),
         duration_s=None, request_timeout_s=60.0, t0_unix_s=1.8e9 + zlib.crc32(run_id.encode()) / 1e3,

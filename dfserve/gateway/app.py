@@ -40,7 +40,14 @@ from dfserve.gateway.scrape import Scraper
 from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Responder, send_error
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
 from dfserve.headers import ARM
-from dfserve.metrics import PROTOCOL_ERROR, STREAM_ERROR, DfserveMetrics, ObserverMetrics, RoutingMetrics
+from dfserve.metrics import (
+    GATEWAY_STOPPED,
+    PROTOCOL_ERROR,
+    STREAM_ERROR,
+    DfserveMetrics,
+    ObserverMetrics,
+    RoutingMetrics,
+)
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
 FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
@@ -318,7 +325,7 @@ class GatewayApp:
                 await self._relay(opened, exchange, reply, strip_spec)
         except asyncio.CancelledError:
             if not reply.disconnected:
-                exchange.error = "cancelled"  # the gateway's stop: not an answer, whatever came of it so far
+                exchange.error = GATEWAY_STOPPED  # not an answer, whatever came of it so far
                 raise
             exchange.error = "client_disconnect"
         finally:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dfserve.baselines import one_drafter
 from dfserve.errors import UserError
 from dfserve.loadtest import records as rec
 from dfserve.loadtest.config import RunConfig, shared_servers
@@ -113,6 +114,7 @@ def comparability(baseline: RunConfig, base_arm: str, candidate: RunConfig, cand
     if servers[0] and servers[1]:
         for field in ("model_path", "max_running_requests"):
             problems.extend(differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field)))
+        problems.extend(one_drafter(servers[0].draft_model_path or "none", servers[1].draft_model_path or "none"))
     problems.extend(f"arm {i.name}: its /server_info was not recorded, so its target and drafter are unknown (a "
                     "gateway answers it for one arm only: pin_arms)" for i in infos if i.server_info is None)
     paths = [(i.model_info or {}).get("model_path") for i in infos]

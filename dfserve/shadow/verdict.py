@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from dfserve.baselines import one_drafter
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
 from dfserve.loadtest.records import (
@@ -150,8 +151,8 @@ def incomplete(path: Path, config: ShadowRunConfig, records: Sequence[RequestRec
     summary = read_model(summary_file, Summary, f"{summary_file} does not exist")
     held = Counter(r.arm for r in records)
     problems = [f"shadow folder {config.run_id}: the gateway wrote requests whose records never all came (an "
-                "exchange lost behind the recorder's queue, or slower than shadow.max_pending later requests)"
-                ] if summary.interrupted else []
+                "exchange lost behind the recorder's queue, slower than shadow.max_pending later requests, or cut "
+                "short by the gateway's stop)"] if summary.interrupted else []
     if summary.run_id != config.run_id:
         problems.append(f"shadow folder {config.run_id}: its summary.json is folder {summary.run_id}'s")
     problems += [f"shadow folder {config.run_id} arm {arm.arm}: requests.jsonl holds {held[arm.arm]} records, "
@@ -239,14 +240,16 @@ def _side(config: ShadowRunConfig, path: Path, arm: str) -> Side:
 
 
 def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
-    """What differs between two arms' engines beyond the drafter; an arm whose engine is unknown is one."""
+    """What differs between two arms' engines beyond the drafter, and the drafter when it does not; an arm whose
+    engine is unknown is one."""
     servers = [_server(config, arm) for arm in (base, cand)]
     if servers[0] is None or servers[1] is None:
         unknown = [arm for arm, server in zip((base, cand), servers, strict=True) if server is None]
         return [f"arm {arm}: its /server_info was not recorded, so its target and drafter are unknown"
                 for arm in unknown]
-    return [line for field in ("model_path", "max_running_requests")
-            for line in differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field))]
+    return [*(line for field in ("model_path", "max_running_requests")
+              for line in differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field))),
+            *one_drafter(servers[0].draft_model_path or "none", servers[1].draft_model_path or "none")]
 
 
 def read_together(records: Sequence[RequestRecord], arms: Iterable[str]) -> list[str]:

@@ -123,7 +123,7 @@ def test_a_second_run_never_touches_the_first(ab_run: Path) -> None:
 
 def test_aa_is_not_fail_and_a_lossy_candidate_is_caught(tmp_path: Path) -> None:
     with sim_server("zlab", 0.02, 0) as a, sim_server("zlab", 0.02, 1) as b, \
-            sim_server("zlab", 0.02, 2, "--lossy-fraction", "0.2") as lossy:
+            sim_server("zlab", 0.02, 2, "--lossy-fraction", "0.2", "--draft-model-path", "/models/lossy") as lossy:
         loadtest(tmp_path, "--arm", f"a={a}", "--arm", f"b={b}", "--arm", f"lossy={lossy}", "--name", "r", *SHORT)
     # Three simulators and the tester share two cores, so their latencies differ by how the OS schedules them; the
     # A/A check is about the acceptance, error and losslessness rules, which no scheduler can move.
@@ -131,6 +131,9 @@ def test_aa_is_not_fail_and_a_lossy_candidate_is_caught(tmp_path: Path) -> None:
     gate.write_text("rules:\n  - {metric: accept_length, max_worse: 0.02}\n  - {metric: error_rate, max_worse: 0.01}\n"
                     "  - {metric: lossless_fraction, at_least: 0.99}\n")
     aa = compare(str(tmp_path / "r"), "--baseline", "a", "--candidate", "b", "--gate", str(gate),
+                 "--out", str(tmp_path / "aa"))
+    assert aa.returncode == 2 and "both sides serve drafter" in aa.stderr  # a drafter is not judged against itself
+    aa = compare(str(tmp_path / "r"), "--baseline", "a", "--candidate", "b", "--gate", str(gate), "--force",
                  "--out", str(tmp_path / "aa"))
     assert aa.returncode in (0, 3), aa.stdout + aa.stderr
     caught = compare(str(tmp_path / "r"), "--baseline", "a", "--candidate", "lossy", "--out", str(tmp_path / "l"))
@@ -341,7 +344,8 @@ def test_errors_in_band_through_the_gateway_are_errors_in_records_metrics_and_ve
     """A candidate engine aborts a third of its streams after they started (HTTP 200, then the error in band, as
     SGLang 0.5.23 does for a request retracted without a KV backup). Through the gateway, every one of them must be
     a failure in requests.jsonl, in the gateway's /metrics, and in the judge's error rate."""
-    with sim_server("zlab", 0.02, 0) as baseline, sim_server("zlab", 0.02, 0, "--abort-fraction", "0.3") as candidate:
+    with sim_server("zlab", 0.02, 0) as baseline, \
+            sim_server("zlab", 0.02, 0, "--abort-fraction", "0.3", "--draft-model-path", "/models/ours") as candidate:
         config = tmp_path / "gateway.yaml"
         config.write_text(json.dumps({"arms": {"baseline": {"weight": 1, "replicas": [baseline]},
                                                "candidate": {"weight": 0, "replicas": [candidate]}},

@@ -65,10 +65,10 @@ def test_an_aa_pair_stays_inconclusive_up_to_its_maximum(tmp_path: Path) -> None
     assert sorted(r.index for r in records if r.arm == "a") == list(range(48))
     assert sorted(r.index for r in records if r.arm == "b") == list(range(48))
 
-    judged = run("compare", str(tmp_path / "aa"))
+    judged = run("compare", str(tmp_path / "aa"), "--force")  # one drafter on both: judged only forced
     assert judged.returncode == 3, judged.stdout + judged.stderr
     verdict = verdict_of(tmp_path)
-    assert verdict["verdict"] == "INCONCLUSIVE"
+    assert verdict["verdict"] == "INCONCLUSIVE" and verdict["forced"]
     assert verdict["sequential"]["stopped"] == "end" and verdict["sequential"]["pairs"] == 48
     rules = {r["metric"]: r for r in verdict["judgement"]["rules"]}
     assert rules["accept_length"]["status"] == "INCONCLUSIVE" and rules["accept_length"]["tasks_needed"] > 48

@@ -45,7 +45,7 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
     assert len(verdicts) == 1
     document = json.loads(verdicts[0].read_text())
     assert document["verdict"] == "FAIL" and document["baseline"]["name"] == "zlab"
-    assert document["candidate"]["drafter"] == "z-lab/Qwen3.6-27B-DFlash"
+    assert document["candidate"]["drafter"] == "/models/dflash-inhouse"
 
     same = synthetic("zlab", 150, 9.0, seed=1)
     aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
@@ -192,6 +192,7 @@ def test_a_copy_of_a_run_is_one_run_however_renamed_and_its_clock_moved(tmp_path
     refused = CliRunner().invoke(compare, [str(one), str(renamed), "--force"], standalone_mode=False)
     assert "started at the same instant (t0_unix_s): one run under two names" in str(refused.exception)
     config = json.loads((one / "config.json").read_text())
+    config["arms"][0]["server_info"]["speculative_draft_model_path"] = "/models/another"  # all but the records
     later = RunConfig.model_validate({**config, "run_id": "three", "t0_unix_s": config["t0_unix_s"] + 0.5})
     copy = write_run(tmp_path / "copies", later, shifted(synthetic("zlab", 80, 9.0, seed=1), 0.5))
     assert "the records of zlab (three) are those of zlab (one), to the microsecond" in refusal([str(one), str(copy)])
@@ -406,6 +407,27 @@ def test_a_verdict_of_a_run_against_itself_never_promotes(tmp_path: Path) -> Non
     refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs), "--force", "--reason", "try"],
                                  standalone_mode=False)
     assert refused.exception is not None and "judged run aa against itself" in str(refused.exception)
+    assert BaselineRegistry(runs).history() == []
+
+
+def test_two_arms_serving_one_drafter_are_judged_only_forced_and_never_promote(tmp_path: Path) -> None:
+    """Two servers of the baseline's drafter, one named the candidate: a PASS would promote the baseline over
+    itself."""
+    runs = tmp_path / "runs"
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    config = run_config("aa", 120)
+    arms = tuple(a.model_copy(update={"server_info": config.arms[0].server_info}) for a in config.arms)
+    run = write_run(runs, config.model_copy(update={"arms": arms}), [*same, *twin(same, "inhouse")])
+    assert refusal([str(run)]) == ("runs are not comparable (both sides serve drafter 'z-lab/Qwen3.6-27B-DFlash': "
+                                   "the candidate would be judged against the baseline's own drafter); --force "
+                                   "judges anyway, stamped in the verdict")
+    forced = CliRunner().invoke(compare, [str(run), "--force", "--out", str(runs / "v")])
+    assert "verdict: PASS" in forced.output
+    file = next((runs / "v").glob("verdict-*/verdict.json"))
+    refused = CliRunner().invoke(promote, [str(file), "--registry", str(runs), "--force", "--reason", "try"],
+                                 standalone_mode=False)
+    assert refused.exception is not None
+    assert "both sides serve drafter 'z-lab/Qwen3.6-27B-DFlash'" in str(refused.exception)
     assert BaselineRegistry(runs).history() == []
 
 

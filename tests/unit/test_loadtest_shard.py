@@ -131,7 +131,7 @@ def test_an_arm_that_reached_another_server_in_a_shard_is_refused_unless_forced(
     shards = [with_documents(shard, "inhouse", model_info=model_info) for shard in shards]
     cases = [
         ({**served, "speculative_draft_model_path": "ours/drafter-v2"}, None,
-         "server_info.draft_model_path is z-lab/Qwen3.6-27B-DFlash in shard 0/2, ours/drafter-v2 in shard 1/2"),
+         "server_info.draft_model_path is /models/dflash-inhouse in shard 0/2, ours/drafter-v2 in shard 1/2"),
         ({**served, "model_path": "Qwen/Qwen3.6-35B"}, None,
          "server_info.model_path is Qwen/Qwen3.6-27B in shard 0/2, Qwen/Qwen3.6-35B in shard 1/2"),
         ({**served, "speculative_algorithm": "EAGLE3"}, None,

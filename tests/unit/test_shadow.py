@@ -797,6 +797,35 @@ def test_arms_whose_engines_differ_or_are_unknown_are_refused_unless_forced(
         compare_shadow(_record(tmp_path / "b", _traffic(10, 4)), None, None, False, tmp_path / "v")
 
 
+def test_an_arm_serving_the_primarys_drafter_is_judged_only_forced(tmp_path: Path) -> None:
+    """The secondary named the candidate, or a mirror whose engine serves the primary's drafter: a PASS would be the
+    baseline's drafter over itself."""
+    traffic = _traffic(30, cand_verify=16, mirrors=("inhouse", "zlab2")) + [exchanged(rid, "zlab2", True)
+                                                                           for rid in range(30)]
+    folder = _record(tmp_path, traffic, secondary="zlab2")
+    line = "both sides serve drafter 'z-lab/dflash': the candidate would be judged against the baseline's own drafter"
+    with pytest.raises(Untrusted, match=re.escape(line)):
+        compare_shadow(folder, "zlab2", None, False, tmp_path / "v")
+    forced = compare_shadow(folder, "zlab2", None, True, tmp_path / "v").verdict
+    assert forced.forced and forced.mismatches == [line]
+
+
+def test_mirrors_cut_by_the_gateways_stop_leave_their_folder_judged_only_forced(tmp_path: Path) -> None:
+    """The stop cuts the answers still under way, the slowest: judged on the rest, a slow candidate would look fast.
+    A client that left is no such cut."""
+    traffic = _traffic(20, cand_verify=4)
+    left = [exchanged(20 + rid, arm, arm == "inhouse", error="client_disconnect") for rid in range(3)
+            for arm in ("zlab", "inhouse")]
+    kept = compare_shadow(_record(tmp_path / "left", traffic + left), None, None, False, tmp_path / "v").verdict
+    assert not kept.forced
+    cut = [e for rid in range(20, 23) for e in (exchanged(rid, "zlab", False),
+                                                exchanged(rid, "inhouse", True, error="cancelled"))]
+    folder = _record(tmp_path / "cut", traffic + cut)
+    with pytest.raises(Untrusted, match="or cut short by the gateway's stop"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
+
+
 def test_shadow_config_needs_shadow_mode_and_a_mirrored_secondary() -> None:
     arms = {"a": {"weight": 1, "replicas": ["http://127.0.0.1:1"]}, "b": {"weight": 1, "replicas": ["http://127.0.0.1:2"]}}
     with pytest.raises(UserError, match="need mode: shadow"):
