@@ -9,6 +9,7 @@ nesting up to the recursion limit), and never raises more than a `ProtocolError`
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pydantic_core import from_json
@@ -98,7 +99,13 @@ def times_field(value: Any, key: str) -> tuple[float, ...] | None:
         return None
     if not isinstance(value, list) or not set(map(type, value)) <= _NUMBERS:  # a simulated stream's every event: fast
         raise ProtocolError(f"meta_info.{key}: expected a list of numbers, got {value!r}")
-    return tuple(map(float, value))
+    try:
+        times = tuple(map(float, value))
+    except OverflowError:
+        times = (math.inf,)
+    if not all(map(math.isfinite, times)):  # a record could not hold it (JSON has no NaN)
+        raise ProtocolError(f"meta_info.{key}: expected finite numbers, got {value!r}"[:200])
+    return times
 
 
 _NUMBERS = {int, float}
@@ -111,4 +118,10 @@ def float_field(obj: dict[str, Any], key: str, where: str = "meta_info") -> floa
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ProtocolError(f"{where}.{key}: expected a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ProtocolError(f"{where}.{key}: expected a finite number, got {value!r}"[:200])
+    return number

@@ -4,6 +4,7 @@ round trips from the builders the simulator uses to the parsers every client use
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -180,10 +181,19 @@ def test_malformed_whole_responses_raise_protocol_error(body: bytes) -> None:
         proto.parse_generate_response(body)
 
 
-@pytest.mark.parametrize("times", [["soon"], [1.5, True], [1.5, None], [[1.5]], {"0": 1.5}, 1.5])
+@pytest.mark.parametrize("times", [["soon"], [1.5, True], [1.5, None], [[1.5]], {"0": 1.5}, 1.5,
+                                   [1.5, math.nan], [math.inf], [10**400]])
 def test_malformed_simulator_chunk_times_raise_protocol_error(times: Any) -> None:
     meta = {"prompt_tokens": 1, "completion_tokens": 1, proto.SIM_CHUNK_SENT_KEY: times}
     with pytest.raises(ProtocolError, match=proto.SIM_CHUNK_SENT_KEY):
+        proto.parse_meta_info(meta)
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, 10**400])
+def test_a_number_no_record_can_hold_is_a_protocol_error(value: float) -> None:
+    """Python's JSON reads NaN, Infinity and 1e400; a record written with one is read back as null, or not at all."""
+    meta = {"prompt_tokens": 1, "completion_tokens": 1, "e2e_latency": value}
+    with pytest.raises(ProtocolError, match=r"meta_info\.e2e_latency: expected a finite number"):
         proto.parse_meta_info(meta)
 
 
