@@ -222,6 +222,11 @@ def _kind_of(data: bytes) -> object:
 S = TypeVar("S", bound="SealedSummary")
 
 
+def fields_sha256(model: BaseModel, seal: str) -> str:
+    """The seal of a document's own fields: sha256 of its JSON with the field `seal` (where the seal is kept) unset."""
+    return hashlib.sha256(model.model_copy(update={seal: None}).model_dump_json().encode()).hexdigest()
+
+
 class SealedSummary(BaseModel):
     """A run's summary.json: it holds the seals of the run's other files, and seals its own fields, so that turning
     `interrupted` off, or dropping a seal to edit what it sealed, shows. Like every seal here, it catches an edit,
@@ -236,7 +241,7 @@ class SealedSummary(BaseModel):
         return self.model_copy(update={"summary_sha256": self._fields_sha256()})
 
     def _fields_sha256(self) -> str:
-        return hashlib.sha256(self.model_copy(update={"summary_sha256": None}).model_dump_json().encode()).hexdigest()
+        return fields_sha256(self, "summary_sha256")
 
     def unsealed(self, path: Path) -> str | None:
         """Why this summary, read from `path`, is not as its writer left it; None when it is."""

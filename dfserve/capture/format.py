@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dfserve.runs import fields_sha256
 from dfserve.sglang import Api
 
 MANIFEST = "manifest.json"
@@ -131,3 +132,16 @@ class CaptureManifest(_Model):
     lost_from_offset_s: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
         "the arrival of the first request lost from the window once the capture stopped (`dropped_in_window`): it "
         "holds every request that arrived before, and a replay takes those only"))
+    manifest_sha256: str | None = Field(None, description="sha256 of this manifest's other fields (`sealed`): a count "
+                                        "of lost requests edited away, or a window lengthened, shows")
+
+    def sealed(self) -> CaptureManifest:
+        return self.model_copy(update={"manifest_sha256": fields_sha256(self, "manifest_sha256")})
+
+    def unsealed(self) -> str | None:
+        """Why its fields are not as the writer left them; None when they are."""
+        if self.manifest_sha256 is None:
+            return "holds no sha256 of its own fields (written by an older dfserve, or edited)"
+        if self.manifest_sha256 != fields_sha256(self, "manifest_sha256"):
+            return "is not as its writer left it (its fields' sha256 is not the one it holds): edited"
+        return None

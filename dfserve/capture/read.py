@@ -1,6 +1,7 @@
 """Read a capture folder back, trusting nothing: the manifest must say the capture is complete, every segment on
 disk must be listed, and each listed segment must have the line count, size and sha256 the writer recorded when
-it closed it, and together they must hold as many records as the manifest counts written. A truncated, edited,
+it closed it, and together they must hold as many records as the manifest counts written; the manifest seals its
+own fields (what it counts lost, its window). A truncated, edited,
 added or missing segment is refused in one line naming it, as is a segment name that would reach outside the folder,
 or a record whose redaction contradicts the manifest or its own `replayable` (a hashed capture made to look
 replayable).
@@ -72,6 +73,8 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
     if manifest.counts.written != len(records):
         raise UserError(f"{where}: {MANIFEST} counts {manifest.counts.written} written, its segments hold "
                         f"{len(records)} (edited)")
+    if (why := manifest.unsealed()) is not None:
+        raise UserError(f"{where}: {MANIFEST} {why}")
     return manifest, records
 
 

@@ -374,7 +374,7 @@ class CaptureWriter:
     def _manifest(self, complete: bool) -> CaptureManifest:
         return CaptureManifest(started_unix_s=self._started_unix_s, policy=self.policy,
                                segments=tuple(self._segments), complete=complete, stopped=self._stopped,
-                               counts=self.counts, lost_from_offset_s=self._lost_from_s)
+                               counts=self.counts, lost_from_offset_s=self._lost_from_s).sealed()
 
     def _reserve(self) -> None:
         """Room on disk for the manifest's last rewrites, taken at the start: a disk that fills under the segments

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dfserve.capture.format import CapturePolicy, CaptureRecord
+from dfserve.capture.format import CaptureManifest, CapturePolicy, CaptureRecord
 from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.writer import CaptureWriter
@@ -302,9 +302,9 @@ def test_a_capture_that_lost_requests_between_its_own_is_replayed_only_by_force_
     holed.mkdir()
     for path in (captures / "native").iterdir():
         (holed / path.name).write_bytes(path.read_bytes())
-    manifest = json.loads((holed / "manifest.json").read_text())
-    manifest["counts"]["dropped_queue_full"] = 30
-    (holed / "manifest.json").write_text(json.dumps(manifest))
+    manifest = CaptureManifest.model_validate_json((holed / "manifest.json").read_text())
+    holes = manifest.counts.model_copy(update={"dropped_queue_full": 30})
+    (holed / "manifest.json").write_text(manifest.model_copy(update={"counts": holes}).sealed().model_dump_json())
     args = ("--tasks", f"capture:{holed}", "--rate", "50", "--num-requests", "6", "--warmup", "0", *FLAGS)
     refused = loadtest(tmp_path / "runs", "--arm", "a=http://127.0.0.1:9", *args)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -189,6 +190,28 @@ def test_a_hashed_capture_made_to_look_replayable_refuses_naming_the_record(
     with pytest.raises(UserError) as caught:
         load_capture_tasks(spec)
     assert str(caught.value) == f"capture {tmp_path / 'capture'}: segment-000001.jsonl:1: {contradiction} (edited)"
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda m: m["counts"].update(dropped_queue_full=0), "is not as its writer left it (its fields' sha256 is not "
+     "the one it holds): edited"),  # a lost request counted away: a holed capture would replay as whole
+    (lambda m: m.pop("manifest_sha256"), "holds no sha256 of its own fields (written by an older dfserve, or "
+     "edited)"),
+])
+def test_a_manifest_whose_own_fields_were_edited_is_refused(tmp_path: Path, edit: Any, why: str) -> None:
+    writer = CaptureWriter.open(CapturePolicy(dir=tmp_path / "capture"), clock=lambda: 100.0)
+    for at in (0.0, 1.0):
+        writer.observe(Captured("/generate", json.dumps(native(f"{at}")).encode(), [], 0.0, 100.0 + at))
+    writer.missed()
+    writer.close()
+    manifest_path = tmp_path / "capture" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["counts"]["dropped_queue_full"] == 1
+    edit(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as caught:
+        load_capture_tasks(f"capture:{tmp_path / 'capture'}")
+    assert str(caught.value) == f"capture {tmp_path / 'capture'}: manifest.json {why}"
 
 
 @pytest.mark.parametrize("name", ["../outside/x.jsonl", "{outside}/x.jsonl", "", ".."])
