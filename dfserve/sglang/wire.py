@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import from_json
 
 from dfserve.errors import ProtocolError
@@ -106,6 +107,20 @@ def times_field(value: Any, key: str) -> tuple[float, ...] | None:
     if not all(map(math.isfinite, times)):  # a record could not hold it (JSON has no NaN)
         raise ProtocolError(f"meta_info.{key}: expected finite numbers, got {value!r}"[:200])
     return times
+
+
+_LAX_BOOL = TypeAdapter(bool)
+
+
+def lax_bool(value: Any) -> bool | None:
+    """A flag as SGLang's OpenAI request models (pydantic, lax) read it: `"true"`, `1`, `"yes"` are true; None for
+    what they refuse."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return None
 
 
 _NUMBERS = {int, float}

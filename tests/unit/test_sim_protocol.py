@@ -121,6 +121,20 @@ def test_engine_side_parsing_refuses_bad_requests(parse: Any, body: bytes, messa
     assert refused.value.stage == stage
 
 
+@pytest.mark.parametrize(("flag", "read"), [(True, True), ("true", True), (1, True), ("yes", True), ("off", False),
+                                           (0.0, False)])
+def test_openai_flags_are_read_as_sglangs_pydantic_models_read_them(flag: object, read: bool) -> None:
+    """SGLang 0.5.23's ChatCompletionRequest takes `"stream": "true"` (lax pydantic), so a client's flag written so
+    asks as `true` does: in the simulator, and in what the gateway reads of a request."""
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": flag,
+                       "return_spec_tokens_details": flag}).encode()
+    request = engine.parse_chat_request(body)
+    assert (request.stream, request.return_spec_tokens_details) == (read, read)
+    assert proto.inspect_request(body).return_spec_tokens_details is read
+    with pytest.raises(engine.RequestError, match="valid bool"):
+        engine.parse_chat_request(body.replace(json.dumps(flag).encode(), b'"maybe"', 1))
+
+
 @pytest.mark.parametrize(
     ("body", "error", "pos"),
     [

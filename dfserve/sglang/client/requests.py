@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dfserve.errors import ProtocolError
-from dfserve.sglang.wire import decode_json
+from dfserve.sglang.wire import decode_json, lax_bool
 
 Api = Literal["native", "chat", "completions"]
 
@@ -145,7 +145,7 @@ def asks_several_outputs(body: Mapping[str, Any]) -> bool:
 
 def inspect_request(body: bytes) -> RequestInfo:
     """Read `stream`, the OpenAI `user` field and the flags that ask for spec fields from a request body (any of the
-    three APIs)."""
+    three APIs); the spec details flag as SGLang's OpenAI models read it (`"true"` asks too)."""
     data = decode_json(body, "request body")
     if not isinstance(data, dict):
         raise ProtocolError("request body: expected a JSON object")
@@ -155,7 +155,7 @@ def inspect_request(body: bytes) -> RequestInfo:
         stream=data.get("stream") is True,
         user=user if isinstance(user, str) and user else None,
         return_meta_info=data.get(RETURN_META_INFO) is True,
-        return_spec_tokens_details=data.get(RETURN_SPEC_DETAILS) is True,
+        return_spec_tokens_details=lax_bool(data.get(RETURN_SPEC_DETAILS)) is True,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from dfserve.errors import ProtocolError
 from dfserve.sglang.client.meta import FinishReason
 from dfserve.sglang.client.requests import Api
+from dfserve.sglang.wire import lax_bool
 
 Stage = Literal["body", "contract", "engine"]
 """Where SGLang refuses a request, which decides the answer's shape (`error_answer`):
@@ -170,6 +171,8 @@ def _openai_field(data: dict[str, Any], key: str, kind: type, default: Any) -> A
         return value
     if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
+    if kind is bool and (flag := lax_bool(value)) is not None:
+        return flag
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
     raise RequestError(f"[{{'type': '{kind.__name__}_type', 'loc': ('body', '{key}'), "
