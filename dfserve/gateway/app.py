@@ -96,6 +96,7 @@ class Gateway:
         self.router = build_router(config.routing)
         self._upstream: Upstream | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._mirrors: set[asyncio.Task[None]] = set()
         self._set_weights(config.routing)
         self._set_version(config.routing)
 
@@ -149,13 +150,18 @@ class Gateway:
                               scrape.interval_s, scrape.window_s, scrape.timeout_s)
             self.spawn(scraper.run())
 
-    def spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
+    def spawn(self, coroutine: Awaitable[None], *, mirror: bool = False) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for tasks in (self._tasks, self._mirrors) if mirror else (self._tasks,):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         return task
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 10.0) -> None:
+        """Let the mirrored requests under way finish, `drain_s` at most, then cancel what runs: a mirror cut short
+        is no record (the slowest answers would be the ones cut), and makes its shadow folder incomplete."""
+        if self._mirrors:
+            await asyncio.wait(list(self._mirrors), timeout=drain_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -276,7 +282,7 @@ class GatewayApp:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
                                                    body=body, request=inspected.body, start=start,
                                                    keep_pieces=recorded), path, with_spec,
-                                          headers, request.query))
+                                          headers, request.query), mirror=True)
         if mirrors and down:
             mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
         exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, request=inspected.body,

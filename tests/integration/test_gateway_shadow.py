@@ -251,3 +251,27 @@ def test_streamed_chat_is_recorded_with_the_clients_text_and_chunk_times(tmp_pat
     assert verdict["lossless"]["applicable"] and verdict["lossless"]["identical"] == STREAMS
     tpot = next(r for r in verdict["rules"] if r["metric"] == "tpot_p95")
     assert tpot["detail"].startswith("worse by "), tpot  # judged on the recorded streams, not "no paired data"
+
+
+def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_path: Path) -> None:
+    """Stopped right after its clients' answers, while the slower candidate's mirrors still run: they finish and are
+    recorded, rather than cut (the slowest answers would be those cut, and the rest judged)."""
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.3, 0) as candidate:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
+                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
+        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for i in range(12):
+                answer = client.post("/generate", json={"text": f"def task_{i}(x):",
+                                                        "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
+                assert answer.status_code == 200
+            in_flight = client.get("/metrics").text
+        # the gateway is stopped here, as it leaves the block
+    assert re.search(r'^dfserve_requests_in_flight\{arm="candidate"[^}]*\} [1-9]', in_flight, re.M)
+    (folder,) = (tmp_path / "shadow").iterdir()
+    records = list(read_records(folder / "requests.jsonl"))
+    assert sorted((r.arm, r.error_kind) for r in records) == [("baseline", None)] * 12 + [("candidate", None)] * 12
+    assert json.loads((folder / "summary.json").read_text())["interrupted"] is False
