@@ -207,7 +207,8 @@ def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tup
     said = [NO_HASH] if unhashed else []
     if alone:
         said.append(f"requests recorded without a pair are not judged ({' and '.join(alone)}): not mirrored to "
-                    f"{cand} while its arm was down, or written without their other records")
+                    f"{cand} while its arm was down, cut short (the primary's client left, or the gateway stopped), "
+                    "or written without their other records")
     return pairs, said
 
 

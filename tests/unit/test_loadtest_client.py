@@ -182,17 +182,20 @@ def test_a_request_encoded_before_the_run_goes_out_as_it_was_encoded(monkeypatch
     assert json.loads(received[0])["messages"] == task.body["messages"]
 
 
+def busy_loop(seconds: float, started: list[float]) -> Callable[[], None]:
+    """Work that holds the event loop `seconds` once the answer is written (its start put in `started`)."""
+    def hold() -> None:
+        started.append(time.perf_counter())
+        while time.perf_counter() < started[0] + seconds:
+            pass
+    return hold
+
+
 def test_a_request_ends_when_its_last_byte_arrived_not_when_a_busy_loop_got_to_it() -> None:
     """E2E is the server's and the network's: the loop busy when the answer's end comes (other streams' work) is
     not added to it."""
     written_by: list[float] = []
-
-    def busy_loop() -> None:
-        written_by.append(time.perf_counter())
-        while time.perf_counter() < written_by[0] + 0.1:
-            pass
-
-    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop)
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop(0.1, written_by))
     assert finished.error is None and finished.sent.sent_s is not None
     assert finished.sent.sent_s < finished.sent.end_s <= written_by[0], (finished.sent.end_s - written_by[0])
 
@@ -200,10 +203,5 @@ def test_a_request_ends_when_its_last_byte_arrived_not_when_a_busy_loop_got_to_i
 def test_an_answer_whole_before_its_timeout_is_no_timeout_however_late_the_loop_reads_it() -> None:
     """The loop busy past the request's timeout when its end arrived: the read comes first, then the timeout's
     cancellation, which called a whole answer a timeout."""
-    def busy_loop() -> None:
-        end = time.perf_counter() + 0.3
-        while time.perf_counter() < end:
-            pass
-
-    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop, timeout_s=0.15)
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], then=busy_loop(0.3, []), timeout_s=0.15)
     assert finished.error is None and derive(0.0, finished).ok

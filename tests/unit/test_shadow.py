@@ -823,7 +823,9 @@ def test_mirrors_cut_by_the_gateways_stop_leave_their_folder_judged_only_forced(
     folder = _record(tmp_path / "cut", traffic + cut)
     with pytest.raises(Untrusted, match="or cut short by the gateway's stop"):
         compare_shadow(folder, None, None, False, tmp_path / "v")
-    assert compare_shadow(folder, None, None, True, tmp_path / "v").verdict.forced
+    forced = compare_shadow(folder, None, None, True, tmp_path / "v")
+    assert forced.verdict.forced and any("(3 of zlab)" in note and "the gateway stopped" in note
+                                         for note in forced.notes)
 
 
 def test_shadow_config_needs_shadow_mode_and_a_mirrored_secondary() -> None:

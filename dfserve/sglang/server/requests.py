@@ -250,6 +250,9 @@ def parse_generate_request(body: bytes) -> EngineRequest:
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
         raise RequestError(f"invalid type: {_unexpected(ids)}, expected a value or an array of values for "
                            "TokenIdsOrList", "contract")
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):  # native flags are strict, unlike the OpenAI models'
+        raise RequestError(f"invalid type: {_unexpected(stream)}, expected a boolean", "contract")
     params = data.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise RequestError(f"invalid type: {_unexpected(params)}, expected struct SamplingParams", "contract")
@@ -258,7 +261,7 @@ def parse_generate_request(body: bytes) -> EngineRequest:
     max_new = params.get("max_new_tokens")
     return EngineRequest(
         api="native", prompt=text, messages=None, input_ids=tuple(ids) if ids is not None else None,
-        stream=data.get("stream") is True, rid=str(rid) if rid is not None else None, model=None,
+        stream=stream is True, rid=str(rid) if rid is not None else None, model=None,
         **_sampling(params, NATIVE_MAX_NEW_TOKENS if max_new is None else max_new),
     )
 
