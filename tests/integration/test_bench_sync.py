@@ -67,11 +67,20 @@ def test_chunks_a_server_sends_together_are_dated_alike_counted_and_not_blamed_o
                                            "--warmup", "2", "--concurrency", "4", "--max-new-tokens", "8", "--out",
                                            str(tmp_path), "--name", "run", "--quiet"), timeout=60, capture_output=True,
                               text=True)
+        server_worst_late_s = max(late for *_, late in logged(server.url).values())
     assert done.returncode == 0, done.stderr
     records = list(read_records(tmp_path / "run" / "requests.jsonl"))
-    assert all(r.chunk_times_s[0] == r.chunk_times_s[1] < r.chunk_times_s[2] for r in records)
+    assert all(r.chunk_times_s[0] == r.chunk_times_s[1] for r in records)
     (arm,) = json.loads((tmp_path / "run" / "summary.json").read_text())["arms"]
-    assert arm["read_with_next"] == {"first_chunks": 8, "of_first_chunks": 8, "chunks": 8, "of_chunks": 56}
-    assert "first 8 of 8 (100.00%); all 8 of 56 (14.29%)" in (tmp_path / "run" / "report.html").read_text()
+    together = arm["read_with_next"]
+    assert {k: together[k] for k in ("first_chunks", "of_first_chunks", "of_chunks")} == {
+        "first_chunks": 8, "of_first_chunks": 8, "of_chunks": 56}
+    # Chunks 20 ms apart are read apart unless the server sent one late or the tester left one unread that long
+    # (a loaded machine does both); only then may more than the 8 sent together be counted.
+    kept_up = server_worst_late_s < 0.01 and arm["tester_read_lag"]["max_lag_s"] < 0.01
+    assert together["chunks"] == 8 if kept_up else 8 <= together["chunks"] <= 56, (together, server_worst_late_s)
+    share = f"{together['chunks'] / 56:.2%}"
+    assert f"first 8 of 8 (100.00%); all {together['chunks']} of 56 ({share})" in (
+        tmp_path / "run" / "report.html").read_text()
     if arm["tester_read_lag"]["max_lag_s"] < 0.01:  # the tester kept up with chunks 20 ms apart: the server's doing
         assert "warning" not in done.stderr, done.stderr
