@@ -419,7 +419,10 @@ class ClientConnection(asyncio.Protocol):
         if parser.should_upgrade() and (coded or length.strip(b"0")):
             # httptools stops at the head of an upgrade: its body would be read as the next request
             raise _Refused(400, "an Upgrade request with a body is not supported")
-        http11 = parser.get_http_version() == "1.1"
+        version = parser.get_http_version()
+        if version not in ("1.0", "1.1"):  # httptools reads any major.minor; answered as 1.0 it would be misread
+            raise _Refused(505, f"HTTP/{version} is not supported (HTTP/1.1 and 1.0 are)")
+        http11 = version == "1.1"
         if hosts > 1:
             raise _Refused(400, "more than one Host header")
         if http11 and not hosts:

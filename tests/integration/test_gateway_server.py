@@ -668,14 +668,20 @@ def test_an_absolute_form_target_without_a_path_is_the_root() -> None:
 
 
 def test_parser_edges_are_answered_as_rfc_9112_says() -> None:
-    """Two Host headers: 400. HTTP/1.0 with Transfer-Encoding: answered, then closed (§6.1), so nothing pipelined
-    behind it is read. Trailer fields of a chunked body are not headers."""
-    async def scenario() -> tuple[bytes, bytes, tuple[int, dict[bytes, bytes], bytes]]:
+    """Two Host headers: 400. A version other than 1.0 and 1.1: 505. HTTP/1.0 with Transfer-Encoding: answered,
+    then closed (§6.1), so nothing pipelined behind it is read. Trailer fields of a chunked body are not headers."""
+    async def scenario() -> tuple[bytes, list[bytes], bytes, tuple[int, dict[bytes, bytes], bytes]]:
         async with server(echo) as port:
             reader, writer = await asyncio.open_connection(LOOPBACK, port)
             writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
             two_hosts = await reader.read(-1)
             writer.close()
+            versions = []
+            for version in (b"2.0", b"0.9"):  # llhttp itself refuses every version but these and 1.x
+                reader, writer = await asyncio.open_connection(LOOPBACK, port)
+                writer.write(b"GET /x HTTP/" + version + b"\r\nHost: a\r\n\r\n")
+                versions.append(await asyncio.wait_for(reader.read(-1), 5))
+                writer.close()
             reader, writer = await asyncio.open_connection(LOOPBACK, port)
             writer.write(b"POST /x HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
                          b"5\r\nhello\r\n0\r\n\r\n" + post("/smuggled", b""))
@@ -686,10 +692,13 @@ def test_parser_edges_are_answered_as_rfc_9112_says() -> None:
                          b"5\r\nhello\r\n0\r\nX-Trailer: evil\r\nHost: elsewhere\r\n\r\n")
             trailers = await read_response(reader)
             writer.close()
-        return two_hosts, http10_chunked, trailers
+        return two_hosts, versions, http10_chunked, trailers
 
-    two_hosts, http10_chunked, (status, _, body) = asyncio.run(scenario())
+    two_hosts, versions, http10_chunked, (status, _, body) = asyncio.run(scenario())
     assert two_hosts.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"more than one Host header" in two_hosts
+    for version, answer in zip(("2.0", "0.9"), versions, strict=True):
+        assert answer.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"), answer
+        assert f"HTTP/{version} is not supported".encode() in answer
     head, _, rest = http10_chunked.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in head
     assert json.loads(rest)["body"] == "hello" and b"smuggled" not in rest
