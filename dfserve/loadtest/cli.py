@@ -43,6 +43,7 @@ from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs, unfounded
+from dfserve.metrics import ARM_NAME, ARM_NAME_RULE
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
 from dfserve.sglang import Api
 from dfserve.shadow.cli import compare_shadow_folder
@@ -70,6 +71,8 @@ def _arm(value: str) -> tuple[str, str]:
     name, sep, url = value.partition("=")
     if not sep or not name or not is_base_url(url):
         raise UserError(f"--arm: {value!r} is not NAME=http://HOST:PORT")
+    if not ARM_NAME.fullmatch(name):  # a Prometheus label, a --pin-arms header and a gate's arm, as the gateway's
+        raise UserError(f"--arm: {name!r} is not an arm name ({ARM_NAME_RULE}, as the gateway takes them)")
     parts = urlsplit(url)
     if parts.path.strip("/") or parts.query or parts.fragment:
         raise UserError(f"--arm {name}: {url} is not a server's root; give {parts.scheme}://{parts.netloc} (dfserve "
@@ -125,7 +128,8 @@ def loadtest() -> None:
 
 @loadtest.command("run")
 @click.option("--arm", "arms", multiple=True, required=True, metavar="NAME=URL",
-              help="An SGLang server, router or dfserve gateway; repeat for an A/B test (first = baseline).")
+              help="An SGLang server, router or dfserve gateway; repeat for an A/B test (first = baseline). NAME: ASCII "
+                   "letters, digits, - and _.")
 @click.option("--api", type=click.Choice(list(ROUTE_FOR)), default=None,
               help="native /generate, streamed OpenAI chat or completions; each gives exact acceptance from SGLang "
                    "0.5.23 on (OpenAI through return_spec_tokens_details; estimated from older servers). Default: "
