@@ -36,7 +36,7 @@ class ModelFacts(_Strict):
 class SGLangSettings(_Strict):
     """Server arguments a profile fixes; each maps to one SGLang flag (see ``deploy.engines.sglang``)."""
 
-    tp_size: int = Field(ge=1)
+    tp_size: int = Field(ge=1, le=8, description="GPUs of one host: SGLang and the Kubernetes pod take them on one node.")
     mem_fraction_static: float = Field(gt=0, lt=1)
     context_length: int = Field(ge=1)
     max_running_requests: int = Field(ge=1)

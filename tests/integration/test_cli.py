@@ -40,6 +40,8 @@ def test_unknown_command_is_a_usage_error() -> None:
 
 
 BAD_INVOCATIONS = {
+    "deploy more GPUs than a host has": (["deploy", "--drafter", "zlab", "--tp-size", "100000", "--dry-run"],
+                                         "--tp-size: Input should be less than or equal to 8"),
     "deploy port out of range": (["deploy", "--drafter", "zlab", "--port", "65536", "--dry-run"], "--port:"),
     "sim time scale": (["deploy", "--drafter", "zlab", "--engine", "sim", "--time-scale", "0", "--dry-run"],
                        "--time-scale:"),
