@@ -21,6 +21,7 @@ from .promql import (
     counter,
     histogram_mean,
     increase_sum,
+    or_zero,
     quantile,
     quantile_total,
     rate_sum,
@@ -55,7 +56,8 @@ def _traffic(names: NameStyle) -> Row:
               (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps", width=6),
         Panel("Error ratio", "Share of finished requests without a complete 2xx answer: HTTP errors, client "
               "give-ups (499) and answers that broke off.",
-              (Target(ratio(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
+              (Target(ratio(or_zero(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
+                                    rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)),
                             rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)), "{{arm}}"),),
               unit="percentunit", no_value="0", width=6),
         Panel("Output tokens per second", "Completion tokens streamed back to clients, per arm.",
@@ -157,6 +159,28 @@ def _replicas() -> Row:
     ))
 
 
+def _gateway() -> Row:
+    job = ('job=~"$job"',)
+    return Row("Gateway", (
+        Panel("Answered by the gateway", "Requests the gateway answered itself before an arm took them, per second "
+              "by status: 4xx (unreadable, too large, too slow, not allowed) or 500 (failed inside the gateway).",
+              (Target(rate_sum(counter(m.REQUESTS_ANSWERED_BY_GATEWAY), W, ["status"], job), "{{status}}"),),
+              unit="reqps", no_value="0", width=6),
+        Panel("Connections refused", "Client connections the gateway closed on its own, per second: over "
+              "max_connections (503), or a request head or body not sent in time (408).",
+              (Target(rate_sum(counter(m.CLIENT_CONNECTIONS_REFUSED), W, ["reason"], job), "{{reason}}"),),
+              unit="reqps", no_value="0", width=6),
+        Panel("Observers' missed exchanges", "Finished exchanges an observer (metrics, capture, shadow records) "
+              "missed in the window: it raised, or fell behind and its queue was full. Clients never wait for them.",
+              (Target(increase_sum(counter(m.OBSERVER_FAILURES), W, ["observer", "reason"], job),
+                      "{{observer}} {{reason}}"),), no_value="0", width=6),
+        Panel("Shadow live decision", "With shadow.until_decided: 1 on the decision's state (deciding; pass or "
+              "fail: mirroring has stopped; abandoned), and the mirrored pairs judged in the current record folder.",
+              (Target(f"max by (state) ({selector(m.SHADOW_DECISION, job)})", "{{state}}"),
+               Target(f"max({selector(m.SHADOW_DECISION_PAIRS, job)})", "pairs judged")), width=6),
+    ))
+
+
 def _totals() -> Row:
     return Row("Whole run (pushed load tests; since start for live sources)", (
         Panel("Requests", "Finished requests per arm: all of them, and those without a complete 2xx answer by "
@@ -189,7 +213,8 @@ def build(baseline: str = "baseline", candidate: str = "candidate", names: NameS
     return Dashboard(
         uid="dfserve-ab",
         title="dfserve A/B",
-        description="Drafter arms side by side: traffic, latency, acceptance, candidate/baseline ratios, replicas.",
+        description="Drafter arms side by side: traffic, latency, acceptance, candidate/baseline ratios, replicas, "
+                    "the gateway's own answers and observers.",
         variables=(
             Variable("datasource", "Data source"),
             Variable("job", "Source", requests, "job"),
@@ -198,5 +223,5 @@ def build(baseline: str = "baseline", candidate: str = "candidate", names: NameS
             Variable("candidate", "Candidate", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=candidate),
             Variable("deployment", "Engine deployment", sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), D),
         ),
-        rows=(_traffic(names), _latency(), _acceptance(), _comparison(), _replicas(), _totals()),
+        rows=(_traffic(names), _latency(), _acceptance(), _comparison(), _replicas(), _gateway(), _totals()),
     )

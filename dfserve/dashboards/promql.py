@@ -49,6 +49,12 @@ def ratio(numerator: str, denominator: str) -> str:
     return f"{_operand(numerator)}\n/\n{_operand(denominator)}"
 
 
+def or_zero(expr: str, like: str) -> str:
+    """`expr`, with 0 for each series of `like` (same labels) that `expr` lacks: a counter of events that have not
+    happened has no series, so a share of them would show no line rather than 0."""
+    return f"(\n{expr}\nor\n0 * {_operand(like)}\n)"
+
+
 def _operand(expr: str) -> str:
     return f"(\n{expr}\n)" if "\n" in expr else expr
 

@@ -199,7 +199,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         shadow = stack.enter_context(gateway_server(_gateway_config(tmp / "shadow.yaml", {
             "mode": "shadow", "primary": "baseline",
             "arms": {"baseline": {"weight": 1, "replicas": [zlab_chat]},
-                     "candidate": {"weight": 1, "replicas": [inhouse_chat]}}})))
+                     "candidate": {"weight": 1, "replicas": [inhouse_chat]}},
+            "shadow": {"dir": str(tmp / "shadow-records"), "until_decided": True}})))
         pushgateway = stack.enter_context(pushgateway_server())
         config = tmp / "prometheus.yml"
         live_targets = tmp / "loadtest-targets.json"
@@ -217,6 +218,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         _loadtest(tmp, "chat", shadow, "--pushgateway", pushgateway)
         _push_watch(pushgateway)
         _streamed_chat_without_spec_details(split, prometheus)
+        assert httpx.get(f"{split}/no-such-route", timeout=10).status_code == 404  # answered by the gateway itself
         _wait_for(prometheus, f'sum({m.REQUESTS}_total{{job="{PUSHED_JOB}"}})')
         _wait_for(prometheus, f'min({m.ARM_WINDOWED_ACCEPT_LENGTH}{{job="gateway"}})')
         _wait_for(prometheus, f"min({rules.ACCEPT_LENGTH_5M})")
@@ -299,6 +301,16 @@ def test_ab_whole_run_panels_have_data_from_the_pushgateway(stack: Stack) -> Non
     checked = _check_dashboard(stack, totals, _ab_values(PUSHED_JOB, "1m"), None, _exported(stack, PUSHED_JOB),
                                per_target=False, need_finite=True)
     assert len(checked) == len(totals.rows[0].panels)
+
+
+def test_an_arm_without_errors_has_an_error_ratio_of_zero_not_none(stack: Stack) -> None:
+    """The splitting gateway's baseline engine never fails, its candidate fails 10% of requests: both arms have a
+    line on the error-ratio panel, the baseline's at 0 (a share of errors that have not happened had no series)."""
+    (error_ratio,) = [q.expr for q in ab.build().queries() if q.panel == "Error ratio"]
+    samples = query(stack.prometheus, expand(error_ratio, _ab_values("gateway", _window(stack.live_start,
+                                                                                          time.time()))))
+    by_arm = {s["metric"]["arm"]: float(s["value"][1]) for s in samples}
+    assert set(by_arm) == set(ARMS) and by_arm["baseline"] == 0 and 0 < by_arm["candidate"] < 0.5, by_arm
 
 
 def test_pooled_acceptance_leaves_out_estimated_chat(stack: Stack) -> None:
