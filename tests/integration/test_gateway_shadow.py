@@ -6,11 +6,15 @@ verdict judges TPOT and losslessness on it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.server
 import json
 import re
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,15 @@ import yaml
 from dfserve.capture.read import read_capture
 from dfserve.loadtest.records import read_records
 from dfserve.shadow.verdict import NO_HASH
-from tests.integration.servers import dfserve_argv, gateway_server, refusing_port, sim_server, url_of
+from tests import ROOT
+from tests.integration.servers import (
+    LOOPBACK,
+    dfserve_argv,
+    gateway_server,
+    refusing_port,
+    sim_server,
+    url_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -251,6 +263,70 @@ def test_streamed_chat_is_recorded_with_the_clients_text_and_chunk_times(tmp_pat
     assert verdict["lossless"]["applicable"] and verdict["lossless"]["identical"] == STREAMS
     tpot = next(r for r in verdict["rules"] if r["metric"] == "tpot_p95")
     assert tpot["detail"].startswith("worse by "), tpot  # judged on the recorded streams, not "no paired data"
+
+
+TOOL_STREAM = (ROOT / "tests" / "fixtures" / "sglang" / "chat_stream_tool_calls.sse").read_bytes().split(b"\n\n", 1)[1]
+"""SGLang 0.5.23's stream of a turn that is one tool call (written by its own models: make_fixtures.py)."""
+
+
+@contextlib.contextmanager
+def _tool_calling_engine(path_argument: str) -> Iterator[str]:
+    """An engine that answers every chat request with SGLang's tool-call stream, calling `run_tests` on
+    `path_argument`: two of them differ only inside a tool call's arguments."""
+    body = TOOL_STREAM.replace(b'tests/\\"}', path_argument.encode() + b'\\"}')
+    assert body != TOOL_STREAM or path_argument == "tests/"
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer((LOOPBACK, 0), Engine) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://{LOOPBACK}:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+
+
+def test_a_tool_call_is_the_output_and_arguments_that_differ_are_not_lossless(tmp_path: Path) -> None:
+    """A coding agent's turn that is only a tool call has an output (its name and arguments, as the client read
+    them) and chunks; a candidate whose arguments differ at temperature 0 is not lossless."""
+    with _tool_calling_engine("tests/") as primary, _tool_calling_engine("src/") as candidate:
+        with gateway_server(_two_arms(tmp_path, primary, candidate), "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for i in range(4):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"fix test {i}"}], "temperature": 0,
+                        "stream": True, "tools": [{"type": "function", "function": {"name": "run_tests"}}]}
+                with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200 and b'"arguments":"tests/' in response.read()
+            _wait_for_mirrors(client, 4)
+    folder = next((tmp_path / "shadow").iterdir())
+    records = {(r.arm, r.index): r for r in read_records(folder / "requests.jsonl")}
+    assert len(records) == 8
+    for (arm, _), record in records.items():
+        called = "tests/" if arm == "baseline" else "src/"
+        text = 'run_tests{"path": "' + called + '"}'
+        assert record.ok and record.finish_reason == "tool_calls", record
+        assert record.output_sha256 == hashlib.sha256(text.encode()).hexdigest()
+        assert len(record.chunk_times_s) == 3 and record.first_token_s == record.chunk_times_s[0]
+    judged = _compare(folder, tmp_path / "verdicts", "--force")
+    verdict = json.loads(next((tmp_path / "verdicts").glob("*/verdict.json")).read_text())["judgement"]
+    assert verdict["lossless"]["applicable"] and verdict["lossless"]["identical"] == 0, judged.stdout
 
 
 def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_path: Path) -> None:

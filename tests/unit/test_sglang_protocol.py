@@ -158,6 +158,23 @@ def test_streamed_chat_with_crlf_keepalives_and_usage(read_size: int | None) -> 
     assert proto.estimated_accept_length(17, sum(1 for c in typed if c.text)) == 8.5
 
 
+def test_tool_calls_are_generated_text_streamed_or_whole_without_their_ids() -> None:
+    """A coding agent's turn is often only a tool call: its name and arguments are the output (two drafters that
+    differ there are not lossless), and each of its chunks is one (TTFT, ITL, the estimate); SGLang's call id is
+    made up per request, so it is no part of the output."""
+    events, _ = sse_events("chat_stream_tool_calls.sse")
+    chunks = [c for c in map(proto.parse_openai_event, events[:-1]) if isinstance(c, proto.OpenAIChunk)]
+    assert [c.text for c in chunks] == ["", "run_tests", '{"path": "', 'tests/"}', "", ""]
+    assert chunks[-2].finish_reason == proto.FinishReason(kind="tool_calls")
+    raw = (SGLANG_FIXTURES / "chat_stream_tool_calls.sse").read_bytes()
+    assert proto.CONTENT_CHUNKS.read(raw) == 3
+    whole = proto.parse_openai_response(fixture_body("chat_completion_tool_calls.json"))
+    assert whole.text == "".join(c.text for c in chunks) == 'run_tests{"path": "tests/"}'
+    other_id = json.loads(json.dumps(fixture_body("chat_completion_tool_calls.json")))
+    other_id["choices"][0]["message"]["tool_calls"][0]["id"] = "call_0000"
+    assert proto.parse_openai_response(other_id).text == whole.text
+
+
 def test_completion_errors_and_server_info() -> None:
     completion = proto.parse_openai_response(fixture_body("completion.json"))
     assert completion.text == " return a + b" and completion.meta is None

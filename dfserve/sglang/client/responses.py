@@ -149,11 +149,27 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
-    """A reasoning model's thinking (SGLang's --reasoning-parser), then its answer: both are generated text."""
     message = choice.get("message")
-    parts = (message.get("reasoning_content"), message.get("content")) if isinstance(message, dict) else (
-        choice.get("text"),)
-    return "".join(part for part in parts if isinstance(part, str))
+    return generated_text(message) if isinstance(message, dict) else _string(choice.get("text"))
+
+
+def generated_text(message: dict[str, Any]) -> str:
+    """What a chat message or delta holds of generated text: a reasoning model's thinking (SGLang's
+    --reasoning-parser), its answer, then each tool call's function name and arguments (--tool-call-parser): a
+    coding agent's turn is often only tool calls, and a drafter that changes their arguments changes the output.
+    A call's `id` is left out: SGLang makes it up per request (`call_` and a random suffix)."""
+    text = _string(message.get("reasoning_content")) + _string(message.get("content"))
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                text += _string(function.get("name")) + _string(function.get("arguments"))
+    return text
+
+
+def _string(value: object) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def choice_index(choice: dict[str, Any], where: str) -> int:

@@ -21,7 +21,13 @@ from dfserve.sglang.client.meta import (
     parse_meta_info,
     stream_error,
 )
-from dfserve.sglang.client.responses import Usage, choice_index, parse_sglext_spec, parse_usage
+from dfserve.sglang.client.responses import (
+    Usage,
+    choice_index,
+    generated_text,
+    parse_sglext_spec,
+    parse_usage,
+)
 from dfserve.sglang.wire import DONE, MAX_GENERATED, event_json, int_field
 
 _BOM = b"\xef\xbb\xbf"
@@ -130,7 +136,10 @@ NATIVE_OUTPUTS = TokenMarks((b'"text":',), cumulative=False)
 totals are each output's own, interleaved, which a relay reading one total cannot add up."""
 
 
-CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":'), cumulative=False)
+CONTENT_CHUNKS = TokenMarks((b'"content":', b'"reasoning_content":', b'"text":', b'"name":', b'"arguments":'),
+                            cumulative=False)
+"""The keys of an OpenAI event's generated text (`generated_text`): a tool call's function name and arguments are
+generated too (an event's `"name"` is only ever a function's)."""
 
 
 _SPEC_VERIFY_CT = TokenMarks((b'"spec_verify_ct":',), cumulative=True)
@@ -324,8 +333,9 @@ def native_stream_end(events: bytes) -> NativeStreamEnd:
 
 @dataclass(frozen=True)
 class OpenAIChunk:
-    """One streamed chat/completions event: its choice's delta text (its reasoning, then its content), finish reason
-    and index (SGLang sends one choice an event, n > 1 included), and usage or spec details (`sglext`) if present."""
+    """One streamed chat/completions event: its choice's generated text (`generated_text`, or a completion's),
+    finish reason and index (SGLang sends one choice an event, n > 1 included), and usage or spec details (`sglext`)
+    if present."""
 
     text: str
     finish_reason: FinishReason | None
@@ -346,11 +356,8 @@ def parse_openai_event(data: str) -> OpenAIChunk | StreamError:
     if choices and isinstance(choices[0], dict):
         choice = choices[0]
         index = choice_index(choice, "OpenAI stream")
-        delta = choice.get("delta")
-        # a reasoning model's thinking (SGLang's --reasoning-parser) is generated text as much as its answer
-        parts = (delta.get("reasoning_content"), delta.get("content")) if isinstance(delta, dict) else (
-            choice.get("text"),)
-        text = "".join(part for part in parts if isinstance(part, str))
+        delta, completion = choice.get("delta"), choice.get("text")
+        text = generated_text(delta) if isinstance(delta, dict) else completion if isinstance(completion, str) else ""
         finish = parse_finish_reason(choice.get("finish_reason"))
     return OpenAIChunk(text=text, finish_reason=finish, usage=parse_usage(obj.get("usage")),
                        spec=parse_sglext_spec(obj.get("sglext")), index=index)
