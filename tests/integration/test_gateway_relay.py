@@ -419,7 +419,7 @@ def test_a_native_stream_of_several_outputs_is_timed_and_its_counts_left_unknown
 def test_a_gateway_that_reads_an_answer_late_times_it_by_its_arrival(tmp_path: Path) -> None:
     """TTFT and E2E are the replica's and the network's: a gateway whose loop gets to an answer late (here: stopped
     while the whole answer arrives) dates its reads by the kernel, and ends the request when its last byte came."""
-    stop_s = 0.6
+    stop_s = 2.0  # against 1 s of the buckets read below: room for a loaded machine's wake-ups on the way
     with Stub() as stub, serve(gateway_argv(write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}}))
                                ) as gateway:
         with ThreadPoolExecutor(1) as pool:
@@ -435,8 +435,8 @@ def test_a_gateway_that_reads_an_answer_late_times_it_by_its_arrival(tmp_path: P
             assert answer.result().status_code == 200 and answer.result().content.endswith(b"data: [DONE]\n\n")
         text = httpx.get(gateway.url + "/metrics").text
     assert metric(text, "dfserve_e2e_request_latency_seconds_count", arm="a") == 1
-    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="0.25") == 1
-    assert metric(text, "dfserve_time_to_first_token_seconds_bucket", arm="a", le="0.3") == 1
+    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="1.0") == 1
+    assert metric(text, "dfserve_time_to_first_token_seconds_bucket", arm="a", le="1.0") == 1
 
 
 def test_a_client_that_leaves_at_done_ends_the_exchange_at_the_arrival_of_the_last_piece(tmp_path: Path) -> None:
@@ -452,7 +452,7 @@ def test_a_client_that_leaves_at_done_ends_the_exchange_at_the_arrival_of_the_la
                     break
             os.kill(gateway.process.pid, signal.SIGSTOP)
         try:
-            time.sleep(0.6)  # the client has left; the gateway hears of it when it runs again
+            time.sleep(2.0)  # the client has left; the gateway hears of it when it runs again
         finally:
             os.kill(gateway.process.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
@@ -461,7 +461,7 @@ def test_a_client_that_leaves_at_done_ends_the_exchange_at_the_arrival_of_the_la
             time.sleep(0.02)
         stub.release.set()  # the replica's end comes only after the exchange ended without it
     assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
-    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="0.25") == 1
+    assert metric(text, "dfserve_e2e_request_latency_seconds_bucket", arm="a", le="1.0") == 1
 
 
 def test_native_stream_reads_exact_acceptance_and_per_token_gaps(one_arm: tuple[Stub, str]) -> None:
@@ -659,7 +659,8 @@ def test_a_client_that_leaves_before_the_answer_starts_is_counted_against_the_re
         one_arm: tuple[Stub, str]) -> None:
     stub, gw = one_arm
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"}, timeout=0.3)
+        # leaves after 1.5 s, the replica's answer starting after 3: the request went upstream long before
+        httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "stall"}, timeout=1.5)
     text = metrics_once_left(gw)
     assert metric(text, "dfserve_requests_total", arm="a", status="499", replica=stub.url) == 1
 
@@ -685,7 +686,11 @@ def test_a_stalled_client_is_abandoned_without_blaming_the_replica(tmp_path: Pat
                                                      limits={"read_timeout_s": 0.5})) as gw:
         with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "flood"},
                           timeout=30) as response:
-            time.sleep(1.5)  # reads nothing for longer than the read timeout
+            deadline = time.monotonic() + 30  # reads nothing until the gateway has given it up
+            while metric(httpx.get(gw + "/metrics").text, "dfserve_requests_total", arm="a", status="499",
+                         error="client_stalled") == 0:
+                assert time.monotonic() < deadline, "the stalled client was never given up"
+                time.sleep(0.1)
             body = b"".join(response.iter_raw())
         text = httpx.get(gw + "/metrics").text
     events = body.split(b"\n\n")

@@ -554,20 +554,20 @@ def test_each_wait_of_a_kept_alive_connection_has_its_own_deadline() -> None:
     """Idle time between requests is not held against the next head, and a head pipelined behind a long answer has
     its deadline from that answer's end."""
     async def slow_echo(request: Request, reply: Reply) -> None:
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.2)
         await echo(request, reply)
 
     async def scenario() -> list[int]:
         statuses = []
-        async with server(slow_echo, head_timeout_s=0.3, idle_timeout_s=30) as port:
+        async with server(slow_echo, head_timeout_s=0.5, idle_timeout_s=30) as port:
             reader, writer = await asyncio.open_connection(LOOPBACK, port)
             second = post("/second", b"2")
-            writer.write(post("/first", b"1") + second[:10])  # a head begun behind an answer 0.6 s long
+            writer.write(post("/first", b"1") + second[:10])  # a head begun behind an answer 1.2 s long
             statuses.append((await read_response(reader))[0])
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # well within the head's deadline, however late this loop wakes
             writer.write(second[10:])
             statuses.append((await read_response(reader))[0])
-            await asyncio.sleep(0.6)  # idle: longer than a head may take, shorter than the idle timeout
+            await asyncio.sleep(0.8)  # idle: longer than a head may take, shorter than the idle timeout
             writer.write(post("/third", b"3"))
             statuses.append((await read_response(reader))[0])
             writer.close()

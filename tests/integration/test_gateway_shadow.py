@@ -330,9 +330,10 @@ def test_a_tool_call_is_the_output_and_arguments_that_differ_are_not_lossless(tm
 
 
 def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_path: Path) -> None:
-    """Stopped right after its clients' answers, while the slower candidate's mirrors still run: they finish and are
-    recorded, rather than cut (the slowest answers would be those cut, and the rest judged)."""
-    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 0.3, 0) as candidate:
+    """Stopped right after its clients' answers, while the slower candidate's mirrors still run (each for most of a
+    second, so some are in flight however slow the machine): they finish and are recorded, rather than cut (the
+    slowest answers would be those cut, and the rest judged)."""
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 1.5, 0) as candidate:
         config = tmp_path / "gateway.yaml"
         config.write_text(yaml.safe_dump({
             "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},

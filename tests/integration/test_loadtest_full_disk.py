@@ -16,7 +16,9 @@ from dfserve.loadtest.records import read_records
 from tests.integration.servers import dfserve_argv, sim_server
 
 pytestmark = pytest.mark.slow
-REQUESTS = 40
+REQUESTS = 400
+"""At 20 a second: a writer's batch holds a record or two however late a loaded machine wakes it, so its third
+batch comes long before the schedule's end."""
 FILLS_AFTER_BATCHES = 2
 
 FULL_DISK = f'''
@@ -46,7 +48,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_it_as_interrupted(tmp_pa
     with sim_server("zlab", 0.002, 0) as zlab:
         done = subprocess.run(dfserve_argv("loadtest", "run", "--out", str(tmp_path), "--name", "full", "--arm",
                                            f"zlab={zlab}", "--num-requests", str(REQUESTS), "--warmup", "0",
-                                           "--concurrency", "2", "--max-new-tokens", "64", "--quiet"),
+                                           "--rate", "20", "--arrival", "constant", "--max-new-tokens", "64", "--quiet"),
                               capture_output=True, text=True, timeout=120, env=env)
     run_dir = tmp_path / "full"
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr

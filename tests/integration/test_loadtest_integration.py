@@ -312,7 +312,9 @@ def test_failures_are_classified(tmp_path: Path) -> None:
                  "4", "--max-new-tokens", "64", "--request-timeout", "1", "--name", "s", "--quiet",
                  "--max-error-rate", "1")
         with refusing_port() as gone:
+            started = time.monotonic()
             refused = loadtest(tmp_path, "--arm", f"gone={url_of(gone)}", "--concurrency", "1", "--quiet", check=False)
+            refused_s = time.monotonic() - started  # a start and a failure at once: what a loaded machine adds
             gone.listen()  # accepts, never answers: the probe waits as long as a request may, not a fixed 10 s
             started = time.monotonic()
             mute = loadtest(tmp_path, "--arm", f"mute={url_of(gone)}", "--concurrency", "1", "--quiet",
@@ -334,7 +336,8 @@ def test_failures_are_classified(tmp_path: Path) -> None:
     assert {r.error_kind for r in records(tmp_path / "s")} == {"timeout"}
     assert refused.returncode == 2 and "does not answer" in refused.stderr
     assert "Traceback" not in refused.stderr
-    assert mute.returncode == 2 and "mute=" in mute.stderr and "does not answer" in mute.stderr and mute_s < 8
+    assert mute.returncode == 2 and "mute=" in mute.stderr and "does not answer" in mute.stderr
+    assert mute_s - refused_s < 6, (mute_s, refused_s)
     assert waiting.returncode == 2 and interrupted == ("dfserve: error: stopped while asking the arms' servers for "
                                                        "their documents; nothing was sent\n")
 

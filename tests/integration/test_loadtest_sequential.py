@@ -37,7 +37,8 @@ def test_an_undertrained_drafter_is_failed_early_and_the_run_stops_sending(tmp_p
     assert "until decided: FAIL at look 1, after 16 paired requests (decided)" in result.stdout
     records = measured(tmp_path / "ab")
     per_arm = {arm: sum(r.arm == arm for r in records) for arm in ("zlab", "inhouse")}
-    assert all(16 <= n < 60 for n in per_arm.values()), per_arm  # 160 allowed; the in-flight ones finish
+    # 160 allowed; the in-flight ones finish, and a loaded machine takes longer to decide while 40 a second go out
+    assert all(16 <= n < 120 for n in per_arm.values()), per_arm
     assert all(r.ok for r in records)
     config = json.loads((tmp_path / "ab" / "config.json").read_text())
     assert config["sequential"]["look_every"] == 16 and config["num_requests"] == 160

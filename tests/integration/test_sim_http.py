@@ -297,11 +297,13 @@ def test_no_speculation_means_one_token_per_round_and_no_spec_fields() -> None:
 
 
 def test_48_slots_under_100_concurrent_requests(zlab: str) -> None:
+    """Each request lasts far longer than sending all 100 takes, even on a loaded machine: the slots fill, and the
+    rest queue."""
     async def run() -> tuple[list[float], list[float]]:
         running: list[float] = []
         queued: list[float] = []
         async with httpx.AsyncClient(timeout=60) as client:
-            body = {"text": "slots", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+            body = {"text": "slots", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
             load = asyncio.gather(*(client.post(f"{zlab}/generate", json=body) for _ in range(100)))
             task = asyncio.ensure_future(load)
             while not task.done():
