@@ -319,7 +319,7 @@ def test_a_kept_alive_connection_the_server_closed_unannounced_is_not_reused_and
 
 def test_the_read_timeout_holds_for_each_request_of_a_kept_alive_connection() -> None:
     async def go(pause_s: float) -> list[BaseException | None]:
-        connection = _Connection(time.perf_counter, read_timeout_s=0.5)
+        connection = _Connection(time.perf_counter, read_timeout_s=0.25)
         transport = FakeTransport(connection)
         outcomes: list[BaseException | None] = []
         for _ in range(2):
@@ -329,11 +329,11 @@ def test_the_read_timeout_holds_for_each_request_of_a_kept_alive_connection() ->
             await asyncio.sleep(pause_s)
         _, done = connection.start(b"POST / HTTP/1.1\r\n\r\n", Response())
         transport.deliver(CHUNKED[:60])
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.6)
         outcomes.append(done.exception() if done.done() else None)
         return outcomes
 
-    for pause_s in (0.0, 0.03, 0.08):  # the timer of an earlier request still pending, or long gone
+    for pause_s in (0.0, 0.1, 0.4):  # the timer of an earlier request still pending, or long gone
         first, second, stalled = asyncio.run(go(pause_s))
         assert first is None and second is None and isinstance(stalled, ReadTimeout), pause_s
 
