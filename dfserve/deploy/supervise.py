@@ -108,7 +108,8 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> int:
         (os.POSIX_SPAWN_OPEN, 1, str(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
         (os.POSIX_SPAWN_DUP2, 1, 2),
     ]
-    return os.posix_spawn(executable, argv, {**os.environ, **env}, file_actions=actions, setsid=True)
+    # an empty signal mask: the caller holds SIGINT back while it starts the engine (`start`)
+    return os.posix_spawn(executable, argv, {**os.environ, **env}, file_actions=actions, setsid=True, setsigmask=())
 
 
 def _exited(pid: int) -> int | None:
@@ -132,8 +133,9 @@ def _get_json(client: httpx.Client, url: str) -> dict[str, Any]:
 def _terminate(pid: int, grace_s: float, ticks: int | None) -> bool:
     """SIGTERM the process group, SIGKILL it after `grace_s`; returns whether it had to be forced."""
     def gone() -> bool:
-        _exited(pid)
-        return process_start_ticks(pid) != ticks
+        ended = process_start_ticks(pid) != ticks
+        _exited(pid)  # after: one that ended in between is reaped now, not left a zombie once this process exits
+        return ended
 
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
@@ -159,34 +161,40 @@ def start(
     kind = engine_kind(spec.engine)
     start_dir = create_run_dir(deployment_dir, prefix="start")
     log = start_dir / LOG_NAME
-    with hold_port(spec.host, spec.port) as port:
+    # The client first: its imports and certificates take a while, and a Ctrl-C among them, once the engine runs,
+    # ended this process by SIGINT rather than through its own exit.
+    with hold_port(spec.host, spec.port) as port, httpx.Client() as client:
         spec = spec.model_copy(update={"port": port})
         argv, env = kind.argv(spec, python), kind.env(spec)
         write_model(start_dir / "launch.json", LaunchRecord(spec=spec, argv=argv, env=env))
         started = time.monotonic()
         started_at = utc_now_iso()
-        pid = _spawn(argv, env, log)
-        ticks = process_start_ticks(pid) or 0
-        url = f"{spec.base_url}{kind.ready_path}"
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        pid, ticks = None, 0
         try:
-            with httpx.Client() as client:
-                while True:
-                    code = _exited(pid)
-                    if code is not None:
-                        raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
-                    if time.monotonic() - started > health_timeout_s:
-                        raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(url, timeout=5.0).status_code == 200:
-                            break
-                    time.sleep(0.1)
-                healthy_at = utc_now_iso()
-                startup_s = time.monotonic() - started
-                try:
-                    server_info = _get_json(client, f"{spec.base_url}/server_info")
-                    model_info = _get_json(client, f"{spec.base_url}/model_info")
-                except (httpx.HTTPError, ValueError, RecursionError) as exc:
-                    raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
+            # Ctrl-C waits until the engine's pid is kept: between its start and this `try`, it left the engine
+            # running with no record to stop it by.
+            pid = _spawn(argv, env, log)
+            ticks = process_start_ticks(pid) or 0
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            url = f"{spec.base_url}{kind.ready_path}"
+            while True:
+                code = _exited(pid)
+                if code is not None:
+                    raise UserError(f"engine exited with status {code} before {url} answered; last log lines: {tail(log)} (log: {log})")
+                if time.monotonic() - started > health_timeout_s:
+                    raise UserError(f"engine not healthy after {health_timeout_s:.0f} s at {url}; stopped it; last log lines: {tail(log)} (log: {log})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url, timeout=5.0).status_code == 200:
+                        break
+                time.sleep(0.1)
+            healthy_at = utc_now_iso()
+            startup_s = time.monotonic() - started
+            try:
+                server_info = _get_json(client, f"{spec.base_url}/server_info")
+                model_info = _get_json(client, f"{spec.base_url}/model_info")
+            except (httpx.HTTPError, ValueError, RecursionError) as exc:
+                raise UserError(f"engine at {spec.base_url} is healthy but /server_info or /model_info failed ({exc}); stopped it") from None
             info = parse_server_info(server_info)
             record = DeploymentRecord(
                 spec=spec, argv=argv, env=env, pid=pid, process_start_ticks=ticks, log=str(log), started_at=started_at,
@@ -196,7 +204,9 @@ def start(
             )
             write_model(start_dir / RECORD_NAME, record)
         except BaseException:
-            _terminate(pid, grace_s, ticks)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if pid is not None:
+                _terminate(pid, grace_s, ticks)
             raise
     return record
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dfserve.deploy import supervise
 from dfserve.deploy.drafters import resolve_target, simulated_drafter
 from dfserve.deploy.ports import hold_port
 from dfserve.deploy.profiles import load_profile
@@ -257,9 +258,14 @@ def test_stop_forces_a_process_that_ignores_sigterm(tmp_path: Path) -> None:
     assert process_start_ticks(pid) is None
 
 
-def test_ctrl_c_while_the_engine_starts_stops_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("from_the_engine", [False, True], ids=["once-it-runs", "as-it-starts"])
+def test_ctrl_c_while_the_engine_starts_stops_it(tmp_path: Path, from_the_engine: bool) -> None:
+    """Ctrl-C from the terminal once the engine runs, or at the engine's first instant (it interrupts its parent
+    itself): either way the engine is stopped and the exit is dfserve's own."""
     pid_file = tmp_path / "pid"
-    python = launcher(tmp_path, f'echo $$ > "{pid_file}.tmp"; mv "{pid_file}.tmp" "{pid_file}"; exec sleep 60')
+    interrupt = "kill -INT $PPID; " if from_the_engine else ""
+    python = launcher(tmp_path, f'echo $$ > "{pid_file}.tmp"; mv "{pid_file}.tmp" "{pid_file}"; {interrupt}'
+                                'exec sleep 60')
     env = {**os.environ, "DFSERVE_DEPLOY_ROOT": str(tmp_path / "root")}
     deploy = subprocess.Popen(dfserve_argv("deploy", "--drafter", "zlab", "--port", "0", "--sglang-python", python),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -271,8 +277,9 @@ def test_ctrl_c_while_the_engine_starts_stops_it(tmp_path: Path) -> None:
             time.sleep(0.05)
         pid = int(pid_file.read_text())
         ticks = process_start_ticks(pid)
-        assert ticks is not None
-        deploy.send_signal(signal.SIGINT)
+        if not from_the_engine:
+            assert ticks is not None
+            deploy.send_signal(signal.SIGINT)
         _, stderr = deploy.communicate(timeout=30)
         assert deploy.returncode == 130 and "dfserve: aborted" in stderr
         assert process_start_ticks(pid) is None
@@ -280,8 +287,31 @@ def test_ctrl_c_while_the_engine_starts_stops_it(tmp_path: Path) -> None:
         if deploy.poll() is None:
             deploy.kill()
             deploy.wait()
-        if pid is not None and alive(pid, ticks):  # type: ignore[arg-type]
+        if pid is not None and ticks is not None and alive(pid, ticks):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_the_instant_the_engine_is_spawned_still_stops_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worst instant: the interrupt comes as the engine's pid comes back, before anything could stop it by."""
+    spawned: list[int] = []
+
+    def spawn_then_interrupt(argv: list[str], env: dict[str, str], log: Path) -> int:
+        spawned.append(_spawn(["sleep", "60"], {}, log))
+        os.kill(os.getpid(), signal.SIGINT)
+        return spawned[-1]
+
+    monkeypatch.setattr(supervise, "_spawn", spawn_then_interrupt)
+    profile = load_profile("pro6000")
+    spec = build_spec(profile, resolve_target(None, profile, None), simulated_drafter("zlab"), engine="sim", port=0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            supervise.start(spec, sys.executable, tmp_path / "web", health_timeout_s=30)
+        assert process_start_ticks(spawned[0]) is None
+    finally:
+        for pid in spawned:
+            if (ticks := process_start_ticks(pid)) is not None:
+                _terminate(pid, 0, ticks)
 
 
 def test_a_damaged_record_is_one_line_naming_the_file(tmp_path: Path) -> None:
