@@ -2,8 +2,9 @@
 thread, off the event loop); it redacts and serializes them, and `flush` writes each batch into bounded segments.
 
 A capture must never fail or slow a client's request: the gateway's observer seam drops an exchange that finds the
-capture's queue full (and tells the writer, `missed`); when writing failed (ENOSPC, EACCES), or the capture
-reached its bound, the request is counted as dropped; each kind of drop is logged once and counted in the manifest.
+capture's queue full (and tells the writer, `missed`: the seam logs it); when writing failed (ENOSPC, EACCES), or
+the capture reached its bound, the request is counted as dropped; each kind of drop is logged once and counted in
+the manifest.
 
 The bound stops the capture rather than dropping the oldest segments: a capture is a window of traffic to replay,
 and its arrival offsets are measured from its start, so it stays one unbroken window from its first request; a
@@ -222,11 +223,10 @@ class CaptureWriter:
         self._take(captured)
 
     def missed(self) -> None:
-        """A request was dropped before it reached the writer (the observer's queue was full): counted, logged once.
-        Called on the event loop; only ever adds to a count the writer reads."""
+        """A request was dropped before it reached the writer (the observer's queue was full): counted in the
+        manifest. Called on the event loop; only ever adds to a count the writer reads. The gateway's observer seam
+        logs it, once."""
         self._queue_full += 1
-        self._log_once("queue", f"capture {self.policy.dir}: the writer fell behind; requests are dropped "
-                       "(counted in the manifest as dropped_queue_full)")
 
     def flush(self) -> None:
         """Write the batch's lines to the open segment, in one write."""
