@@ -103,6 +103,8 @@ def _read_lines(path: Path) -> list[str]:
     try:
         with opener(path, "rb") as handle:
             raw = handle.readlines()
+    except gzip.BadGzipFile:
+        raise FieldError("tasks", f"{path}: not a gzip file (its name ends in .gz)") from None
     except OSError as exc:
         raise FieldError("tasks", f"cannot read {path}: {exc}") from None
     except (EOFError, zlib.error) as exc:

@@ -257,6 +257,10 @@ def test_a_cut_or_corrupt_gzip_tasks_file_is_one_line_not_an_abort(tmp_path: Pat
         path.write_bytes(data)
         with pytest.raises(FieldError, match=rf"tasks: .*{name}\.jsonl\.gz: a truncated or corrupt gzip file"):
             load_tasks(str(path))
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_bytes(b'{"id": "a", "prompt": "x"}\n')
+    with pytest.raises(FieldError, match=r"^tasks: .*plain\.jsonl\.gz: not a gzip file \(its name ends in \.gz\)$"):
+        load_tasks(str(plain))
 
 
 def test_an_open_loop_ends_at_its_duration_bound_not_at_its_next_arrival() -> None:
