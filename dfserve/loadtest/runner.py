@@ -31,7 +31,7 @@ from dfserve.loadtest.client import ArmClient, prepare_all
 from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.routes import ROUTE_FOR
-from dfserve.loadtest.schedule import LoadShape
+from dfserve.loadtest.schedule import LoadShape, trace_sha256
 from dfserve.loadtest.writer import Observer, RecordWriter
 from dfserve.runs import Provenance, create_run_dir, write_model
 from dfserve.shard import Shard, shard_concurrency, shard_indices
@@ -103,6 +103,14 @@ class RunPlan:
             raise FieldError("speed" if self.load.kind == "trace" else "rate",
                              f"puts the last request {offsets[-1]:.3g} s after the start, past "
                              f"{MAX_SCHEDULE_S // 86400} days")
+
+    @property
+    def recorded_load(self) -> LoadShape:
+        """The load as config.json records it, for the judge to compare: a trace's with the hash of the arrival
+        offsets it replays, which its other fields do not name."""
+        if isinstance(self.task_set, CaptureTaskSet) and self.load.kind == "trace":
+            return self.load.model_copy(update={"trace_sha256": trace_sha256(self.task_set.arrivals_s)})
+        return self.load
 
     @property
     def default_api(self) -> sglang.Api:
@@ -263,7 +271,7 @@ async def _probe_arms(plan: RunPlan, asks_model: bool, stop: asyncio.Event) -> l
 async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None) -> RunOutcome:
     """Probe the arms, create the run directory, drive the load until done, `stop`, `halt`, the duration bound or
     the record writer's stopping (its file could not be written: the run is then interrupted)."""
-    load = plan.load
+    load = plan.recorded_load
     total = plan.warmup + plan.num_requests
     order, offsets = plan.order()
     routes = routes_of(order, plan.default_api)

@@ -11,6 +11,8 @@ by `speed`. How late each request of an open loop went out against its offset is
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Sequence
 from itertools import pairwise
@@ -37,6 +39,8 @@ class LoadShape(BaseModel):
     speed: float | None = Field(None, validate_default=True, allow_inf_nan=False,
                                 description="trace: how many times faster than captured (2.0: twice)")
     seed: int = Field(0, description="seeds the Poisson gaps and the task order")
+    trace_sha256: str | None = Field(None, description="trace: the hash of its arrival offsets (`trace_sha256`), "
+                                     "set when the run is recorded; None in runs recorded before it was kept")
 
     @field_validator("concurrency")
     @classmethod
@@ -68,6 +72,13 @@ class LoadShape(BaseModel):
         elif speed is not None:
             raise ValueError("only with trace arrivals")
         return speed
+
+    @field_validator("trace_sha256")
+    @classmethod
+    def _check_trace_sha256(cls, digest: str | None, info: ValidationInfo) -> str | None:
+        if digest is not None and info.data.get("kind") != "trace":
+            raise ValueError("only with trace arrivals")
+        return digest
 
     def describe(self) -> str:
         """The load in words, as a report's reader wants it."""
@@ -114,6 +125,14 @@ def trace_offsets(arrivals_s: Sequence[float], speed: float) -> list[float]:
         raise ValueError("trace arrival times are not in order")
     start = arrivals_s[0] if arrivals_s else 0.0
     return [(arrival - start) / speed for arrival in arrivals_s]
+
+
+def trace_sha256(arrivals_s: Sequence[float]) -> str:
+    """What identifies a trace's schedule: its arrival offsets from the first, to the microsecond (the same gaps from
+    another start differ in their last bits), hashed. Two captures of the same requests at other times hold the
+    same tasks, and replay other loads."""
+    offsets_us = [round(offset_s * 1e6) for offset_s in trace_offsets(arrivals_s, 1.0)]
+    return hashlib.sha256(json.dumps(offsets_us).encode()).hexdigest()
 
 
 class ScheduleFidelity(BaseModel):

@@ -24,7 +24,7 @@ from dfserve.capture.gateway import CaptureObserver
 from dfserve.capture.read import read_capture
 from dfserve.capture.writer import CaptureWriter
 from dfserve.loadtest.records import read_records
-from dfserve.loadtest.schedule import trace_offsets
+from dfserve.loadtest.schedule import trace_offsets, trace_sha256
 from tests.integration.servers import LOOPBACK, dfserve_argv, serve, sim_server
 
 pytestmark = pytest.mark.slow
@@ -154,6 +154,7 @@ def test_a_trace_replay_sends_the_captured_tasks_on_the_captured_schedule(captur
     assert "schedule fidelity, sim: sent late by p50" in result.stdout
     config = json.loads((run / "config.json").read_text())
     assert config["load"]["kind"] == "trace" and config["load"]["speed"] == 4.0
+    assert config["load"]["trace_sha256"] == trace_sha256([r.offset_s for r in captured])  # the replayed schedule
     assert config["sampling"] == {"max_new_tokens": 24, "temperature": 0.7, "top_p": 1.0,  # the loosest replayed
                                   "min_temperature": 0.0}
 

@@ -16,13 +16,13 @@ from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_task
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError, UserError, invalid_field
 from dfserve.loadtest.client import ArmClient
-from dfserve.loadtest.config import Sampling
+from dfserve.loadtest.config import RunConfig, Sampling
 from dfserve.loadtest.judge import comparability
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import summarize
 from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.runner import RunPlan
-from dfserve.loadtest.schedule import LoadShape, schedule_fidelity, trace_offsets
+from dfserve.loadtest.schedule import LoadShape, schedule_fidelity, trace_offsets, trace_sha256
 from dfserve.sglang import SamplingParams
 from dfserve.tasks import Task, load_tasks
 from tests.synthetic import run_config
@@ -360,6 +360,29 @@ def test_config_records_the_routes_and_two_runs_compare_only_with_the_same(tmp_p
     assert comparability(mixed, "zlab", mixed.model_copy(update={"run_id": "r3"}), "inhouse") == []
 
 
+def test_two_traces_of_the_same_requests_at_other_times_do_not_compare(tmp_path: Path) -> None:
+    """The same bodies captured 50 ms and 1 s apart: one task set, two loads 20 times apart, which a trace's
+    other fields (kind, speed) do not tell apart; the same gaps from a later start are the same schedule."""
+    def recorded(name: str, gap_s: float, start_s: float = 0.0) -> RunConfig:
+        requests = [("/generate", native(str(n)), start_s + n * gap_s) for n in range(4)]
+        tasks = load_capture_tasks(capture(tmp_path, requests, name))
+        plan = RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=4, warmup=0, sampling=FLAGS,
+                       load=LoadShape(kind="trace", speed=1.0), out=tmp_path)
+        return run_config(name).model_copy(update={"tasks": run_config(name).tasks.model_copy(
+            update={"sha256": tasks.sha256}), "load": plan.recorded_load})
+
+    fast, slow, later = recorded("fast", 0.05), recorded("slow", 1.0), recorded("later", 0.05, start_s=30.0)
+    assert fast.tasks.sha256 == slow.tasks.sha256 and fast.load.trace_sha256 is not None
+    assert fast.load.trace_sha256 == trace_sha256([7.0, 7.05, 7.1, 7.15])
+    [line] = comparability(fast, "zlab", slow, "inhouse")
+    assert line.startswith("load.trace_sha256: ") and " vs " in line
+    assert comparability(fast, "zlab", later, "inhouse") == []
+    closed = LoadShape(kind="closed", concurrency=2)  # the capture's tasks, not its times
+    tasks = load_capture_tasks(capture(tmp_path, [("/generate", native("a"), 0.0)], "closed"))
+    assert RunPlan(arms=(("a", "http://x"),), api=None, task_set=tasks, num_requests=1, warmup=0, sampling=FLAGS,
+                   load=closed, out=tmp_path).recorded_load == closed
+
+
 # --- the trace schedule and its fidelity ---------------------------------------------------------------------------
 
 def test_trace_offsets_start_at_zero_and_divide_gaps_by_speed() -> None:
@@ -383,6 +406,7 @@ def test_a_trace_load_shape_takes_its_offsets_from_the_capture() -> None:
     ({"kind": "trace", "speed": 1, "rate": 2}, "rate", "trace arrivals take none"),
     ({"kind": "poisson", "rate": 2, "speed": 2}, "speed", "only with trace arrivals"),
     ({"kind": "trace", "speed": 1, "concurrency": 0}, "concurrency", "must be >= 1"),
+    ({"kind": "closed", "concurrency": 1, "trace_sha256": "ab"}, "trace_sha256", "only with trace arrivals"),
     ({"kind": "trace", "speed": float("inf")}, "speed", "finite number"),
     ({"kind": "poisson", "rate": float("nan")}, "rate", "finite number"),
     ({"kind": "constant", "rate": float("inf")}, "rate", "finite number"),
