@@ -104,15 +104,17 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
     if error is None:
         return "http_status" if status is not None and status >= 400 else None
-    if error in ("client_disconnect", "client_stalled", "cancelled"):
-        return "cancelled"  # the client left or stopped reading, or the gateway stopped: not the arm's, not a pair
+    if error in ("client_disconnect", "client_stalled", "cancelled", "overloaded"):
+        # the client left or stopped reading, the gateway stopped, or its own limit (max_concurrent_per_arm) refused
+        # the request before the arm had it: not the arm's, not a pair
+        return "cancelled"
     if error == "stream_error":
         return "stream_error"
     if "timeout" in error:
         return "timeout"
     if "connect" in error:
         return "connect"
-    if error.startswith("http_") or error == "overloaded":
+    if error.startswith("http_"):
         return "http_status"
     if error == "stream_cut":
         return "disconnect"

@@ -207,7 +207,8 @@ def request_pairs(records: Sequence[RequestRecord], base: str, cand: str) -> tup
     said = [NO_HASH] if unhashed else []
     if alone:
         said.append(f"requests recorded without a pair are not judged ({' and '.join(alone)}): not mirrored to "
-                    f"{cand} while its arm was down, cut short (the primary's client left, or the gateway stopped), "
+                    f"{cand} while its arm was down, refused by the gateway's own limit before an arm had them "
+                    "(limits.max_concurrent_per_arm), cut short (the primary's client left, or the gateway stopped), "
                     "or written without their other records")
     return pairs, said
 

@@ -352,3 +352,34 @@ def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_
     records = list(read_records(folder / "requests.jsonl"))
     assert sorted((r.arm, r.error_kind) for r in records) == [("baseline", None)] * 12 + [("candidate", None)] * 12
     assert json.loads((folder / "summary.json").read_text())["interrupted"] is False
+
+
+def test_mirrors_the_gateways_own_limit_refused_are_no_errors_of_the_candidate(tmp_path: Path) -> None:
+    """With one request in flight per arm and a candidate slower than the clients' pace, the mirrors sent while it
+    was busy never reach it: the gateway's limit refused them (429, counted `dropped`). They are recorded as not
+    the arm's (cancelled), and the verdict judges the pairs it has rather than failing the candidate on
+    error_rate (it did: 33% of its records were 429s)."""
+    with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 1.5, 0) as candidate:
+        config = _two_arms(tmp_path, primary, candidate)
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
+                                          "limits": {"max_concurrent_per_arm": 1}}))
+        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for i in range(8):
+                answer = client.post("/generate", json={"text": f"def task_{i}(x):",
+                                                        "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+                assert answer.status_code == 200
+            _wait_for_mirrors(client, 8)
+            dropped = _series(client, 'dfserve_shadow_requests_total{arm="candidate",outcome="dropped"}')
+    assert dropped >= 1
+    (folder,) = (tmp_path / "shadow").iterdir()
+    candidate_records = [r for r in read_records(folder / "requests.jsonl") if r.arm == "candidate"]
+    refused = [r for r in candidate_records if r.http_status == 429]
+    assert len(refused) == dropped and all(r.error_kind == "cancelled" for r in refused)
+    assert all(r.ok for r in candidate_records if r.http_status != 429)
+    judged = _compare(folder, tmp_path / "verdict")
+    assert "refused by the gateway's own limit" in " ".join(judged.stdout.split()), judged.stdout + judged.stderr
+    judgement = json.loads(next((tmp_path / "verdict").glob("*/verdict.json")).read_text())["judgement"]
+    assert judgement["pairs"] == 8 - dropped
+    error_rate = next(m for m in judgement["metrics"] if m["metric"] == "error_rate")
+    assert error_rate["candidate"] == 0, error_rate

@@ -125,11 +125,14 @@ def test_a_records_temperature_is_read_from_the_gateways_decoding_of_the_body_or
 
 def test_error_kinds() -> None:
     """A client that stops reading is its own doing, as one that leaves: the primary's record is no failure of its
-    arm (a mirror never stalls, so counting it would always favour the candidate)."""
+    arm (a mirror never stalls, so counting it would always favour the candidate). A request the gateway's own
+    limit refused never reached its arm: no failure of it either (a slower candidate's dropped mirrors were its
+    429 errors, and failed it on error_rate), where a replica's own 429 is."""
     assert [error_kind(e, s) for e, s in [(None, 200), (None, 503), ("client_disconnect", 200), ("connect", 502),
                                           ("timeout", 504), ("http_500", 500), ("stream_error", 200),
-                                          ("client_stalled", 200)]] == [
-        None, "http_status", "cancelled", "connect", "timeout", "http_status", "stream_error", "cancelled"]
+                                          ("client_stalled", 200), ("overloaded", 429), ("http_429", 429)]] == [
+        None, "http_status", "cancelled", "connect", "timeout", "http_status", "stream_error", "cancelled",
+        "cancelled", "http_status"]
 
 
 def _folders(root: Path) -> list[Path]:
