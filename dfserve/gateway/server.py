@@ -127,7 +127,8 @@ class Reply:
 
     @property
     def disconnected(self) -> bool:
-        return self.connection.closed
+        """The client left (or stopped reading): not the gateway's stop cutting its connection."""
+        return self.connection.closed and not self.connection.cut_by_stop
 
     def _framing(self, length: int | None) -> bytes:
         framing = b"" if length is None else b"content-length: %d\r\n" % length
@@ -290,6 +291,8 @@ class ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.stopping = False
+        self.cut_by_stop = False
+        """Closed by the gateway's stop with an answer still under way: the client did not leave."""
         self.writes_paused = False
         self.incoming = _Incoming()
         self.waiting: list[tuple[Request, Reply]] = []
@@ -687,6 +690,7 @@ class Server:
                 await asyncio.wait_for(self._drained.wait(), drain_s)
         tasks = [c.task for c in self.connections if c.task is not None]
         for connection in list(self.connections):
+            connection.cut_by_stop = True
             connection.abort()  # cancels what is still running
         for lingering in list(self.lingering):
             if lingering.transport is not None:

@@ -451,6 +451,33 @@ def test_a_long_pipelined_body_and_a_continue_sent_anyway_are_ordinary_requests(
     assert [json.loads(body)["path"] for _, body in answers] == ["/a", "/b", "/c", "/d"]
 
 
+def test_an_answer_the_stop_cuts_past_its_drain_is_no_client_that_left() -> None:
+    """The stop's cut cancels the request as a client's leaving does; the handler must tell them apart (the gateway
+    records one as the arm's answer cut by its stop, the other as the client's doing)."""
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started = asyncio.Event()
+
+        async def endless(request: Request, reply: Reply) -> None:
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                events.append(f"cancelled, disconnected={reply.disconnected}")
+                raise
+
+        listener, port = await listen(endless)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        await listener.stop(drain_s=0.2)
+        assert await reader.read(-1) == b""  # cut: no answer had begun
+        writer.close()
+        return events
+
+    assert asyncio.run(scenario()) == ["cancelled, disconnected=False"]
+
+
 def test_stop_lets_the_answer_under_way_finish_and_closes_after_it() -> None:
     async def scenario() -> tuple[bytes, bool]:
         listener, port = await listen(slow_stream)
