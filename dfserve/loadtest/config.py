@@ -60,6 +60,11 @@ def shared_servers(arms: Sequence[tuple[str, str]]) -> list[list[str]]:
     return [names for names in by_server.values() if len(names) > 1]
 
 
+MAX_REQUESTS = 10_000_000
+"""Of a run's measured requests, and of its warm-up: its schedule is built whole, in memory, before the first is
+sent, and a verdict builds it again to check the records against it."""
+
+
 class ArmInfo(_Model):
     """One arm as found at the start of the run; `server_info`/`model_info` are SGLang's documents, verbatim."""
 
@@ -83,8 +88,8 @@ class RunConfig(_Model):
     routes: dict[Api, int] = Field(description="requests of the schedule (warm-up included) on each route")
     arms: tuple[ArmInfo, ...]
     tasks: TaskSetInfo
-    num_requests: int = Field(description="measured requests per arm, warm-up not included")
-    warmup: int
+    num_requests: int = Field(ge=1, le=MAX_REQUESTS, description="measured requests per arm, warm-up not included")
+    warmup: int = Field(ge=0, le=MAX_REQUESTS)
     sampling: Sampling
     load: LoadShape
     duration_s: float | None

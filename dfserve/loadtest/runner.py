@@ -28,7 +28,7 @@ from dfserve.capture.replay import CaptureTaskSet
 from dfserve.errors import FieldError, UserError
 from dfserve.headers import ARM as PIN_HEADER
 from dfserve.loadtest.client import ArmClient, prepare_all
-from dfserve.loadtest.config import ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
+from dfserve.loadtest.config import MAX_REQUESTS, ArmInfo, RunConfig, Sampling, SequentialDesign, TaskSetInfo
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.routes import ROUTE_FOR
 from dfserve.loadtest.schedule import LoadShape, trace_sha256
@@ -42,9 +42,6 @@ from dfserve.transport import StampingTransport
 Halt = Callable[[], bool]
 
 CONNECT_TIMEOUT_S = 10.0
-MAX_REQUESTS = 10_000_000
-"""Of a run's measured requests, and of its warm-up: its schedule is built whole, in memory, before the first is
-sent."""
 MAX_SCHEDULE_S = 30 * 86400
 """Past any load test's span: a schedule longer than this (infinite, where a rate or a speed is near zero) is a
 mistyped flag, not a run to wait for; unless a duration bounds the run (then only an infinite one is)."""

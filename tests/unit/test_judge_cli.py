@@ -110,6 +110,20 @@ def test_a_config_edited_after_its_run_is_not_judged_unless_forced(tmp_path: Pat
     assert "FORCED" in forced.output, forced.output
 
 
+def test_a_schedule_edited_past_any_run_is_refused_in_one_line_not_built(tmp_path: Path) -> None:
+    """A verdict rebuilds the schedule to check the records against it: 10^12 requests hung compare (and ran a
+    merge out of memory) before the seals could say the config was edited."""
+    run = make_run(tmp_path / "runs", "one", {"zlab": synthetic("zlab", 40, 9.0, seed=1)})
+    config = run / "config.json"
+    config.chmod(0o644)
+    for field in ("num_requests", "warmup"):
+        document = json.loads(config.read_text())
+        config.write_text(json.dumps({**document, field: 10**12}))
+        refused = CliRunner().invoke(compare, [str(run), "--force"], standalone_mode=False)
+        assert f"{field}: Input should be less than or equal to 10000000" in str(refused.exception)
+        config.write_text(json.dumps(document))
+
+
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     same = synthetic("zlab", 120, 9.0, seed=1)
