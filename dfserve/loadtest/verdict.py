@@ -169,6 +169,12 @@ def compare_runs(paths: Sequence[Path], baseline: str | None, candidate: str | N
             mismatches.append(why)
             if not force:
                 raise Untrusted(why)
+    elif stopped := [run.config.run_id for run in runs if run.config.sequential is not None]:
+        why = (f"run {stopped[0]} stopped once its own gate was decided (--until-decided): its records are no fixed "
+               "sample, and pairs across two runs have no sequential design to judge them by")
+        mismatches.append(why)
+        if not force:
+            raise Untrusted(why)
     pairs = pairs_of([r for r in base.records if r.arm == base_arm], [r for r in cand.records if r.arm == cand_arm],
                      base.config.sampling.temperature)
     if copied(pairs.base, pairs.cand):

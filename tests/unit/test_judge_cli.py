@@ -229,6 +229,16 @@ def test_a_run_that_stopped_on_its_gate_is_judged_with_another_only_forced(tmp_p
     assert json.loads(verdict.read_text())["forced"] is False
 
 
+def test_two_runs_that_stopped_on_their_gates_are_judged_against_each_other_only_forced(tmp_path: Path) -> None:
+    """Each stopped when its own pair was decided; across the two, a fixed-n interval on samples that stopped on
+    looks is what the one-run path refuses (it was a PASS, unforced, that promoted)."""
+    runs = tmp_path / "runs"
+    design = SequentialDesign(gate=Gate(rules=(Rule(metric="accept_length", max_worse=0.5),)))
+    first = make_run(runs, "first", {"zlab": synthetic("zlab", 60, 9.0, seed=1)}, sequential=design)
+    second = make_run(runs, "second", {"inhouse": synthetic("inhouse", 60, 9.0, seed=2)}, sequential=design)
+    assert "run first stopped once its own gate was decided (--until-decided)" in refusal([str(first), str(second)])
+
+
 def refusal(args: list[str]) -> str:
     """The one line `dfserve compare` refuses with; and with --force, the verdict is stamped."""
     refused = CliRunner().invoke(compare, args, standalone_mode=False)
