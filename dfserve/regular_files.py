@@ -1,4 +1,5 @@
-"""Files read where a pipe or a device may have been put instead: a run's records, a drafter's weights."""
+"""Files read where a pipe or a device may have been put instead: a run's records, a drafter's weights, the files
+a user names (gates, configs, captures, task lists)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ def open_regular(path: Path) -> BinaryIO:
         file.close()
         raise OSError(errno.EINVAL, "not a regular file")
     return file
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of a regular file; `OSError` as `open_regular` raises it for anything else."""
+    with open_regular(path) as file:
+        return file.read()

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import FieldError, UserError, describe_invalid
-from dfserve.regular_files import open_regular
+from dfserve.regular_files import read_regular
 
 
 def utc_now_iso() -> str:
@@ -156,12 +156,6 @@ class JsonlAppender:
 
 
 M = TypeVar("M", bound=BaseModel)
-
-
-def read_regular(path: Path) -> bytes:
-    """A file's bytes (`open_regular`)."""
-    with open_regular(path) as file:
-        return file.read()
 
 
 def read_model(path: Path, model: type[M], missing: str) -> M:

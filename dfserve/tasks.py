@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib
+import io
 import json
 import random
 import zlib
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from dfserve.errors import FieldError
+from dfserve.regular_files import read_regular
+from dfserve.runs import key_given_twice
 from dfserve.sglang import Api
 
 HUMANEVAL = "humaneval"
@@ -99,14 +102,13 @@ def _humaneval_path() -> Path:
 
 
 def _read_lines(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as handle:
-            raw = handle.readlines()
+        data = read_regular(path)
+        raw = io.BytesIO(gzip.decompress(data) if path.suffix == ".gz" else data).readlines()
     except gzip.BadGzipFile:
         raise FieldError("tasks", f"{path}: not a gzip file (its name ends in .gz)") from None
     except OSError as exc:
-        raise FieldError("tasks", f"cannot read {path}: {exc}") from None
+        raise FieldError("tasks", f"cannot read {path}: {exc.strerror or exc}") from None
     except (EOFError, zlib.error) as exc:
         raise FieldError("tasks", f"{path}: a truncated or corrupt gzip file ({exc})") from None
     lines = []
@@ -189,6 +191,9 @@ def _read_jsonl(spec: str) -> TaskSet:
         except (ValueError, RecursionError):
             raise FieldError("tasks", f"{path}:{number}: invalid JSON (an integer of over 4300 digits, or nested "
                              "too deeply)") from None
+        if (twice := key_given_twice(line.encode())) is not None:
+            raise FieldError("tasks", f"{path}:{number}: key {twice!r} given twice in one object (JSON readers keep "
+                             "one of the two, each its own)")
         if "\\u" in line and not _is_text(obj):
             raise FieldError("tasks", f"{path}:{number}: a string holds a lone surrogate (an escape in \\ud800-"
                              "\\udfff without its pair), which is no text a request or record can carry")

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from dfserve.errors import UserError
+from dfserve.regular_files import read_regular
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -75,7 +76,7 @@ def parse_yaml(text: str, where: str) -> Any:
 def read_yaml(path: Path) -> Any:
     """The document in the file at `path`."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path).decode("utf-8")
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror})") from None
     except UnicodeDecodeError as exc:

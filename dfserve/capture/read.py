@@ -18,12 +18,18 @@ from pydantic import ValidationError
 
 from dfserve.capture.format import MANIFEST, SEGMENT_PREFIX, CaptureManifest, CaptureRecord
 from dfserve.errors import UserError, describe_invalid
+from dfserve.regular_files import read_regular
+from dfserve.runs import key_given_twice
 
 
 def read_manifest(directory: Path) -> CaptureManifest:
     path = directory / MANIFEST
     try:
-        return CaptureManifest.model_validate_json(path.read_bytes())
+        data = read_regular(path)
+        manifest = CaptureManifest.model_validate_json(data)
+        if (twice := key_given_twice(data)) is not None:
+            raise UserError(f"{path}: key {twice!r} given twice in one object (edited?)")
+        return manifest
     except FileNotFoundError:
         raise UserError(f"capture {directory}: no {MANIFEST} (not a capture folder)") from None
     except OSError as exc:
@@ -50,7 +56,7 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
     records: list[CaptureRecord] = []
     for segment in manifest.segments:
         try:
-            data = (directory / segment.name).read_bytes()
+            data = read_regular(directory / segment.name)
         except OSError as exc:
             raise UserError(f"{where}: {segment.name}: {exc.strerror} (listed in {MANIFEST})") from None
         lines = data.split(b"\n")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dfserve.errors import FieldError, UserError
-from dfserve.regular_files import open_regular
+from dfserve.regular_files import open_regular, read_regular
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -42,7 +42,7 @@ def problems_error(what: str, problems: list[str], field: str | None = None) -> 
 def read_json(path: Path, field: str) -> dict[str, Any]:
     """A JSON object from a file the input `field` named; any problem is a `FieldError` about that field."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         raise FieldError(field, f"{path} not found") from None
     except (OSError, ValueError) as exc:  # ValueError: also not UTF-8, or an integer of over 4300 digits

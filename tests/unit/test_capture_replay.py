@@ -214,6 +214,15 @@ def test_a_manifest_whose_own_fields_were_edited_is_refused(tmp_path: Path, edit
     assert str(caught.value) == f"capture {tmp_path / 'capture'}: manifest.json {why}"
 
 
+def test_a_manifest_that_gives_a_key_twice_is_refused(tmp_path: Path) -> None:
+    """Its seal is of the fields as parsed: `"complete": false, ..., "complete": true` read as the last, sealed."""
+    spec = capture(tmp_path, [("/generate", native("a"), 0.0)])
+    manifest_path = tmp_path / "capture" / "manifest.json"
+    manifest_path.write_text(manifest_path.read_text().replace('{', '{"complete": false, ', 1))
+    with pytest.raises(UserError, match=r"manifest\.json: key 'complete' given twice in one object \(edited\?\)$"):
+        load_capture_tasks(spec)
+
+
 @pytest.mark.parametrize("name", ["../outside/x.jsonl", "{outside}/x.jsonl", "", ".."])
 def test_a_segment_name_outside_the_capture_folder_refuses_naming_the_field(tmp_path: Path, name: str) -> None:
     spec = capture(tmp_path, [("/generate", native("a"), 0.0)])

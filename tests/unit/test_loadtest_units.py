@@ -235,6 +235,8 @@ def test_a_tasks_file_with_a_byte_that_is_not_utf8_is_one_line_naming_file_and_l
     (b'{"id": ' + b"9" * 5000 + b', "prompt": "x"}', "tasks.jsonl:1: invalid JSON (an integer of over 4300 digits"),
     (b'{"id": "\\ud800", "prompt": "x"}', "tasks.jsonl:1: a string holds a lone surrogate"),
     (b'{"id": "a", "messages": [{"role": "user", "content": "\\udfff"}]}', "tasks.jsonl:1: a string holds a lone"),
+    (b'{"id": "a", "prompt": "x", "id": "b"}', "tasks.jsonl:1: key 'id' given twice in one object"),
+    (b'{"id": "a", "messages": [{"role": "user", "content": "x", "role": "system"}]}', "key 'role' given twice"),
 ])
 def test_a_tasks_line_python_cannot_hold_as_text_is_one_line_naming_it(tmp_path: Path, line: bytes, said: str) -> None:
     path = tmp_path / "tasks.jsonl"

@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import pytest
 from pydantic import BaseModel
 
+from dfserve.capture.read import read_capture
+from dfserve.deploy.assets import read_json
+from dfserve.deploy.sim.profiles import load_profile
 from dfserve.errors import FieldError, UserError
 from dfserve.runs import (
     JsonlAppender,
@@ -20,6 +24,7 @@ from dfserve.runs import (
     write_atomic,
     write_model,
 )
+from dfserve.yamlfile import read_yaml
 
 
 class Row(BaseModel):
@@ -132,3 +137,29 @@ def test_a_pipe_where_a_runs_file_should_be_is_refused_without_waiting(tmp_path:
     (tmp_path / "rows.jsonl").write_text('{"n": 1}\n')
     (tmp_path / "link.jsonl").symlink_to(tmp_path / "rows.jsonl")
     assert [row.n for row in read_jsonl(tmp_path / "link.jsonl", Row, "a row")] == [1]
+
+
+def _capture_with_a_pipe(path: Path) -> None:
+    path.mkdir()
+    os.mkfifo(path / "manifest.json")
+    read_capture(path)
+
+
+@pytest.mark.parametrize(("name", "read"), [
+    ("gate.yaml", read_yaml),  # gates and gateway configs
+    ("capture", _capture_with_a_pipe),
+    ("profile.json", lambda path: load_profile(str(path))),  # the simulator's drafter profile
+    ("config.json", lambda path: read_json(path, "drafter")),  # a checkpoint's config
+])
+def test_a_pipe_or_device_named_as_a_users_file_is_refused_without_waiting(
+        tmp_path: Path, name: str, read: Callable[[Path], object]) -> None:
+    """A FIFO given as --gate, a gateway --config, a capture's manifest or a sim profile waited forever for a
+    writer; /dev/zero as --gate read 23 GB before the kernel killed it."""
+    path = tmp_path / name
+    if name != "capture":
+        os.mkfifo(path)
+    with pytest.raises((UserError, FieldError), match=r"not a regular file"):
+        read(path)
+    if name == "gate.yaml":
+        with pytest.raises(UserError, match=r"not a regular file"):
+            read_yaml(Path("/dev/zero"))

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dfserve.errors import FieldError, describe_invalid
+from dfserve.regular_files import read_regular
 
 BUILTIN_DIR = Path(__file__).with_name("profiles")
 NONE = "none"
@@ -75,7 +76,7 @@ def load_profile(name_or_path: str) -> DrafterProfile | None:
     if not path.suffix == ".json":
         raise FieldError("profile", f"{name_or_path!r} is neither one of {', '.join(BUILTINS)} nor a .json file")
     try:
-        raw = json.loads(path.read_bytes())
+        raw = json.loads(read_regular(path))
     except FileNotFoundError:
         raise FieldError("profile", f"{path}: no such file") from None
     except OSError as exc:
