@@ -24,7 +24,7 @@ from click.core import ParameterSource
 from pydantic import ValidationError
 from rich.console import Console
 
-from dfserve.baselines import BaselineRegistry, promote_verdict
+from dfserve.baselines import BaselineEntry, BaselineRegistry, promote_verdict
 from dfserve.capture.replay import CaptureTaskSet
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import Untrusted, UserError, command_flags, flags_for, invalid_field
@@ -477,9 +477,7 @@ _registry_option = click.option("--registry", type=click.Path(path_type=Path, fi
 def baseline_show(registry: Path, target: str | None) -> None:
     """The current baseline of each target."""
     store = BaselineRegistry(registry)
-    targets = sorted({e.target for e in store.history(target)})
-    if not targets:
-        raise UserError(f"--registry: no baseline recorded in {store.path}" + (f" for {target}" if target else ""))
+    targets = sorted({e.target for e in _recorded(store, target)})
     for name in targets:
         current = store.current(name)
         assert current is not None
@@ -487,12 +485,21 @@ def baseline_show(registry: Path, target: str | None) -> None:
                    + (", FORCED" if current.forced else "") + ")")
 
 
+def _recorded(store: BaselineRegistry, target: str | None) -> list[BaselineEntry]:
+    """The registry's changes of baseline (of `target`, where named); a registry with none is refused: a mistyped
+    --registry or --target would list nothing and succeed."""
+    entries = store.history(target)
+    if not entries:
+        raise UserError(f"--registry: no baseline recorded in {store.path}" + (f" for {target}" if target else ""))
+    return entries
+
+
 @baseline.command("history")
 @_registry_option
 @click.option("--target", default=None, help="Only this target.")
 def baseline_history(registry: Path, target: str | None) -> None:
     """Every change of baseline, oldest first."""
-    for e in BaselineRegistry(registry).history(target):
+    for e in _recorded(BaselineRegistry(registry), target):
         click.echo(f"{e.recorded_at}  {e.target}: {e.drafter}  run {e.run_id} arm {e.arm}"
                    + (f"  verdict {e.verdict}" if e.verdict else "")
                    + (f"  FORCED ({e.reason})" if e.forced else ""))

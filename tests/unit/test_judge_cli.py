@@ -10,6 +10,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, entry
+from dfserve.errors import UserError
 from dfserve.loadtest.cli import baseline, compare, promote
 from dfserve.loadtest.config import RunConfig
 from dfserve.loadtest.records import RequestRecord
@@ -122,6 +123,14 @@ def test_a_schedule_edited_past_any_run_is_refused_in_one_line_not_built(tmp_pat
         refused = CliRunner().invoke(compare, [str(run), "--force"], standalone_mode=False)
         assert f"{field}: Input should be less than or equal to 10000000" in str(refused.exception)
         config.write_text(json.dumps(document))
+
+
+def test_a_registry_with_no_baseline_is_refused_by_show_and_history_alike(tmp_path: Path) -> None:
+    """history listed nothing and exited 0 for a mistyped --registry, where show refused it."""
+    for command in ("show", "history"):
+        refused = CliRunner().invoke(baseline, [command, "--registry", str(tmp_path / "nowhere")])
+        assert isinstance(refused.exception, UserError), refused.output
+        assert str(refused.exception) == f"--registry: no baseline recorded in {tmp_path / 'nowhere' / 'baselines.json'}"
 
 
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
