@@ -346,6 +346,8 @@ def test_a_final_chunk_stamped_at_send_time_matches_the_builder_byte_for_byte() 
 def test_sim_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError):
         SimConfig(time_scale=0)
+    with pytest.raises(ValueError, match="less than or equal to 1000"):
+        SimConfig(time_scale=1e308)  # accepted, every request then seemed to hang
     with pytest.raises(ValueError):
         SimConfig(lossy_fraction=2)
     assert SimConfig(profile="none").resolved_draft_model_path() is None

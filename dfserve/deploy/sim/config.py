@@ -33,7 +33,9 @@ class SimConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
     profile: str = Field("zlab", description="zlab, inhouse, none, or a profile JSON file.")
-    time_scale: float = Field(1.0, gt=0, description="Multiplies every modelled duration; < 1 for fast tests.")
+    time_scale: float = Field(1.0, gt=0, le=1000, description="Multiplies every modelled duration; < 1 for fast "
+                              "tests. Past 1000 a modelled millisecond is a second: a mistyped flag, whose every "
+                              "request would seem to hang.")
     seed: int = 0
     max_running_requests: int = Field(48, ge=1)
     max_prefill_tokens: int = Field(16384, ge=1)
