@@ -329,6 +329,14 @@ def test_a_tool_call_is_the_output_and_arguments_that_differ_are_not_lossless(tm
     assert verdict["lossless"]["applicable"] and verdict["lossless"]["identical"] == 0, judged.stdout
 
 
+def _answered_one_by_one(client: httpx.Client, count: int, max_new_tokens: int) -> None:
+    """`count` greedy native requests, each sent once the last was answered; every client gets its answer."""
+    for i in range(count):
+        answer = client.post("/generate", json={"text": f"def task_{i}(x):",
+                                                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+        assert answer.status_code == 200
+
+
 def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_path: Path) -> None:
     """Stopped right after its clients' answers, while the slower candidate's mirrors still run (each for most of a
     second, so some are in flight however slow the machine): they finish and are recorded, rather than cut (the
@@ -341,10 +349,7 @@ def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_
                      "candidate": {"weight": 1, "replicas": [candidate]}}}))
         with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
-            for i in range(12):
-                answer = client.post("/generate", json={"text": f"def task_{i}(x):",
-                                                        "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
-                assert answer.status_code == 200
+            _answered_one_by_one(client, 12, max_new_tokens=32)
             in_flight = client.get("/metrics").text
         # the gateway is stopped here, as it leaves the block
     assert re.search(r'^dfserve_requests_in_flight\{arm="candidate"[^}]*\} [1-9]', in_flight, re.M)
@@ -365,10 +370,7 @@ def test_mirrors_the_gateways_own_limit_refused_are_no_errors_of_the_candidate(t
                                           "limits": {"max_concurrent_per_arm": 1}}))
         with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
-            for i in range(8):
-                answer = client.post("/generate", json={"text": f"def task_{i}(x):",
-                                                        "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
-                assert answer.status_code == 200
+            _answered_one_by_one(client, 8, max_new_tokens=16)
             _wait_for_mirrors(client, 8)
             dropped = _series(client, 'dfserve_shadow_requests_total{arm="candidate",outcome="dropped"}')
     assert dropped >= 1
