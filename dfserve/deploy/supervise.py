@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,8 +109,22 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> int:
         (os.POSIX_SPAWN_OPEN, 1, str(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
         (os.POSIX_SPAWN_DUP2, 1, 2),
     ]
-    # an empty signal mask: the caller holds SIGINT back while it starts the engine (`start`)
-    return os.posix_spawn(executable, argv, {**os.environ, **env}, file_actions=actions, setsid=True, setsigmask=())
+    return os.posix_spawn(executable, argv, {**os.environ, **env}, file_actions=actions, setsid=True)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT) within the block is raised as it ends, not where it came. A Python handler, not a blocked
+    signal: a mask is the calling thread's, and a process-directed SIGINT goes to any thread that does not block it
+    (numpy's BLAS workers), whose C handler then had the interrupt raised in the main thread all the same."""
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _exited(pid: int) -> int | None:
@@ -169,14 +184,13 @@ def start(
         write_model(start_dir / "launch.json", LaunchRecord(spec=spec, argv=argv, env=env))
         started = time.monotonic()
         started_at = utc_now_iso()
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         pid, ticks = None, 0
         try:
             # Ctrl-C waits until the engine's pid is kept: between its start and this `try`, it left the engine
             # running with no record to stop it by.
-            pid = _spawn(argv, env, log)
-            ticks = process_start_ticks(pid) or 0
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            with _interrupts_held():
+                pid = _spawn(argv, env, log)
+                ticks = process_start_ticks(pid) or 0
             url = f"{spec.base_url}{kind.ready_path}"
             while True:
                 code = _exited(pid)
@@ -204,7 +218,6 @@ def start(
             )
             write_model(start_dir / RECORD_NAME, record)
         except BaseException:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if pid is not None:
                 _terminate(pid, grace_s, ticks)
             raise
