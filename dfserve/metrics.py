@@ -144,6 +144,8 @@ PROTOCOL_ERROR = "protocol"
 whatever its status said; the load tester calls the same answer a protocol error."""
 GATEWAY_STOPPED = "cancelled"
 """The failure kind of an exchange the gateway's own stop cut short."""
+GATEWAY_OVERLOADED = "overloaded"
+"""The failure kind of a request the gateway's own `max_concurrent_per_arm` refused (429) before its arm had it."""
 CLIENT_LEFT_ERRORS = frozenset({"client_disconnect", "client_stalled", GATEWAY_STOPPED})
 """Failure kinds where the client side gave up, not the arm: the gateway's client went away or stopped reading, or
 the load tester cancelled the request when its run stopped."""

@@ -41,6 +41,7 @@ from dfserve.gateway.server import JSON_HEADERS, Discard, Reply, Request, Respon
 from dfserve.gateway.upstream import MID_STREAM, Opened, Upstream, UpstreamFailure, mid_stream_error
 from dfserve.headers import ARM
 from dfserve.metrics import (
+    GATEWAY_OVERLOADED,
     GATEWAY_STOPPED,
     PROTOCOL_ERROR,
     STREAM_ERROR,
@@ -297,7 +298,7 @@ class GatewayApp:
             outcome = "ok" if exchange.status < 400 and exchange.error is None else "error"
         except Exception:
             outcome = "error"
-        if exchange.error == "overloaded":
+        if exchange.error == GATEWAY_OVERLOADED:
             outcome = "dropped"
         self.gateway.metrics.shadow_requests.labels(exchange.arm, outcome).inc()
 

@@ -33,7 +33,7 @@ from dfserve.http1 import (
     ReadTimeout,
     Response,
 )
-from dfserve.metrics import DfserveMetrics
+from dfserve.metrics import GATEWAY_OVERLOADED, DfserveMetrics
 from dfserve.relay_core import EventTooLarge
 
 
@@ -196,7 +196,7 @@ class Upstream:
         if arm is None:
             raise UpstreamFailure(503, "no_arm", f"arm {arm_name!r} is not configured")
         if arm.in_flight >= self.limits.max_concurrent_per_arm:
-            raise UpstreamFailure(429, "overloaded", f"arm {arm_name!r} has {arm.in_flight} requests in flight")
+            raise UpstreamFailure(429, GATEWAY_OVERLOADED, f"arm {arm_name!r} has {arm.in_flight} requests in flight")
         tried: set[int] = set()
         failure = UpstreamFailure(503, "no_replica", f"arm {arm_name!r} has no healthy replica")
         while len(tried) <= self.limits.max_retries:

@@ -40,7 +40,7 @@ from dfserve.deploy.hashes import file_sha256
 from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, summarize_arm
-from dfserve.metrics import GATEWAY_STOPPED
+from dfserve.metrics import GATEWAY_OVERLOADED, GATEWAY_STOPPED
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.records import RequestTask, rebased, shadow_record
@@ -115,10 +115,14 @@ class _Folder:
         self.cut_by_stop = 0
         """Records of exchanges the gateway's stop cut short: the folder is then incomplete (the slowest answers of
         an arm are those cut, and judging the rest would favour it)."""
+        self.refused = 0
+        """Records of requests the gateway's own concurrency limit refused: the folder is then incomplete (a slow
+        arm's are refused when it is busiest, and judging the pairs it had room for would favour it)."""
 
     def write(self, record: RequestRecord) -> None:
         """Held until `flush`: a batch of records is one write."""
         self.cut_by_stop += record.error_message == GATEWAY_STOPPED
+        self.refused += record.error_message == GATEWAY_OVERLOADED
         line = record.model_dump_json() + "\n"
         self.pending.append(line)
         self.records.append(record)
@@ -138,7 +142,7 @@ class _Folder:
             shutil.rmtree(self.path, ignore_errors=True)  # what cannot be removed stays, unsealed: never judged
             return
         arms = dict.fromkeys(r.arm for r in self.records)
-        summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired + self.cut_by_stop > 0,
+        summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired + self.cut_by_stop + self.refused > 0,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms),
                           records_sha256=file_sha256(self.path / "requests.jsonl"),
                           config_sha256=file_sha256(self.path / "config.json")).sealed()

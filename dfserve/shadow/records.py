@@ -31,6 +31,7 @@ from dfserve.gateway.observers import Exchanged
 from dfserve.loadtest.client import ended, read_stream
 from dfserve.loadtest.records import ErrorKind, RequestRecord, output_sha256
 from dfserve.loadtest.stream import StreamRead
+from dfserve.metrics import CLIENT_LEFT_ERRORS, GATEWAY_OVERLOADED
 
 GREEDY_DEFAULT_TEMPERATURE = 1.0
 """What a request that sets no temperature samples at (OpenAI's and SGLang's default): never taken for greedy."""
@@ -104,7 +105,7 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
     """The load tester's error kind for the gateway's failure kind (`dfserve_requests_total{error}`)."""
     if error is None:
         return "http_status" if status is not None and status >= 400 else None
-    if error in ("client_disconnect", "client_stalled", "cancelled", "overloaded"):
+    if error in CLIENT_LEFT_ERRORS or error == GATEWAY_OVERLOADED:
         # the client left or stopped reading, the gateway stopped, or its own limit (max_concurrent_per_arm) refused
         # the request before the arm had it: not the arm's, not a pair
         return "cancelled"

@@ -362,8 +362,8 @@ def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_
 def test_mirrors_the_gateways_own_limit_refused_are_no_errors_of_the_candidate(tmp_path: Path) -> None:
     """With one request in flight per arm and a candidate slower than the clients' pace, the mirrors sent while it
     was busy never reach it: the gateway's limit refused them (429, counted `dropped`). They are recorded as not
-    the arm's (cancelled), and the verdict judges the pairs it has rather than failing the candidate on
-    error_rate (it did: 33% of its records were 429s)."""
+    the arm's (cancelled) rather than failing the candidate on error_rate (it did: 33% of its records were 429s);
+    and the folder is incomplete (the pairs the candidate had room for are its quiet moments): judged only forced."""
     with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 1.5, 0) as candidate:
         config = _two_arms(tmp_path, primary, candidate)
         config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
@@ -379,7 +379,10 @@ def test_mirrors_the_gateways_own_limit_refused_are_no_errors_of_the_candidate(t
     refused = [r for r in candidate_records if r.http_status == 429]
     assert len(refused) == dropped and all(r.error_kind == "cancelled" for r in refused)
     assert all(r.ok for r in candidate_records if r.http_status != 429)
-    judged = _compare(folder, tmp_path / "verdict")
+    assert json.loads((folder / "summary.json").read_text())["interrupted"] is True
+    refused = _compare(folder, tmp_path / "refused")
+    assert refused.returncode == 2 and "--force" in refused.stderr, refused.stdout + refused.stderr
+    judged = _compare(folder, tmp_path / "verdict", "--force")
     assert "refused by the gateway's own limit" in " ".join(judged.stdout.split()), judged.stdout + judged.stderr
     judgement = json.loads(next((tmp_path / "verdict").glob("*/verdict.json")).read_text())["judgement"]
     assert judgement["pairs"] == 8 - dropped
