@@ -22,7 +22,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dfserve import sglang
@@ -255,11 +255,21 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
         message = sglang.parse_error_message(b"".join(piece for _, piece in done.pieces))
         return build_record(done.sent, done.http_status, StreamRead(), ("http_status", message))
     stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
-    budget = done.sent.output_budget
+    sent = done.sent
+    if error is not None and error[0] == "disconnect" and stream.failure is None and _whole(done.pieces):
+        # Cut after `[DONE]`: the answer is whole, as a client that leaves there has it and as the gateway counts it;
+        # it ended with the read that completed it.
+        error, sent = None, replace(sent, end_s=done.pieces[-1][0] - t0)
+    budget = sent.output_budget
     if stream.failure is None and stream.counted and budget is not None and stream.completion_tokens > budget:
         stream.failure = ("protocol", f"completion_tokens {stream.completion_tokens} is more than the request's "
                           f"{budget} new tokens at most")
-    return build_record(done.sent, done.http_status, stream, error or stream.failure)
+    return build_record(sent, done.http_status, stream, error or stream.failure)
+
+
+def _whole(pieces: Sequence[tuple[float, bytes]]) -> bool:
+    """Whether the pieces end with `[DONE]`, nothing after it (its event may be split between the last two reads)."""
+    return sglang.ends_with_done(b"".join(piece for _, piece in pieces[-2:]))
 
 
 @dataclass(frozen=True, slots=True)

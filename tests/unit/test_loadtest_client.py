@@ -31,11 +31,11 @@ def chat_event(content: str, finish: str | None = None) -> bytes:
 
 
 def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP,
-        then: Callable[[], None] | None = None, timeout_s: float = 10.0) -> tuple[Finished, int]:
+        then: Callable[[], None] | None = None, timeout_s: float = 10.0, ended: bool = True) -> tuple[Finished, int]:
     """One chat request to a server that writes `head`, then `answer`'s chunks (each a read of its own, as far as
-    the loop goes, chunked unless `head` gives a length) until the client hangs up, then calls `then`, on the
-    client's loop, and closes after the client; what the client handed its sink, and how many bytes the server got
-    to write."""
+    the loop goes, chunked unless `head` gives a length) until the client hangs up, then the body's end unless not
+    `ended`, then calls `then`, on the client's loop, and closes after the client; what the client handed its sink,
+    and how many bytes the server got to write."""
     framed = b"chunked" in head
     written = 0
     served = asyncio.Event()
@@ -53,7 +53,7 @@ def run(answer: list[bytes], head: bytes = HEAD, answer_cap: int = 64 * CAP,
                 written += len(part)
                 await writer.drain()
                 await asyncio.sleep(0)
-            writer.write(b"0\r\n\r\n" if framed else b"")
+            writer.write(b"0\r\n\r\n" if framed and ended else b"")
             await writer.drain()
         if then is not None:
             then()
@@ -132,6 +132,19 @@ def test_a_whole_json_answer_to_a_streamed_request_is_the_servers_protocol_error
         b"%d" % len(body), b"%d" % len(b"".join([chat_event("a", "stop"), b"data: [DONE]\n\n"])))
     finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], sse)
     assert finished.error is None and derive(0.0, finished).ok
+
+
+def test_a_stream_cut_after_done_is_answered_when_done_came_and_cut_short_otherwise() -> None:
+    """As the gateway counts it, and as a client that leaves at `[DONE]` has it: the answer was whole."""
+    whole = [chat_event("a"), chat_event("b", "stop"), b"data: [DONE]\n\n"]
+    finished, _ = run(whole, ended=False)
+    assert finished.error is not None and finished.error[0] == "disconnect"
+    record = derive(0.0, finished)
+    assert record.ok and record.output_sha256 is not None and record.finish_reason == "stop"
+    assert record.end_s == finished.pieces[-1][0]
+    for short in (whole[:-1], [*whole, b"data: {"]):
+        record = derive(0.0, run(short, ended=False)[0])
+        assert record.error_kind == "disconnect" and not record.ok
 
 
 def test_an_error_document_in_a_200_event_stream_is_a_protocol_error_in_the_servers_words() -> None:
