@@ -60,7 +60,8 @@ class Trend(_Model):
     methods: tuple[str, ...]
     baseline: TrendBaseline
     points: tuple[TrendPoint, ...] = Field(description="by step")
-    skipped: tuple[Passed, ...] = Field(description="complete, never scored: newer ones arrived first")
+    skipped: tuple[Passed, ...] = Field(description="complete, never judged: newer ones arrived first, or it holds the "
+                                     "baseline's own weights")
     corrupt: tuple[Passed, ...] = Field(description="stable on disk but would not load or convert")
     projections: dict[str, Projection] = Field(description="per method, against the baseline's τ")
     updated_at: str

@@ -31,7 +31,7 @@ from dfserve.eval.records import AnchorRecord, EvalConfig, EvalSummary
 from dfserve.eval.runner import EvalPlan, run_eval
 from dfserve.eval.trend import Passed, Trend, TrendBaseline, TrendPoint, build_trend, scored
 from dfserve.eval.trend_report import render_trend_html
-from dfserve.eval.verdict import judge_offline
+from dfserve.eval.verdict import judge_offline, judged_against_itself
 from dfserve.eval.watch_discovery import Ready, Seen, Stability, choose, step_from_name
 from dfserve.eval.watch_files import Gone, Incomplete, StageMode, probe, scan, stage
 from dfserve.eval.watch_push import push_trend
@@ -87,6 +87,11 @@ class WatchPlan:
                 "prompt_format": e.prompt_format, "thinking": str(e.thinking), "reference": e.reference,
                 "dtype": e.dtype, "gate": e.gate.model_dump_json(), "drafter_config": drafter_config,
                 "profile": f"{e.profile.name} {profile}"}
+
+
+class _BaselineItself(Exception):
+    """A checkpoint holding the baseline's own weights (a fine-tune saves them as its first step): scored, on the
+    trend's list of skipped ones, never judged, as it would pass any gate at exactly 0%."""
 
 
 @dataclass
@@ -297,6 +302,11 @@ class Watcher:
             self.log(f"corrupt: {started.key}: {exc.message}")
             self._publish()
             return
+        except _BaselineItself as exc:
+            self._save(started.model_copy(update={"status": "skipped", "detail": str(exc)}))
+            self.log(f"skipped: {started.key} (step {started.step}): {exc}")
+            self._publish()
+            return
         self._save(started.model_copy(update={"status": "scored", "point": point}))
         self.result.scored.append(started.key)
         trend = self._publish()
@@ -314,6 +324,9 @@ class Watcher:
             raise FieldError("out", f"its run {run_dir.name} cannot be paired with the baseline's run {base_dir.name}: "
                              + "; ".join(problems))
         base_label, label = base_config.drafters[0].label, config.drafters[0].label
+        if why := judged_against_itself("the baseline", base_config.drafters[0], "this checkpoint",
+                                        config.drafters[0]):
+            raise _BaselineItself(why)
         judgement = judge_offline(base_label, base_records, label, records, [t.id for t in base_config.tasks.tasks],
                                   config.methods(), self.plan.eval.gate)
         _, summary = _read_run(run_dir)

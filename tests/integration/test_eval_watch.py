@@ -5,6 +5,7 @@ started again, and a real Pushgateway receiving the gauges."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -119,8 +120,13 @@ class FakeTrainer:
         self._done(path)
 
     def folder_checkpoint(self, step: int) -> None:
+        """The most trained drafter with one weight nudged past bfloat16's resolution: as good as the baseline, and
+        not the baseline's own weights (those are never judged)."""
+        drafter = copy.deepcopy(self.trained.final)
+        with torch.no_grad():
+            next(iter(drafter.parameters())).view(-1)[0] += 0.01
         tmp = self.folder / f".checkpoint-{step}"
-        models.save_drafter(self.trained.final, tmp)
+        models.save_drafter(drafter, tmp)
         tmp.rename(self.folder / f"checkpoint-{step}")
         self._done(self.folder / f"checkpoint-{step}")
 
@@ -243,7 +249,7 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
     assert max(taus[:2]) < taus[2] < taus[3]  # τ rises with training (the first few steps are noise)
     assert [c["checkpoint"] for c in trend["corrupt"]] == ["step_80/checkpoint.pt"]
     last, baseline = trend["points"][-1], trend["baseline"]
-    assert last["tau"] == baseline["tau"] and last["judgement"]["verdict"] == "PASS"  # the baseline's own weights
+    assert last["tau"] == baseline["tau"] and last["judgement"]["verdict"] == "PASS"  # the baseline's weights, nudged
     assert trend["points"][0]["judgement"]["verdict"] == "FAIL"
     assert trend["projections"]["vanilla"]["outcome"] == "reached"
     assert trend["projections"]["vanilla"]["crossing_step"] == STEPS[3]
@@ -332,13 +338,14 @@ def test_a_watch_rescores_a_replaced_checkpoint_waits_for_a_sharded_folder_and_n
         status, stdout, err = run_cli(capsys, *watch_args(trained, folder, out, "--stop-after-idle", 4, "--nice", 0))
     writer.join()
     assert status == 0, err
-    assert "corrupt:" not in err and "scored 4 checkpoints" in stdout
+    assert "corrupt:" not in err and "scored 3 checkpoints" in stdout
+    assert "skipped: checkpoint-40 (step 40): drafters the baseline and this checkpoint are one checkpoint" in err
     assert [line for line in err.splitlines() if line.startswith("waiting:")] == [
         f"waiting: checkpoint-40: {sharded} holds the shard model-00001-of-00002.safetensors but no *.index.json yet"]
     state = json.loads((out / "watch.json").read_text())["checkpoints"]
     assert {k: v["status"] for k, v in state.items()} == {
         "step_20/checkpoint.pt": "scored", "step_15/checkpoint.pt": "scored", "step_15/ema.pt": "scored",
-        "checkpoint-40": "scored"}
+        "checkpoint-40": "skipped"}  # the shards hold the baseline's own weights: scored, never judged
     ema = "step-000000015-" + hashlib.sha256(b"step_15/ema.pt").hexdigest()[:8]
     assert sorted(p.name for p in (out / "runs").iterdir()) == [
         "baseline", "step-000000015", ema, "step-000000020", "step-000000040"]
@@ -346,8 +353,8 @@ def test_a_watch_rescores_a_replaced_checkpoint_waits_for_a_sharded_folder_and_n
     assert sorted(p.name for p in (out / "staged" / "step-000000040").iterdir()) == sorted(
         p.name for p in sharded.iterdir())
     trend = json.loads((out / "trend.json").read_text())
-    assert [p["step"] for p in trend["points"]] == [15, 15, 20, 40] and trend["corrupt"] == []
-    assert trend["points"][-1]["tau"] == trend["baseline"]["tau"]  # the shards hold the baseline's own weights
+    assert [p["step"] for p in trend["points"]] == [15, 15, 20] and trend["corrupt"] == []
+    assert [(p["checkpoint"], p["step"]) for p in trend["skipped"]] == [("checkpoint-40", 40)]
 
     edited = tmp_path / "drafter-config.json"
     edited.write_text(trained.drafter_config.read_text() + "\n")
