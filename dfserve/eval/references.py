@@ -65,6 +65,8 @@ class ReferenceSet(_Model):
     source: str = Field(description="'local' or the server's URL")
     created_at: str
     references: tuple[Reference, ...]
+    tokens_sha256: str | None = Field(None, description="`digest()` as stored: a file whose tokens were edited or "
+                                      "damaged since is refused, not scored (a run builds features on them)")
 
     def digest(self) -> str:
         """Hash of the reference tokens themselves: the feature cache is keyed by what the target read."""
@@ -92,27 +94,35 @@ def cached_references(cache: Path, key: ReferenceKey) -> ReferenceSet | None:
         raise UserError(describe_invalid(exc, f"reference cache {path}")) from None
     if found.key != key:
         raise UserError(f"reference cache {path}: holds references for another key; remove the file")
+    if found.tokens_sha256 is None:
+        raise UserError(f"reference cache {path}: holds no hash of its tokens (stored by an earlier dfserve); remove "
+                        "the file and a run makes the references again")
+    if found.tokens_sha256 != found.digest():
+        raise UserError(f"reference cache {path}: its tokens no longer match their hash (tokens_sha256): edited or "
+                        "damaged since they were stored; remove the file and a run makes the references again")
     return found
 
 
 def store_references(cache: Path, references: ReferenceSet) -> Path:
     path = reference_path(cache, references.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, references.model_dump_json(indent=1) + "\n")
+    write_atomic(path, references.model_copy(update={"tokens_sha256": references.digest()}).model_dump_json(indent=1)
+                 + "\n")
     return path
 
 
-def keep_references(cache: Path, references: ReferenceSet) -> ReferenceSet:
-    """`references` stored in the cache; or, where a run sharing the cache stored its own under the same key while
-    these were made, those: every later run reads them, so this one scores on them too."""
+def keep_references(cache: Path, references: ReferenceSet) -> tuple[ReferenceSet, bool]:
+    """`references` stored in the cache, sealed; or, where a run sharing the cache stored its own under the same key
+    while these were made, those (and True): every later run reads them, so this one scores on them too."""
+    sealed = references.model_copy(update={"tokens_sha256": references.digest()})
     try:
-        store_references(cache, references)
+        store_references(cache, sealed)
     except FileExistsError:
         stored = cached_references(cache, references.key)
         if stored is None:
             raise
-        return stored
-    return references
+        return stored, True
+    return sealed, False
 
 
 def check_vocabulary(references: ReferenceSet, vocab_size: int, where: str) -> None:

@@ -252,8 +252,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
             references=tuple(refs.Reference(task=t.id, prompt_ids=tuple(p), output_ids=tuple(o), finish=f)
                              for t, p, (o, f) in zip(tasks, prompts, outputs, strict=True)))
         refs.check_vocabulary(references, target.vocab_size, plan.reference)
-        made, references = references, refs.keep_references(plan.cache, references)
-        reused_references = references is not made  # another run's, stored while these were made
+        references, reused_references = refs.keep_references(plan.cache, references)  # another run's, if it won
     else:
         refs.check_vocabulary(references, target.vocab_size, str(refs.reference_path(plan.cache, key)))
     if not any(len(reference.output_ids) >= 2 for reference in references.references):

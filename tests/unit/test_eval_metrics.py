@@ -245,7 +245,30 @@ def test_references_a_run_sharing_the_cache_stored_first_are_the_ones_kept(tmp_p
         return refs.ReferenceSet(key=key, source="local", created_at="now", references=(
             refs.Reference(task="a", prompt_ids=(1,), output_ids=output, finish="length"),))
 
-    first = refs.keep_references(tmp_path, made((5, 6)))
-    second = refs.keep_references(tmp_path, made((5, 7)))
-    assert first.references[0].output_ids == second.references[0].output_ids == (5, 6)
+    first, reused = refs.keep_references(tmp_path, made((5, 6)))
+    assert not reused
+    second, reused = refs.keep_references(tmp_path, made((5, 7)))
+    assert reused and first.references[0].output_ids == second.references[0].output_ids == (5, 6)
     assert refs.cached_references(tmp_path, key) == first
+
+
+def test_a_reference_cache_whose_tokens_were_edited_is_refused_in_one_line(tmp_path: Path) -> None:
+    """New features would be built on them, and both drafters scored τ 1.0 and PASSed at +0%."""
+    from dfserve.eval import references as refs
+
+    key = refs.ReferenceKey(target_sha256="t", tasks_sha256="s", task_ids=("a",), prompts_sha256="p",
+                            prompt=PromptSettings(format="raw", thinking=False, template_sha256=None),
+                            max_new_tokens=8, stop_ids=(), source="local", server_model=None)
+    refs.keep_references(tmp_path, refs.ReferenceSet(key=key, source="local", created_at="now", references=(
+        refs.Reference(task="a", prompt_ids=(1,), output_ids=(5, 6), finish="length"),)))
+    path = refs.reference_path(tmp_path, key)
+    stored = json.loads(path.read_text())
+    stored["references"][0]["output_ids"] = [5, 5]
+    path.write_text(json.dumps(stored))
+    with pytest.raises(UserError, match=r"references-[0-9a-f]{16}\.json: its tokens no longer match their hash "
+                                        r"\(tokens_sha256\): edited or damaged"):
+        refs.cached_references(tmp_path, key)
+    del stored["tokens_sha256"]
+    path.write_text(json.dumps(stored))
+    with pytest.raises(UserError, match=r"holds no hash of its tokens \(stored by an earlier dfserve\); remove"):
+        refs.cached_references(tmp_path, key)
