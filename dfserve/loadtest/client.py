@@ -103,6 +103,8 @@ def ended(stream: StreamRead) -> StreamRead:
           and (stream.counted or stream.completion_tokens)  # else no count came
           and (why := sglang.impossible_rounds(stream.completion_tokens, stream.verify_ct)) is not None):
         stream.failure = ("protocol", why)
+    if stream.spec is not None and stream.usage_seen and not sglang.spec_covers(stream.spec, stream.completion_tokens):
+        stream.verify_ct = None  # its spec details are of other tokens than its usage counts: no acceptance
     return stream
 
 

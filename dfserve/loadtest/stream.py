@@ -43,6 +43,8 @@ class StreamRead:
     sim_due: list[float] | None = None
     server_e2e: float | None = None
     usage_seen: bool = False
+    spec: sglang.SpecStats | None = None
+    """An OpenAI stream's spec details (`sglext`), the last that came."""
     counted: bool = False
     """A count of the output's tokens came (every native event's meta_info; an OpenAI stream's usage, or its spec
     details' accept length): without one, `completion_tokens` counts nothing."""
@@ -152,7 +154,7 @@ class StreamRead:
                 self.prompt_tokens = event.usage.prompt_tokens
                 self.completion_tokens = event.usage.completion_tokens
             if event.spec is not None:
-                self.verify_ct = event.spec.verify_ct
+                self.verify_ct, self.spec = event.spec.verify_ct, event.spec
                 if not self.usage_seen and (tokens := sglang.spec_completion_tokens(event.spec, None)) is not None:
                     self.completion_tokens, self.counted = tokens, True
 

@@ -59,6 +59,7 @@ from dfserve.sglang.client.responses import (
     parse_sglext_spec,
     parse_usage,
     spec_completion_tokens,
+    spec_covers,
     stream_error_events,
     strip_spec_details,
 )
@@ -181,6 +182,7 @@ __all__ = [
     "printable_json",
     "sim_times_comment",
     "spec_completion_tokens",
+    "spec_covers",
     "stream_error",
     "stream_error_events",
     "strip_spec_details",

@@ -255,6 +255,16 @@ def test_a_native_answer_of_no_tokens_and_verify_rounds_is_impossible() -> None:
         record.error_message or "")
 
 
+def test_a_stream_whose_spec_details_are_of_other_tokens_than_its_usage_has_no_acceptance() -> None:
+    """A streamed completion of a batch of prompts: SGLang's one spec details object is the first prompt's."""
+    body = chat("a") + chat("b", finish=True) + chat_end(3)
+    exact = both_ways("chat", cuts(body, "events"))[1]
+    assert exact["acceptance"] == "exact" and exact["spec_verify_ct"] == 3
+    other = both_ways("chat", cuts(body.replace(b'"completion_tokens":3', b'"completion_tokens":6'), "events"))[1]
+    assert other["error_kind"] is None and other["completion_tokens"] == 6
+    assert other["spec_verify_ct"] is None and other["acceptance"] != "exact"
+
+
 def test_an_openai_stream_without_usage_has_no_token_count() -> None:
     """A server that leaves out the usage the tester asked for has not said it generated 0 tokens."""
     record = derive(10.0, finished(cuts(chat("", first=True) + chat("a") + chat("b", finish=True) + sglang.SSE_DONE,

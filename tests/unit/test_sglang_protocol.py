@@ -130,6 +130,23 @@ def test_whole_openai_answers_give_exact_acceptance_from_spec_details_and_strip_
     assert proto.parse_openai_response(fixture_body("completion.json")).acceptance is None
 
 
+def test_spec_details_of_other_tokens_than_the_usage_counts_give_no_acceptance() -> None:
+    """A completion of two prompts (SGLang 0.5.23): 8 tokens each, but one spec details object, the first prompt's
+    (7 rounds, 8/7), beside a usage of 16: read as exact, its accept length was 16/7."""
+    body = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": i, "text": "x" * 8, "finish_reason": "length"} for i in range(2)],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26},
+            "sglext": {"spec_tokens_details": {"spec_verify_ct": 7, "spec_accept_length": 8 / 7}}}
+    assert proto.parse_openai_response(json.dumps(body)).acceptance is None
+    one = {**body, "choices": body["choices"][:1], "usage": {**body["usage"], "completion_tokens": 8}}
+    acceptance = proto.parse_openai_response(json.dumps(one)).acceptance
+    assert acceptance is not None and acceptance[0] == 8 and acceptance[1].verify_ct == 7
+    spec = proto.SpecStats(verify_ct=7, num_correct_drafts=None, num_proposed_drafts=None, accept_rate=None,
+                           correct_drafts_histogram=None, accept_length=8 / 7)
+    assert proto.spec_completion_tokens(spec, proto.Usage(10, 16)) is None
+    assert proto.spec_completion_tokens(spec, proto.Usage(10, 8)) == proto.spec_completion_tokens(spec, None) == 8
+
+
 def test_old_spec_field_names_parse_like_new_ones() -> None:
     result = proto.parse_generate_response(fixture_body("native_generate_old_names.json"))[0]
     assert result.meta.spec is not None

@@ -117,13 +117,20 @@ def parse_sglext_spec(sglext: Any) -> SpecStats | None:
 
 
 def spec_completion_tokens(spec: SpecStats | None, usage: Usage | None) -> int | None:
-    """The completion tokens behind `sglext.spec_tokens_details` (which does not carry them): the usage's, else
-    SGLang's own accept length times the rounds it divided by."""
+    """The completion tokens behind `sglext.spec_tokens_details` (which does not carry them): the usage's where the
+    details are of them (`spec_covers`), else SGLang's own accept length times the rounds it divided by."""
     if spec is None:
         return None
     if usage is not None:
-        return usage.completion_tokens
+        return usage.completion_tokens if spec_covers(spec, usage.completion_tokens) else None
     return round(spec.accept_length * spec.verify_ct) if spec.accept_length is not None else None
+
+
+def spec_covers(spec: SpecStats, completion_tokens: int) -> bool:
+    """Whether spec details are of `completion_tokens` tokens, as far as they say (SGLang's accept length is tokens
+    over rounds): a completion of a batch of prompts has one object, its first prompt's, beside a usage counting
+    every prompt's tokens, and no acceptance is had of them."""
+    return spec.accept_length is None or round(spec.accept_length * spec.verify_ct) == completion_tokens
 
 
 def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
