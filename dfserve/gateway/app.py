@@ -275,6 +275,8 @@ class GatewayApp:
             with_spec = sglang.with_spec_details(inspected.body)
         request_id, body = next(gateway.request_ids), request.body
         mirrors = decision.mirrors if gateway.mirroring else ()
+        mirrored = (sglang.without_request_id(inspected.body, with_spec is not request.body) or with_spec
+                    if mirrors else with_spec)
         recorded = gateway.records_streams and any(mirror not in down for mirror in mirrors)
         for mirror in mirrors:
             if mirror in down:
@@ -282,7 +284,7 @@ class GatewayApp:
             else:
                 gateway.spawn(self.shadow(Exchange(arm=mirror, route=api, request_id=request_id, mirror=True,
                                                    body=body, request=inspected.body, start=start,
-                                                   keep_pieces=recorded), path, with_spec,
+                                                   keep_pieces=recorded), path, mirrored,
                                           headers, request.query), mirror=True)
         if mirrors and down:
             mirrors = tuple(mirror for mirror in mirrors if mirror not in down)

@@ -43,6 +43,7 @@ from dfserve.sglang.client.requests import (
     generate_ids_body,
     inspect_request,
     with_spec_details,
+    without_request_id,
 )
 from dfserve.sglang.client.responses import (
     GenerateResult,
@@ -188,4 +189,5 @@ __all__ = [
     "strip_spec_details",
     "times_field",
     "with_spec_details",
+    "without_request_id",
 ]

@@ -129,6 +129,37 @@ def test_shadow_records_pair_by_request_and_judge(tmp_path: Path) -> None:
     assert next(r for r in floor["rules"] if r["metric"] == "accept_length")["status"] != "FAIL"
 
 
+def test_a_mirror_goes_without_the_clients_request_id(tmp_path: Path) -> None:
+    """SGLang refuses a second request of one id while the first runs: arms sharing a server (an A/A shadow) failed
+    the mirror of every request that named one. The client's own request keeps its id."""
+    bodies = [("/generate", {"text": f"def f{i}(x):", "rid": f"client-{i}", "stream": i % 2 == 0,
+                             "sampling_params": {"max_new_tokens": 16, "temperature": 0}}) for i in range(4)]
+    bodies += [("/v1/chat/completions", {"model": "m", "rid": f"client-chat-{i}", "max_tokens": 16, "temperature": 0,
+                                         "messages": [{"role": "user", "content": f"def g{i}(x):"}]}) for i in range(2)]
+    with sim_server("zlab", 0.02, 0) as engine:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+            "arms": {"baseline": {"weight": 1, "replicas": [engine]}, "candidate": {"weight": 1, "replicas": [engine]}}}))
+        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for path, body in bodies:
+                response = client.post(path, json=body)
+                assert response.status_code == 200 and b"Duplicate" not in response.content, response.text
+            _wait_for_mirrors(client, len(bodies))
+        with httpx.Client(base_url=engine, timeout=60) as direct:  # as SGLang, the engine refuses an id it runs
+            first = {"text": "def h(x):", "rid": "twice", "stream": True, "sampling_params": {"max_new_tokens": 4000,
+                                                                                          "ignore_eos": True}}
+            with direct.stream("POST", "/generate", json=first) as running:
+                lines = running.iter_lines()  # held: a generator let go closes the stream
+                assert next(lines).startswith("data:")
+                second = direct.post("/generate", json={**first, "stream": False})
+            assert second.status_code == 400 and "Duplicate request ID detected: twice" in second.text
+    records = list(read_records(next((tmp_path / "shadow").iterdir()) / "requests.jsonl"))
+    assert len(records) == 2 * len(bodies)
+    assert all(r.ok and r.acceptance == "exact" for r in records), [r.error_message for r in records if not r.ok]
+
+
 def test_a_retried_request_is_captured_once(tmp_path: Path) -> None:
     """The gateway tries another replica of the arm within one exchange, so capture sees each request once."""
     with sim_server("zlab", 0.02, 0) as engine, refusing_port() as dead:

@@ -334,6 +334,8 @@ def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Voc
             if refused is not None:
                 raise refused
             proto.verify(request)
+            if request.rid is not None and engine.serving(request.rid):
+                raise proto.RequestError(f"Duplicate request ID detected: {request.rid}", "engine")
         except proto.RequestError as exc:
             return _answer(proto.error_answer(request.api, exc, request.stream))
         max_new = request.max_new_tokens

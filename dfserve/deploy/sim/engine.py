@@ -153,6 +153,10 @@ class Engine:
         self._wake.set()
         return request
 
+    def serving(self, rid: str) -> bool:
+        """A request of this id is queued or running (SGLang refuses a second one: "Duplicate request ID")."""
+        return any(r.rid == rid and r.finished_s is None and not r.cancelled for r in (*self._waiting, *self._running))
+
     def cancel(self, request: SimRequest) -> None:
         """The client went away: free its slot (or its place in the queue) before the next step."""
         if request.finished_s is not None or request.cancelled:

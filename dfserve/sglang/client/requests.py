@@ -159,6 +159,16 @@ def inspect_request(body: bytes) -> RequestInfo:
     )
 
 
+def without_request_id(request: dict[str, Any], spec_details: bool) -> bytes | None:
+    """A copy of a request for another replica, less the client's `rid` (SGLang refuses a second request of one id,
+    and an arm sharing a server, or its ids, with the first would fail for it), asking for the spec fields where
+    `spec_details`; None when the request names no id."""
+    if "rid" not in request:
+        return None
+    copied = {key: value for key, value in request.items() if key != "rid"}
+    return with_spec_details(copied) if spec_details else json.dumps(copied, separators=(",", ":")).encode()
+
+
 def with_spec_details(request: dict[str, Any]) -> bytes:
     """An OpenAI request body that also asks SGLang for the request's spec fields (`RETURN_SPEC_DETAILS`); in ASCII,
     so that text with a lone surrogate (valid JSON escapes, no valid UTF-8) goes on as the client escaped it."""
