@@ -221,7 +221,8 @@ class Upstream:
                 raise UpstreamFailure(504, "timeout", f"arm {arm_name!r}: no response headers in time") from None
             except (ConnectFailed, Disconnected, BadResponse) as exc:
                 self._finish(arm, replica)
-                kind = "bad_response" if isinstance(exc, BadResponse) else "connect"
+                kind = ("bad_response" if isinstance(exc, BadResponse) else "connect" if isinstance(exc, ConnectFailed)
+                        else "disconnect")  # it had the request, and closed before answering
                 self._failed(arm, replica, kind)
                 failure = UpstreamFailure(502, kind, f"arm {arm_name!r}: {type(exc).__name__} from a replica")
                 continue

@@ -113,6 +113,8 @@ def error_kind(error: str | None, status: int | None) -> ErrorKind | None:
         return "stream_error"
     if "timeout" in error:
         return "timeout"
+    if error == "disconnect":
+        return "disconnect"
     if "connect" in error:
         return "connect"
     if error.startswith("http_"):

@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import json
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -158,6 +159,53 @@ def test_a_mirror_goes_without_the_clients_request_id(tmp_path: Path) -> None:
     records = list(read_records(next((tmp_path / "shadow").iterdir()) / "requests.jsonl"))
     assert len(records) == 2 * len(bodies)
     assert all(r.ok and r.acceptance == "exact" for r in records), [r.error_message for r in records if not r.ok]
+
+
+@contextlib.contextmanager
+def _dropping() -> Iterator[str]:
+    """A replica that reads each request and closes its connection without an answer (killed while generating)."""
+    listener = socket.create_server((LOOPBACK, 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                with conn:
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        head += conn.recv(65536)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield url_of(listener)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_a_replica_that_closes_after_taking_the_request_is_a_disconnect_not_a_connect_failure(tmp_path: Path) -> None:
+    """As the load tester records it: the request was sent, and the replica went away before answering."""
+    with sim_server("zlab", 0.02, 0) as engine, _dropping() as dropping:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
+            "arms": {"baseline": {"weight": 1, "replicas": [engine]},
+                     "candidate": {"weight": 1, "replicas": [dropping]}}}))
+        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            for stream in (False, True):
+                body = {"text": "def f(x):", "stream": stream, "sampling_params": {"max_new_tokens": 8}}
+                assert client.post("/generate", json=body).status_code == 200
+            _wait_for_mirrors(client, 2)
+            metrics = client.get("/metrics").text
+    records = list(read_records(next((tmp_path / "shadow").iterdir()) / "requests.jsonl"))
+    assert [(r.arm, r.error_kind) for r in records] == [("baseline", None), ("candidate", "disconnect")] * 2
+    assert f'dfserve_requests_total{{arm="candidate",error="disconnect",replica="{dropping}",route="native",' \
+           'status="5xx"} 2.0' in metrics and 'error="connect"' not in metrics
 
 
 def test_a_retried_request_is_captured_once(tmp_path: Path) -> None:
