@@ -167,6 +167,8 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     sent = exchanged.sent_s - t0_perf_s if exchanged.sent_s is not None else start
     kind = error_kind(o.error, o.status)
     message = (exchanged.unparsed or o.error) if kind is not None else None
+    if kind == "http_status" and exchanged.answer:
+        message = sglang.parse_error_message(exchanged.answer[:65536])[:500]  # the server's words, as the tester's
     tokens, rounds = o.output_tokens, o.verify_rounds
     exact = o.measure == "exact" and rounds is not None
     text, finish, chunk_times, chunk_tokens, stream = None, None, [], None, None

@@ -135,6 +135,14 @@ def test_error_kinds() -> None:
         "cancelled", "http_status"]
 
 
+def test_an_error_answers_record_keeps_the_servers_words_as_the_load_testers_does() -> None:
+    refused = exchanged(1, "inhouse", True, answer=b'{"object":"error","message":"max_completion_tokens is too large",'
+                                                   b'"type":"BadRequestError","param":null,"code":400}')
+    record = shadow_record(replace(refused, outcome=replace(refused.outcome, status=400)), 100.0)
+    assert (record.error_kind, record.http_status, record.error_message) == (
+        "http_status", 400, "max_completion_tokens is too large")
+
+
 def _folders(root: Path) -> list[Path]:
     return sorted(root.iterdir())
 
