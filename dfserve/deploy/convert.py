@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from dfserve.deploy.assets import (
@@ -40,7 +40,7 @@ from dfserve.deploy.assets import (
 from dfserve.deploy.drafters import verify_folder
 from dfserve.deploy.hashes import file_sha256, remember_sha256
 from dfserve.errors import FieldError, UserError
-from dfserve.runs import staged_folder, utc_now_iso
+from dfserve.runs import read_model, staged_folder, utc_now_iso
 
 WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "draft_model", "drafter")
 """Keys under which trainers nest the drafter's state dict, tried in this order."""
@@ -61,6 +61,8 @@ class ConversionRecord(BaseModel):
     renamed: dict[str, str]
     created_at: str
     torch_version: str
+    weights_sha256: str | None = Field(None, description="model.safetensors as written: a folder reused whose weights "
+                                       "no longer hash to it is refused (None: converted by an earlier dfserve)")
 
 
 @dataclass(frozen=True)
@@ -144,15 +146,24 @@ def _canonical(config: Mapping[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
-def _check_reused(folder: Path, checkpoint: Path, config: Mapping[str, Any], target: Target) -> None:
+def _check_reused(folder: Path, checkpoint: Path, config: Mapping[str, Any], target: Target,
+                  hash_cache: Path | None) -> None:
     """A folder converted before is used again only as it was written: a damaged or edited one is refused, never
     rewritten, since a running engine may load it."""
     try:
         if _canonical(read_json(folder / "config.json", "drafter")) != _canonical(config):
             raise FieldError("drafter", "its config.json is not the one this conversion writes")
         verify_folder(folder, target)
-    except FieldError as exc:
-        raise FieldError("drafter", f"{folder}, converted earlier from {checkpoint}: {exc.message}; "
+        record = read_model(folder / RECORD_NAME, ConversionRecord, f"no {RECORD_NAME}")
+        if record.weights_sha256 is None:
+            raise FieldError("drafter", f"its {RECORD_NAME} holds no hash of its weights (converted by an earlier "
+                             "dfserve)")
+        if file_sha256(folder / "model.safetensors", hash_cache) != record.weights_sha256:
+            raise FieldError("drafter", f"its model.safetensors no longer hashes to the weights_sha256 of "
+                             f"{RECORD_NAME}: edited or damaged since it was written")
+    except UserError as exc:
+        said = exc.message if isinstance(exc, FieldError) else str(exc)
+        raise FieldError("drafter", f"{folder}, converted earlier from {checkpoint}: {said}; "
                          "remove it to convert again") from None
 
 
@@ -160,7 +171,8 @@ def _write_folder(folder: Path, tensors: Mapping[str, torch.Tensor], config: Map
     bf16 = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in sorted(tensors.items())}
     save_file(bf16, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (folder / RECORD_NAME).write_text(record.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    sealed = record.model_copy(update={"weights_sha256": file_sha256(folder / "model.safetensors", remember=False)})
+    (folder / RECORD_NAME).write_text(sealed.model_dump_json(indent=2) + "\n", encoding="utf-8")
     written = read_safetensors_header(folder / "model.safetensors")
     if sorted(written) != sorted(bf16) or any(info.dtype != "BF16" for info in written.values()):
         raise UserError(f"conversion: {folder / 'model.safetensors'} does not read back as written")
@@ -179,7 +191,7 @@ def convert_checkpoint(
     key = hashlib.sha256(f"{digest}\0{_canonical(written)}".encode()).hexdigest()
     folder = store / f"inhouse-{key[:16]}"
     if folder.is_dir():
-        _check_reused(folder, checkpoint, written, target)
+        _check_reused(folder, checkpoint, written, target, hash_cache)
         remember_sha256(checkpoint, hash_cache, digest)
         return ConvertResult(folder, digest, key, converted=False)
     stored = load_checkpoint(checkpoint)

@@ -323,6 +323,15 @@ def damage(folder: Path, how: str) -> None:
         data = bytearray((folder / "model.safetensors").read_bytes())
         data[-2:] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
         (folder / "model.safetensors").write_bytes(bytes(data))
+    elif how == "zeroed":  # reads as well-formed, finite weights: only its hash tells (it scored τ 1.0)
+        data = bytearray((folder / "model.safetensors").read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[start:] = bytes(len(data) - start)
+        (folder / "model.safetensors").write_bytes(bytes(data))
+    elif how == "unsealed":
+        record = json.loads((folder / RECORD_NAME).read_text())
+        del record["weights_sha256"]
+        (folder / RECORD_NAME).write_text(json.dumps(record))
     else:
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "block_size": 4}))
@@ -332,6 +341,8 @@ def damage(folder: Path, how: str) -> None:
     ("truncated", "truncated"),
     ("nan", "has 1 NaN and 0 Inf values"),
     ("config", "config.json is not the one this conversion writes"),
+    ("zeroed", "model.safetensors no longer hashes to the weights_sha256 of dfserve-conversion.json: edited or damaged"),
+    ("unsealed", "holds no hash of its weights (converted by an earlier dfserve)"),
 ])
 def test_a_converted_folder_damaged_since_is_refused_on_reuse(tmp_path: Path, how: str, problem: str) -> None:
     store = tmp_path / "store"
