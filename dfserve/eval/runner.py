@@ -166,7 +166,10 @@ def _run(plan: EvalPlan, console: Console) -> EvalOutcome:
         for drafter in drafters:
             if drafter.checkpoint is not None and drafter.info.staged is not None:
                 (run_dir / "inputs").mkdir(exist_ok=True)
-                link_input(drafter.checkpoint, Path(drafter.info.staged), "out")
+                staged = link_input(drafter.checkpoint, Path(drafter.info.staged), "out")
+                if file_sha256(staged, plan.store / ".hashes") != drafter.info.weights_sha256:
+                    raise FieldError("drafter", f"{drafter.checkpoint} changed while the run prepared (a trainer "
+                                     "saved over it): the run would keep other bytes than it scored; run it again")
     except UserError:
         shutil.rmtree(run_dir)
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -456,6 +457,27 @@ def test_a_feature_cache_whose_content_no_longer_matches_its_hashes_is_refused(
     (found / task).unlink()
     status, _, err = run_cli(capsys, *eval_args(world, "damaged", f"short={world.short}", cache="damaged-cache"))
     assert status == 2 and err.startswith(f"dfserve: error: --cache: {found / task}: cannot be read"), err
+
+
+def test_a_checkpoint_saved_over_while_the_run_prepared_is_refused_not_kept(
+        first_run: FirstRun, world: World, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer renamed a newer checkpoint over the one named while references and features were made: the run's
+    inputs/ held the newer bytes beside the score and hash of the older."""
+    from dfserve.eval import runner
+
+    checkpoint = shutil.copy(world.short_checkpoint, world.root / "rotating.pt")
+    prepare = runner._prepare
+
+    def prepared_while_a_trainer_saves(*args: Any, **kwargs: Any) -> Any:
+        done = prepare(*args, **kwargs)
+        shutil.copy(world.long_checkpoint, world.root / "rotating.pt.tmp")
+        os.replace(world.root / "rotating.pt.tmp", checkpoint)
+        return done
+
+    monkeypatch.setattr(runner, "_prepare", prepared_while_a_trainer_saves)
+    status, _, err = run_cli(capsys, *eval_args(world, "rotated", f"x={checkpoint}"))
+    assert status == 2 and err.count("\n") == 1 and "rotating.pt changed while the run prepared" in err, err
+    assert not (world.root / "runs" / "rotated").exists()
 
 
 def test_a_task_file_unreadable_after_its_hash_was_checked_is_one_line(world: World, first_run: FirstRun) -> None:
