@@ -198,6 +198,10 @@ class Watcher:
         probed: set[str] = set()
         for seen in ready:
             known = self.state.checkpoints.get(seen.key)
+            if (known is not None and known.status == "scored" and not seen.folder  # a folder grows (optimizer state)
+                    and (known.size, known.mtime_ns) != seen.fingerprint):
+                self._replaced(known)
+                known = None
             if known is not None and (known.status in ("scored", "skipped") or (
                     known.status == "corrupt" and (known.size, known.mtime_ns) == seen.fingerprint)):
                 continue
@@ -224,6 +228,15 @@ class Watcher:
                 self.log(f"skipped: {passed.key} (step {passed.step}): step {first.step} arrived first")
             self._score(first, seen)
         return acted
+
+    def _replaced(self, known: CheckpointEntry) -> None:
+        """A scored checkpoint the trainer saved over (`latest.pt`): its point stays on the trend, kept under the
+        run that scored it, and the new bytes are a checkpoint of their own."""
+        kept = known.model_copy(update={"key": f"{known.key}@{known.run_id}"})
+        others = {key: e for key, e in self.state.checkpoints.items() if key != known.key}
+        self.state = self.state.model_copy(update={"checkpoints": {**others, kept.key: kept}})
+        self._save()
+        self.log(f"replaced: {known.key} (step {known.step}) was saved over; its new bytes are a new checkpoint")
 
     def _probe(self, seen: Seen) -> int | None:
         """The step of a loadable candidate (its name's, else the one stored in it); None when it does not load or

@@ -1,8 +1,8 @@
 """Which checkpoints a trainer has finished writing, and which of them the watch scores next: pure decisions over
 what each poll of the checkpoint folder saw, tested without a file system or a clock.
 
-A trainer writes `step_1000/checkpoint.pt`, `checkpoint-1000/` (a Hugging Face folder), `model_step1000.pt` or
-`*.safetensors`; the step comes from the name when it carries one. A name that says it is unfinished (`.tmp`,
+A trainer writes `step_1000/checkpoint.pt`, `checkpoint-1000/` (a Hugging Face folder), `model_step1000.pt`,
+`epoch=0-step=1000.ckpt` (PyTorch Lightning) or `*.safetensors`; the step comes from the name when it carries one. A name that says it is unfinished (`.tmp`,
 `.partial`, a leading dot) is never a candidate, nor is anything beneath such a folder. A candidate is complete
 when two polls in a row saw the same size and modification time (and it then loads, which the caller checks)::
 
@@ -17,9 +17,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 TEMPORARY_SUFFIXES = (".tmp", ".temp", ".partial", ".part", ".incomplete", ".lock", "~")
-_STEP = re.compile(r"(?:^|[/_.-])(?:global_?)?(?:step|checkpoint|ckpt|iter)[_-]?(\d+)(?=$|[/_.-])", re.IGNORECASE)
+_STEP = re.compile(r"(?:^|[/_.-])(?:global_?)?(?:step|checkpoint|ckpt|iter)[_=-]?(\d+)(?=$|[/_.-])", re.IGNORECASE)
 
 
 def step_from_name(relative: str) -> int | None:

@@ -39,8 +39,9 @@ class Gone(FieldError):
 
 
 def scan(root: Path) -> list[Seen]:
-    """Every candidate under `root`: a folder with a config.json and weights is one candidate (a Hugging Face
-    checkpoint), any other weights file is one; temporary names are left out."""
+    """Every candidate under `root`: a folder with a config.json and safetensors weights is one candidate (a Hugging
+    Face checkpoint), any other weights file is one (`step_N/checkpoint.pt` beside the trainer's config.json);
+    temporary names are left out."""
     found: list[Seen] = []
     _walk(root, root, 0, found)
     return found
@@ -52,7 +53,7 @@ def _walk(root: Path, folder: Path, depth: int, found: list[Seen]) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     names = {e.name for e in entries}
-    if folder != root and "config.json" in names and any(is_weights(n) for n in names):
+    if folder != root and "config.json" in names and any(n.lower().endswith(".safetensors") for n in names):
         if (seen := _folder(root, folder)) is not None:
             found.append(seen)
         return

@@ -15,6 +15,7 @@ from dfserve.eval.watch_discovery import Ready, Seen, Stability, choose, is_temp
     ("run3/global_step77/weights.pt", 77),
     ("ckpt_12.safetensors", 12),
     ("iter-5/checkpoint.pt", 5),
+    ("epoch=0-step=1000.ckpt", 1000),
     ("latest.pt", None),
     ("model.safetensors", None),
     ("steps.pt", None),

@@ -38,12 +38,17 @@ def checkpoints(tmp_path: Path) -> Path:
     (root / "tmp-600").mkdir()
     (root / "tmp-600" / "checkpoint.pt").write_bytes(b"staging")
     (root / "notes.txt").write_text("not weights")
+    (root / "step_800").mkdir()  # a trainer's own config beside its torch checkpoint: no Hugging Face folder
+    (root / "step_800" / "config.json").write_text("{}")
+    torch.save({"step": 800, "model": {"w": torch.ones(3)}}, root / "step_800" / "checkpoint.pt")
+    torch.save({"global_step": 900, "state_dict": {"model.w": torch.ones(3)}}, root / "epoch=2-step=900.ckpt")
     return root
 
 
 def test_scan_finds_each_layout_once_and_never_a_temporary_name(checkpoints: Path) -> None:
     seen = {s.key: s for s in scan(checkpoints)}
-    assert sorted(seen) == ["checkpoint-300", "drafter_step200.safetensors", "latest.pt", "step_100/checkpoint.pt"]
+    assert sorted(seen) == ["checkpoint-300", "drafter_step200.safetensors", "epoch=2-step=900.ckpt", "latest.pt",
+                            "step_100/checkpoint.pt", "step_800/checkpoint.pt"]
     folder = seen["checkpoint-300"]
     assert folder.folder and folder.size == sum(p.stat().st_size for p in (checkpoints / "checkpoint-300").iterdir())
 

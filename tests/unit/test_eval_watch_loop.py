@@ -8,6 +8,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import SupportsIndex
 
 import pytest
 import torch
@@ -163,6 +164,28 @@ def test_a_checkpoint_called_corrupt_then_replaced_is_scored_from_its_new_bytes_
     assert [line for line in again.lines if line.startswith("corrupt:")] == []
     assert [run for run, _ in again.evals] == ["step-000000020"] and again.evals[0][1].samefile(path)
     assert read_state(tmp_path / "watch").checkpoints["step_20/checkpoint.pt"].status == "scored"
+
+
+def test_a_scored_file_the_trainer_saves_over_is_scored_again_and_its_first_point_stays(tmp_path: Path) -> None:
+    """`latest.pt`, step 100 then step 200 renamed over it: the second was never scored."""
+    first = _checkpoint(tmp_path, "latest.pt", step=100)
+    path = tmp_path / "ckpt" / "latest.pt"
+    second = Seen("latest.pt", False, first.size, first.mtime_ns + 1)
+
+    class Saving(list[list[Seen]]):
+        def pop(self, index: SupportsIndex = -1) -> list[Seen]:
+            if len(self) == 2:  # the third poll: step 100 was scored, the trainer saves step 200 over it
+                torch.save({"model": {"w": torch.ones(2)}, "step": 200}, path.with_name("latest.pt.tmp"))
+                path.with_name("latest.pt.tmp").rename(path)
+            return super().pop(index)
+
+    watcher = Scripted(_plan(tmp_path, every=False), Saving([[first], [first], [second], [second]]))
+    watcher.run()
+    assert watcher.scoring == [100, 200]
+    assert "replaced: latest.pt (step 100) was saved over; its new bytes are a new checkpoint" in watcher.lines
+    state = read_state(tmp_path / "watch").checkpoints
+    assert {key: (e.key, e.step, e.status) for key, e in state.items()} == {
+        "latest.pt@step-100": ("latest.pt@step-100", 100, "scored"), "latest.pt": ("latest.pt", 200, "scored")}
 
 
 def test_a_checkpoint_whose_scoring_fails_unforeseen_is_corrupt_and_the_watch_goes_on(tmp_path: Path) -> None:
