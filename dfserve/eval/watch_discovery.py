@@ -35,8 +35,13 @@ def is_temporary(relative: str) -> bool:
                for part in relative.split("/"))
 
 
+TRAINER_STATE = re.compile(r"^(optimizer|scheduler|scaler|rng_state|training_args)|optim_states", re.IGNORECASE)
+"""What a trainer saves beside its weights (Hugging Face's `optimizer.pt`, `rng_state.pth`, DeepSpeed's
+`*_optim_states.pt`): never a drafter, and an optimizer's state is twice the model's bytes to load and stage."""
+
+
 def is_weights(name: str) -> bool:
-    return name.lower().endswith(WEIGHT_SUFFIXES)
+    return name.lower().endswith(WEIGHT_SUFFIXES) and not TRAINER_STATE.search(name)
 
 
 @dataclass(frozen=True)

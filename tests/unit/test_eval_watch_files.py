@@ -42,6 +42,8 @@ def checkpoints(tmp_path: Path) -> Path:
     (root / "step_800" / "config.json").write_text("{}")
     torch.save({"step": 800, "model": {"w": torch.ones(3)}}, root / "step_800" / "checkpoint.pt")
     torch.save({"global_step": 900, "state_dict": {"model.w": torch.ones(3)}}, root / "epoch=2-step=900.ckpt")
+    for state in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "training_args.bin", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"state": {}}, root / "step_100" / state)  # a trainer's own state beside its weights
     return root
 
 
