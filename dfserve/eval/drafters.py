@@ -132,6 +132,25 @@ def tensors_sha256(model: Any, mask_embedding: Tensor | None) -> str:
     return digest.hexdigest()
 
 
+SAME_WEIGHTS_RTOL = 2.0**-7
+"""Twice bfloat16's rounding error: one checkpoint in float32, float16 and bfloat16 agrees within it everywhere, and
+two checkpoints a training step apart do not (an optimizer step moves weights near zero by far more)."""
+
+
+def same_weights(one: tuple[Any, Tensor | None], other: tuple[Any, Tensor | None]) -> bool:
+    """Whether two loaded drafters (model, mask embedding) are one checkpoint in other precisions: every tensor of
+    one name and shape, and equal within `SAME_WEIGHTS_RTOL`. Their `tensors_sha256` differ wherever a value sits
+    on a bfloat16 rounding boundary (6% of them after a float16 round trip)."""
+    first, second = dict(one[0].state_dict()), dict(other[0].state_dict())
+    if one[1] is not None and other[1] is not None:
+        first["\0mask_embedding"], second["\0mask_embedding"] = one[1], other[1]
+    elif (one[1] is None) != (other[1] is None) or first.keys() != second.keys():
+        return False
+    return all(a.shape == b.shape and (torch.allclose(a.float(), b.float(), rtol=SAME_WEIGHTS_RTOL, atol=1e-12)
+                                       if a.is_floating_point() else torch.equal(a, b))
+               for a, b in ((first[name], second[name]) for name in first))
+
+
 def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor | None]:
     """z-lab's `DFlashDraftModel` with the folder's weights (every tensor present, nothing left random), and the
     trained mask-token embedding SGLang would merge from a `mask_embedding.pt` beside them."""

@@ -36,6 +36,7 @@ from dfserve.eval.drafters import (
     EvalDrafter,
     load_drafter,
     resolve_eval_drafter,
+    same_weights,
     tensors_sha256,
 )
 from dfserve.eval.metrics import anchor_records, summarize_drafter
@@ -216,6 +217,12 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     drafters = [replace(d, info=d.info.model_copy(update={"tensors_sha256": tensors_sha256(*models[d.info.label])}))
                 for d in drafters]
     _refuse_self_judged(drafters)  # and by the tensors loaded
+    for index, drafter in enumerate(drafters):
+        for earlier in drafters[:index]:
+            if same_weights(models[earlier.info.label], models[drafter.info.label]):
+                raise FieldError("drafter", f"drafters {earlier.info.label} and {drafter.info.label} hold one "
+                                 "checkpoint's weights in other precisions: a drafter is never judged against itself; "
+                                 "name it once")
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "

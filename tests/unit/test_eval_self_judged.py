@@ -189,3 +189,24 @@ def test_a_run_whose_config_was_edited_is_judged_only_forced(tmp_path: Path) -> 
         compare_eval_runs(first, second, "base", None, None, tmp_path / "out")
     verdict, _ = compare_eval_runs(first, second, "base", None, None, tmp_path / "forced", force=True)
     assert verdict.forced
+
+
+def test_one_checkpoint_in_other_precisions_is_the_same_weights_and_a_training_step_is_not() -> None:
+    """A float16 export of a float32 drafter hashes differently (`tensors_sha256` rounds to bfloat16, and a float16
+    round trip moves 6% of values across a rounding boundary): it PASSed against itself at +0%."""
+    import torch
+
+    from dfserve.eval.drafters import same_weights, tensors_sha256
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    half = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    half.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+    mask = torch.randn(64)
+    assert tensors_sha256(model, mask) != tensors_sha256(half, mask.half().float())
+    assert same_weights((model, mask), (half, mask.half().float()))
+    assert same_weights((model, None), (half.to(torch.bfloat16), None))
+    stepped = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    stepped.load_state_dict({k: v - 1e-4 * torch.sign(torch.randn_like(v)) for k, v in model.state_dict().items()})
+    assert not same_weights((model, mask), (stepped, mask))  # an Adam step of lr 1e-4
+    assert not same_weights((model, mask), (half, None))
