@@ -85,9 +85,17 @@ def find_state_dict(obj: object, where: str) -> Mapping[str, torch.Tensor]:
     if _is_state_dict(obj):
         return obj  # type: ignore[return-value]
     if isinstance(obj, Mapping):
-        for key in WRAPPER_KEYS:
+        for key in WRAPPER_KEYS:  # the first that holds one: `model` may be the trainer's config beside it
             if isinstance(obj.get(key), Mapping):
-                return find_state_dict(obj[key], f"{where}[{key!r}]")
+                try:
+                    return find_state_dict(obj[key], f"{where}[{key!r}]")
+                except FieldError:
+                    continue
+        others = sorted(str(k) for k, v in obj.items() if not isinstance(v, torch.Tensor))
+        if len(others) < len(obj):
+            raise FieldError("drafter", f"{where}: {len(obj) - len(others)} tensors beside entries that are not "
+                             f"tensors ({', '.join(others[:10])}): not a state dict, nor one under "
+                             f"{list(WRAPPER_KEYS)}")
         keys = ", ".join(sorted(map(str, obj))[:10])
         raise FieldError("drafter", f"{where}: no drafter state dict (a dict of tensors) found; keys: {keys}; "
                          f"looked under {list(WRAPPER_KEYS)}")

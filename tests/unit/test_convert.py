@@ -171,6 +171,16 @@ def test_checkpoint_without_state_dict(tmp_path: Path, payload: object, message:
     assert tree(tmp_path / "store") == []
 
 
+def test_a_state_dict_under_a_later_wrapper_key_is_found_past_a_config_under_an_earlier_one(tmp_path: Path) -> None:
+    state = tiny_state_dict()
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"model": {"hidden_size": 64}, "model_state_dict": state})
+    assert convert(checkpoint, tmp_path / "store").converted
+    flat = write_checkpoint(tmp_path / "flat.pt", {**state, "step": 3})
+    with pytest.raises(UserError, match=rf"{len(state)} tensors beside entries that are not tensors \(step\): not a "
+                                        "state dict"):
+        convert(flat, tmp_path / "store")
+
+
 def test_garbage_file_is_one_clear_error(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"not a checkpoint at all")
