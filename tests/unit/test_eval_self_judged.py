@@ -199,14 +199,20 @@ def test_one_checkpoint_in_other_precisions_is_the_same_weights_and_a_training_s
     from dfserve.eval.drafters import same_weights, tensors_sha256
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
-    half = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024))
+    with torch.no_grad():  # a trained layer's scale: about 150 weights below float16's full precision (2^-14)
+        model[0].weight.normal_(0.0, 0.02)
+    half = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024))
     half.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
-    mask = torch.randn(64)
+    mask = torch.randn(1024)
     assert tensors_sha256(model, mask) != tensors_sha256(half, mask.half().float())
     assert same_weights((model, mask), (half, mask.half().float()))
     assert same_weights((model, None), (half.to(torch.bfloat16), None))
-    stepped = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
-    stepped.load_state_dict({k: v - 1e-4 * torch.sign(torch.randn_like(v)) for k, v in model.state_dict().items()})
-    assert not same_weights((model, mask), (stepped, mask))  # an Adam step of lr 1e-4
-    assert not same_weights((model, mask), (half, None))
+    stepped = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024))
+    for lr in (1e-4, 1e-6):  # an Adam step moves every weight by about lr
+        stepped.load_state_dict({k: v - lr * torch.sign(torch.randn_like(v)) for k, v in model.state_dict().items()})
+        assert not same_weights((model, mask), (stepped, mask))
+    assert not same_weights((model, mask), (half, None)) and not same_weights((model, None), (half, mask))
+    smaller = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
+    smaller.load_state_dict({k: v for k, v in half.state_dict().items() if k.startswith("0.")})
+    assert not same_weights((model, mask), (smaller, mask)) and not same_weights((smaller, mask), (model, mask))
