@@ -21,10 +21,9 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from dfserve.deploy.assets import (
@@ -37,7 +36,7 @@ from dfserve.deploy.assets import (
     read_safetensors_header,
     tensor_table_problems,
 )
-from dfserve.deploy.drafters import verify_folder
+from dfserve.deploy.drafters import RECORD_NAME, ConversionRecord, seal_problem, verify_folder
 from dfserve.deploy.hashes import file_sha256, remember_sha256
 from dfserve.errors import FieldError, UserError
 from dfserve.runs import read_model, staged_folder, utc_now_iso
@@ -47,22 +46,6 @@ WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "draft_mode
 PREFIXES = ("module.", "draft_model.", "_orig_mod.", "model.")
 """Name prefixes added by DDP (`module.`), trainer wrappers (`draft_model.`) and torch.compile (`_orig_mod.`)."""
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
-RECORD_NAME = "dfserve-conversion.json"
-
-
-class ConversionRecord(BaseModel):
-    """Written beside the converted weights: which checkpoint they came from and how."""
-
-    model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[1] = 1
-    source: str
-    sha256: str
-    tensors: int
-    renamed: dict[str, str]
-    created_at: str
-    torch_version: str
-    weights_sha256: str | None = Field(None, description="model.safetensors as written: a folder reused whose weights "
-                                       "no longer hash to it is refused (None: converted by an earlier dfserve)")
 
 
 @dataclass(frozen=True)
@@ -163,12 +146,8 @@ def _check_reused(folder: Path, checkpoint: Path, config: Mapping[str, Any], tar
             raise FieldError("drafter", "its config.json is not the one this conversion writes")
         verify_folder(folder, target)
         record = read_model(folder / RECORD_NAME, ConversionRecord, f"no {RECORD_NAME}")
-        if record.weights_sha256 is None:
-            raise FieldError("drafter", f"its {RECORD_NAME} holds no hash of its weights (converted by an earlier "
-                             "dfserve)")
-        if file_sha256(folder / "model.safetensors", hash_cache) != record.weights_sha256:
-            raise FieldError("drafter", f"its model.safetensors no longer hashes to the weights_sha256 of "
-                             f"{RECORD_NAME}: edited or damaged since it was written")
+        if (problem := seal_problem(folder, record, hash_cache)) is not None:
+            raise FieldError("drafter", problem)
     except UserError as exc:
         said = exc.message if isinstance(exc, FieldError) else str(exc)
         raise FieldError("drafter", f"{folder}, converted earlier from {checkpoint}: {said}; "

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from dfserve.deploy.assets import (
     DrafterArch,
     Target,
@@ -30,9 +32,10 @@ from dfserve.deploy.assets import (
     tensor_table_problems,
     verify_drafter_config,
 )
-from dfserve.deploy.hashes import folder_sha256
+from dfserve.deploy.hashes import file_sha256, folder_sha256
 from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError
+from dfserve.runs import read_model
 
 
 def hf_cache_dir() -> Path:
@@ -117,6 +120,46 @@ def _profiles_config(profile: HostProfile) -> tuple[str, str]:
     return f"profile {profile.name}'s zlab.config", "profile_name"
 
 
+RECORD_NAME = "dfserve-conversion.json"
+
+
+class ConversionRecord(BaseModel):
+    """Written beside the converted weights: which checkpoint they came from and how."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    source: str
+    sha256: str
+    tensors: int
+    renamed: dict[str, str]
+    created_at: str
+    torch_version: str
+    weights_sha256: str | None = Field(None, description="model.safetensors as written: a folder whose weights no "
+                                       "longer hash to it is refused (None: converted by an earlier dfserve)")
+
+
+def sealed_record(folder: Path, hashes: Path | None) -> ConversionRecord | None:
+    """A converted folder's record, once its weights still hash to what was written (`seal_problem`); None for a
+    folder no conversion wrote. A folder whose weights were edited since (zeroed weights read well-formed and finite,
+    and scored τ 1.0) would claim its checkpoint's identity: refused, wherever the folder is named."""
+    path = folder / RECORD_NAME
+    if not path.exists():
+        return None
+    record = read_model(path, ConversionRecord, f"{path}: missing")
+    if (problem := seal_problem(folder, record, hashes)) is not None:
+        raise FieldError("drafter", f"{folder}: {problem}; remove it to convert again")
+    return record
+
+
+def seal_problem(folder: Path, record: ConversionRecord, hashes: Path | None) -> str | None:
+    if record.weights_sha256 is None:
+        return f"its {RECORD_NAME} holds no hash of its weights (converted by an earlier dfserve)"
+    if file_sha256(folder / "model.safetensors", hashes) != record.weights_sha256:
+        return (f"its model.safetensors no longer hashes to the weights_sha256 of {RECORD_NAME}: edited or damaged "
+                "since it was written")
+    return None
+
+
 def verify_folder(folder: Path, target: Target) -> DrafterArch:
     """Check a Hugging Face DFlash folder's config, tensor table and values against the target. A tensor in two
     weight files is a problem: which copy a loader keeps is up to it."""
@@ -196,6 +239,7 @@ def resolve_drafter(
         raise FieldError("drafter", f"{drafter} does not exist (nor is it 'zlab', 'baseline' or {SIMULATED_PREFIX}PROFILE)")
     if path.is_dir():
         arch = verify_folder(path, target)
+        sealed_record(path, hashes)
         digest = folder_sha256(path, hashes)
         return Drafter(path.name, "folder", str(path.resolve()), arch.block_size, digest, str(path.resolve()), "inhouse")
     if drafter_config is None and profile.zlab is None:

@@ -22,13 +22,17 @@ from torch import Tensor
 
 from dfserve.baselines import drafter_identity
 from dfserve.deploy.assets import Target, read_json
-from dfserve.deploy.convert import RECORD_NAME, ConversionRecord
-from dfserve.deploy.drafters import baseline_drafter, hf_cache_dir, hf_cached_file, resolve_drafter
+from dfserve.deploy.drafters import (
+    baseline_drafter,
+    hf_cache_dir,
+    hf_cached_file,
+    resolve_drafter,
+    sealed_record,
+)
 from dfserve.deploy.hashes import file_sha256
 from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError
 from dfserve.eval.records import DrafterInfo
-from dfserve.runs import read_model
 
 MASK_EMBEDDING = "mask_embedding.pt"
 
@@ -104,8 +108,8 @@ def weights_sha256(folder: Path, checkpoint: Path | None, hashes: Path) -> str:
     from deploy's memo of file hashes: resolving the drafter hashed every one of these files already."""
     if checkpoint is not None:
         return file_sha256(checkpoint, hashes)
-    if (folder / RECORD_NAME).is_file():
-        return read_model(folder / RECORD_NAME, ConversionRecord, f"{folder / RECORD_NAME}: missing").sha256
+    if (record := sealed_record(folder, hashes)) is not None:
+        return record.sha256
     weights = sorted(folder.glob("*.safetensors"))
     if len(weights) == 1:
         return file_sha256(weights[0], hashes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dfserve.deploy.assets import verify_drafter_config
-from dfserve.deploy.convert import RECORD_NAME, convert_checkpoint, strip_prefixes
-from dfserve.deploy.drafters import resolve_drafter, resolve_target
+from dfserve.deploy.convert import convert_checkpoint, strip_prefixes
+from dfserve.deploy.drafters import RECORD_NAME, resolve_drafter, resolve_target
 from dfserve.deploy.profiles import load_profile
 from dfserve.errors import FieldError, UserError
 from tests.fixtures.deploy.synth import (
@@ -365,6 +366,9 @@ def test_a_converted_folder_damaged_since_is_refused_on_reuse(tmp_path: Path, ho
     assert caught.value.field == "drafter" and "\n" not in message
     assert message.startswith(f"drafter: {folder}, converted earlier from {checkpoint}") and problem in message
     assert "remove it to convert again" in message
+    if how in ("zeroed", "unsealed"):  # named as a folder, it would claim its checkpoint's identity in eval
+        with pytest.raises(FieldError, match=f"drafter: {folder}: .*{re.escape(problem)}.*; remove it to convert again"):
+            resolve_drafter(str(folder), PROFILE, TARGET, store, TINY_DRAFTER_CONFIG)
 
 
 def test_a_pipe_where_weights_should_be_is_refused_not_waited_on(tmp_path: Path) -> None:

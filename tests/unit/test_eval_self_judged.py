@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dfserve.cli import main
-from dfserve.deploy.convert import RECORD_NAME
+from dfserve.deploy.drafters import RECORD_NAME
 from dfserve.deploy.hashes import file_sha256
 from dfserve.errors import UserError
 from dfserve.eval import runner
@@ -139,8 +139,13 @@ def test_one_checkpoint_given_two_ways_has_one_weights_hash(tmp_path: Path) -> N
     (converted / "model.safetensors").write_bytes(b"weights in bf16")
     (converted / RECORD_NAME).write_text(json.dumps({"source": str(zlab / "model.safetensors"), "sha256": given,
                                                      "tensors": 1, "renamed": {}, "created_at": "now",
-                                                     "torch_version": "2"}))
+                                                     "torch_version": "2",
+                                                     "weights_sha256": file_sha256(converted / "model.safetensors")}))
     assert weights_sha256(converted, None, hashes) == given
+    (converted / "model.safetensors").write_bytes(b"zeroed in bf16")  # no longer the checkpoint's: never its hash
+    with pytest.raises(UserError, match=r"inhouse-0123456789abcdef: its model.safetensors no longer hashes to the "
+                                        r"weights_sha256 of dfserve-conversion.json: edited or damaged"):
+        weights_sha256(converted, None, hashes)
     (zlab / "model-2.safetensors").write_bytes(b"more")
     assert weights_sha256(zlab, None, hashes) != given
 
