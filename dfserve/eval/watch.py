@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import re
 import time
 from collections.abc import Callable
@@ -198,7 +199,8 @@ class Watcher:
         probed: set[str] = set()
         for seen in ready:
             known = self.state.checkpoints.get(seen.key)
-            if (known is not None and known.status == "scored" and not seen.folder  # a folder grows (optimizer state)
+            if (known is not None and known.status in ("scored", "skipped")
+                    and not seen.folder  # a folder grows (optimizer state)
                     and (known.size, known.mtime_ns) != seen.fingerprint):
                 self._replaced(known)
                 known = None
@@ -230,9 +232,10 @@ class Watcher:
         return acted
 
     def _replaced(self, known: CheckpointEntry) -> None:
-        """A scored checkpoint the trainer saved over (`latest.pt`): its point stays on the trend, kept under the
-        run that scored it, and the new bytes are a checkpoint of their own."""
-        kept = known.model_copy(update={"key": f"{known.key}@{known.run_id}"})
+        """A checkpoint scored or skipped that the trainer saved over (`latest.pt`): its point or its place on the
+        skipped list stays, kept under the run that scored it (or its step), and the new bytes are a checkpoint of
+        their own."""
+        kept = known.model_copy(update={"key": f"{known.key}@{known.run_id or f'step-{known.step}'}"})
         others = {key: e for key, e in self.state.checkpoints.items() if key != known.key}
         self.state = self.state.model_copy(update={"checkpoints": {**others, kept.key: kept}})
         self._save()
@@ -272,14 +275,19 @@ class Watcher:
 
     def _name(self, ready: Ready) -> str:
         """The checkpoint's run and staged name: `step-N`, unless another checkpoint of step N holds it
-        (`step_15/ema.pt` beside `step_15/checkpoint.pt`), then `step-N-` and a hash of its key. watch.json keeps
-        who holds which, so a restart names each the same."""
+        (`step_15/ema.pt` beside `step_15/checkpoint.pt`), then `step-N-` and a hash of its key, and a count after it
+        where that is held too (one file saved over at one step again and again). watch.json keeps who holds which,
+        so a restart names each the same."""
         known = self.state.checkpoints.get(ready.key)
         if known is not None and known.run_id is not None:
             return _ATTEMPT.sub("", known.run_id)
         name = f"step-{ready.step:09d}"
         held = {_ATTEMPT.sub("", e.run_id) for e in self.state.checkpoints.values() if e.run_id is not None}
-        return name if name not in held else f"{name}-{hashlib.sha256(ready.key.encode()).hexdigest()[:8]}"
+        if name not in held:
+            return name
+        hashed = f"{name}-{hashlib.sha256(ready.key.encode()).hexdigest()[:8]}"
+        return next(n for n in itertools.chain([hashed], (f"{hashed}-{i}" for i in itertools.count(2)))
+                    if n not in held)
 
     def _score(self, ready: Ready, seen: Seen) -> None:
         known = self.state.checkpoints.get(ready.key)

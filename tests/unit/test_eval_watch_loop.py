@@ -188,6 +188,26 @@ def test_a_scored_file_the_trainer_saves_over_is_scored_again_and_its_first_poin
         "latest.pt@step-100": ("latest.pt@step-100", 100, "scored"), "latest.pt": ("latest.pt", 200, "scored")}
 
 
+def test_a_skipped_file_saved_over_is_scored_and_one_saved_over_at_one_step_again_gets_a_name_of_its_own(
+        tmp_path: Path) -> None:
+    """A fine-tune's first `latest.pt` holds the baseline's weights (skipped, never judged); its next save was never
+    scored. Saved over at one step three times, the third run's name was the second's."""
+    seen = _checkpoint(tmp_path, "latest.pt", step=100)
+    (tmp_path / "watch").mkdir()
+    watcher = Scripted(_plan(tmp_path, every=False), [[seen], [seen]])
+    watcher._save(entry("latest.pt", 0, "skipped", (1, 1), run_id="step-000000000", detail="the baseline's own"))
+    watcher.run()
+    assert watcher.scoring == [100]
+    state = read_state(tmp_path / "watch").checkpoints
+    assert (state["latest.pt@step-000000000"].status, state["latest.pt"].status) == ("skipped", "scored")
+    hashed = "step-000000100-" + hashlib.sha256(b"latest.pt").hexdigest()[:8]
+    for held in ("step-000000100", hashed):
+        watcher._save(entry(f"latest.pt@{held}", 100, "scored", (1, 1), run_id=held))
+    watcher.state = watcher.state.model_copy(update={"checkpoints": {
+        k: e for k, e in watcher.state.checkpoints.items() if k != "latest.pt"}})
+    assert watcher._name(Ready("latest.pt", 100)) == f"{hashed}-2"
+
+
 def test_a_checkpoint_whose_scoring_fails_unforeseen_is_corrupt_and_the_watch_goes_on(tmp_path: Path) -> None:
     """An error no check named (a forward pass that fails, say) must not stop the watch at every restart."""
     _checkpoint(tmp_path, "step_10/checkpoint.pt")
