@@ -68,12 +68,15 @@ def find_state_dict(obj: object, where: str) -> Mapping[str, torch.Tensor]:
     if _is_state_dict(obj):
         return obj  # type: ignore[return-value]
     if isinstance(obj, Mapping):
+        nested: FieldError | None = None
         for key in WRAPPER_KEYS:  # the first that holds one: `model` may be the trainer's config beside it
             if isinstance(obj.get(key), Mapping):
                 try:
                     return find_state_dict(obj[key], f"{where}[{key!r}]")
-                except FieldError:
-                    continue
+                except FieldError as exc:
+                    nested = nested or exc
+        if nested is not None:
+            raise nested  # what the first wrapper held, named
         others = sorted(str(k) for k, v in obj.items() if not isinstance(v, torch.Tensor))
         if len(others) < len(obj):
             raise FieldError("drafter", f"{where}: {len(obj) - len(others)} tensors beside entries that are not "

@@ -176,6 +176,10 @@ def test_a_state_dict_under_a_later_wrapper_key_is_found_past_a_config_under_an_
     state = tiny_state_dict()
     checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"model": {"hidden_size": 64}, "model_state_dict": state})
     assert convert(checkpoint, tmp_path / "store").converted
+    nested = write_checkpoint(tmp_path / "nested.pt", {"model": {**state, "step": 3}, "optimizer": {}})
+    with pytest.raises(UserError, match=rf"nested.pt\['model'\]: {len(state)} tensors beside entries that are not "
+                                        r"tensors \(step\)"):
+        convert(nested, tmp_path / "store")
     flat = write_checkpoint(tmp_path / "flat.pt", {**state, "step": 3})
     with pytest.raises(UserError, match=rf"{len(state)} tensors beside entries that are not tensors \(step\): not a "
                                         "state dict"):
