@@ -258,9 +258,9 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
         return build_record(done.sent, done.http_status, StreamRead(), ("http_status", message))
     stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
     sent = done.sent
-    if error is not None and error[0] == "disconnect" and stream.failure is None and _whole(done.pieces):
-        # Cut after `[DONE]`: the answer is whole, as a client that leaves there has it and as the gateway counts it;
-        # it ended with the read that completed it.
+    if error is not None and error[0] in ("disconnect", "timeout") and stream.failure is None and _whole(done.pieces):
+        # Cut, or held open, after `[DONE]`: the answer is whole, as a client that leaves there has it and as the
+        # gateway counts it; it ended with the read that completed it.
         error, sent = None, replace(sent, end_s=done.pieces[-1][0] - t0)
     budget = sent.output_budget
     if stream.failure is None and stream.counted and budget is not None and stream.completion_tokens > budget:
@@ -270,8 +270,20 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
 
 
 def _whole(pieces: Sequence[tuple[float, bytes]]) -> bool:
-    """Whether the pieces end with `[DONE]`, nothing after it (its event may be split between the last two reads)."""
-    return sglang.ends_with_done(b"".join(piece for _, piece in pieces[-2:]))
+    """Whether the pieces end with `[DONE]` and nothing after it but whole comments, as the gateway has a stream
+    whole: no part of an event after it (its event may be split over any number of reads)."""
+    tail = b""
+    for _, piece in reversed(pieces):
+        tail = piece + tail
+        if len(tail) >= _TAIL_BYTES:
+            break
+    lf, crlf = tail.rfind(b"\n\n"), tail.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+    return end > 0 and not tail[end:].strip() and sglang.ends_with_done(tail[:end])
+
+
+_TAIL_BYTES = 256
+"""Enough of a stream's end to hold its `[DONE]` and a keep-alive comment after it."""
 
 
 @dataclass(frozen=True, slots=True)

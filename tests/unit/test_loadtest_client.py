@@ -142,9 +142,20 @@ def test_a_stream_cut_after_done_is_answered_when_done_came_and_cut_short_otherw
     record = derive(0.0, finished)
     assert record.ok and record.output_sha256 is not None and record.finish_reason == "stop"
     assert record.end_s == finished.pieces[-1][0]
-    for short in (whole[:-1], [*whole, b"data: {"]):
+    for short in (whole[:-1], [*whole, b"data: {"], [*whole, b": keep"]):
         record = derive(0.0, run(short, ended=False)[0])
         assert record.error_kind == "disconnect" and not record.ok
+    split = [*whole[:-1], b"d", b"ata: [DO", b"NE]", b"\n", b"\n"]  # [DONE] over five reads
+    assert derive(0.0, run(split, ended=False)[0]).ok
+    assert derive(0.0, run([*whole, b": keep-alive\n\n"], ended=False)[0]).ok
+
+
+def test_a_server_holding_the_connection_after_done_has_answered_by_done() -> None:
+    """The tester waits for the body's end to its timeout; the answer was whole at `[DONE]`, as the gateway has it."""
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], ended=False, then=lambda: None, timeout_s=0.5)
+    assert finished.error is not None and finished.error[0] == "timeout"
+    record = derive(0.0, finished)
+    assert record.ok and record.end_s == finished.pieces[-1][0]
 
 
 def test_an_error_document_in_a_200_event_stream_is_a_protocol_error_in_the_servers_words() -> None:
