@@ -138,11 +138,7 @@ def test_a_mirror_goes_without_the_clients_request_id(tmp_path: Path) -> None:
     bodies += [("/v1/chat/completions", {"model": "m", "rid": f"client-chat-{i}", "max_tokens": 16, "temperature": 0,
                                          "messages": [{"role": "user", "content": f"def g{i}(x):"}]}) for i in range(2)]
     with sim_server("zlab", 0.02, 0) as engine:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [engine]}, "candidate": {"weight": 1, "replicas": [engine]}}}))
-        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+        with gateway_server(_two_arms(tmp_path, engine, engine), "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
             for path, body in bodies:
                 response = client.post(path, json=body)
@@ -190,12 +186,7 @@ def _dropping() -> Iterator[str]:
 def test_a_replica_that_closes_after_taking_the_request_is_a_disconnect_not_a_connect_failure(tmp_path: Path) -> None:
     """As the load tester records it: the request was sent, and the replica went away before answering."""
     with sim_server("zlab", 0.02, 0) as engine, _dropping() as dropping:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [engine]},
-                     "candidate": {"weight": 1, "replicas": [dropping]}}}))
-        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+        with gateway_server(_two_arms(tmp_path, engine, dropping), "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
             for stream in (False, True):
                 body = {"text": "def f(x):", "stream": stream, "sampling_params": {"max_new_tokens": 8}}
@@ -421,12 +412,7 @@ def test_a_stop_lets_the_mirrors_under_way_finish_and_their_folder_is_whole(tmp_
     second, so some are in flight however slow the machine): they finish and are recorded, rather than cut (the
     slowest answers would be those cut, and the rest judged)."""
     with sim_server("zlab", 0.02, 0) as primary, sim_server("inhouse", 1.5, 0) as candidate:
-        config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "mode": "shadow", "primary": "baseline", "scrape": {"enabled": False}, "health": {"interval_s": 60},
-            "arms": {"baseline": {"weight": 1, "replicas": [primary]},
-                     "candidate": {"weight": 1, "replicas": [candidate]}}}))
-        with gateway_server(config, "--record", str(tmp_path / "shadow")) as url, \
+        with gateway_server(_two_arms(tmp_path, primary, candidate), "--record", str(tmp_path / "shadow")) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
             _answered_one_by_one(client, 12, max_new_tokens=32)
             in_flight = client.get("/metrics").text
