@@ -168,6 +168,11 @@ def _write_folder(folder: Path, tensors: Mapping[str, torch.Tensor], config: Map
         raise UserError(f"conversion: {folder / 'model.safetensors'} does not read back as written")
 
 
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def convert_checkpoint(
     checkpoint: Path, store: Path, target: Target, config: Mapping[str, Any], arch: DrafterArch,
     hash_cache: Path | None = None,
@@ -176,6 +181,7 @@ def convert_checkpoint(
     checks a drafter folder gets."""
     if not checkpoint.is_file():
         raise FieldError("drafter", f"{checkpoint} is not a file")
+    before = _identity(checkpoint)
     digest = file_sha256(checkpoint, hash_cache, remember=False)
     written = {**config, "dtype": "bfloat16"}
     key = hashlib.sha256(f"{digest}\0{_canonical(written)}".encode()).hexdigest()
@@ -197,5 +203,8 @@ def convert_checkpoint(
     )
     with staged_folder(folder) as tmp:  # another conversion of the same bytes may win the race: its folder stays
         _write_folder(tmp, tensors, written, record)
+        if _identity(checkpoint) != before:  # its tensors are read as they are written: from the file as it is now
+            raise FieldError("drafter", f"{checkpoint} changed while it was converted (a trainer saved over it): its "
+                             "weights would be stored under the hash of other bytes; convert it again")
     remember_sha256(checkpoint, hash_cache, digest)
     return ConvertResult(folder, digest, key, converted=True)

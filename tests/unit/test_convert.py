@@ -8,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,6 +185,25 @@ def test_a_state_dict_under_a_later_wrapper_key_is_found_past_a_config_under_an_
     with pytest.raises(UserError, match=rf"{len(state)} tensors beside entries that are not tensors \(step\): not a "
                                         "state dict"):
         convert(flat, tmp_path / "store")
+
+
+def test_a_checkpoint_saved_over_while_it_is_converted_is_refused_and_nothing_is_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashed, then loaded: a trainer's rename in between stored the newer weights under the older bytes' hash."""
+    from dfserve.deploy import convert as converting
+
+    checkpoint = write_checkpoint(tmp_path / "checkpoint.pt", {"model": tiny_state_dict()})
+    newer = write_checkpoint(tmp_path / "newer.pt", {"model": {k: v + 1 for k, v in tiny_state_dict().items()}})
+    loading = converting.load_checkpoint
+
+    def saved_over_first(path: Path) -> Any:
+        os.replace(newer, checkpoint)
+        return loading(path)
+
+    monkeypatch.setattr(converting, "load_checkpoint", saved_over_first)
+    with pytest.raises(FieldError, match=r"checkpoint\.pt changed while it was converted .*; convert it again"):
+        convert(checkpoint, tmp_path / "store")
+    assert [p for p in tree(tmp_path / "store") if not p.startswith(".hashes")] == []
 
 
 def test_garbage_file_is_one_clear_error(tmp_path: Path) -> None:
