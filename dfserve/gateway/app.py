@@ -275,8 +275,9 @@ class GatewayApp:
             with_spec = sglang.with_spec_details(inspected.body)
         request_id, body = next(gateway.request_ids), request.body
         mirrors = decision.mirrors if gateway.mirroring else ()
-        mirrored = (sglang.without_request_id(inspected.body, with_spec is not request.body) or with_spec
-                    if mirrors else with_spec)
+        mirrored = with_spec
+        if mirrors and (copied := sglang.without_request_id(inspected.body, with_spec is not request.body)):
+            mirrored = copied
         recorded = gateway.records_streams and any(mirror not in down for mirror in mirrors)
         for mirror in mirrors:
             if mirror in down:
