@@ -216,13 +216,7 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
     drafters = [replace(d, info=d.info.model_copy(update={"tensors_sha256": tensors_sha256(*models[d.info.label])}))
                 for d in drafters]
-    _refuse_self_judged(drafters)  # and by the tensors loaded
-    for index, drafter in enumerate(drafters):
-        for earlier in drafters[:index]:
-            if same_weights(models[earlier.info.label], models[drafter.info.label]):
-                raise FieldError("drafter", f"drafters {earlier.info.label} and {drafter.info.label} hold one "
-                                 "checkpoint's weights in other precisions: a drafter is never judged against itself; "
-                                 "name it once")
+    _refuse_self_judged(drafters, models)  # and by the tensors loaded
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "
@@ -300,11 +294,18 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
                      prompt, models)
 
 
-def _refuse_self_judged(drafters: list[EvalDrafter]) -> None:
-    """Any two, since `eval compare` may pair any two of the run's drafters."""
+def _refuse_self_judged(drafters: list[EvalDrafter],
+                        models: dict[str, tuple[Any, torch.Tensor | None]] | None = None) -> None:
+    """Any two, since `eval compare` may pair any two of the run's drafters: one checkpoint by its hashes, and, once
+    `models` are loaded, by its tensors in other precisions (`same_weights`)."""
     for index, drafter in enumerate(drafters):
         for earlier in drafters[:index]:
-            if why := judged_against_itself(earlier.info.label, earlier.info, drafter.info.label, drafter.info):
+            first, second = earlier.info.label, drafter.info.label
+            why = judged_against_itself(first, earlier.info, second, drafter.info)
+            if why is None and models is not None and same_weights(models[first], models[second]):
+                why = (f"drafters {first} and {second} hold one checkpoint's weights in other precisions: a drafter "
+                       "is never judged against itself")
+            if why is not None:
                 raise FieldError("drafter", f"{why}; name it once")
 
 

@@ -218,6 +218,10 @@ def test_one_checkpoint_in_other_precisions_is_the_same_weights_and_a_training_s
         stepped.load_state_dict({k: v - lr * torch.sign(torch.randn_like(v)) for k, v in model.state_dict().items()})
         assert not same_weights((model, mask), (stepped, mask))
     assert not same_weights((model, mask), (half, None)) and not same_weights((model, None), (half, mask))
+    exported = [EvalDrafter(drafter(label, sha), Path(label), None) for label, sha in (("f32", "1" * 64), ("f16", "2" * 64))]
+    with pytest.raises(UserError, match="drafters f32 and f16 hold one checkpoint's weights in other precisions"):
+        runner._refuse_self_judged(exported, {"f32": (model, mask), "f16": (half, mask.half().float())})
+    runner._refuse_self_judged(exported, {"f32": (model, mask), "f16": (stepped, mask)})
     smaller = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
     smaller.load_state_dict({k: v for k, v in half.state_dict().items() if k.startswith("0.")})
     assert not same_weights((model, mask), (smaller, mask)) and not same_weights((smaller, mask), (model, mask))
