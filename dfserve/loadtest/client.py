@@ -270,16 +270,14 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
 
 
 def _whole(pieces: Sequence[tuple[float, bytes]]) -> bool:
-    """Whether the pieces end with `[DONE]` and nothing after it but whole comments, as the gateway has a stream
-    whole: no part of an event after it (its event may be split over any number of reads)."""
+    """Whether the pieces end the stream whole (`sglang.ends_whole`), as the gateway has it; its `[DONE]` may be split
+    over any number of reads."""
     tail = b""
     for _, piece in reversed(pieces):
         tail = piece + tail
         if len(tail) >= _TAIL_BYTES:
             break
-    lf, crlf = tail.rfind(b"\n\n"), tail.rfind(b"\n\r\n")
-    end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
-    return end > 0 and not tail[end:].strip() and sglang.ends_with_done(tail[:end])
+    return sglang.ends_whole(tail)
 
 
 _TAIL_BYTES = 256

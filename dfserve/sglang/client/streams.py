@@ -175,6 +175,14 @@ def ends_with_done(events: bytes) -> bool:
         end = start
 
 
+def ends_whole(tail: bytes) -> bool:
+    """Whether a stream's last bytes (`tail`, any amount of it holding its `[DONE]`) end it whole: `[DONE]` the last
+    event, and nothing after its blank line but whitespace or whole comments (half an event after it is a cut)."""
+    lf, crlf = tail.rfind(b"\n\n"), tail.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+    return end > 0 and not tail[end:].strip() and ends_with_done(tail[:end])
+
+
 def native_stream_error(events: bytes) -> StreamError | None:
     """The in-band error a native stream ended with, read from its last events; None when it ended well.
 
