@@ -1,9 +1,11 @@
 """The "dfserve A/B" dashboard: every arm side by side, as measured by the gateway or the load tester.
 
-Every query is scoped to the selected jobs (`$job`: the gateway and the load tester export the same families, so
-summing across them would count a request twice) and arms (`$arm`). Rate panels follow live sources (the gateway,
-a running load tester); the last row reads whole-run totals, which is what a load test pushed to a Pushgateway at
-its end offers. The ratio row compares `$candidate` to `$baseline` directly.
+Every query is scoped to one source (`$job`: the gateway and the load tester export the same families, so
+summing across them would count a request twice), the selected arms (`$arm`) and generation routes (the gateway
+also relays `/v1/models` and `/server_info` to an arm: not its traffic). Rate panels follow live sources (the
+gateway, a running load tester); the last row reads whole-run totals, which is what a load test pushed to a
+Pushgateway at its end offers, of one pushed run (`$run`, the latest by default: the Pushgateway keeps every run's
+group). The ratio row compares `$candidate` to `$baseline` directly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from .engine import NameStyle, sglang_name
 from .grafana import RATE_INTERVAL, Dashboard, Panel, Row, Target, Variable
 from .promql import (
     ERROR_STATUS,
+    GENERATION,
     QUANTILES,
     arm_acceptance,
     counter,
@@ -34,14 +37,20 @@ W = RATE_INTERVAL
 D = m.DEPLOYMENT_LABEL
 DEPLOYMENTS = (f'{D}=~"$deployment"',)
 SCOPE = ('job=~"$job"', 'arm=~"$arm"')
+"""Of the families labelled by arm only (weights, shadow outcomes, the engines' counters as the gateway reads them)."""
+ROUTED = (*SCOPE, GENERATION)
+"""Of the per-request families, labelled by route too."""
+TOTALS = (*ROUTED, 'run_id=~"$run"')
+"""Of the whole-run row: one pushed load test's group (a live source has none; the variable is then empty, and
+`run_id=~""` matches series without the label)."""
 
 
 def _one_arm(variable: str) -> tuple[str, ...]:
-    return ('job=~"$job"', f'arm="${variable}"')
+    return ('job=~"$job"', f'arm="${variable}"', GENERATION)
 
 
 def _quantile_targets(histogram: str) -> tuple[Target, ...]:
-    return tuple(Target(quantile(q, histogram, W, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}")
+    return tuple(Target(quantile(q, histogram, W, ["arm"], ROUTED), f"{{{{arm}}}} p{round(q * 100)}")
                  for q in QUANTILES)
 
 
@@ -53,17 +62,17 @@ def _candidate_over_baseline(expr_for: Callable[[tuple[str, ...]], str]) -> str:
 def _traffic(names: NameStyle) -> Row:
     return Row("Traffic", (
         Panel("Request rate", "Finished requests per second, per arm.",
-              (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE), "{{arm}}"),), unit="reqps", width=6),
+              (Target(rate_sum(counter(m.REQUESTS), W, ["arm"], ROUTED), "{{arm}}"),), unit="reqps", width=6),
         Panel("Error ratio", "Share of finished requests without a complete 2xx answer: HTTP errors, client "
               "give-ups (499) and answers that broke off.",
-              (Target(ratio(or_zero(rate_sum(counter(m.REQUESTS), W, ["arm"], (*SCOPE, ERROR_STATUS)),
-                                    rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)),
-                            rate_sum(counter(m.REQUESTS), W, ["arm"], SCOPE)), "{{arm}}"),),
+              (Target(ratio(or_zero(rate_sum(counter(m.REQUESTS), W, ["arm"], (*ROUTED, ERROR_STATUS)),
+                                    rate_sum(counter(m.REQUESTS), W, ["arm"], ROUTED)),
+                            rate_sum(counter(m.REQUESTS), W, ["arm"], ROUTED)), "{{arm}}"),),
               unit="percentunit", no_value="0", width=6),
         Panel("Output tokens per second", "Completion tokens streamed back to clients, per arm.",
-              (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], SCOPE), "{{arm}}"),), width=6),
+              (Target(rate_sum(counter(m.OUTPUT_TOKENS), W, ["arm"], ROUTED), "{{arm}}"),), width=6),
         Panel("Requests in flight", "Requests sent to an arm and not yet finished.",
-              (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, SCOPE)})", "{{arm}}"),), width=6),
+              (Target(f"sum by (arm) ({selector(m.REQUESTS_IN_FLIGHT, ROUTED)})", "{{arm}}"),), width=6),
         Panel("Engine queue", "Requests running in and queued before each selected engine deployment (SGLang's "
               "gauges), next to the in-flight count of the arm it serves.", (
                   Target(f"sum by ({D}) ({selector(sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), DEPLOYMENTS)})",
@@ -94,13 +103,13 @@ def _latency() -> Row:
 
 
 def _acceptance() -> Row:
-    exact = (*SCOPE, 'measure="exact"')
-    estimated = (*SCOPE, 'measure="estimated"')
+    exact = (*ROUTED, 'measure="exact"')
+    estimated = (*ROUTED, 'measure="estimated"')
     return Row("Acceptance", (
         Panel("Acceptance length (pooled, exact)",
               "Σ completion tokens / Σ verify rounds over the window, both of the requests whose meta_info "
               "reported verify rounds: tokens per target forward pass, bonus token included.",
-              (Target(arm_acceptance(W, ["arm"], SCOPE), "{{arm}}"),)),
+              (Target(arm_acceptance(W, ["arm"], ROUTED), "{{arm}}"),)),
         Panel("Acceptance length (mean per request)",
               "Mean of per-request acceptance lengths: exact from meta_info, estimated from chunk counts where "
               "meta_info is not visible.",
@@ -110,9 +119,11 @@ def _acceptance() -> Row:
               "Δ sglang:generation_tokens / Δ sglang:spec_verify_calls over each arm's replicas, as the gateway "
               "reads them.",
               (Target(f"max by (arm) ({selector(m.ARM_WINDOWED_ACCEPT_LENGTH, SCOPE)})", "{{arm}}"),)),
-        Panel("Acceptance length distribution ($arm)", "Per-request exact acceptance lengths counted per bucket.",
-              (Target(increase_sum(f"{m.ACCEPT_LENGTH}_bucket", W, ["le"],
-                                   ('job=~"$job"', 'arm=~"$arm"', 'measure="exact"')), "{{le}}", heatmap=True),),
+        Panel("Acceptance length distribution ($arm)", "Requests per second finishing with each exact acceptance "
+              "length (per bucket; a rate, so that windows overlapping from one step to the next count no request "
+              "twice).",
+              (Target(rate_sum(f"{m.ACCEPT_LENGTH}_bucket", W, ["le"], (*_one_arm("arm"), 'measure="exact"')),
+                      "{{le}}", heatmap=True),),
               kind="heatmap", width=12, repeat="arm"),
     ))
 
@@ -182,26 +193,26 @@ def _gateway() -> Row:
 
 
 def _totals() -> Row:
-    return Row("Whole run (pushed load tests; since start for live sources)", (
+    return Row("Whole run ($run for a pushed load test; since start for live sources)", (
         Panel("Requests", "Finished requests per arm: all of them, and those without a complete 2xx answer by "
               "status (4xx, 5xx, 499: the client gave up, error: no complete answer).", (
-            Target(total(counter(m.REQUESTS), ["arm"], SCOPE), "{{arm}}"),
-            Target(total(counter(m.REQUESTS), ["arm", "status"], (*SCOPE, ERROR_STATUS)), "{{arm}} {{status}}"),
+            Target(total(counter(m.REQUESTS), ["arm"], TOTALS), "{{arm}}"),
+            Target(total(counter(m.REQUESTS), ["arm", "status"], (*TOTALS, ERROR_STATUS)), "{{arm}} {{status}}"),
         ), kind="stat", width=6, no_value="0"),
         Panel("Acceptance length (whole run)",
               "Σ completion tokens / Σ verify rounds of the requests that reported verify rounds, over the run, "
               "and the mean per request (exact from meta_info, estimated from chunk counts).", (
-                  Target(ratio(total(counter(m.SPEC_OUTPUT_TOKENS), ["arm"], SCOPE),
-                               total(counter(m.SPEC_VERIFY_ROUNDS), ["arm"], SCOPE)), "{{arm}} pooled"),
-                  Target(ratio(total(f"{m.ACCEPT_LENGTH}_sum", ["arm", "measure"], SCOPE),
-                               total(f"{m.ACCEPT_LENGTH}_count", ["arm", "measure"], SCOPE)),
+                  Target(ratio(total(counter(m.SPEC_OUTPUT_TOKENS), ["arm"], TOTALS),
+                               total(counter(m.SPEC_VERIFY_ROUNDS), ["arm"], TOTALS)), "{{arm}} pooled"),
+                  Target(ratio(total(f"{m.ACCEPT_LENGTH}_sum", ["arm", "measure"], TOTALS),
+                               total(f"{m.ACCEPT_LENGTH}_count", ["arm", "measure"], TOTALS)),
                          "{{arm}} mean per request ({{measure}})"),
               ), kind="stat", width=6),
         Panel("Time to first token (whole run)", "p50 and p99 over every request of the run.", tuple(
-            Target(quantile_total(q, m.TTFT, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
+            Target(quantile_total(q, m.TTFT, ["arm"], TOTALS), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
         ), kind="stat", unit="s", width=6),
         Panel("End-to-end latency (whole run)", "p50 and p99 over every request of the run.", tuple(
-            Target(quantile_total(q, m.E2E, ["arm"], SCOPE), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
+            Target(quantile_total(q, m.E2E, ["arm"], TOTALS), f"{{{{arm}}}} p{round(q * 100)}") for q in (0.5, 0.99)
         ), kind="stat", unit="s", width=6),
     ))
 
@@ -217,11 +228,13 @@ def build(baseline: str = "baseline", candidate: str = "candidate", names: NameS
                     "the gateway's own answers and observers.",
         variables=(
             Variable("datasource", "Data source"),
-            Variable("job", "Source", requests, "job"),
+            Variable("job", "Source", requests, "job", multi=False),
             Variable("arm", "Arm", f'{requests}{{job=~"$job"}}', "arm"),
             Variable("baseline", "Baseline", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=baseline),
             Variable("candidate", "Candidate", f'{requests}{{job=~"$job"}}', "arm", multi=False, default=candidate),
             Variable("deployment", "Engine deployment", sglang_name(m.SGLANG_NUM_RUNNING_REQS, names), D),
+            Variable("run", "Pushed run", 'max by (run_id) (push_time_seconds{job=~"$job", run_id!=""})', "run_id",
+                     multi=False, newest_first=True),
         ),
         rows=(_traffic(names), _latency(), _acceptance(), _comparison(), _replicas(), _gateway(), _totals()),
     )

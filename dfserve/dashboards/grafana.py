@@ -59,7 +59,9 @@ class Row:
 
 @dataclass(frozen=True)
 class Variable:
-    """A dashboard variable: the datasource picker, or the values of one label (`label_values(series, label)`)."""
+    """A dashboard variable: the datasource picker, or the values of one label (`label_values(series, label)`), or,
+    `newest_first`, the `label_name` of each series of `series` (an instant vector of times, one series per value)
+    in descending order of its value, the first selected: the latest pushed run, whatever its name."""
 
     name: str
     label: str
@@ -67,6 +69,7 @@ class Variable:
     label_name: str = ""
     multi: bool = True
     default: str | None = None
+    newest_first: bool = False
 
     @property
     def is_datasource(self) -> bool:
@@ -74,6 +77,8 @@ class Variable:
 
     @property
     def definition(self) -> str:
+        if self.newest_first:
+            return f"query_result(sort_desc({self.series}))"
         return f"label_values({self.series}, {self.label_name})"
 
     def to_json(self) -> dict[str, Any]:
@@ -85,13 +90,16 @@ class Variable:
             {"selected": True, "text": self.default, "value": self.default} if self.default
             else {"selected": True, "text": ["All"], "value": ["$__all"]} if self.multi else {}
         )
+        # a query result in the plain string form, which Grafana parses into its editor's (`query_result(...)`)
+        query: str | dict[str, Any] = self.definition if self.newest_first else {
+            "qryType": 1, "query": self.definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"}
         return {
             "type": "query", "name": self.name, "label": self.label, "datasource": DATASOURCE,
-            "definition": self.definition,
-            "query": {"qryType": 1, "query": self.definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "definition": self.definition, "query": query,
             "current": current, "hide": 0, "includeAll": self.multi, "multi": self.multi,
             **({"allValue": ".*"} if self.multi else {}),
-            "options": [], "refresh": 2, "regex": "", "sort": 1,
+            "options": [], "refresh": 2, "regex": f'/{self.label_name}="([^"]+)"/' if self.newest_first else "",
+            "sort": 0 if self.newest_first else 1,
         }
 
 

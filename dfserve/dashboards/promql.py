@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dfserve import metrics as m
 
 QUANTILES = (0.5, 0.95, 0.99)
+GENERATION = f'route=~"{"|".join(m.GENERATION_ROUTES)}"'
+"""Matcher of generation requests: a client polling `/v1/models` is not an arm's traffic."""
 ERROR_STATUS = f'status!="{m.STATUS_OK}"'
 """Matcher of failed requests in `dfserve_requests_total` (the gateway's and the load tester's alike, see
 `dfserve.metrics.REQUEST_LABELS`): HTTP error answers, client give-ups and answers that never completed."""

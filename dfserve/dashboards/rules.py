@@ -1,6 +1,7 @@
 """Prometheus recording and alerting rules for dfserve's arms and SGLang engines.
 
-Recording rules pool over each (job, arm), so the gateway's and the load tester's views of one arm never mix.
+Recording rules pool over each (job, arm), so the gateway's and the load tester's views of one arm never mix, and
+over generation requests only (`/v1/models` polled through the gateway is not an arm's traffic).
 Each alert names the signals it compares: the expressions that must return data for the alert to be able to fire,
 which the integration test checks against a real Prometheus.
 """
@@ -15,6 +16,7 @@ from dfserve import metrics as m
 from .engine import NameStyle, sglang_name
 from .promql import (
     ERROR_STATUS,
+    GENERATION,
     arm_acceptance,
     counter,
     increase_sum,
@@ -77,10 +79,11 @@ def recording_rules(names: NameStyle = "colon") -> tuple[Recording, ...]:
     """The recording rules for a Prometheus that stores SGLang's names in `names` style."""
     requests = counter(m.REQUESTS)
     return (
-        Recording(ACCEPT_LENGTH_5M, arm_acceptance("5m", ARM)),
-        *(Recording(record, ratio(rate_sum(requests, window, ARM, (ERROR_STATUS,)), rate_sum(requests, window, ARM)))
+        Recording(ACCEPT_LENGTH_5M, arm_acceptance("5m", ARM, (GENERATION,))),
+        *(Recording(record, ratio(rate_sum(requests, window, ARM, (ERROR_STATUS, GENERATION)),
+                                  rate_sum(requests, window, ARM, (GENERATION,))))
           for record, window in ((ERROR_RATIO_5M, "5m"), (ERROR_RATIO_1H, "1h"))),
-        Recording(TTFT_P99_5M, quantile(0.99, m.TTFT, "5m", ARM)),
+        Recording(TTFT_P99_5M, quantile(0.99, m.TTFT, "5m", ARM, (GENERATION,))),
         Recording(ENGINE_ACCEPT_LENGTH_5M, tokens_per_round(
             sglang_name(m.SGLANG_GENERATION_TOKENS, names), sglang_name(m.SGLANG_SPEC_VERIFY_CALLS, names), "5m",
             [m.DEPLOYMENT_LABEL])),

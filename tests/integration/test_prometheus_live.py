@@ -60,6 +60,12 @@ class Stack:
     prometheus: str
     live_start: float
     live_end: float
+    pushed_run: str
+    pushed_requests: int
+    """Records per arm of the pushed run."""
+
+
+OLDER_RUN = "older-run"
 
 
 def _host(url: str) -> str:
@@ -169,6 +175,25 @@ def _streamed_chat_without_spec_details(gateway: str, prometheus: str) -> None:
         _wait_for(prometheus, waited)
 
 
+def _push_older_run(pushgateway: str) -> None:
+    """A load test pushed before the stack's own, under a name that sorts after it: the Pushgateway keeps it."""
+    registry = CollectorRegistry()
+    metrics = m.DfserveMetrics.build(registry)
+    for arm in ARMS:
+        metrics.finished(arm, "chat", "", 200, None).inc(1000)
+    push_to_gateway(pushgateway, job=PUSHED_JOB, registry=registry, grouping_key={"run_id": OLDER_RUN}, timeout=10)
+
+
+def _pushed_run(runs: Path) -> tuple[str, int]:
+    """The pushed load test's run id and its measured records per arm (the same for both; warm-up requests are
+    not exported)."""
+    (run,) = [path for path in runs.iterdir() if (path / "requests.jsonl").exists()
+              and json.loads((path / "config.json").read_text())["api"] == "chat"]
+    records = [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines()]
+    (count,) = {sum(r["arm"] == arm and not r["warmup"] for r in records) for arm in ARMS}
+    return json.loads((run / "config.json").read_text())["run_id"], count
+
+
 def _push_watch(pushgateway: str) -> None:
     """What `dfserve eval watch --pushgateway` pushes after a checkpoint of a run levelling off below its baseline
     (the watch's own test pushes real trends; here the dashboards and rules read the names)."""
@@ -215,15 +240,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         _loadtest(tmp, "native", split, "--metrics-port", "0", num_requests=80,
                   live=lambda url: _scraped_from(prometheus, live_targets, url))
         live_end = time.time()
+        _push_older_run(pushgateway)
+        time.sleep(1.1)  # the Pushgateway's push times are to the second or finer: the older run's is older
         _loadtest(tmp, "chat", shadow, "--pushgateway", pushgateway)
         _push_watch(pushgateway)
         _streamed_chat_without_spec_details(split, prometheus)
         assert httpx.get(f"{split}/no-such-route", timeout=10).status_code == 404  # answered by the gateway itself
-        _wait_for(prometheus, f'sum({m.REQUESTS}_total{{job="{PUSHED_JOB}"}})')
+        _wait_for(prometheus, f'count(count by (run_id) ({m.REQUESTS}_total{{job="{PUSHED_JOB}"}})) == 2')
         _wait_for(prometheus, f'min({m.ARM_WINDOWED_ACCEPT_LENGTH}{{job="gateway"}})')
         _wait_for(prometheus, f"min({rules.ACCEPT_LENGTH_5M})")
         _wait_for(prometheus, f'min({m.EVAL_WATCH_STEP}{{job="{WATCH_JOB}"}})')
-        yield Stack(prometheus, live_start, live_end)
+        yield Stack(prometheus, live_start, live_end, *_pushed_run(tmp / "runs"))
 
 
 def _families(expr: str) -> set[str]:
@@ -269,9 +296,18 @@ def _check_dashboard(stack: Stack, board: Dashboard, values: dict[str, str], at:
     return sorted(panels)
 
 
-def _ab_values(job: str, window: str) -> dict[str, str]:
+def _ab_values(job: str, window: str, run: str = "") -> dict[str, str]:
+    """As Grafana sends them; `run` is empty where the source has no pushed run (Grafana's "None")."""
     return {"job": job, "arm": ".*", "baseline": "baseline", "candidate": "candidate", "deployment": ".*", "datasource": "",
-            "__rate_interval": window}
+            "__rate_interval": window, "run": run}
+
+
+def _runs(stack: Stack, job: str) -> list[str]:
+    """The `run` variable's options for `job`, in the dashboard's order (newest first)."""
+    (variable,) = [v for v in ab.build().variables if v.name == "run"]
+    samples = query(stack.prometheus, expand(variable.series, {"job": job}))
+    ordered = sorted(samples, key=lambda s: -float(s["value"][1]))
+    return [s["metric"][variable.label_name] for s in ordered]
 
 
 def test_every_ab_panel_has_data_from_the_gateways_and_engines(stack: Stack) -> None:
@@ -298,9 +334,31 @@ def test_ab_whole_run_panels_have_data_from_the_pushgateway(stack: Stack) -> Non
     """A pushed run is one final snapshot: rates over it are zero, so its row is the whole-run totals."""
     board = ab.build()
     totals = Dashboard(board.uid, board.title, board.description, board.variables, board.rows[-1:])
-    checked = _check_dashboard(stack, totals, _ab_values(PUSHED_JOB, "1m"), None, _exported(stack, PUSHED_JOB),
-                               per_target=False, need_finite=True)
+    checked = _check_dashboard(stack, totals, _ab_values(PUSHED_JOB, "1m", _runs(stack, PUSHED_JOB)[0]), None,
+                               _exported(stack, PUSHED_JOB), per_target=False, need_finite=True)
     assert len(checked) == len(totals.rows[0].panels)
+
+
+def test_the_whole_run_row_counts_one_pushed_run_the_newest_first(stack: Stack) -> None:
+    """The Pushgateway keeps every run's group: the row reads the one `$run` names, the newest by default, and
+    counts its requests as its records do, never every run ever pushed (an older run was pushed before it)."""
+    runs = _runs(stack, PUSHED_JOB)
+    assert runs == [stack.pushed_run, OLDER_RUN]
+    (requests,) = [q.expr for q in ab.build().queries() if q.panel == "Requests" and "status" not in q.expr]
+    counted = {s["metric"]["arm"]: float(s["value"][1])
+               for s in query(stack.prometheus, expand(requests, _ab_values(PUSHED_JOB, "1m", runs[0])))}
+    assert counted == {arm: stack.pushed_requests for arm in ARMS}, counted
+
+
+def test_request_panels_leave_out_metadata_gets(stack: Stack) -> None:
+    """The load tester reads `/server_info` and `/v1/models` through the gateway: the arms count them under their
+    own routes, and the Requests panel and the error-ratio rule count generation requests only."""
+    metadata = query(stack.prometheus, f'sum({m.REQUESTS}_total{{job="gateway", route!~"native|chat|completions"}})')
+    assert metadata and float(metadata[0]["value"][1]) > 0
+    (requests,) = [q.expr for q in ab.build().queries() if q.panel == "Requests" and "status" not in q.expr]
+    shown = sum(float(s["value"][1]) for s in query(stack.prometheus, expand(requests, _ab_values("gateway", "1m"))))
+    generation = query(stack.prometheus, f'sum({m.REQUESTS}_total{{job="gateway", route=~"native|chat|completions"}})')
+    assert shown == float(generation[0]["value"][1])
 
 
 def test_an_arm_without_errors_has_an_error_ratio_of_zero_not_none(stack: Stack) -> None:
@@ -353,8 +411,11 @@ def test_every_variable_has_values(stack: Stack, board: Dashboard) -> None:
     for variable in board.variables:
         if variable.is_datasource:
             continue
-        url = f"{stack.prometheus}/api/v1/label/{variable.label_name}/values"
-        found = httpx.get(url, params={"match[]": expand(variable.series, values)}, timeout=10).json()["data"]
+        if variable.newest_first:
+            found = _runs(stack, values["job"])
+        else:
+            url = f"{stack.prometheus}/api/v1/label/{variable.label_name}/values"
+            found = httpx.get(url, params={"match[]": expand(variable.series, values)}, timeout=10).json()["data"]
         assert found, f"{board.uid}: variable {variable.name} has no values"
         if variable.default:
             assert variable.default in found, variable.name

@@ -179,3 +179,14 @@ def test_an_alert_threshold_that_could_never_fire_is_refused(tmp_path: Path, val
         main(["dashboards", "--ttft-p99-seconds", value, "--out", str(tmp_path / "out")])
     assert exited.value.code == 2 and not (tmp_path / "out").exists()
     assert capsys.readouterr().err == f"dfserve: error: --ttft-p99-seconds: '{value}' is not a finite number\n"
+
+
+def test_ab_dashboard_reads_one_source_and_counts_each_request_once() -> None:
+    """The gateway and the load tester export the same families: `Source` is one job, never All; the heatmap's
+    cells are rates (an increase over windows that overlap from step to step counts a request in several)."""
+    board = ab.build()
+    variables = {v["name"]: v for v in board.to_json()["templating"]["list"]}
+    assert not variables["job"]["multi"] and not variables["job"]["includeAll"]
+    assert variables["run"]["query"].startswith("query_result(sort_desc(") and variables["run"]["sort"] == 0
+    (heatmap,) = [p for row in board.rows for p in row.panels if p.kind == "heatmap"]
+    assert all(t.expr.startswith("sum by (le) (rate(") for t in heatmap.targets)
