@@ -211,13 +211,8 @@ class GatewayConfig(_Model):
 
     @model_validator(mode="after")
     def _shadow(self) -> GatewayConfig:
-        if self.shadow is not None:
-            if self.routing.mode != "shadow":
-                raise ValueError("shadow: records are of mirrored requests; they need mode: shadow")
-            secondary = self.shadow.secondary
-            if secondary is not None and (secondary not in self.routing.arms or secondary == self.routing.primary):
-                raise ValueError(f"shadow.secondary: {secondary!r} is not a mirrored arm "
-                                 f"(arms: {', '.join(sorted(self.routing.arms))}, primary {self.routing.primary})")
+        if (problem := shadow_problem(self.shadow, self.routing)) is not None:
+            raise ValueError(problem)
         return self
 
     def admin_token(self, environ: dict[str, str] | None = None) -> str | None:
@@ -227,6 +222,20 @@ class GatewayConfig(_Model):
             raise FieldError("admin.token_env", f"set {self.admin.token_env} to a token of at least 16 characters, "
                              "or leave admin.port unset")
         return token or None
+
+
+def shadow_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | None:
+    """Why `routing` cannot carry shadow records as `shadow` asks, if it cannot: at start, and for every routing a
+    running gateway is given (a primary made the noise-floor arm would judge the floor against itself)."""
+    if shadow is None:
+        return None
+    if routing.mode != "shadow":
+        return "shadow: records are of mirrored requests; they need mode: shadow"
+    secondary = shadow.secondary
+    if secondary is not None and (secondary not in routing.arms or secondary == routing.primary):
+        return (f"shadow.secondary: {secondary!r} is not a mirrored arm "
+                f"(arms: {', '.join(sorted(routing.arms))}, primary {routing.primary})")
+    return None
 
 
 _ROUTING_KEYS = set(RoutingConfig.model_fields)

@@ -21,12 +21,13 @@ The looks are therefore a pure function of a folder's pairs in id order, and `df
 requests.jsonl (`judge_live`), finding the gateway's decision at the same look, or refusing the folder.
 
 Each folder is its own decision (it holds one baseline and is judged alone): after a rotation the next folder
-starts afresh, and one closed undecided is judged after the fact, with the same design. An exchange that never
-reaches the recorder (dropped behind a full queue) would hold the prefix forever: the recorder writes its request
-without it `max_pending` requests later (no pair, and the folder is then incomplete: its verdict needs forcing), and
-a request never written at all gives the live decision up once `max_pending` requests wait behind it (the gateway
-gives it twice the recorder's bound), said once (state `abandoned`), as does recording stopping at `max_folders`;
-mirroring and recording go on. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
+starts afresh, and one closed undecided is judged after the fact, with the same design. The live decision never
+decides what `dfserve compare` would refuse unforced: it is given up, said once (state `abandoned`; mirroring and
+recording go on), when the open folder becomes incomplete (a mirror the gateway's own concurrency limit refused; an
+exchange dropped behind a full queue, whose request the recorder writes without it `max_pending` requests later),
+when its arms are not comparable (the candidate on the primary's drafter or another target, an engine that could
+not be asked, a secondary arm that is no noise floor), when a request is never written at all (once twice the
+recorder's `max_pending` requests wait behind it), and when recording stops at `max_folders`. Live traffic has no finite task set (a task is a distinct request body), so no rule is ever limited by one;
 greedy and sampled requests may mix, so determinism is read pair by pair (`greedy_held`): losslessness is judged
 on the greedy pairs, the other metrics as for sampled requests once one pair is not greedy. A greedy request may
 come at any time, so a gate with an identical-output rule passes only once that rule has judged greedy pairs
@@ -52,7 +53,8 @@ from dfserve.loadtest.judge import METRICS
 from dfserve.loadtest.records import RequestRecord
 from dfserve.metrics import ShadowDecisionMetrics
 from dfserve.runs import write_model
-from dfserve.shadow.recorder import ShadowRecorder
+from dfserve.shadow import arms
+from dfserve.shadow.recorder import ShadowRecorder, ShadowRunConfig
 from dfserve.shadow.records import greedy_held
 from dfserve.verdict.design import Outcome, SequentialDesign
 from dfserve.verdict.gate import Gate
@@ -200,27 +202,49 @@ class DecidingRecorder:
         self.stop_mirroring = stop_mirroring
         recorder.on_record = decision.written
         metrics.set_state("deciding")
+        self._checked = ""
+        self._differ: list[str] = []
 
     def observe(self, exchanged: Exchanged) -> None:
         self.recorder.observe(exchanged)
         decision = self.decision
         if decision.state != "deciding":
             return
-        if self.recorder.stopped:
-            decision.abandon()
-            self.metrics.set_state("abandoned")
-            log.error("shadow.until_decided: recording stopped (shadow.max_folders) before the gate was decided; the "
-                      "live decision is given up, and dfserve compare judges each folder")
+        folder = self.recorder.folder
+        if folder is None:
+            self._abandon("recording stopped (shadow.max_folders) before the gate was decided")
+            return
+        if (why := self._untrusted(*folder)) is not None:
+            self._abandon(why)
             return
         look = decision.seen(exchanged)
         self.metrics.pairs.set(decision.pairs)
         if look is not None:
             self._decided(look)
         elif decision.state == "abandoned":
-            self.metrics.set_state("abandoned")
-            log.error("shadow.until_decided: request %s was never recorded and %d later ones wait behind it; the "
-                      "live decision is given up, mirroring and recording go on, and dfserve compare judges each "
-                      "folder", decision.stalled_at, decision.max_pending)
+            self._abandon(f"request {decision.stalled_at} was never recorded and {decision.max_pending} later ones "
+                          "wait behind it")
+
+    def _untrusted(self, config: ShadowRunConfig, incomplete: bool) -> str | None:
+        """Why the open folder cannot be decided on, as `dfserve compare` would refuse it unforced; each folder's
+        arms are read once."""
+        if incomplete:
+            return (f"record folder {config.run_id} is incomplete (a mirror the gateway's own limit refused, or a "
+                    "request written without all its records), so the pairs kept are not the traffic's sample")
+        if config.primary == self.decision.candidate:
+            return None  # such a folder decides nothing
+        if config.run_id != self._checked:
+            self._checked = config.run_id
+            self._differ = arms.mismatches(config, config.primary, self.decision.candidate)
+            if config.secondary is not None:
+                self._differ += arms.floor_mismatches(config, config.primary, config.secondary)
+        return "arms are not comparable (" + "; ".join(self._differ) + ")" if self._differ else None
+
+    def _abandon(self, why: str) -> None:
+        self.decision.abandon()
+        self.metrics.set_state("abandoned")
+        log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
+                  "dfserve compare judges each folder", why)
 
     def _decided(self, look: Look) -> None:
         decision = self.decision

@@ -119,6 +119,11 @@ class _Folder:
         """Records of requests the gateway's own concurrency limit refused: the folder is then incomplete (a slow
         arm's are refused when it is busiest, and judging the pairs it had room for would favour it)."""
 
+    @property
+    def incomplete(self) -> bool:
+        """Its summary will say `interrupted`: a verdict on it is refused unless forced."""
+        return self.unpaired + self.cut_by_stop + self.refused > 0
+
     def write(self, record: RequestRecord) -> None:
         """Held until `flush`: a batch of records is one write."""
         self.cut_by_stop += record.error_message == GATEWAY_STOPPED
@@ -142,7 +147,7 @@ class _Folder:
             shutil.rmtree(self.path, ignore_errors=True)  # what cannot be removed stays, unsealed: never judged
             return
         arms = dict.fromkeys(r.arm for r in self.records)
-        summary = Summary(run_id=self.config.run_id, interrupted=self.unpaired + self.cut_by_stop + self.refused > 0,
+        summary = Summary(run_id=self.config.run_id, interrupted=self.incomplete,
                           arms=tuple(summarize_arm(arm, [r for r in self.records if r.arm == arm]) for arm in arms),
                           records_sha256=file_sha256(self.path / "requests.jsonl"),
                           config_sha256=file_sha256(self.path / "config.json")).sealed()
@@ -187,6 +192,11 @@ class ShadowRecorder:
     def stopped(self) -> bool:
         """Recording has stopped (`max_folders`, or closed)."""
         return self._folder is None
+
+    @property
+    def folder(self) -> tuple[ShadowRunConfig, bool] | None:
+        """The open folder's config.json, and whether it is incomplete already (`_Folder.incomplete`)."""
+        return (self._folder.config, self._folder.incomplete) if self._folder is not None else None
 
     def _open(self, primary: str) -> _Folder | None:
         if self.folders >= self.policy.max_folders:

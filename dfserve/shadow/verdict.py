@@ -14,7 +14,8 @@ it was decided on live traffic, and where the gateway wrote its decision the rep
 
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
-be asked (`/server_info` unrecorded), a folder still being written (no summary.json) or whose records do not
+be asked (`/server_info` unrecorded), a secondary arm that is no noise floor (another target or drafter than the
+primary's, or the primary's own engine), a folder still being written (no summary.json) or whose records do not
 match its summary, one where the gateway wrote requests without all their records (summary `interrupted`) or
 holding mirrors' records without their primary's (the gateway writes a request's records together), a decided
 folder whose records or design do not replay the gateway's decision (decision.json).
@@ -30,7 +31,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from dfserve.baselines import one_drafter
 from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.loadtest.judge import LOSSLESS, METRICS
 from dfserve.loadtest.records import (
@@ -42,7 +42,7 @@ from dfserve.loadtest.records import (
 )
 from dfserve.loadtest.report import READ_WITH_NEXT_WARNED, ReadWithNext, Summary, figures_differ
 from dfserve.runs import Provenance, read_model, unsealed, write_model
-from dfserve.sglang import ServerInfo, parse_server_info
+from dfserve.shadow import arms
 from dfserve.shadow.monitor import DECISION, Decided, judge_live
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRunConfig
@@ -55,7 +55,6 @@ from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.sequential import check_sequential_gate
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
-from dfserve.verdict.wording import differences
 
 DEFAULT_GATE = Gate(rules=(
     Rule(metric="accept_length", max_worse=0.02),
@@ -227,31 +226,13 @@ def pick_candidate(config: ShadowRunConfig, records: Sequence[RequestRecord], ca
     return arms[0]
 
 
-def _server(config: ShadowRunConfig, arm: str) -> ServerInfo | None:
-    info = config.arms.get(arm)
-    return parse_server_info(info.server_info) if info is not None and info.server_info is not None else None
-
-
 def _side(config: ShadowRunConfig, path: Path, arm: str) -> Side:
     """The arm as its engine described itself; `unknown` where the gateway could not read its `/server_info`."""
-    server = _server(config, arm)
+    server = arms.server(config, arm)
     info = config.arms.get(arm)
     return Side(run_id=config.run_id, run_dir=str(path.resolve()), name=arm, url=info.url if info else None,
                 target=server.model_path if server and server.model_path else "unknown",
                 drafter=(server.draft_model_path or "none") if server else f"unknown (shadow arm {arm})")
-
-
-def mismatches(config: ShadowRunConfig, base: str, cand: str) -> list[str]:
-    """What differs between two arms' engines beyond the drafter, and the drafter when it does not; an arm whose
-    engine is unknown is one."""
-    servers = [_server(config, arm) for arm in (base, cand)]
-    if servers[0] is None or servers[1] is None:
-        unknown = [arm for arm, server in zip((base, cand), servers, strict=True) if server is None]
-        return [f"arm {arm}: its /server_info was not recorded, so its target and drafter are unknown"
-                for arm in unknown]
-    return [*(line for field in ("model_path", "max_running_requests")
-              for line in differences(f"server {field}", getattr(servers[0], field), getattr(servers[1], field))),
-            *one_drafter(servers[0].draft_model_path or "none", servers[1].draft_model_path or "none")]
 
 
 def read_together(records: Sequence[RequestRecord], arms: Iterable[str]) -> list[str]:
@@ -280,9 +261,13 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     if missing and not force:
         raise Untrusted("not the whole record: " + "; ".join(missing))
     cand = pick_candidate(config, records, candidate)
-    differ = mismatches(config, config.primary, cand)
+    differ = arms.mismatches(config, config.primary, cand)
     if differ and not force:
         raise Untrusted("arms are not comparable (" + "; ".join(differ) + ")")
+    no_floor = arms.floor_mismatches(config, config.primary, config.secondary) if config.secondary else []
+    if no_floor and not force:
+        raise Untrusted("the secondary arm is no noise floor (" + "; ".join(no_floor) + ")")
+    differ += no_floor
     if config.sequential is None and (path / DECISION).exists():
         undesigned = f"{DECISION} is there, but config.json records no sequential design it was decided on (edited?)"
         if not force:

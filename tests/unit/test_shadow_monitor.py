@@ -15,13 +15,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dfserve.deploy.hashes import file_sha256
-from dfserve.errors import FieldError, Untrusted
+from dfserve.errors import FieldError, Untrusted, UserError
 from dfserve.gateway.app import Gateway
 from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
 from dfserve.loadtest.report import Summary
-from dfserve.metrics import SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
+from dfserve.metrics import GATEWAY_OVERLOADED, SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
 from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
@@ -303,16 +303,15 @@ def test_each_folder_is_a_decision_of_its_own(tmp_path: Path) -> None:
     decider.close()
 
 
-def test_a_lost_mirror_is_written_unpaired_later_and_the_decision_goes_on(tmp_path: Path) -> None:
-    """Request 0's mirror is lost: four requests later the recorder writes it without it (its folder then needs
-    forcing), and the prefix moves on."""
+def test_a_lost_mirror_is_written_unpaired_later_and_the_decision_is_given_up(tmp_path: Path) -> None:
+    """Request 0's mirror is lost: four requests later the recorder writes it without it, and its folder is then
+    incomplete (compare refuses it unforced): the live decision, which would have decided on it, is given up."""
     decider, metrics, stops = deciding(tmp_path, look_every=1, max_pending=4)
     decider.observe(request(0)[0])
     for rid in range(1, 7):
         for e in request(rid):
             decider.observe(e)
-    assert state(metrics) == "deciding" and stops.calls == 0
-    assert (decider.decision.pairs, decider.decision.last_request_id) == (6, 6)
+    assert state(metrics) == "abandoned" and stops.calls == 0 and decider.decision.decision is None
     decider.close()
     [folder] = sorted((tmp_path / "shadow").iterdir())
     assert json.loads((folder / "summary.json").read_text())["interrupted"] is True
@@ -372,6 +371,17 @@ def test_a_routing_change_does_not_mirror_again() -> None:
     assert not gateway.mirroring
 
 
+def test_a_running_gateway_refuses_routing_that_makes_the_noise_floor_the_primary(tmp_path: Path) -> None:
+    """As its config file refuses it at start: the floor would be judged against itself (a floor of zero width)."""
+    arms = {name: {"weight": 1, "replicas": [f"http://{name}"]} for name in ("a", "b", "a2")}
+    config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
+                                "shadow.dir": str(tmp_path), "shadow.secondary": "a2"})
+    gateway = Gateway(config)
+    with pytest.raises(UserError, match=r"^shadow\.secondary: 'a2' is not a mirrored arm"):
+        gateway.apply(config.routing.model_copy(update={"primary": "a2"}))
+    assert gateway.routing.primary == "a"
+
+
 def test_a_deciding_recorder_writes_each_batch_its_lane_hands_it(tmp_path: Path) -> None:
     """Through the observers' seam, as the gateway runs it: each batch's records reach the disk when the lane
     flushes, not only when the folder closes."""
@@ -409,3 +419,53 @@ def test_a_damaged_decision_or_one_without_its_design_is_judged_only_forced(tmp_
         compare_shadow(folder, None, None, False, tmp_path / "v")
     forced = compare_shadow(folder, None, None, True, tmp_path / "v").verdict
     assert forced.forced and any(said in line for line in forced.mismatches)
+
+
+def test_a_mirror_refused_by_the_gateways_own_limit_gives_the_decision_up(tmp_path: Path) -> None:
+    """A slow candidate's mirrors are refused when it is busiest (max_concurrent_per_arm): the pairs left would favour
+    it, and compare refuses the folder unforced; the gateway never decides PASS on it."""
+    decider, metrics, stops = deciding(tmp_path, look_every=1)
+    for rid in range(40):
+        primary, mirror = request(rid, cand_verify=4, cand_error=GATEWAY_OVERLOADED if rid == 2 else None)
+        decider.observe(primary)
+        decider.observe(mirror)
+    assert state(metrics) == "abandoned" and stops.calls == 0 and decider.decision.decision is None
+    decider.close()
+
+
+@pytest.mark.parametrize(("drafters", "secondary", "refused"), [
+    ({"http://engine-b": "z-lab/dflash"}, None, "both sides serve drafter 'z-lab/dflash'"),
+    ({"http://engine-c": "inhouse-0001"}, "zlab2", "noise floor zlab2 serves drafter 'inhouse-0001'"),
+    ({}, "zlab", "noise floor zlab2 is the primary's own engine"),
+    ({}, "zlab2", None),
+])
+def test_the_live_decision_refuses_arms_compare_would_refuse(
+        tmp_path: Path, engines: dict[str, dict[str, object]], drafters: dict[str, str], secondary: str | None,
+        refused: str | None) -> None:
+    """The candidate on the primary's drafter, or a secondary arm on another drafter than the primary's or on the
+    primary's own engine (`secondary` "zlab": arm zlab2 is given zlab's replica): compare refuses the folder
+    unforced, so the gateway gives its decision up rather than stop mirroring on a PASS."""
+    replicas = dict(ENGINES)
+    if secondary == "zlab":
+        secondary, replicas["zlab2"] = "zlab2", ENGINES["zlab"]
+    for url, drafter in drafters.items():
+        engines[url]["speculative_draft_model_path"] = drafter
+    policy = ShadowPolicy(dir=tmp_path / "shadow", until_decided=True, look_every=1, secondary=secondary)
+    arms = ("zlab", "inhouse", *((secondary,) if secondary else ()))
+    live = live_design(policy, arms, "zlab")
+    assert live is not None
+    metrics = ShadowDecisionMetrics.build(CollectorRegistry())
+    recorder = ShadowRecorder(policy, "zlab", {arm: replicas[arm] for arm in arms}, live)
+    decider = DecidingRecorder(recorder, LiveDecision(live[0], "inhouse", 100), metrics, Stops())
+    for rid in range(40):
+        primary, mirror = request(rid, cand_verify=12)
+        decider.observe(replace(primary, mirrors=arms[1:]))
+        decider.observe(mirror)
+        if secondary:
+            decider.observe(replace(exchanged(rid, secondary, True, verify=4 + rid % 3), body=primary.body))
+    decider.close()
+    assert state(metrics) == ("abandoned" if refused else "fail")
+    if refused:
+        [folder] = sorted((tmp_path / "shadow").iterdir())
+        with pytest.raises(Untrusted, match=refused):
+            compare_shadow(folder, "inhouse", None, False, tmp_path / "v")
