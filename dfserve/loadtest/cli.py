@@ -236,6 +236,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         with progress, flags_for(flags):
             observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
+        if not outcome.interrupted:
+            exporter.linger(lambda line: click.echo(line, err=True))
     finally:
         exporter.close()
     if outcome.records_lost:

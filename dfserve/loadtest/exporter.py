@@ -5,13 +5,20 @@ record's route (`native`, `chat`, `completions`: a replayed capture sends severa
 dashboard reads both and a series means the same from either. Warm-up requests are left out, as they are from the
 summary, and so are requests the tester cancelled at its stop (Ctrl-C): the summary and the verdict count them as
 neither answers nor errors of the arm, and in `dfserve_requests_total` they would read as failures (499).
+
+A run's last requests finish after Prometheus's last scrape of it: a live exporter that stops with the run loses
+them (a 15 s scrape, up to 15 s of requests). Where something scraped it during the run, it serves on at the end
+until the next scrape has read the final figures (`linger`), for at most twice the interval seen between scrapes.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
+from prometheus_client import CollectorRegistry, Metric, push_to_gateway, start_http_server
+from prometheus_client.registry import Collector
 
 from dfserve.errors import FieldError
 from dfserve.loadtest import records as rec
@@ -20,6 +27,26 @@ from dfserve.metrics import Binned, DfserveMetrics, Outcome, observe
 
 LOOPBACK = "127.0.0.1"
 PUSH_JOB = "dfserve_loadtest"
+LINGER_MAX_S = 60.0
+"""The longest an exporter waits at the end for the next scrape (also where only one scrape was seen)."""
+
+
+class _Scrapes(Collector):
+    """A collector that exports nothing and notes when each scrape reads the registry."""
+
+    def __init__(self) -> None:
+        self.last_s: float | None = None
+        self.interval_s: float | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # registering it reads nothing
+
+    def collect(self) -> Iterable[Metric]:
+        now = time.monotonic()
+        if self.last_s is not None:
+            self.interval_s = now - self.last_s
+        self.last_s = now
+        return ()
 
 
 def outcome(r: RequestRecord, route: str) -> Outcome:
@@ -43,6 +70,8 @@ class Exporter:
         self.metrics = DfserveMetrics.build(self.registry)
         self.route = route
         self._server: WSGIServer | None = None
+        self._scrapes = _Scrapes()
+        self.registry.register(self._scrapes)
 
     def observe(self, r: RequestRecord) -> None:
         if not r.warmup and not r.cancelled:
@@ -56,6 +85,18 @@ class Exporter:
             raise FieldError("metrics_port", f"cannot listen on {LOOPBACK}:{port} ({exc.strerror})") from None
         self._server = server
         return f"http://{LOOPBACK}:{server.server_port}"
+
+    def linger(self, say: Callable[[str], None]) -> None:
+        """Serve until a scrape after this call has read the final figures, where something scraped during the run:
+        for at most twice the interval between its last two scrapes, plus a second (`LINGER_MAX_S` at most)."""
+        scrapes = self._scrapes
+        if self._server is None or scrapes.last_s is None:
+            return
+        ended = time.monotonic()
+        wait_s = min(LINGER_MAX_S, 2 * scrapes.interval_s + 1) if scrapes.interval_s is not None else LINGER_MAX_S
+        say(f"dfserve loadtest metrics: serving the final figures until the next scrape (at most {wait_s:.0f} s)")
+        while (scrapes.last_s or 0) <= ended and time.monotonic() < ended + wait_s:
+            time.sleep(0.05)
 
     def close(self) -> None:
         if self._server is not None:

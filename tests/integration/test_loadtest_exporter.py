@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 
 import httpx
 import pytest
@@ -116,3 +117,46 @@ def test_push_sends_the_run_to_a_pushgateway_on_loopback() -> None:
     assert f"{metrics.OUTPUT_TOKENS}_total".encode() in body
     with refusing_port() as sock, pytest.raises(FieldError, match=r"^pushgateway: push to "):
         Exporter(route="/generate").push(url_of(sock), "run-8")
+
+
+def _requests(body: str) -> float:
+    line = next(line for line in body.splitlines()
+                if line.startswith(f"{metrics.REQUESTS}_total") and 'arm="zlab"' in line)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_scraped_exporter_serves_the_final_figures_until_the_next_scrape() -> None:
+    """Requests that finish after the last scrape of a run would never reach Prometheus: the exporter waits for one
+    more scrape (bounded by twice the interval it saw), which reads them; one never scraped does not wait."""
+    idle = Exporter(route="native")
+    idle.serve(0)
+    said: list[str] = []
+    started = time.monotonic()
+    idle.linger(said.append)
+    assert time.monotonic() - started < 0.2 and not said
+    idle.close()
+
+    exporter = Exporter(route="native")
+    url = exporter.serve(0)
+    records = synthetic("zlab", 3, 8.0, seed=1, tokens=32)
+    try:
+        exporter.observe(records[0])
+        for _ in range(2):
+            assert _requests(httpx.get(f"{url}/metrics").text) == 1
+            time.sleep(0.3)
+        for r in records[1:]:
+            exporter.observe(r)  # the run's last requests, after its last scrape
+        scraped: list[float] = []
+        scraper = threading.Timer(0.5, lambda: scraped.append(_requests(httpx.get(f"{url}/metrics").text)))
+        scraper.start()
+        started = time.monotonic()
+        exporter.linger(said.append)
+        waited = time.monotonic() - started
+        scraper.join()
+        assert scraped == [3] and 0.4 < waited < 1.5, (scraped, waited)
+        assert said and "at most 2 s" in said[0]
+        started = time.monotonic()
+        exporter.linger(said.append)  # nobody scrapes again: twice the interval seen, plus a second, at most
+        assert 1.2 < time.monotonic() - started < 3
+    finally:
+        exporter.close()

@@ -63,6 +63,8 @@ class Stack:
     pushed_run: str
     pushed_requests: int
     """Records per arm of the pushed run."""
+    live_requests: int
+    """Records per arm of the live (scraped) run."""
 
 
 OLDER_RUN = "older-run"
@@ -184,11 +186,11 @@ def _push_older_run(pushgateway: str) -> None:
     push_to_gateway(pushgateway, job=PUSHED_JOB, registry=registry, grouping_key={"run_id": OLDER_RUN}, timeout=10)
 
 
-def _pushed_run(runs: Path) -> tuple[str, int]:
-    """The pushed load test's run id and its measured records per arm (the same for both; warm-up requests are
+def _measured(runs: Path, api: str) -> tuple[str, int]:
+    """The `api` load test's run id and its measured records per arm (the same for both; warm-up requests are
     not exported)."""
     (run,) = [path for path in runs.iterdir() if (path / "requests.jsonl").exists()
-              and json.loads((path / "config.json").read_text())["api"] == "chat"]
+              and json.loads((path / "config.json").read_text())["api"] == api]
     records = [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines()]
     (count,) = {sum(r["arm"] == arm and not r["warmup"] for r in records) for arm in ARMS}
     return json.loads((run / "config.json").read_text())["run_id"], count
@@ -250,7 +252,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         _wait_for(prometheus, f'min({m.ARM_WINDOWED_ACCEPT_LENGTH}{{job="gateway"}})')
         _wait_for(prometheus, f"min({rules.ACCEPT_LENGTH_5M})")
         _wait_for(prometheus, f'min({m.EVAL_WATCH_STEP}{{job="{WATCH_JOB}"}})')
-        yield Stack(prometheus, live_start, live_end, *_pushed_run(tmp / "runs"))
+        yield Stack(prometheus, live_start, live_end, *_measured(tmp / "runs", "chat"),
+                    _measured(tmp / "runs", "native")[1])
 
 
 def _families(expr: str) -> set[str]:
@@ -328,6 +331,12 @@ def test_ab_panels_have_data_from_the_live_load_tester(stack: Stack) -> None:
     for panel in ("Time to first token", "Inter-token latency (per token)", "Acceptance length (pooled, exact)",
                   "Acceptance length ratio", "Acceptance length distribution ($arm)", "Requests"):
         assert panel in checked
+
+
+def test_the_live_load_testers_last_requests_reach_prometheus(stack: Stack) -> None:
+    """Its last requests finish after a scrape: the exporter serves on until the next one has read them."""
+    seen = query(stack.prometheus, f'max_over_time(sum by (arm) ({m.REQUESTS}_total{{job="{LIVE_JOB}"}})[10m:250ms])')
+    assert {s["metric"]["arm"]: float(s["value"][1]) for s in seen} == {arm: stack.live_requests for arm in ARMS}
 
 
 def test_ab_whole_run_panels_have_data_from_the_pushgateway(stack: Stack) -> None:
