@@ -27,14 +27,19 @@ from dfserve import families
 
 Family = TypeVar("Family", Counter, Gauge, Histogram)
 
-# Latency buckets in seconds: fine at the low end (a token every few ms), reaching minutes for long generations.
 ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
 """An arm's name, as the `arm` label, a header value, a `--set` path and a dashboard's matcher all take it."""
 ARM_NAME_RULE = "ASCII letters, digits, '-' and '_'"
 
-TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
-ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1)
-E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
+# Latency buckets in seconds, reaching minutes for long generations: at most 1.5 apart (mostly 1.25-1.33) from 5 ms
+# (TTFT) and 0.5 ms (gaps) up to seconds, so that a dashboard's p95/p99, interpolated within a bucket, is off by a
+# fraction of a bucket's width, not by the factor of two of doubling bounds.
+TTFT_BUCKETS_S = (0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2,
+                  0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 60)
+ITL_BUCKETS_S = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125,
+                 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1)
+E2E_BUCKETS_S = (0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7.5, 10, 12.5,
+                 15, 20, 25, 30, 40, 50, 60, 75, 90, 120, 300)
 # Acceptance length is between 1 and the block size (16 for z-lab's drafters); half-token steps resolve a 3% change.
 ACCEPT_LENGTH_BUCKETS = tuple(x / 2 for x in range(2, 33))
 TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -3,6 +3,8 @@ each labelled series looked up once."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -57,3 +59,13 @@ def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_onc
     assert value(m.REQUESTS + "_total", arm="cand", route="native", replica="http://r1", status="2xx", error="") == 1
     assert value(m.REQUESTS + "_total", arm="cand", route="native", replica="http://r1", status="5xx",
                  error="connect") == 1
+
+
+@pytest.mark.parametrize(("bounds", "up_to_s"), [(m.TTFT_BUCKETS_S, 2), (m.ITL_BUCKETS_S, 0.2), (m.E2E_BUCKETS_S, 120)],
+                         ids=["ttft", "itl", "e2e"])
+def test_latency_buckets_are_fine_enough_for_a_tail_quantile(bounds: tuple[float, ...], up_to_s: float) -> None:
+    """A dashboard's p99 is interpolated within a bucket: bounds that double put it up to twice the truth (a TTFT
+    p99 of 27 ms read as 39 ms between 20 and 40 ms). Over the latencies a stream has, no bucket is over 1.5 times the
+    last."""
+    below = [b for b in bounds if b <= up_to_s]
+    assert all(high / low <= 1.5 for low, high in itertools.pairwise(below))
