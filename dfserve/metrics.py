@@ -350,6 +350,21 @@ class DfserveMetrics:
             found = self._children[key] = family.labels(*labels)
         return cast(Family, found)
 
+    def start(self, arm: str, routes: Iterable[str], replicas: Iterable[str]) -> None:
+        """An arm's success series at 0 before its first request: Prometheus takes a series' first sample for its
+        start, so what it counted before its first scrape would be in no `rate()` or `increase()` (a dashboard's
+        first minute of an arm, a rule's error ratio). Failed requests' series are not started: their error kinds
+        are open-ended."""
+        replicas = tuple(replicas)
+        for route in routes:
+            for replica in replicas:
+                self.requests.labels(arm, route, replica, STATUS_OK, "")
+            for family in (self.ttft, self.itl_per_token, self.itl_per_chunk, self.e2e, self.output_tokens,
+                           self.spec_output_tokens, self.spec_verify_rounds):
+                family.labels(arm, route)
+            for measure in MEASURES:
+                self.accept_length.labels(arm, route, measure)
+
     def finished(self, arm: str, route: str, replica: str, status: int | None,
                  error: str | None) -> families.CounterSeries:
         """The `requests` series of one finished request (labels as `request_labels` sets them)."""

@@ -43,6 +43,7 @@ from dfserve.headers import ARM
 from dfserve.metrics import (
     GATEWAY_OVERLOADED,
     GATEWAY_STOPPED,
+    GENERATION_ROUTES,
     PROTOCOL_ERROR,
     STREAM_ERROR,
     DfserveMetrics,
@@ -108,8 +109,10 @@ class Gateway:
         return self._upstream
 
     def _set_weights(self, routing: RoutingConfig) -> None:
+        """Each arm's weight, and its per-request series started (`DfserveMetrics.start`)."""
         for name, arm in routing.arms.items():
             self.metrics.arm_weight.labels(name).set(arm.weight)
+            self.metrics.start(name, GENERATION_ROUTES, arm.replicas)
         for name in self.routing.arms.keys() - routing.arms.keys():
             self.metrics.arm_weight.remove(name)
 

@@ -43,7 +43,7 @@ from dfserve.loadtest.runner import Halt, Observer, RunOutcome, RunPlan, execute
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.loadtest.sequential import SequentialMonitor
 from dfserve.loadtest.verdict import compare_runs, unfounded
-from dfserve.metrics import ARM_NAME, ARM_NAME_RULE
+from dfserve.metrics import ARM_NAME, ARM_NAME_RULE, GENERATION_ROUTES
 from dfserve.runs import create_run_dir, new_run_id, run_name, write_atomic, write_model
 from dfserve.sglang import Api
 from dfserve.shadow.cli import compare_shadow_folder
@@ -224,6 +224,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=plan.default_api)
+    for arm, _ in plan.arms:
+        exporter.metrics.start(arm, (plan.api,) if plan.api else GENERATION_ROUTES, ("",))
     if metrics_port is not None:
         with flags_for(flags):
             click.echo(f"dfserve loadtest metrics: listening on {exporter.serve(metrics_port)}", err=True)

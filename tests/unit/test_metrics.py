@@ -4,11 +4,15 @@ each labelled series looked up once."""
 from __future__ import annotations
 
 import itertools
+import typing
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from dfserve import metrics as m
+from dfserve.gateway.app import PROXIED, Gateway
+from dfserve.gateway.config import load_config
+from dfserve.sglang.client.requests import Api
 
 
 @pytest.mark.parametrize(("http_status", "error", "labels"), [
@@ -69,3 +73,26 @@ def test_latency_buckets_are_fine_enough_for_a_tail_quantile(bounds: tuple[float
     last."""
     below = [b for b in bounds if b <= up_to_s]
     assert all(high / low <= 1.5 for low, high in itertools.pairwise(below))
+
+
+def test_an_arms_success_series_start_at_zero_before_its_first_request() -> None:
+    """Prometheus takes a series' first sample for its start: requests counted before it was first scraped would be
+    in no rate(). A gateway's arms, per replica and generation route, are exported at 0 from its start, and a new
+    arm from the routing change that adds it."""
+    arms = {"a": {"weight": 1, "replicas": ["http://x", "http://y"]}, "b": {"weight": 1, "replicas": ["http://z"]}}
+    config = load_config(None, {"routing.arms": arms})
+    gateway = Gateway(config)
+    sample = gateway.registry.get_sample_value
+    for arm, replica in (("a", "http://x"), ("a", "http://y"), ("b", "http://z")):
+        for route in m.GENERATION_ROUTES:
+            assert sample(f"{m.REQUESTS}_total", {"arm": arm, "route": route, "replica": replica, "status": "2xx",
+                                                   "error": ""}) == 0
+            assert sample(f"{m.TTFT}_count", {"arm": arm, "route": route}) == 0
+            assert sample(f"{m.SPEC_VERIFY_ROUNDS}_total", {"arm": arm, "route": route}) == 0
+            assert sample(f"{m.ACCEPT_LENGTH}_count", {"arm": arm, "route": route, "measure": "exact"}) == 0
+    gateway.apply(config.routing.model_copy(update={"arms": {**config.routing.arms, "c": config.routing.arms["b"]}}))
+    assert sample(f"{m.E2E}_count", {"arm": "c", "route": "chat"}) == 0
+
+
+def test_the_generation_routes_are_those_the_gateway_relays_and_the_tester_sends() -> None:
+    assert set(m.GENERATION_ROUTES) == set(PROXIED.values()) == set(typing.get_args(Api))
