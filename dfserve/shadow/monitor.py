@@ -20,8 +20,10 @@ read, before any outcome, so the prefix is the traffic's own sample and each pai
 The looks are therefore a pure function of a folder's pairs in id order, and `dfserve compare` replays them from
 requests.jsonl (`judge_live`), finding the gateway's decision at the same look, or refusing the folder.
 
-Each folder is its own decision (it holds one baseline and is judged alone): after a rotation the next folder
-starts afresh, and one closed undecided is judged after the fact, with the same design. The live decision never
+The decision is the first record folder's (a folder holds one baseline and is judged alone): one closed
+undecided (full, or a new primary) gives it up, since each folder decided afresh would be another chance at a
+PASS for a candidate no better than the baseline; it is judged after the fact with the same design, and later
+folders, which carry no design, as fixed-size samples. The live decision never
 decides what `dfserve compare` would refuse unforced: it is given up, said once (state `abandoned`; mirroring and
 recording go on), when the open folder becomes incomplete (a mirror the gateway's own concurrency limit refused; an
 exchange dropped behind a full queue, whose request the recorder writes without it `max_pending` requests later),
@@ -124,7 +126,8 @@ class LiveDecision:
         self.monitor: Monitor[RequestRecord] | None = None
         self.decision: Decided | None = None
         self.last_request_id = -1
-        self.stalled_at: int | None = None
+        self.gave_up: str | None = None
+        """Why the decision was given up (state `abandoned`)."""
         self._primary = ""
         self._next = 0
         self._requests: dict[int, _Request] = {}
@@ -134,10 +137,16 @@ class LiveDecision:
         return self.monitor.pairs if self.monitor is not None else 0
 
     def written(self, record: RequestRecord, folder: Path, primary: str) -> None:
-        """A record the recorder wrote into `folder` (whose baseline is `primary`); a new folder is a new decision."""
+        """A record the recorder wrote into `folder` (whose baseline is `primary`). The decision is the first
+        folder's: one written into the next gives it up."""
         if self.state != "deciding":
             return
         if folder != self.folder:
+            if self.folder is not None:
+                self.abandon(f"record folder {self.folder.name} was closed (shadow.records_per_folder or folder_bytes, "
+                             "or a new primary) before the gate was decided, and deciding afresh on the next would "
+                             "be another chance at a PASS")
+                return
             self.folder, self._primary = folder, primary
             self.monitor = live_monitor(self.design) if primary != self.candidate else None
         if record.index >= self._next:
@@ -161,12 +170,12 @@ class LiveDecision:
             if look is not None:
                 return look
         if len(self._requests) > self.max_pending:
-            self.abandon()
+            self.abandon(f"request {self._next} was never recorded and {self.max_pending} later ones wait behind it")
         return None
 
-    def abandon(self) -> None:
-        """Give the decision up: the requests behind the prefix will not all be known."""
-        self.state, self.stalled_at = "abandoned", self._next
+    def abandon(self, why: str) -> None:
+        """Give the decision up, for `why`."""
+        self.state, self.gave_up = "abandoned", why
         self._requests.clear()
 
     def _take(self, request_id: int, request: _Request) -> Look | None:
@@ -204,26 +213,27 @@ class DecidingRecorder:
         metrics.set_state("deciding")
         self._checked = ""
         self._differ: list[str] = []
+        self._said = False
 
     def observe(self, exchanged: Exchanged) -> None:
         self.recorder.observe(exchanged)
         decision = self.decision
-        if decision.state != "deciding":
-            return
-        folder = self.recorder.folder
-        if folder is None:
-            self._abandon("recording stopped (shadow.max_folders) before the gate was decided")
-            return
-        if (why := self._untrusted(*folder)) is not None:
-            self._abandon(why)
-            return
-        look = decision.seen(exchanged)
-        self.metrics.pairs.set(decision.pairs)
-        if look is not None:
-            self._decided(look)
-        elif decision.state == "abandoned":
-            self._abandon(f"request {decision.stalled_at} was never recorded and {decision.max_pending} later ones "
-                          "wait behind it")
+        if decision.state == "deciding":
+            folder = self.recorder.folder
+            if folder is None:
+                decision.abandon("recording stopped (shadow.max_folders) before the gate was decided")
+            elif (why := self._untrusted(*folder)) is not None:
+                decision.abandon(why)
+            elif (look := decision.seen(exchanged)) is not None:
+                self.metrics.pairs.set(decision.pairs)
+                self._decided(look)
+                return
+            self.metrics.pairs.set(decision.pairs)
+        if decision.state == "abandoned" and not self._said:
+            self._said = True
+            self.metrics.set_state("abandoned")
+            log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
+                      "dfserve compare judges each folder", decision.gave_up)
 
     def _untrusted(self, config: ShadowRunConfig, incomplete: bool) -> str | None:
         """Why the open folder cannot be decided on, as `dfserve compare` would refuse it unforced; each folder's
@@ -239,12 +249,6 @@ class DecidingRecorder:
             if config.secondary is not None:
                 self._differ += arms.floor_mismatches(config, config.primary, config.secondary)
         return "arms are not comparable (" + "; ".join(self._differ) + ")" if self._differ else None
-
-    def _abandon(self, why: str) -> None:
-        self.decision.abandon()
-        self.metrics.set_state("abandoned")
-        log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
-                  "dfserve compare judges each folder", why)
 
     def _decided(self, look: Look) -> None:
         decision = self.decision

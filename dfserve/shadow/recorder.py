@@ -176,7 +176,7 @@ class ShadowRecorder:
     def __init__(self, policy: ShadowPolicy, primary: str, arms: Mapping[str, str] | None = None,
                  deciding: tuple[SequentialDesign, str] | None = None) -> None:
         """`arms`: each arm's first replica, asked for its `/server_info` as each folder is opened. `deciding`: the
-        live decision's design and candidate, written into each folder's config.json."""
+        live decision's design and candidate, written into the first folder's config.json (the one decided live)."""
         self.policy = policy
         self.arms = dict(arms or {})
         self.deciding = deciding
@@ -204,7 +204,8 @@ class ShadowRecorder:
                       self.policy.max_folders, self.policy.dir)
             return None
         self.folders += 1
-        return _Folder(self.policy, primary, self.folders - 1, self.arms, self.deciding)
+        # the live decision is the first folder's (`shadow.monitor`): later ones are judged after the fact
+        return _Folder(self.policy, primary, self.folders - 1, self.arms, self.deciding if self.folders == 1 else None)
 
     def observe(self, exchanged: Exchanged) -> None:
         rid, arm = exchanged.request_id, exchanged.outcome.arm
