@@ -143,10 +143,7 @@ class LiveDecision:
             return
         if folder != self.folder:
             if self.folder is not None:
-                self.abandon(f"record folder {self.folder.name} was closed (shadow.records_per_folder or folder_bytes, "
-                             "or a new primary) before the gate was decided, and deciding afresh on the next would "
-                             "be another chance at a PASS")
-                return
+                return  # the decision's folder was closed undecided: the deciding recorder gives it up
             self.folder, self._primary = folder, primary
             self.monitor = live_monitor(self.design) if primary != self.candidate else None
         if record.index >= self._next:
@@ -222,6 +219,10 @@ class DecidingRecorder:
             folder = self.recorder.folder
             if folder is None:
                 decision.abandon("recording stopped (shadow.max_folders) before the gate was decided")
+            elif decision.folder is not None and folder[0].run_id != decision.folder.name:
+                decision.abandon(f"record folder {decision.folder.name} was closed before the gate was decided "
+                                 "(shadow.records_per_folder or folder_bytes, or a new primary), and deciding afresh "
+                                 "on the next would be another chance at a PASS")
             elif (why := self._untrusted(*folder)) is not None:
                 decision.abandon(why)
             elif (look := decision.seen(exchanged)) is not None:

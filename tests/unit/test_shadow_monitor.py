@@ -472,3 +472,20 @@ def test_the_live_decision_refuses_arms_compare_would_refuse(
         [folder] = sorted((tmp_path / "shadow").iterdir())
         with pytest.raises(Untrusted, match=refused):
             compare_shadow(folder, "inhouse", None, False, tmp_path / "v")
+
+
+def test_a_folder_made_incomplete_by_the_write_that_fills_it_is_not_decided_on(tmp_path: Path) -> None:
+    """Request 71's mirror is lost: four requests later it is written unpaired into the folder, which that write
+    fills; the prefix then runs through requests already in that closed folder, and deciding on them would write a
+    decision beside a summary that says `interrupted` (compare refuses it): the decision is given up."""
+    lost = 71
+    decider, metrics, stops = deciding(tmp_path, look_every=1, max_pending=4, records_per_folder=2 * lost + 9)
+    for rid in range(120):
+        primary, mirror = request(rid, cand_verify=4)
+        decider.observe(primary)
+        if rid != lost:
+            decider.observe(mirror)
+    decider.close()
+    assert state(metrics) == "abandoned" and stops.calls == 0 and decider.decision.decision is None
+    first = sorted((tmp_path / "shadow").iterdir())[0]
+    assert json.loads((first / "summary.json").read_text())["interrupted"] and not (first / DECISION).exists()
