@@ -155,7 +155,8 @@ def loadtest() -> None:
 @click.option("--model", default=None, help="Model name for OpenAI bodies (default: the server's first model).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
 @click.option("--name", default=None, help="Run directory name (must not exist).")
-@click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT (0: a free port, named on stderr).")
+@click.option("--metrics-port", type=int, default=None, help="Serve live per-arm metrics on 127.0.0.1:PORT (0: a free port, named on stderr); if scraped, the run "
+              "ends by waiting for the next scrape to read its last requests (at most a minute; Ctrl-C stops it).")
 @click.option("--pushgateway", default=None, metavar="URL", help="Push the final metrics to a Prometheus Pushgateway.")
 @click.option("--max-error-rate", type=FiniteFloat(0.0, 1.0), default=0.05, show_default=True,
               help="Exit 4 when any arm's share of failed measured requests is above this (the run is kept).")
@@ -238,18 +239,18 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         with progress, flags_for(flags):
             observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
             outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
+        if outcome.records_lost:
+            _refuse_lost(outcome)
+        summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
+        if monitor:
+            _print_sequential(monitor)
+        if pushgateway:
+            with flags_for(flags):
+                exporter.push(pushgateway, outcome.config.run_id)
         if not outcome.interrupted:
-            exporter.linger(lambda line: click.echo(line, err=True))
+            exporter.linger(lambda line: click.echo(line, err=True))  # the run's files are all written
     finally:
         exporter.close()
-    if outcome.records_lost:
-        _refuse_lost(outcome)
-    summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
-    if monitor:
-        _print_sequential(monitor)
-    if pushgateway:
-        with flags_for(flags):
-            exporter.push(pushgateway, outcome.config.run_id)
     if outcome.interrupted:
         click.echo("interrupted: partial run kept", err=True)
         sys.exit(130)

@@ -67,11 +67,11 @@ class Exporter:
 
     def __init__(self, route: str) -> None:
         self.registry = CollectorRegistry()
+        self._scrapes = _Scrapes()
+        self.registry.register(self._scrapes)  # first: a scrape's time is when it began reading the figures
         self.metrics = DfserveMetrics.build(self.registry)
         self.route = route
         self._server: WSGIServer | None = None
-        self._scrapes = _Scrapes()
-        self.registry.register(self._scrapes)
 
     def observe(self, r: RequestRecord) -> None:
         if not r.warmup and not r.cancelled:
@@ -87,16 +87,21 @@ class Exporter:
         return f"http://{LOOPBACK}:{server.server_port}"
 
     def linger(self, say: Callable[[str], None]) -> None:
-        """Serve until a scrape after this call has read the final figures, where something scraped during the run:
-        for at most twice the interval between its last two scrapes, plus a second (`LINGER_MAX_S` at most)."""
+        """Serve until a scrape begun after this call has read the final figures, where something scraped during the
+        run: for at most twice the interval between its last two scrapes, plus a second (`LINGER_MAX_S` at most).
+        Ctrl-C stops the wait."""
         scrapes = self._scrapes
         if self._server is None or scrapes.last_s is None:
             return
         ended = time.monotonic()
         wait_s = min(LINGER_MAX_S, 2 * scrapes.interval_s + 1) if scrapes.interval_s is not None else LINGER_MAX_S
-        say(f"dfserve loadtest metrics: serving the final figures until the next scrape (at most {wait_s:.0f} s)")
-        while (scrapes.last_s or 0) <= ended and time.monotonic() < ended + wait_s:
-            time.sleep(0.05)
+        say(f"dfserve loadtest metrics: serving the final figures until the next scrape (at most {wait_s:.0f} s; "
+            "Ctrl-C stops waiting)")
+        try:
+            while (scrapes.last_s or 0) <= ended and time.monotonic() < ended + wait_s:
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            say("dfserve loadtest metrics: stopped waiting for the next scrape")
 
     def close(self) -> None:
         if self._server is not None:
