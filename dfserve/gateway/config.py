@@ -225,17 +225,44 @@ class GatewayConfig(_Model):
 
 
 def shadow_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | None:
-    """Why `routing` cannot carry shadow records as `shadow` asks, if it cannot: at start, and for every routing a
-    running gateway is given (a primary made the noise-floor arm would judge the floor against itself)."""
+    """Why `routing` cannot carry shadow records as `shadow` asks, if it cannot (at start)."""
     if shadow is None:
         return None
     if routing.mode != "shadow":
         return "shadow: records are of mirrored requests; they need mode: shadow"
     secondary = shadow.secondary
-    if secondary is not None and (secondary not in routing.arms or secondary == routing.primary):
+    if secondary is not None and secondary not in routing.arms:
         return (f"shadow.secondary: {secondary!r} is not a mirrored arm "
                 f"(arms: {', '.join(sorted(routing.arms))}, primary {routing.primary})")
+    return floor_problem(shadow, routing)
+
+
+def floor_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | None:
+    """Why `routing` would judge the noise floor against itself, if it would: the secondary arm made the primary, or
+    served by one of the primary's replicas (its figures are then the primary's). Checked at start and for every
+    routing a running gateway is given."""
+    secondary = shadow.secondary if shadow is not None else None
+    if secondary is None or secondary not in routing.arms:
+        return None
+    primary = routing.primary
+    if secondary == primary:
+        return f"shadow.secondary: {secondary!r} is the noise floor, and cannot be the primary"
+    shared = sorted({_endpoint(url) for url in routing.arms[secondary].replicas}
+                    & {_endpoint(url) for url in routing.arms[primary].replicas}) if primary in routing.arms else []
+    if shared:
+        return (f"shadow.secondary: arm {secondary!r} is served by the primary's replica {shared[0][1]}:{shared[0][2]}: "
+                "its figures would be the primary's")
     return None
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _endpoint(url: str) -> tuple[str, str, int | None]:
+    """A replica's scheme, host and port as a server is reached: `HTTP://Host:80/` and `http://host` are one."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
 
 
 _ROUTING_KEYS = set(RoutingConfig.model_fields)

@@ -60,7 +60,7 @@ BAD_INVOCATIONS = {
     "secondary that is the primary": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",
                                        "--arm", "a=1@http://127.0.0.1:9", "--arm", "b=1@http://127.0.0.1:9",
                                        "--record", "/tmp/dfserve-never-written", "--secondary", "a"],
-                                      "shadow.secondary: 'a' is not a mirrored arm"),
+                                      "shadow.secondary: 'a' is the noise floor, and cannot be the primary"),
     "until decided without shadow mode": (["gateway", "--port", "0", "--arm", "a=1@http://127.0.0.1:9",
                                            "--until-decided"], "--until-decided: the gate is decided on mirrored"),
     "until decided without records": (["gateway", "--port", "0", "--mode", "shadow", "--primary", "a",

@@ -380,9 +380,17 @@ def test_a_running_gateway_refuses_routing_that_makes_the_noise_floor_the_primar
     config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
                                 "shadow.dir": str(tmp_path), "shadow.secondary": "a2"})
     gateway = Gateway(config)
-    with pytest.raises(UserError, match=r"^shadow\.secondary: 'a2' is not a mirrored arm"):
+    with pytest.raises(UserError, match=r"^shadow\.secondary: 'a2' is the noise floor, and cannot be the primary"):
         gateway.apply(config.routing.model_copy(update={"primary": "a2"}))
-    assert gateway.routing.primary == "a"
+    shared = {**config.routing.arms, "a2": config.routing.arms["a2"].model_copy(
+        update={"replicas": ("http://b", "HTTP://A:80/")})}
+    with pytest.raises(UserError, match=r"^shadow\.secondary: arm 'a2' is served by the primary's replica a:80"):
+        gateway.apply(config.routing.model_copy(update={"arms": shared}))
+    assert gateway.routing.primary == "a" and gateway.routing.arms["a2"].replicas == ("http://a2",)
+    gateway.apply(config.routing.model_copy(update={"mode": "split", "primary": None}))  # mirroring stopped: allowed
+    with pytest.raises(UserError, match=r"is served by the primary's replica"):
+        load_config(None, {"routing.arms": shared, "routing.mode": "shadow", "routing.primary": "a",
+                           "shadow.dir": str(tmp_path), "shadow.secondary": "a2"})
 
 
 def test_a_deciding_recorder_writes_each_batch_its_lane_hands_it(tmp_path: Path) -> None:
