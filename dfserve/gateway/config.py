@@ -247,22 +247,22 @@ def floor_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | 
     primary = routing.primary
     if secondary == primary:
         return f"shadow.secondary: {secondary!r} is the noise floor, and cannot be the primary"
-    shared = sorted({_endpoint(url) for url in routing.arms[secondary].replicas}
-                    & {_endpoint(url) for url in routing.arms[primary].replicas}) if primary in routing.arms else []
+    shared = sorted({endpoint(url) for url in routing.arms[secondary].replicas}
+                    & {endpoint(url) for url in routing.arms[primary].replicas}) if primary in routing.arms else []
     if shared:
         return (f"shadow.secondary: arm {secondary!r} is served by the primary's replica {shared[0][1]}:{shared[0][2]}: "
                 "its figures would be the primary's")
     return None
 
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-def _endpoint(url: str) -> tuple[str, str, int | None]:
+def endpoint(url: str) -> tuple[str, str, int | None]:
     """A replica's scheme, host and port as a server is reached: `HTTP://Host:80/` and `http://host` are one."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
+    return scheme, (parts.hostname or "").lower(), parts.port or DEFAULT_PORTS.get(scheme)
 
 
 _ROUTING_KEYS = set(RoutingConfig.model_fields)

@@ -5,6 +5,7 @@ Read by `dfserve compare` and by the gateway's live decision, which must refuse 
 from __future__ import annotations
 
 from dfserve.baselines import one_drafter
+from dfserve.gateway.config import endpoint
 from dfserve.sglang import ServerInfo, parse_server_info
 from dfserve.shadow.recorder import ShadowRunConfig
 from dfserve.verdict.wording import differences
@@ -50,7 +51,7 @@ def floor_mismatches(config: ShadowRunConfig, primary: str, secondary: str) -> l
     if not one_drafter(*drafters):
         problems.append(f"noise floor {secondary} serves drafter {drafters[1]!r}, not the primary's {drafters[0]!r}")
     urls = [config.arms[arm].url for arm in (primary, secondary)]
-    if urls[0] == urls[1]:
+    if endpoint(urls[0]) == endpoint(urls[1]):
         problems.append(f"noise floor {secondary} is the primary's own engine ({urls[0]}): its figures are the "
                         "primary's")
     return problems

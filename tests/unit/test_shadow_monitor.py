@@ -457,8 +457,9 @@ def test_the_live_decision_refuses_arms_compare_would_refuse(
     primary's own engine (`secondary` "zlab": arm zlab2 is given zlab's replica): compare refuses the folder
     unforced, so the gateway gives its decision up rather than stop mirroring on a PASS."""
     replicas = dict(ENGINES)
-    if secondary == "zlab":
-        secondary, replicas["zlab2"] = "zlab2", ENGINES["zlab"]
+    if secondary == "zlab":  # the primary's engine, spelled otherwise
+        secondary, replicas["zlab2"] = "zlab2", "HTTP://ENGINE-A:80"
+        engines[replicas["zlab2"]] = engines[ENGINES["zlab"]]
     for url, drafter in drafters.items():
         engines[url]["speculative_draft_model_path"] = drafter
     policy = ShadowPolicy(dir=tmp_path / "shadow", until_decided=True, look_every=1, secondary=secondary)
