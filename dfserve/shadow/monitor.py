@@ -22,8 +22,9 @@ requests.jsonl (`judge_live`), finding the gateway's decision at the same look, 
 
 The decision is the first record folder's (a folder holds one baseline and is judged alone): one closed
 undecided (full, or a new primary) gives it up, since each folder decided afresh would be another chance at a
-PASS for a candidate no better than the baseline; it is judged after the fact with the same design, and later
-folders, which carry no design, as fixed-size samples. The live decision never
+PASS for a candidate no better than the baseline; it is judged after the fact with the same design (the gateway
+writes why it gave up into it, `GivenUp`: its records may then replay to a decision the gateway never took), and
+later folders, which carry no design, as fixed-size samples. The live decision never
 decides what `dfserve compare` would refuse unforced: it is given up, said once (state `abandoned`; mirroring and
 recording go on), when the open folder becomes incomplete (a mirror the gateway's own concurrency limit refused; an
 exchange dropped behind a full queue, whose request the recorder writes without it `max_pending` requests later),
@@ -42,6 +43,7 @@ without the rule).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ log = logging.getLogger("dfserve.gateway")
 LIVE_TASKS = 1 << 62
 """The task set of live traffic: unbounded, so no census decides a lossless rule and none is limited by the set."""
 DECISION = "decision.json"
+GIVEN_UP = "decision-given-up.json"
 State = Literal["deciding", "pass", "fail", "abandoned"]
 
 
@@ -81,6 +84,18 @@ class Decided(BaseModel):
     look: int = Field(description="the look that decided, from 1")
     pairs: int = Field(description="mirrored pairs in the prefix at that look")
     last_request_id: int = Field(description="the request id of the prefix's last pair")
+    candidate: str
+    design: SequentialDesign
+
+
+class GivenUp(BaseModel):
+    """decision-given-up.json: why the gateway stopped deciding on the folder it was deciding (its design in
+    config.json). The folder is then judged after the fact with that design: its records may replay to a decision
+    the gateway never took (it gave up before that look), so none is required of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["shadow-decision-given-up"] = "shadow-decision-given-up"
+    why: str
     candidate: str
     design: SequentialDesign
 
@@ -233,6 +248,7 @@ class DecidingRecorder:
         if decision.state == "abandoned" and not self._said:
             self._said = True
             self.metrics.set_state("abandoned")
+            self._given_up(decision.gave_up or "")
             log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
                       "dfserve compare judges each folder", decision.gave_up)
 
@@ -250,6 +266,14 @@ class DecidingRecorder:
             if config.secondary is not None:
                 self._differ += arms.floor_mismatches(config, config.primary, config.secondary)
         return "arms are not comparable (" + "; ".join(self._differ) + ")" if self._differ else None
+
+    def _given_up(self, why: str) -> None:
+        """Said in the folder the decision was on (the first, which holds its design), if it was opened."""
+        folder = self.recorder.first_folder
+        if folder is not None:
+            with contextlib.suppress(OSError):  # unwritable: compare then refuses the folder unforced, as before
+                write_model(folder / GIVEN_UP, GivenUp(why=why, candidate=self.decision.candidate,
+                                                       design=self.decision.design))
 
     def _decided(self, look: Look) -> None:
         decision = self.decision

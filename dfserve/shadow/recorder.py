@@ -184,6 +184,8 @@ class ShadowRecorder:
         """Told of each record written, with its folder and the folder's primary (`shadow.monitor`)."""
         self.folders = 0
         self._folder: _Folder | None = self._open(primary)
+        self.first_folder = self._folder.path if self._folder is not None else None
+        """The first folder, which carries the live decision's design (`deciding`)."""
         self._waiting: OrderedDict[int, _Request] = OrderedDict()
         self._let_go: OrderedDict[int, None] = OrderedDict()
         """Requests written without all their records: an exchange of theirs that comes after is not recorded."""

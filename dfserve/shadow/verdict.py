@@ -10,7 +10,8 @@ printed beside it: a difference no larger than the floor is the host's or the en
 
 A folder the gateway decided on as it recorded it (`shadow.until_decided`, its design in config.json) is judged
 with the sequential design, its looks replayed in request-id order (`shadow.monitor.judge_live`): the verdict says
-it was decided on live traffic, and where the gateway wrote its decision the replay must find the same.
+it was decided on live traffic, and where the gateway wrote its decision the replay must find the same; where it
+wrote that it gave the decision up (decision-given-up.json), none is required.
 
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
@@ -43,7 +44,7 @@ from dfserve.loadtest.records import (
 from dfserve.loadtest.report import READ_WITH_NEXT_WARNED, ReadWithNext, Summary, figures_differ
 from dfserve.runs import Provenance, read_model, unsealed, write_model
 from dfserve.shadow import arms
-from dfserve.shadow.monitor import DECISION, Decided, judge_live
+from dfserve.shadow.monitor import DECISION, GIVEN_UP, Decided, GivenUp, judge_live
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRunConfig
 from dfserve.shadow.records import greedy_held
@@ -103,8 +104,10 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
     the pairs' request ids in the order the looks took them."""
     file = path / DECISION
     if not file.exists():
+        if report.stopped != "decided" or _given_up(path, config):
+            return []
         return [f"{DECISION} is missing, and the records replay to a decision the gateway would have written "
-                f"({report.verdict_when_stopped} at look {report.looks})"] if report.stopped == "decided" else []
+                f"({report.verdict_when_stopped} at look {report.looks})"]
     try:
         decided = read_model(file, Decided, f"{file} does not exist")
     except UserError as exc:
@@ -122,6 +125,15 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
         problems.append(f"{DECISION}: the gateway's last pair was request {decided.last_request_id}, the records' is "
                         f"request {request_ids[decided.pairs - 1]}")
     return problems
+
+
+def _given_up(path: Path, config: ShadowRunConfig) -> bool:
+    """The gateway said it gave its decision on this folder up (`GivenUp`), for its design and candidate."""
+    try:
+        given_up = read_model(path / GIVEN_UP, GivenUp, "")
+    except UserError:
+        return False
+    return given_up.design == config.sequential and given_up.candidate == config.decides
 
 
 def is_shadow_folder(path: Path) -> bool:

@@ -22,7 +22,7 @@ from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.records import read_records
 from dfserve.loadtest.report import Summary
 from dfserve.metrics import GATEWAY_OVERLOADED, SHADOW_DECISION_STATES, ObserverMetrics, ShadowDecisionMetrics
-from dfserve.shadow.monitor import DECISION, Decided, DecidingRecorder, LiveDecision
+from dfserve.shadow.monitor import DECISION, GIVEN_UP, Decided, DecidingRecorder, LiveDecision
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
 from dfserve.shadow.verdict import compare_shadow, live_design
@@ -498,3 +498,26 @@ def test_a_folder_made_incomplete_by_the_write_that_fills_it_is_not_decided_on(t
     assert state(metrics) == "abandoned" and stops.calls == 0 and decider.decision.decision is None
     first = sorted((tmp_path / "shadow").iterdir())[0]
     assert json.loads((first / "summary.json").read_text())["interrupted"] and not (first / DECISION).exists()
+
+
+def test_a_folder_whose_decision_was_given_up_is_judged_after_the_fact(tmp_path: Path) -> None:
+    """Request 0's mirror comes only after the first folder filled: the live looks never got past it, while the
+    folder's own pairs replay to a FAIL the gateway never took. It said it gave up (decision-given-up.json), so compare
+    judges the folder with its design, unforced; without that file the folder reads as a decision removed."""
+    decider, metrics, stops = deciding(tmp_path, look_every=1, records_per_folder=200, gate=ACCEPTANCE)
+    primary0, mirror0 = request(0)
+    decider.observe(primary0)
+    for rid in range(1, 101):
+        for e in request(rid):
+            decider.observe(e)
+    decider.observe(mirror0)
+    decider.close()
+    assert state(metrics) == "abandoned" and stops.calls == 0
+    first = sorted((tmp_path / "shadow").iterdir())[0]
+    given_up = json.loads((first / GIVEN_UP).read_text())
+    assert given_up["why"].startswith(f"record folder {first.name} was closed before the gate was decided")
+    judged = compare_shadow(first, None, None, False, tmp_path / "v")
+    assert judged.verdict.verdict == "FAIL" and not judged.verdict.forced
+    (first / GIVEN_UP).unlink()
+    with pytest.raises(Untrusted, match=r"decision\.json is missing, and the records replay to a decision"):
+        compare_shadow(first, None, None, False, tmp_path / "v2")
