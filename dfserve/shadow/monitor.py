@@ -291,4 +291,6 @@ class DecidingRecorder:
         self.recorder.flush()
 
     def close(self) -> None:
+        if self.decision.state == "deciding":  # written before the folder's summary, as a decision is
+            self._given_up("the gateway stopped before the gate was decided")
         self.recorder.close()

@@ -521,3 +521,18 @@ def test_a_folder_whose_decision_was_given_up_is_judged_after_the_fact(tmp_path:
     (first / GIVEN_UP).unlink()
     with pytest.raises(Untrusted, match=r"decision\.json is missing, and the records replay to a decision"):
         compare_shadow(first, None, None, False, tmp_path / "v2")
+
+
+def test_a_gateway_stopped_before_the_decision_says_it_gave_up(tmp_path: Path) -> None:
+    """Request 0's mirror is still in flight at the stop: the live looks never got past it, while the pairs written
+    replay to a FAIL. The folder says the decision was given up, and compare judges it after the fact, unforced."""
+    decider, _, _ = deciding(tmp_path, look_every=1, gate=ACCEPTANCE)
+    decider.observe(request(0)[0])
+    for rid in range(1, 101):
+        for e in request(rid):
+            decider.observe(e)
+    decider.close()
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    assert json.loads((folder / GIVEN_UP).read_text())["why"] == "the gateway stopped before the gate was decided"
+    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert judged.verdict.verdict == "FAIL" and not judged.verdict.forced
