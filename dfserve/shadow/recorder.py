@@ -42,6 +42,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.loadtest.report import Summary, summarize_arm
 from dfserve.metrics import GATEWAY_OVERLOADED, GATEWAY_STOPPED
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
+from dfserve.sglang import parse_server_info
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.records import RequestTask, rebased, shadow_record
 from dfserve.verdict.design import SequentialDesign
@@ -106,6 +107,9 @@ class _Folder:
                                       sequential=deciding[0] if deciding else None,
                                       decides=deciding[1] if deciding else None)
         write_model(self.path / "config.json", self.config)
+        self.simulated = {name: arm.server_info is not None and parse_server_info(arm.server_info).simulated
+                          for name, arm in self.config.arms.items()}
+        """Each arm whose engine said it is dfserve's simulator: its records say so, as the load tester's do."""
         self.appender = JsonlAppender(self.path / "requests.jsonl")
         self.records: list[RequestRecord] = []
         self.bytes = 0
@@ -224,7 +228,8 @@ class ShadowRecorder:
         if arm not in request.records:  # an arm's second exchange for one request is not a record
             # the record, not the exchange, waits: a native stream's answer is its whole output
             request.task = request.task or RequestTask.of(exchanged)
-            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, request.task),
+            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, request.task,
+                                                                    folder.simulated.get(arm, False)),
                                     folder.t0_perf_s)
         if not exchanged.mirror and request.primary is None:
             request.arms, request.primary = frozenset((arm, *exchanged.mirrors)), arm

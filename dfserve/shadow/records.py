@@ -159,8 +159,10 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
     return stream
 
 
-def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | None = None) -> RequestRecord:
-    """The record of one arm's answer to one request; `task`, when its request's other records have read it."""
+def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | None = None,
+                  simulated: bool = False) -> RequestRecord:
+    """The record of one arm's answer to one request; `task`, when its request's other records have read it;
+    `simulated`, where the arm's engine said it is dfserve's simulator (its `/server_info`)."""
     o = exchanged.outcome
     task = task or RequestTask.of(exchanged)
     start, origin = exchanged.start_s - t0_perf_s, exchanged.timed_from_s - t0_perf_s
@@ -207,7 +209,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         output_sha256=output_sha256(text) if text is not None else None,
         http_status=200 if in_band else o.status or None, error_kind=kind, error_message=message,
         error_code=o.status if in_band and o.status != 200 else None,
-        temperature=task.temperature,
+        temperature=task.temperature, simulated=simulated,
     )
 
 

@@ -244,7 +244,8 @@ def _side(config: ShadowRunConfig, path: Path, arm: str) -> Side:
     info = config.arms.get(arm)
     return Side(run_id=config.run_id, run_dir=str(path.resolve()), name=arm, url=info.url if info else None,
                 target=server.model_path if server and server.model_path else "unknown",
-                drafter=(server.draft_model_path or "none") if server else f"unknown (shadow arm {arm})")
+                drafter=(server.draft_model_path or "none") if server else f"unknown (shadow arm {arm})",
+                simulated=bool(server and server.simulated))
 
 
 def read_together(records: Sequence[RequestRecord], arms: Iterable[str]) -> list[str]:

@@ -28,6 +28,7 @@ from dfserve.loadtest.report import summarize_arm
 from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.relay_core import EventRelay
 from dfserve.sglang.server import NativeStreamEncoder, meta_info_body
+from dfserve.sglang.simulated import SIM_MARKER_KEY
 from dfserve.shadow import recorder as recorder_module
 from dfserve.shadow.policy import ShadowPolicy
 from dfserve.shadow.recorder import ShadowRecorder
@@ -682,6 +683,18 @@ def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: P
     assert judged.noise_floor.judgement.verdict != "FAIL"
     assert "Noise floor: zlab2 against zlab" in (judged.path.parent / "report.html").read_text()
     assert (judged.path.parent / "noise-floor.json").exists()
+
+
+def test_records_and_verdicts_of_simulated_engines_say_so(tmp_path: Path,
+                                                          engines: dict[str, dict[str, object]]) -> None:
+    """As the load tester's do: a rehearsal on dfserve's simulator is never mistaken for a drafter's figures."""
+    for info in engines.values():
+        info[SIM_MARKER_KEY] = True
+    judged = compare_shadow(_record(tmp_path, _traffic(30, cand_verify=8)), None, None, False, tmp_path / "v")
+    records = list(read_records(_folders(tmp_path / "shadow")[0] / "requests.jsonl"))
+    assert records and all(r.simulated for r in records)
+    assert judged.verdict.baseline.simulated and judged.verdict.candidate.simulated
+    assert "SIMULATED" in (judged.path.parent / "report.html").read_text()
 
 
 def test_chunks_read_with_the_next_are_a_note_of_the_verdict(tmp_path: Path) -> None:
