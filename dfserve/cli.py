@@ -7,6 +7,7 @@ Heavy imports (torch for conversion, the simulator's tokenizer) load only in the
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         click.echo(f"dfserve: error: {exc}", err=True)
         sys.exit(2)
+    except BrokenPipeError:  # the reader stopped early (`| head`): 141, as a shell says of SIGPIPE, never a verdict's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except OSError as exc:  # a path or socket the user named: one line, and never exit 1 (FAIL for `compare`)
         where = f"{exc.filename}: " if exc.filename else ""
         click.echo(f"dfserve: error: {where}{exc.strerror or exc}", err=True)

@@ -3,6 +3,8 @@ on a terminal and kept whole in a pipe or log, durations as a person says them."
 
 from __future__ import annotations
 
+import os
+import sys
 import textwrap
 
 from rich import box
@@ -19,6 +21,18 @@ def compact_table(title: str, columns: dict[str, bool]) -> Table:
     for position, (name, number) in enumerate(columns.items()):
         table.add_column(Text(name), justify="right" if number else "left", no_wrap=number or position == 0)
     return table
+
+
+class Output(Console):
+    """The console of a command's results on stdout. A reader that stops early (`| head`) silences the rest rather
+    than ending the command: rich exits 1 there, which is a verdict's FAIL, and a command's status is its outcome's
+    whatever was read of it."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def terminal_width(stderr: bool = False) -> int | None:

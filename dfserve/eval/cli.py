@@ -23,7 +23,7 @@ from dfserve.errors import Untrusted, UserError, command_flags, flags_for
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.eval.verdict import DEFAULT_EVAL_GATE, compare_eval_runs
 from dfserve.flags import FiniteFloat
-from dfserve.terminal import compact_table
+from dfserve.terminal import Output, compact_table
 from dfserve.verdict.gate import read_gate
 from dfserve.verdict.printer import print_judgement
 from dfserve.verdict.report import REPORT
@@ -173,7 +173,7 @@ def results_table(title: str, summary: EvalSummary) -> Table:
 
 def _print_run(config: EvalConfig, summary: EvalSummary) -> None:
     features = config.features
-    console = Console()
+    console = Output()
     console.print(results_table(f"offline evaluation {config.run_id}: {len(config.tasks.tasks)} tasks", summary))
     console.print(f"features {features.key} " + ("reused (no target forward)" if features.reused else "built by this run"))
     health = features.health
@@ -205,7 +205,7 @@ def compare_command(run: Path, run2: Path | None, baseline: str | None, candidat
         raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
     for why in verdict.incomplete:
         click.echo(f"forced: {why}", err=True)
-    print_judgement(Console(), verdict.judgement)
+    print_judgement(Output(), verdict.judgement)
     click.echo(f"verdict: {path}")
     click.echo(f"report:  {path.parent / REPORT}")
     sys.exit(EXIT[verdict.verdict])

@@ -51,7 +51,7 @@ from dfserve.shadow.verdict import is_shadow_folder
 from dfserve.shard import parse_shard, shard_indices
 from dfserve.stamped_socket import ReadLag
 from dfserve.tasks import load_tasks
-from dfserve.terminal import compact_table, terminal_width, wrapped
+from dfserve.terminal import Output, compact_table, terminal_width, wrapped
 from dfserve.verdict.printer import print_verdict
 from dfserve.verdict.report import REPORT
 from dfserve.verdict.verdict import EXIT, Verdict, read_verdict, verdict_file
@@ -382,7 +382,7 @@ def _print_summary(config: RunConfig, summary: Summary) -> None:
             f", {a.cancelled} cancelled" if a.cancelled else "")
         rate = f"{a.output_tokens_per_s:.0f}" if a.output_tokens_per_s else "-"
         table.add_row(a.arm, f"{a.succeeded}/{a.requests}", errors, tau, ttft, tpot, rate)
-    Console().print(table)
+    Output().print(table)
 
 
 @click.command()
@@ -419,7 +419,7 @@ def compare(run: Path, run2: Path | None, baseline: str | None, candidate: str |
             verdict, path = compare_runs(paths, baseline, candidate, gate, force, out)
     except Untrusted as exc:
         raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
-    print_verdict(Console(), verdict)
+    print_verdict(Output(), verdict)
     _print_offline(verdict, BaselineRegistry(run.parent))
     click.echo(f"verdict: {path}")
     click.echo(f"report:  {path.parent / REPORT}")

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import click
-from rich.console import Console
 
 from dfserve.errors import FieldError, Untrusted, UserError, flags_for
 from dfserve.shadow.verdict import compare_shadow
+from dfserve.terminal import Output
 from dfserve.verdict.printer import metrics_table, print_verdict
 from dfserve.verdict.report import REPORT
 from dfserve.verdict.verdict import EXIT
@@ -28,7 +28,7 @@ def compare_shadow_folder(run: Path, baseline: str | None, candidate: str | None
             judged = compare_shadow(run, candidate, gate, force, out)
     except Untrusted as exc:
         raise UserError(f"{exc}; --force judges anyway, stamped in the verdict") from None
-    console = Console()
+    console = Output()
     print_verdict(console, judged.verdict)
     if judged.noise_floor is not None:
         floor = judged.noise_floor.judgement

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from dfserve.loadtest.records import RequestRecord
 from dfserve.shard import Shard
 from dfserve.verdict.design import SequentialDesign
 from dfserve.verdict.gate import Gate, Rule
+from tests.integration.servers import dfserve_argv
 from tests.synthetic import run_config, synthetic, twin, write_run
 
 
@@ -590,3 +593,17 @@ def test_a_summary_whose_flags_or_seals_were_edited_is_refused(tmp_path: Path) -
                 "edited" in said), said
     dropped = tmp_path / "config-seal-dropped" / "config-seal-dropped"
     assert "config-seal-dropped/summary.json holds no sha256 of config.json" in refusal([str(dropped)])
+
+
+def test_a_reader_that_stops_early_does_not_turn_a_verdict_into_a_fail(tmp_path: Path) -> None:
+    """`dfserve compare RUN | head -1`: the pipe closes before the verdict's lines are written. The exit status is
+    still the verdict's (here PASS), never 1, which is FAIL's."""
+    same = synthetic("zlab", 150, 9.0, seed=1)
+    aa = make_run(tmp_path / "runs", "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
+    reading, writing = os.pipe()
+    os.close(reading)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(dfserve_argv("compare", str(aa)), stdout=writing, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(writing)
+    assert done.returncode == 0 and not done.stderr, done.stderr
