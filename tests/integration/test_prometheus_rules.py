@@ -41,19 +41,19 @@ def _acceptance(candidate_tokens_per_min: int) -> list[dict[str, str]]:
     streamed chat without verify rounds, 1000 tokens a minute: pooled over every token it would read 17 and 18.7,
     so the cases below fail if the rule divides the wrong numerator."""
     return [
-        _series("dfserve_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
-        _series("dfserve_spec_output_tokens_total", {"arm": "baseline"}, "0+900x40"),
-        _series("dfserve_spec_verify_rounds_total", {"arm": "baseline"}, "0+100x40"),
-        _series("dfserve_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min + 1000}x40"),
-        _series("dfserve_spec_output_tokens_total", {"arm": "candidate"}, f"0+{candidate_tokens_per_min}x40"),
-        _series("dfserve_spec_verify_rounds_total", {"arm": "candidate"}, "0+100x40"),
+        _series("dfserve_output_tokens_total", {"arm": "baseline", "route": "native"}, "0+900x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "baseline", "route": "native"}, "0+900x40"),
+        _series("dfserve_spec_verify_rounds_total", {"arm": "baseline", "route": "native"}, "0+100x40"),
+        _series("dfserve_output_tokens_total", {"arm": "candidate", "route": "native"}, f"0+{candidate_tokens_per_min + 1000}x40"),
+        _series("dfserve_spec_output_tokens_total", {"arm": "candidate", "route": "native"}, f"0+{candidate_tokens_per_min}x40"),
+        _series("dfserve_spec_verify_rounds_total", {"arm": "candidate", "route": "native"}, "0+100x40"),
     ]
 
 
 def _requests(http_status: int | None, error: str | None) -> dict[str, str]:
     """Labels of `dfserve_requests_total` for one outcome, as the gateway and the load tester write them."""
     status, kind = m.request_labels(http_status, error)
-    return {"arm": "candidate", "route": "/generate", "replica": "r1", "status": status, "error": kind}
+    return {"arm": "candidate", "route": "native", "replica": "r1", "status": status, "error": kind}
 
 
 def _alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
@@ -100,9 +100,9 @@ CASES: list[dict[str, Any]] = [
                                             "severity": "critical"}),
     ]},
     {"interval": "1m", "input_series": [
-        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "0.5"}, "0+10x30"),
-        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "5"}, "0+100x30"),
-        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "le": "+Inf"}, "0+100x30"),
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "route": "native", "le": "0.5"}, "0+10x30"),
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "route": "native", "le": "5"}, "0+100x30"),
+        _series("dfserve_time_to_first_token_seconds_bucket", {"arm": "candidate", "route": "native", "le": "+Inf"}, "0+100x30"),
         _series("sglang:generation_tokens_total", {"deployment": "zlab"}, "0+1100x30"),
         _series("sglang:spec_verify_calls_total", {"deployment": "zlab"}, "0+100x30"),
     ], "alert_rule_test": [
