@@ -237,8 +237,8 @@ def test_a_plain_clients_streamed_chat_through_the_gateway_is_measured_exactly(w
             raw = b"".join(reply.iter_bytes())
         assert sglang.SPEC_DETAILS_KEY not in raw and b'"usage"' not in raw.replace(b'"usage":null', b"")
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert metric_value(metrics, "dfserve_accept_length_count", arm="long", measure="exact") == 1
-    assert metric_value(metrics, "dfserve_accept_length_sum", arm="long", measure="exact") == pytest.approx(tokens / rounds)
+    assert metric_value(metrics, "dfserve_accept_length_count", arm="long", route="chat", measure="exact") == 1
+    assert metric_value(metrics, "dfserve_accept_length_sum", arm="long", route="chat", measure="exact") == pytest.approx(tokens / rounds)
     estimated = [line for line in metrics.splitlines()
                  if line.startswith("dfserve_accept_length_count") and 'measure="estimated"' in line]
     assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in estimated), estimated
