@@ -22,9 +22,9 @@ requests.jsonl (`judge_live`), finding the gateway's decision at the same look, 
 
 The decision is the first record folder's (a folder holds one baseline and is judged alone): one closed
 undecided (full, or a new primary) gives it up, since each folder decided afresh would be another chance at a
-PASS for a candidate no better than the baseline; it is judged after the fact with the same design (the gateway
-writes why it gave up into it, `GivenUp`: its records may then replay to a decision the gateway never took), and
-later folders, which carry no design, as fixed-size samples. The live decision never
+PASS for a candidate no better than the baseline; the gateway writes why it gave up into it (`GivenUp`), and
+compare judges it after the fact with the same design (forced where its records replay to a decision the gateway
+never took), and later folders, which carry no design, as fixed-size samples. The live decision never
 decides what `dfserve compare` would refuse unforced: it is given up, said once (state `abandoned`; mirroring and
 recording go on), when the open folder becomes incomplete (a mirror the gateway's own concurrency limit refused; an
 exchange dropped behind a full queue, whose request the recorder writes without it `max_pending` requests later),
@@ -90,8 +90,8 @@ class Decided(BaseModel):
 
 class GivenUp(BaseModel):
     """decision-given-up.json: why the gateway stopped deciding on the folder it was deciding (its design in
-    config.json). The folder is then judged after the fact with that design: its records may replay to a decision
-    the gateway never took (it gave up before that look), so none is required of them."""
+    config.json). Its records may replay to a decision the gateway never took, on pairs that leave out the requests
+    then in flight (the slowest): `dfserve compare` names why, and judges such a folder only forced."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["shadow-decision-given-up"] = "shadow-decision-given-up"
@@ -246,11 +246,21 @@ class DecidingRecorder:
                 return
             self.metrics.pairs.set(decision.pairs)
         if decision.state == "abandoned" and not self._said:
-            self._said = True
-            self.metrics.set_state("abandoned")
-            self._given_up(decision.gave_up or "")
-            log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
-                      "dfserve compare judges each folder", decision.gave_up)
+            self._say_given_up()
+
+    def _say_given_up(self) -> None:
+        """Once: the metric, one log line, and decision-given-up.json in the folder the decision was on (the first,
+        which holds its design), where it was opened."""
+        self._said = True
+        why = self.decision.gave_up or ""
+        self.metrics.set_state("abandoned")
+        folder = self.recorder.first_folder
+        if folder is not None:
+            with contextlib.suppress(OSError):  # unwritable: compare names the decision missing instead
+                write_model(folder / GIVEN_UP, GivenUp(why=why, candidate=self.decision.candidate,
+                                                       design=self.decision.design))
+        log.error("shadow.until_decided: %s; the live decision is given up, mirroring and recording go on, and "
+                  "dfserve compare judges each folder", why)
 
     def _untrusted(self, config: ShadowRunConfig, incomplete: bool) -> str | None:
         """Why the open folder cannot be decided on, as `dfserve compare` would refuse it unforced; each folder's
@@ -266,14 +276,6 @@ class DecidingRecorder:
             if config.secondary is not None:
                 self._differ += arms.floor_mismatches(config, config.primary, config.secondary)
         return "arms are not comparable (" + "; ".join(self._differ) + ")" if self._differ else None
-
-    def _given_up(self, why: str) -> None:
-        """Said in the folder the decision was on (the first, which holds its design), if it was opened."""
-        folder = self.recorder.first_folder
-        if folder is not None:
-            with contextlib.suppress(OSError):  # unwritable: compare then refuses the folder unforced, as before
-                write_model(folder / GIVEN_UP, GivenUp(why=why, candidate=self.decision.candidate,
-                                                       design=self.decision.design))
 
     def _decided(self, look: Look) -> None:
         decision = self.decision
@@ -291,6 +293,7 @@ class DecidingRecorder:
         self.recorder.flush()
 
     def close(self) -> None:
-        if self.decision.state == "deciding":  # written before the folder's summary, as a decision is
-            self._given_up("the gateway stopped before the gate was decided")
+        if self.decision.state == "deciding":  # said before the folder's summary is written, as a decision is
+            self.decision.abandon("the gateway stopped before the gate was decided")
+            self._say_given_up()
         self.recorder.close()

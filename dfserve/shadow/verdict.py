@@ -10,8 +10,9 @@ printed beside it: a difference no larger than the floor is the host's or the en
 
 A folder the gateway decided on as it recorded it (`shadow.until_decided`, its design in config.json) is judged
 with the sequential design, its looks replayed in request-id order (`shadow.monitor.judge_live`): the verdict says
-it was decided on live traffic, and where the gateway wrote its decision the replay must find the same; where it
-wrote that it gave the decision up (decision-given-up.json), none is required.
+it was decided on live traffic, and where the gateway wrote its decision the replay must find the same. Where it
+gave the decision up (decision-given-up.json says why), records that replay to a decision are judged only forced:
+the requests in flight when it gave up, the slowest, are in no folder or in the next.
 
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
@@ -104,10 +105,14 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
     the pairs' request ids in the order the looks took them."""
     file = path / DECISION
     if not file.exists():
-        if report.stopped != "decided" or _given_up(path, config):
+        if report.stopped != "decided":
             return []
+        replay = f"{report.verdict_when_stopped} at look {report.looks}"
+        if (why := _given_up(path, config)) is not None:
+            return [f"the gateway gave its live decision up ({why}), and the records replay to {replay} on pairs it "
+                    "did not judge: the requests then in flight, the slowest, are not in the folder"]
         return [f"{DECISION} is missing, and the records replay to a decision the gateway would have written "
-                f"({report.verdict_when_stopped} at look {report.looks})"]
+                f"({replay})"]
     try:
         decided = read_model(file, Decided, f"{file} does not exist")
     except UserError as exc:
@@ -127,13 +132,13 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
     return problems
 
 
-def _given_up(path: Path, config: ShadowRunConfig) -> bool:
-    """The gateway said it gave its decision on this folder up (`GivenUp`), for its design and candidate."""
+def _given_up(path: Path, config: ShadowRunConfig) -> str | None:
+    """Why the gateway gave its decision on this folder up (`GivenUp`, for its design and candidate), if it did."""
     try:
         given_up = read_model(path / GIVEN_UP, GivenUp, "")
     except UserError:
-        return False
-    return given_up.design == config.sequential and given_up.candidate == config.decides
+        return None
+    return given_up.why if given_up.design == config.sequential and given_up.candidate == config.decides else None
 
 
 def is_shadow_folder(path: Path) -> bool:

@@ -191,7 +191,7 @@ def test_losslessness_is_judged_on_the_greedy_pairs_of_mixed_traffic(tmp_path: P
     for e in sampled:
         decider.observe(e)
     decider.close()
-    assert decider.decision.decision is None and state(metrics) == "deciding"
+    assert decider.decision.decision is None and state(metrics) == "abandoned"  # by the stop, still undecided
     [folder] = sorted((tmp_path / "sampled" / "shadow").iterdir())
     verdict = compare_shadow(folder, None, None, False, tmp_path / "v").verdict
     assert [r.status for r in verdict.judgement.rules] == ["NOT_APPLICABLE"] and not verdict.forced
@@ -500,10 +500,11 @@ def test_a_folder_made_incomplete_by_the_write_that_fills_it_is_not_decided_on(t
     assert json.loads((first / "summary.json").read_text())["interrupted"] and not (first / DECISION).exists()
 
 
-def test_a_folder_whose_decision_was_given_up_is_judged_after_the_fact(tmp_path: Path) -> None:
+def test_a_folder_whose_decision_was_given_up_says_why_and_is_judged_only_forced(tmp_path: Path) -> None:
     """Request 0's mirror comes only after the first folder filled: the live looks never got past it, while the
-    folder's own pairs replay to a FAIL the gateway never took. It said it gave up (decision-given-up.json), so compare
-    judges the folder with its design, unforced; without that file the folder reads as a decision removed."""
+    folder's own pairs, without request 0 (the slowest), replay to a FAIL the gateway never took. Compare says the
+    gateway gave up and why (decision-given-up.json), and judges the folder only forced; without that file the folder
+    reads as a decision removed."""
     decider, metrics, stops = deciding(tmp_path, look_every=1, records_per_folder=200, gate=ACCEPTANCE)
     primary0, mirror0 = request(0)
     decider.observe(primary0)
@@ -516,8 +517,11 @@ def test_a_folder_whose_decision_was_given_up_is_judged_after_the_fact(tmp_path:
     first = sorted((tmp_path / "shadow").iterdir())[0]
     given_up = json.loads((first / GIVEN_UP).read_text())
     assert given_up["why"].startswith(f"record folder {first.name} was closed before the gate was decided")
-    judged = compare_shadow(first, None, None, False, tmp_path / "v")
-    assert judged.verdict.verdict == "FAIL" and not judged.verdict.forced
+    with pytest.raises(Untrusted, match=r"the gateway gave its live decision up \(record folder .* was closed .*\), "
+                                        r"and the records replay to FAIL at look \d+ on pairs it did not judge"):
+        compare_shadow(first, None, None, False, tmp_path / "v")
+    judged = compare_shadow(first, None, None, True, tmp_path / "v")
+    assert judged.verdict.verdict == "FAIL" and judged.verdict.forced
     (first / GIVEN_UP).unlink()
     with pytest.raises(Untrusted, match=r"decision\.json is missing, and the records replay to a decision"):
         compare_shadow(first, None, None, False, tmp_path / "v2")
@@ -525,8 +529,9 @@ def test_a_folder_whose_decision_was_given_up_is_judged_after_the_fact(tmp_path:
 
 def test_a_gateway_stopped_before_the_decision_says_it_gave_up(tmp_path: Path) -> None:
     """Request 0's mirror is still in flight at the stop: the live looks never got past it, while the pairs written
-    replay to a FAIL. The folder says the decision was given up, and compare judges it after the fact, unforced."""
-    decider, _, _ = deciding(tmp_path, look_every=1, gate=ACCEPTANCE)
+    replay to a FAIL. The decision is given up as any other (state, log line, decision-given-up.json), and compare
+    says so, judging the folder only forced."""
+    decider, metrics, _ = deciding(tmp_path, look_every=1, gate=ACCEPTANCE)
     decider.observe(request(0)[0])
     for rid in range(1, 101):
         for e in request(rid):
@@ -534,5 +539,6 @@ def test_a_gateway_stopped_before_the_decision_says_it_gave_up(tmp_path: Path) -
     decider.close()
     [folder] = sorted((tmp_path / "shadow").iterdir())
     assert json.loads((folder / GIVEN_UP).read_text())["why"] == "the gateway stopped before the gate was decided"
-    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
-    assert judged.verdict.verdict == "FAIL" and not judged.verdict.forced
+    assert state(metrics) == "abandoned"
+    with pytest.raises(Untrusted, match=r"gave its live decision up \(the gateway stopped before the gate was decided\)"):
+        compare_shadow(folder, None, None, False, tmp_path / "v")
