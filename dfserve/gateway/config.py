@@ -14,8 +14,10 @@ file or a bad `PUT /admin/arms` body is refused before it can touch live traffic
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -259,10 +261,27 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def endpoint(url: str) -> tuple[str, str, int | None]:
-    """A replica's scheme, host and port as a server is reached: `HTTP://Host:80/` and `http://host` are one."""
+    """A replica's scheme, host and port as a server is reached: `HTTP://Host:80/` and `http://host` are one, and so
+    are the spellings of one address (`localhost`, `127.1`, `::ffff:127.0.0.1` and `127.0.0.1`). Other names are
+    not resolved: two names of one host are two hosts here."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or DEFAULT_PORTS.get(scheme)
+    return scheme, _address(parts.hostname or ""), parts.port or DEFAULT_PORTS.get(scheme)
+
+
+def _address(host: str) -> str:
+    host = host.lower()
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            return socket.inet_ntoa(socket.inet_aton(host))  # IPv4's short forms: 127.1, 0x7f.1
+        except OSError:
+            return host
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return str(mapped or address)
 
 
 _ROUTING_KEYS = set(RoutingConfig.model_fields)

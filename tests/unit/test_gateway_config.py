@@ -9,7 +9,7 @@ import pytest
 
 from dfserve.errors import UserError
 from dfserve.gateway.cli import parse_arm_flag
-from dfserve.gateway.config import load_config, parse_routing
+from dfserve.gateway.config import endpoint, load_config, parse_routing
 
 GOOD = """
 mode: split
@@ -216,3 +216,11 @@ def test_a_flag_that_makes_the_files_section_invalid_is_named_beside_the_file(tm
     with pytest.raises(UserError) as caught:
         load_config(path, {"routing.mode": "shadow"}, {"routing.mode": "--mode"})
     assert str(caught.value) == f"{path} with --mode: routing: shadow mode needs primary: one of ['a']"
+
+
+def test_one_replica_spelled_otherwise_is_one_endpoint() -> None:
+    """A noise floor on the primary's own engine is refused however either URL spells it."""
+    same = ["http://127.0.0.1:30000", "HTTP://LOCALHOST:30000/", "http://127.1:30000", "http://[::ffff:127.0.0.1]:30000"]
+    assert len({endpoint(url) for url in same}) == 1
+    assert endpoint("http://h") == endpoint("http://h:80") != endpoint("https://h")
+    assert endpoint("http://10.0.0.1:30000") != endpoint("http://10.0.0.2:30000")
