@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dfserve import sglang
 from dfserve.errors import ProtocolError, UserError
-from dfserve.gateway.config import GatewayConfig, RoutingConfig, floor_problem, routing_version
+from dfserve.gateway.config import GatewayConfig, RoutingConfig, floor_problem, moved_problem, routing_version
 from dfserve.gateway.observers import Exchanged, MetricsObserver, Observers
 from dfserve.gateway.relay import (
     ARM_HEADER,
@@ -125,7 +125,8 @@ class Gateway:
 
     def apply(self, routing: RoutingConfig) -> None:
         """Replace the routing config: everything is built first, then swapped, so a failure changes nothing."""
-        if (problem := floor_problem(self.config.shadow, routing)) is not None:
+        shadow = self.config.shadow
+        if (problem := floor_problem(shadow, routing) or moved_problem(shadow, self.routing, routing)) is not None:
             raise UserError(problem)
         router = build_router(routing)
         if self._upstream is not None:

@@ -257,6 +257,20 @@ def floor_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | 
     return None
 
 
+def moved_problem(shadow: ShadowPolicy | None, before: RoutingConfig, after: RoutingConfig) -> str | None:
+    """Why a running gateway recording shadow folders cannot take `after`, if it cannot: a folder's config.json
+    describes each arm's engines as they were when it opened (their `/server_info`), and an arm moved to other
+    replicas would have its records judged as the old engines' (a candidate pointed at the primary's engine passed
+    as a drafter of its own)."""
+    if shadow is None:
+        return None
+    for name, arm in after.arms.items():
+        if name in before.arms and {*map(endpoint, arm.replicas)} != {*map(endpoint, before.arms[name].replicas)}:
+            return (f"routing.arms.{name}.replicas: shadow records describe each arm's engines as the gateway "
+                    "started; restart it to record other replicas")
+    return None
+
+
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 

@@ -375,7 +375,8 @@ def test_a_routing_change_does_not_mirror_again() -> None:
 
 
 def test_a_running_gateway_refuses_routing_that_makes_the_noise_floor_the_primary(tmp_path: Path) -> None:
-    """As its config file refuses it at start: the floor would be judged against itself (a floor of zero width)."""
+    """As its config file refuses it at start: the floor would be judged against itself (a floor of zero width). Nor
+    may an arm move to other engines while the folders describe the old ones."""
     arms = {name: {"weight": 1, "replicas": [f"http://{name}"]} for name in ("a", "b", "a2")}
     config = load_config(None, {"routing.arms": arms, "routing.mode": "shadow", "routing.primary": "a",
                                 "shadow.dir": str(tmp_path), "shadow.secondary": "a2"})
@@ -387,6 +388,11 @@ def test_a_running_gateway_refuses_routing_that_makes_the_noise_floor_the_primar
     with pytest.raises(UserError, match=r"^shadow\.secondary: arm 'a2' is served by the primary's replica a:80"):
         gateway.apply(config.routing.model_copy(update={"arms": shared}))
     assert gateway.routing.primary == "a" and gateway.routing.arms["a2"].replicas == ("http://a2",)
+    moved = {**config.routing.arms, "b": config.routing.arms["b"].model_copy(update={"replicas": ("http://a",)})}
+    with pytest.raises(UserError, match=r"^routing\.arms\.b\.replicas: shadow records describe each arm's engines"):
+        gateway.apply(config.routing.model_copy(update={"arms": moved}))  # the candidate on the primary's engine
+    respelled = {**config.routing.arms, "b": config.routing.arms["b"].model_copy(update={"replicas": ("HTTP://B:80/",)})}
+    gateway.apply(config.routing.model_copy(update={"arms": respelled}))
     gateway.apply(config.routing.model_copy(update={"mode": "split", "primary": None}))  # mirroring stopped: allowed
     with pytest.raises(UserError, match=r"is served by the primary's replica"):
         load_config(None, {"routing.arms": shared, "routing.mode": "shadow", "routing.primary": "a",
