@@ -96,11 +96,11 @@ def fold(statuses: Iterable[RuleStatus]) -> Status:
 
 
 def overall(rules: Sequence[RuleResult]) -> tuple[Status, int | None]:
-    """The verdict of a set of rule results (any FAIL fails; any INCONCLUSIVE leaves it open) and the distinct
-    tasks the undecided rules would need."""
+    """The verdict of a set of rule results (any FAIL fails; any INCONCLUSIVE leaves it open) and, where it is open,
+    the distinct tasks the undecided rules would need (a FAIL is decided, whatever its other rules need)."""
     verdict = fold(r.status for r in rules)
     needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
-    return verdict, max(needed) if needed else None
+    return verdict, max(needed) if needed and verdict == "INCONCLUSIVE" else None
 
 
 def tasks_needed(n: int, half_width: float, margin: float) -> int | None:

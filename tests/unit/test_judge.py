@@ -12,7 +12,7 @@ from dfserve.loadtest.config import Sampling, SequentialDesign
 from dfserve.loadtest.judge import DEFAULT_GATE, comparability, judge, load_gate
 from dfserve.loadtest.records import RequestRecord
 from dfserve.verdict.gate import Gate, Rule
-from dfserve.verdict.results import tasks_needed
+from dfserve.verdict.results import RuleResult, overall, tasks_needed
 from tests.synthetic import run_config, synthetic
 
 
@@ -196,3 +196,12 @@ def test_a_zero_baseline_quantile_gives_an_undefined_change_not_a_warning() -> N
     j = judge(base, cand, DEFAULT_GATE, temperature=0.0)
     itl = next(m for m in j.metrics if m.metric.startswith("itl") and m.baseline == 0.0)
     assert itl.change is None and itl.candidate is not None and itl.candidate > 0
+
+
+def test_a_decided_fail_asks_for_no_more_tasks() -> None:
+    """"about N distinct tasks would decide it" is of an open verdict: a FAIL is decided, whatever its other rules
+    would still need."""
+    failing = RuleResult(metric="accept_length", limit=0.02, status="FAIL", detail="")
+    open_rule = RuleResult(metric="tpot_p95", limit=0.05, status="INCONCLUSIVE", detail="", tasks_needed=319)
+    assert overall([failing, open_rule]) == ("FAIL", None)
+    assert overall([open_rule, open_rule.model_copy(update={"tasks_needed": 40})]) == ("INCONCLUSIVE", 319)
