@@ -179,6 +179,8 @@ def refusals(registry: BaselineRegistry, verdict: Verdict, unfounded: Sequence[s
     found = list(unfounded)
     if verdict.verdict != "PASS":
         found.append(f"the verdict is {verdict.verdict}, only PASS promotes")
+    if verdict.baseline.simulated or verdict.candidate.simulated:
+        found.append("the verdict is of simulated engines: its figures rehearse the workflow, they judge no drafter")
     if verdict.forced:
         past = verdict.mismatches + verdict.incomplete
         found.append("the verdict was forced past " + "; ".join(past) if past else

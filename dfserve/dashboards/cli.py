@@ -33,7 +33,8 @@ DEFAULT_OUT = Path("dashboards/generated")
               help="Alert when an arm's TTFT p99 over 5 minutes exceeds this.")
 def dashboards(out: Path, sglang_names: str, baseline_arm: str, candidate_arm: str, accept_tolerance: float,
                error_ratio: float, ttft_p99_seconds: float) -> None:
-    """Write the "dfserve A/B" and "dfserve engine" dashboards, the alert rules, and their k8s objects."""
+    """Write the "dfserve A/B", "dfserve engine" and "dfserve training" dashboards, the alert rules, and their k8s
+    objects."""
     for flag, arm in (("--baseline-arm", baseline_arm), ("--candidate-arm", candidate_arm)):
         if not ARM_NAME.fullmatch(arm):
             raise UserError(f"{flag}: {arm!r} is not an arm name ({ARM_NAME_RULE}, as the gateway takes them)")

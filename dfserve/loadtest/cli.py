@@ -453,7 +453,8 @@ def _print_offline(verdict: Verdict, registry: BaselineRegistry) -> None:
 @click.option("--reason", default=None, help="Why a forced promotion is right; recorded.")
 def promote(verdict_path: Path, registry: Path | None, force: bool, reason: str | None) -> None:
     """Record the candidate of a PASS verdict as the new baseline of its target (history kept). A verdict is
-    promoted once; a forced one, an offline one or one of a run that was not whole is refused unless --force."""
+    promoted once; an offline one, or one that judged a drafter against itself, never; a forced one, one of
+    simulated engines or of a run that was not whole only with --force."""
     file = verdict_file(verdict_path).resolve()
     try:
         with flags_for(command_flags(promote)):

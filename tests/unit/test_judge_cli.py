@@ -607,3 +607,19 @@ def test_a_reader_that_stops_early_does_not_turn_a_verdict_into_a_fail(tmp_path:
     finally:
         os.close(writing)
     assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+def test_a_pass_of_simulated_engines_promotes_only_forced(tmp_path: Path) -> None:
+    """A rehearsal on dfserve's simulator judges no drafter: its PASS moves no baseline unless forced (and said)."""
+    runs = tmp_path / "runs"
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    base = run_config("sim", 120)
+    sim = write_run(runs, base.model_copy(update={"arms": tuple(a.model_copy(update={"simulated": True})
+                                                                 for a in base.arms)}),
+                    [*same, *twin(same, "inhouse")])
+    assert CliRunner().invoke(compare, [str(sim), "--out", str(runs / "v")]).exit_code == 0
+    passed = next((runs / "v").glob("verdict-*"))
+    refused = CliRunner().invoke(promote, [str(passed), "--registry", str(runs)], standalone_mode=False)
+    assert refused.exception is not None and "simulated engines" in str(refused.exception)
+    forced = CliRunner().invoke(promote, [str(passed), "--registry", str(runs), "--force", "--reason", "rehearsal"])
+    assert forced.exit_code == 0 and "FORCED: the verdict is of simulated engines" in forced.output
