@@ -207,6 +207,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         except ValidationError as exc:
             raise invalid_field(exc) from None
         task_set = load_tasks(tasks)
+        if force and not isinstance(task_set, CaptureTaskSet):
+            raise UserError("--force: only with --tasks capture:DIR (it replays a capture that lost requests)")
         if task_set.incomplete is not None and not force:
             raise UserError(f"--tasks {tasks}: {task_set.incomplete}: a replay of it is not the traffic captured; "
                             "--force replays what it holds, recorded in the run's config.json")

@@ -79,6 +79,8 @@ BAD_INVOCATIONS = {
     "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
     "loadtest speed without a trace": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--rate", "2",
                                         "--speed", "2"], "--speed: only with trace arrivals"),
+    "loadtest force without a capture": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "2",
+                                          "--force"], "--force: only with --tasks capture:DIR"),
     "loadtest concurrency below 1": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "0"],
                                      "--concurrency: must be >= 1"),
     "served model name naming another field": (["deploy", "--drafter", "zlab", "--served-model-name", "{{nope}}",
