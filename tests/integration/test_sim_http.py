@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import socket
 import threading
 import time
@@ -163,6 +164,17 @@ def test_completions_whole_and_streamed(zlab: str) -> None:
         events = [e for raw in response.iter_raw() for e in decoder.feed(raw)]
     streamed = "".join(c.text for c in map(proto.parse_openai_event, events[:-1]) if isinstance(c, proto.OpenAIChunk))
     assert streamed == whole.text and events[-1] == proto.DONE
+
+
+def test_an_openai_answer_is_dated_when_its_request_came_in_every_chunk(zlab: str) -> None:
+    """As SGLang stamps `created`: the request's time, not the engine's start (which /v1/models gives)."""
+    time.sleep(1.1)
+    asked = int(time.time())
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{zlab}/v1/chat/completions", json=body, timeout=30) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks and {chunk["created"] for chunk in chunks} <= {asked, asked + 1}
+    assert httpx.get(f"{zlab}/v1/models", timeout=10).json()["data"][0]["created"] < asked
 
 
 def test_info_routes_describe_a_simulated_dflash_engine(zlab: str) -> None:

@@ -57,6 +57,7 @@ class Context:
     config: SimConfig
     engine: Engine
     created: int
+    """When the engine started: its model's `created` in /v1/models."""
 
 
 class SimResponse(Response):
@@ -75,6 +76,8 @@ class SimResponse(Response):
         self.request = request
         self.sim = sim
         self.faults = faults
+        self.created = int(time.time())
+        """An OpenAI answer's `created`: when its request came, in each chunk of it, as SGLang stamps it."""
         self.sent_unix: list[float] = []
         self.due_unix: list[float] = []
         self._encoded = 0
@@ -295,7 +298,7 @@ class SimResponse(Response):
                                      completion_tokens=tokens, spec=spec)
 
     def _head(self) -> proto.ResponseHead:
-        return proto.ResponseHead(self.sim.rid, self.ctx.created, self.request.model or self.ctx.config.model_name)
+        return proto.ResponseHead(self.sim.rid, self.created, self.request.model or self.ctx.config.model_name)
 
 
 def build_app(config: SimConfig, profile: DrafterProfile | None, vocabulary: Vocabulary) -> GenerationRoutes:
