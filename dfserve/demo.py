@@ -205,9 +205,13 @@ def demo(ctx: click.Context, out: Path, num_requests: int, concurrency: int, max
             click.echo(wrapped(f"run folder:  {run}  (config.json, requests.jsonl, summary.json)", terminal_width(),
                                indent=13))
             click.echo(f"report:      {run / 'report.html'}")
-            click.echo(wrapped(f"metrics:     {gateway}/metrics (gateway, per arm); "
-                               + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()),
-                               terminal_width(), indent=13))
+            if keep_running:
+                click.echo(wrapped(f"metrics:     {gateway}/metrics (gateway, per arm); "
+                                   + "; ".join(f"{u}/metrics ({a} engine)" for a, u in upstreams.items()),
+                                   terminal_width(), indent=13))
+            else:
+                click.echo("metrics:     the gateway's and engines' /metrics stop with the demo; dfserve demo "
+                           "--keep-running keeps them up")
             _say("These numbers are SIMULATED: they show the workflow, not a drafter's real quality.", fg="yellow")
             if keep_running:
                 _print_scrape_config(gateway, upstreams)
