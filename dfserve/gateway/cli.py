@@ -18,7 +18,7 @@ def parse_arm_flag(text: str) -> tuple[str, ArmConfig]:
     """`--arm NAME=WEIGHT@URL[,URL...]`, e.g. `baseline=90@http://127.0.0.1:30000`."""
     name, sep, rest = text.partition("=")
     weight, sep2, urls = rest.partition("@")
-    if not sep or not sep2 or not name:
+    if not sep or not sep2 or not name or not urls.strip(","):
         raise UserError(f"--arm {text!r}: expected NAME=WEIGHT@URL[,URL...]")
     try:
         return name, ArmConfig(weight=float(weight), replicas=tuple(u for u in urls.split(",") if u))
@@ -69,6 +69,8 @@ def gateway(config_path: Path | None, arms: tuple[str, ...], **flags: Any) -> No
                                                   ("shadow.look_every", flags.pop("look_every")))
                 if value is not None}
     overrides = {keys[name]: value for name, value in flags.items() if value is not None}
+    if not arms and config_path is None:
+        raise UserError("give the arms: --arm NAME=WEIGHT@URL for each, or --config FILE")
     if arms:
         parsed = [parse_arm_flag(text) for text in arms]
         names = [name for name, _ in parsed]

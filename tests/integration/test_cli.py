@@ -79,6 +79,8 @@ BAD_INVOCATIONS = {
     "loadtest without a load shape": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9"], "--concurrency or --rate"),
     "loadtest speed without a trace": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--rate", "2",
                                         "--speed", "2"], "--speed: only with trace arrivals"),
+    "gateway without arms": (["gateway", "--port", "0"], "give the arms: --arm NAME=WEIGHT@URL for each, or --config"),
+    "gateway arm without a url": (["gateway", "--port", "0", "--arm", "a=1@"], "--arm 'a=1@': expected NAME=WEIGHT@URL"),
     "loadtest force without a capture": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "2",
                                           "--force"], "--force: only with --tasks capture:DIR"),
     "loadtest concurrency below 1": (["loadtest", "run", "--arm", "a=http://127.0.0.1:9", "--concurrency", "0"],
