@@ -186,7 +186,7 @@ def _gateway() -> Row:
               (Target(increase_sum(counter(m.OBSERVER_FAILURES), W, ["observer", "reason"], job),
                       "{{observer}} {{reason}}"),), no_value="0", width=6),
         Panel("Shadow live decision", "With shadow.until_decided: 1 on the decision's state (deciding; pass or "
-              "fail: mirroring has stopped; abandoned), and the mirrored pairs judged in the current record folder.",
+              "fail: mirroring has stopped; abandoned), and the mirrored pairs judged (in the first record folder).",
               (Target(f"max by (state) ({selector(m.SHADOW_DECISION, job)})", "{{state}}"),
                Target(f"max({selector(m.SHADOW_DECISION_PAIRS, job)})", "pairs judged")), width=6),
     ))

@@ -126,7 +126,7 @@ class Gateway:
     def apply(self, routing: RoutingConfig) -> None:
         """Replace the routing config: everything is built first, then swapped, so a failure changes nothing."""
         shadow = self.config.shadow
-        if (problem := floor_problem(shadow, routing) or moved_problem(shadow, self.routing, routing)) is not None:
+        if (problem := floor_problem(shadow, routing) or moved_problem(shadow, self.config.routing, routing)) is not None:
             raise UserError(problem)
         router = build_router(routing)
         if self._upstream is not None:

@@ -257,15 +257,15 @@ def floor_problem(shadow: ShadowPolicy | None, routing: RoutingConfig) -> str | 
     return None
 
 
-def moved_problem(shadow: ShadowPolicy | None, before: RoutingConfig, after: RoutingConfig) -> str | None:
-    """Why a running gateway recording shadow folders cannot take `after`, if it cannot: a folder's config.json
-    describes each arm's engines as they were when it opened (their `/server_info`), and an arm moved to other
-    replicas would have its records judged as the old engines' (a candidate pointed at the primary's engine passed
-    as a drafter of its own)."""
+def moved_problem(shadow: ShadowPolicy | None, started: RoutingConfig, after: RoutingConfig) -> str | None:
+    """Why a gateway started with shadow records cannot take `after`, if it cannot: a folder's config.json
+    describes each arm's engines as the gateway started (their `/server_info`), and an arm moved to other replicas
+    would have its records judged as the old engines' (a candidate pointed at the primary's engine passed as a
+    drafter of its own). `started`, not the routing in force: an arm dropped and added again is the same arm."""
     if shadow is None:
         return None
     for name, arm in after.arms.items():
-        if name in before.arms and {*map(endpoint, arm.replicas)} != {*map(endpoint, before.arms[name].replicas)}:
+        if name in started.arms and {*map(endpoint, arm.replicas)} != {*map(endpoint, started.arms[name].replicas)}:
             return (f"routing.arms.{name}.replicas: shadow records describe each arm's engines as the gateway "
                     "started; restart it to record other replicas")
     return None
@@ -280,7 +280,11 @@ def endpoint(url: str) -> tuple[str, str, int | None]:
     not resolved: two names of one host are two hosts here."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, _address(parts.hostname or ""), parts.port or DEFAULT_PORTS.get(scheme)
+    try:
+        port = parts.port
+    except ValueError:  # not a port (a config.json edited by hand): the scheme's, as none given
+        port = None
+    return scheme, _address(parts.hostname or ""), port if port is not None else DEFAULT_PORTS.get(scheme)
 
 
 def _address(host: str) -> str:

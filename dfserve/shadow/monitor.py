@@ -90,8 +90,8 @@ class Decided(BaseModel):
 
 class GivenUp(BaseModel):
     """decision-given-up.json: why the gateway stopped deciding on the folder it was deciding (its design in
-    config.json). Its records may replay to a decision the gateway never took, on pairs that leave out the requests
-    then in flight (the slowest): `dfserve compare` names why, and judges such a folder only forced."""
+    config.json). Its records may replay to a decision the gateway never took, on pairs that may leave out the
+    requests then in flight (the slowest): `dfserve compare` names why, and judges such a folder only forced."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["shadow-decision-given-up"] = "shadow-decision-given-up"
@@ -234,8 +234,8 @@ class DecidingRecorder:
             folder = self.recorder.folder
             if folder is None:
                 decision.abandon("recording stopped (shadow.max_folders) before the gate was decided")
-            elif decision.folder is not None and folder[0].run_id != decision.folder.name:
-                decision.abandon(f"record folder {decision.folder.name} was closed before the gate was decided "
+            elif (first := self.recorder.first_folder) is not None and folder[0].run_id != first.name:
+                decision.abandon(f"record folder {first.name} was closed before the gate was decided "
                                  "(shadow.records_per_folder or folder_bytes, or a new primary), and deciding afresh "
                                  "on the next would be another chance at a PASS")
             elif (why := self._untrusted(*folder)) is not None:

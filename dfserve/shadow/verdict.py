@@ -12,7 +12,7 @@ A folder the gateway decided on as it recorded it (`shadow.until_decided`, its d
 with the sequential design, its looks replayed in request-id order (`shadow.monitor.judge_live`): the verdict says
 it was decided on live traffic, and where the gateway wrote its decision the replay must find the same. Where it
 gave the decision up (decision-given-up.json says why), records that replay to a decision are judged only forced:
-the requests in flight when it gave up, the slowest, are in no folder or in the next.
+the requests in flight when it gave up, the slowest, may be in no folder or in the next.
 
 Refused always: a folder judged against itself (candidate = baseline), a request recorded twice for one arm.
 Refused unless forced (then stamped): arms whose engines differ beyond the drafter (target, capacity) or could not
@@ -109,8 +109,8 @@ def replayed(path: Path, config: ShadowRunConfig, report: SequentialReport, requ
             return []
         replay = f"{report.verdict_when_stopped} at look {report.looks}"
         if (why := _given_up(path, config)) is not None:
-            return [f"the gateway gave its live decision up ({why}), and the records replay to {replay} on pairs it "
-                    "did not judge: the requests then in flight, the slowest, are not in the folder"]
+            return [f"the gateway gave its live decision up ({why}), and the records replay to {replay}, a decision "
+                    "it did not take: the requests in flight when it gave up, the slowest, may be missing from them"]
         return [f"{DECISION} is missing, and the records replay to a decision the gateway would have written "
                 f"({replay})"]
     try:
@@ -292,6 +292,8 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
             raise Untrusted(f"not the gateway's decision ({undesigned})")
         differ.append(undesigned)
     pairs, notes = request_pairs(records, config.primary, cand)
+    if config.sequential is not None and (why := _given_up(path, config)) is not None:
+        notes.append(f"the gateway gave its live decision up: {why}; judged after the fact")
     notes += read_together(records, (config.primary, cand, *filter(None, (config.secondary,))))
     if copied(pairs.base, pairs.cand):
         missing.append(f"the records of {cand} are those of {config.primary}, to the microsecond: a drafter judged "

@@ -224,3 +224,4 @@ def test_one_replica_spelled_otherwise_is_one_endpoint() -> None:
     assert len({endpoint(url) for url in same}) == 1
     assert endpoint("http://h") == endpoint("http://h:80") != endpoint("https://h")
     assert endpoint("http://10.0.0.1:30000") != endpoint("http://10.0.0.2:30000")
+    assert endpoint("http://h:0") != endpoint("http://h") and endpoint("http://h:99999")[2] == 80  # not a port

@@ -391,6 +391,9 @@ def test_a_running_gateway_refuses_routing_that_makes_the_noise_floor_the_primar
     moved = {**config.routing.arms, "b": config.routing.arms["b"].model_copy(update={"replicas": ("http://a",)})}
     with pytest.raises(UserError, match=r"^routing\.arms\.b\.replicas: shadow records describe each arm's engines"):
         gateway.apply(config.routing.model_copy(update={"arms": moved}))  # the candidate on the primary's engine
+    gateway.apply(config.routing.model_copy(update={"arms": {n: a for n, a in config.routing.arms.items() if n != "b"}}))
+    with pytest.raises(UserError, match=r"^routing\.arms\.b\.replicas"):  # dropped, then back on another engine
+        gateway.apply(config.routing.model_copy(update={"arms": moved}))
     respelled = {**config.routing.arms, "b": config.routing.arms["b"].model_copy(update={"replicas": ("HTTP://B:80/",)})}
     gateway.apply(config.routing.model_copy(update={"arms": respelled}))
     gateway.apply(config.routing.model_copy(update={"mode": "split", "primary": None}))  # mirroring stopped: allowed
@@ -524,7 +527,7 @@ def test_a_folder_whose_decision_was_given_up_says_why_and_is_judged_only_forced
     given_up = json.loads((first / GIVEN_UP).read_text())
     assert given_up["why"].startswith(f"record folder {first.name} was closed before the gate was decided")
     with pytest.raises(Untrusted, match=r"the gateway gave its live decision up \(record folder .* was closed .*\), "
-                                        r"and the records replay to FAIL at look \d+ on pairs it did not judge"):
+                                        r"and the records replay to FAIL at look \d+, a decision it did not take"):
         compare_shadow(first, None, None, False, tmp_path / "v")
     judged = compare_shadow(first, None, None, True, tmp_path / "v")
     assert judged.verdict.verdict == "FAIL" and judged.verdict.forced
@@ -548,3 +551,30 @@ def test_a_gateway_stopped_before_the_decision_says_it_gave_up(tmp_path: Path) -
     assert state(metrics) == "abandoned"
     with pytest.raises(Untrusted, match=r"gave its live decision up \(the gateway stopped before the gate was decided\)"):
         compare_shadow(folder, None, None, False, tmp_path / "v")
+
+
+def test_a_new_primary_before_the_first_record_gives_the_decision_up(tmp_path: Path) -> None:
+    """The first folder, which alone carries the design, closes empty (and is removed) when the primary changes
+    before any request finished: the decision is given up, never taken in a folder without its design."""
+    decider, metrics, stops = deciding(tmp_path, look_every=1, gate=ACCEPTANCE)
+    for rid in range(100):
+        primary, mirror = request(rid)
+        decider.observe(replace(primary, outcome=replace(primary.outcome, arm="zlab2")))
+        decider.observe(mirror)
+    decider.close()
+    assert state(metrics) == "abandoned" and stops.calls == 0 and decider.decision.decision is None
+    assert not any((folder / DECISION).exists() for folder in (tmp_path / "shadow").iterdir())
+
+
+def test_a_given_up_folder_whose_records_decide_nothing_says_why_beside_its_verdict(tmp_path: Path) -> None:
+    decider, _, _ = deciding(tmp_path, look_every=1, gate=ACCEPTANCE)
+    for rid in range(3):
+        for e in request(rid):
+            decider.observe(e)
+    decider.close()
+    [folder] = sorted((tmp_path / "shadow").iterdir())
+    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
+    assert judged.verdict.verdict == "INCONCLUSIVE" and not judged.verdict.forced
+    assert ("the gateway gave its live decision up: the gateway stopped before the gate was decided; judged after "
+            "the fact") in judged.notes
+    assert "gave its live decision up" in (judged.path.parent / "report.html").read_text()
