@@ -95,9 +95,9 @@ class Exporter:
             return
         ended = time.monotonic()
         wait_s = min(LINGER_MAX_S, 2 * scrapes.interval_s + 1) if scrapes.interval_s is not None else LINGER_MAX_S
-        say(f"dfserve loadtest metrics: serving the final figures until the next scrape (at most {wait_s:.0f} s; "
-            "Ctrl-C stops waiting)")
-        try:
+        try:  # from the line on: a Ctrl-C that follows it stops the wait, however soon
+            say(f"dfserve loadtest metrics: serving the final figures until the next scrape (at most {wait_s:.0f} s; "
+                "Ctrl-C stops waiting)")
             while (scrapes.last_s or 0) <= ended and time.monotonic() < ended + wait_s:
                 time.sleep(0.05)
         except KeyboardInterrupt:
