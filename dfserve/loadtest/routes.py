@@ -135,6 +135,15 @@ def _set(settings: dict[str, Any], fill: dict[str, Any]) -> dict[str, Any]:
 class OpenAI(Route):
     asks_model = True
 
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        if not isinstance(body.get("stream_options", {}), dict | None):
+            return "has a stream_options that is not an object (the tester adds include_usage to it)"
+        return self.prompt_refusal(body)
+
+    @abstractmethod
+    def prompt_refusal(self, body: dict[str, Any]) -> str | None:
+        """Why the body's prompt is not one prompt the route can send, or None."""
+
     def settings(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"max_new_tokens": first_set(body, "max_tokens", "max_completion_tokens"),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p")}
@@ -166,7 +175,7 @@ class Chat(OpenAI):
         return sglang.chat_body(model, task.as_messages(), sampling, stream=True, return_spec_tokens_details=True,
                                 include_usage=True)
 
-    def refusal(self, body: dict[str, Any]) -> str | None:
+    def prompt_refusal(self, body: dict[str, Any]) -> str | None:
         return None if isinstance(body.get("messages"), list) else "has no messages"
 
 
@@ -175,7 +184,7 @@ class Completions(OpenAI):
         return sglang.completions_body(model, task.as_text(), sampling, stream=True, return_spec_tokens_details=True,
                                        include_usage=True)
 
-    def refusal(self, body: dict[str, Any]) -> str | None:
+    def prompt_refusal(self, body: dict[str, Any]) -> str | None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) > 1 and _batch(prompt):  # one listed: a batch of one, one choice
             return "is a batch (prompt is a list of prompts); a replayed request carries one prompt"

@@ -305,8 +305,10 @@ def test_each_request_goes_on_its_own_route_and_a_task_set_on_the_runs(tmp_path:
     ("/generate", {"input_ids": [[1, 2], [3]]}, "is a batch (text or input_ids is a list of prompts)"),
     ("/v1/chat/completions", {"model": "m"}, "has no messages"),
     ("/generate", {"text": ["a", "b"]}, "is a batch (text or input_ids is a list of prompts)"),
+    ("/v1/chat/completions", chat("a", stream_options="x"), "has a stream_options that is not an object"),
+    ("/v1/completions", {**completions("a"), "stream_options": [1]}, "has a stream_options that is not an object"),
 ])
-def test_a_request_that_is_not_one_prompt_refuses_naming_the_record(tmp_path: Path, path: str,
+def test_a_request_that_cannot_be_replayed_as_one_refuses_naming_the_record(tmp_path: Path, path: str,
                                                                     body: dict[str, object], refusal: str) -> None:
     spec = capture(tmp_path, [("/generate", native("a"), 0.0), (path, body, 1.0)])
     with pytest.raises(FieldError, match=r"^tasks: capture .*: record 1 \(segment-000001.jsonl:2\) ") as caught:
