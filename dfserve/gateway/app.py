@@ -11,6 +11,7 @@ and replica that served it in `x-dfserve-arm` / `x-dfserve-replica`; the gateway
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -385,8 +386,9 @@ class GatewayApp:
                 exchange.acceptance, in_band = measure_whole(exchange.route, payload)
                 if in_band is not None:
                     exchange.error, exchange.error_code = STREAM_ERROR, in_band.code
-                if strip_spec:
-                    payload = sglang.strip_spec_details(payload)
             except (ProtocolError, RecursionError) as exc:
                 exchange.error, exchange.unparsed = PROTOCOL_ERROR, str(exc)
+            if strip_spec:  # also from an answer measuring refused: the client never asked for them
+                with contextlib.suppress(ProtocolError, RecursionError):  # not JSON: nothing to cut
+                    payload = sglang.strip_spec_details(payload)
         reply.whole(response.status, headers, payload)

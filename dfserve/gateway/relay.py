@@ -55,9 +55,12 @@ _NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
 
 
 def response_headers(headers: list[tuple[bytes, bytes]], arm: str, replica: str) -> list[tuple[bytes, bytes]]:
-    """Upstream headers (names lower-cased, as `dfserve.http1` reads them) minus `_NOT_RELAYED`, plus arm and
-    replica."""
-    kept = [(name, value) for name, value in headers if name not in _NOT_RELAYED]
+    """Upstream headers (names lower-cased, as `dfserve.http1` reads them) minus `_NOT_RELAYED` and those its
+    Connection header names (hop-by-hop too, RFC 9110 7.6.1), plus arm and replica."""
+    named = [value for name, value in headers if name == b"connection"]
+    dropped = _NOT_RELAYED.union(token.strip().lower() for value in named for token in value.split(b",")) \
+        if named else _NOT_RELAYED
+    kept = [(name, value) for name, value in headers if name not in dropped]
     kept.append((ARM_HEADER, arm.encode()))
     kept.append((REPLICA_HEADER, replica.encode()))
     return kept

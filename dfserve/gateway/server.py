@@ -89,6 +89,8 @@ _STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phr
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
+_BODILESS = frozenset({204, 304})
+
 
 def send_error(reply: Responder, status: int, message: str, kind: str,
                extra: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -130,20 +132,19 @@ class Reply:
         """The client left (or stopped reading): not the gateway's stop cutting its connection."""
         return self.connection.closed and not self.connection.cut_by_stop
 
-    def _framing(self, length: int | None) -> bytes:
-        framing = b"" if length is None else b"content-length: %d\r\n" % length
-        if length is None and self.chunked:
-            framing += b"transfer-encoding: chunked\r\n"
+    def _persistence(self) -> bytes:
         if not self.keep_alive:
-            framing += b"connection: close\r\n"
-        elif not self.http11:
-            framing += b"connection: keep-alive\r\n"  # HTTP/1.0 closes unless told otherwise
-        return framing
+            return b"connection: close\r\n"
+        return b"" if self.http11 else b"connection: keep-alive\r\n"  # HTTP/1.0 closes unless told otherwise
 
     def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """A whole response (Content-Length framed)."""
+        """A whole response: Content-Length framed, but a 204 or 304, which has no body and says no length (RFC 9110
+        8.6)."""
         self.started = self.complete = True
-        head = _head(status, headers, self._framing(len(body)))
+        if status in _BODILESS:
+            head, body = _head(status, headers, self._persistence()), b""
+        else:
+            head = _head(status, headers, b"content-length: %d\r\n" % len(body) + self._persistence())
         self.connection.write(head if self.head_only else head + body)
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -153,7 +154,8 @@ class Reply:
             self.chunked = False
         elif not self.chunked:
             self.keep_alive = False  # an HTTP/1.0 stream ends with its connection
-        self.connection.write(_head(status, headers, self._framing(None)))
+        self.connection.write(_head(status, headers, (b"transfer-encoding: chunked\r\n" if self.chunked else b"")
+                                    + self._persistence()))
 
     def write(self, body: bytes) -> None:
         write, chunked = self.body_writer()

@@ -104,6 +104,10 @@ class Stub:
         return web.Response(status=200 if self.status < 500 else 503)
 
     async def models(self, request: web.Request) -> web.Response:
+        if request.headers.get("x-stub") == "304":  # as a cache validator would answer
+            return web.Response(status=304, headers={"ETag": '"m"', "Content-Length": "61"})
+        if request.headers.get("x-stub") == "204":
+            return web.Response(status=204, headers={"Connection": "keep-alive, X-Hop", "X-Hop": "for the proxy"})
         return web.json_response({"object": "list", "data": [{"id": "qwen", "object": "model"}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -123,6 +127,8 @@ class Stub:
                        "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
             if body.get("return_spec_tokens_details"):
                 payload["sglext"] = SGLEXT
+            if request.headers.get("x-stub") == "odd-usage":  # a count the gateway's measuring refuses
+                payload["usage"]["completion_tokens"] = 12.5
             return web.Response(body=json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode(),
                                 content_type="application/json")
         mode = request.headers.get("x-stub", "")
@@ -292,6 +298,23 @@ def test_stream_bytes_equal_direct_and_headers_name_arm(one_arm: tuple[Stub, str
     assert metric(text, "dfserve_accept_length_count", arm="a", route="chat", measure="estimated") == 0
     assert metric(text, "dfserve_requests_total", arm="a", route="chat", status="2xx", error="") == 1
     assert metric(text, "dfserve_time_to_first_token_seconds_count", arm="a", route="chat") == 1
+
+
+def test_spec_details_stay_hidden_from_an_answer_the_gateway_cannot_measure(one_arm: tuple[Stub, str]) -> None:
+    stub, gw = one_arm
+    via = httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE, headers={"x-stub": "odd-usage"})
+    assert stub.seen[-1]["return_spec_tokens_details"] is True
+    assert via.status_code == 200 and via.json()["usage"]["completion_tokens"] == 12.5 and "sglext" not in via.json()
+
+
+def test_a_bodiless_answer_says_no_length_and_hop_by_hop_headers_it_names_stay_behind(
+        one_arm: tuple[Stub, str]) -> None:
+    _, gw = one_arm
+    with httpx.Client() as client:
+        for status in (304, 204):
+            via = client.get(gw + "/v1/models", headers={"x-stub": str(status)})
+            assert via.status_code == status and "content-length" not in via.headers and "x-hop" not in via.headers
+        assert client.get(gw + "/v1/models").json()["data"][0]["id"] == "qwen"  # the connection is still in step
 
 
 def test_whole_chat_gets_exact_acceptance_and_spec_details_stay_hidden(one_arm: tuple[Stub, str]) -> None:

@@ -34,6 +34,12 @@ def test_response_headers_drop_hop_by_hop_and_name_the_arm() -> None:
         (b"content-type", b"text/event-stream"), (b"x-dfserve-arm", b"cand"), (b"x-dfserve-replica", b"http://h:1")]
 
 
+def test_response_headers_drop_those_the_connection_header_names() -> None:
+    raw = [(b"x-secret", b"s"), (b"connection", b"close, X-Secret"), (b"connection", b" x-hop"), (b"x-hop", b"1"),
+           (b"x-engine", b"e")]
+    assert response_headers(raw, "a", "r")[0] == (b"x-engine", b"e")
+
+
 def native(tokens: int, final: bool = False) -> bytes:
     meta = {"id": "r", "finish_reason": {"type": "stop"} if final else None, "prompt_tokens": 3,
             "completion_tokens": tokens}
