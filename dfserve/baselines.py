@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import posixpath
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -39,9 +40,13 @@ converted with (deploy.convert)."""
 
 def drafter_identity(drafter: str) -> str:
     """What names one drafter on every machine: a converted in-house drafter by its content-hash folder name, any
-    other drafter (a Hugging Face id, a folder) as given."""
-    name = PurePath(drafter).name
-    return name if CONVERTED_DRAFTER.fullmatch(name) else drafter
+    other drafter (a Hugging Face id, a folder) as given, in one spelling of its path (`/models/d/`, `/models//d`
+    and `/models/./d` are `/models/d`: two engines given one folder in two spellings serve one drafter)."""
+    path = posixpath.normpath(drafter) if drafter else drafter
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    name = PurePath(path).name
+    return name if CONVERTED_DRAFTER.fullmatch(name) else path
 
 
 def one_drafter(base: str, candidate: str) -> list[str]:
@@ -186,7 +191,7 @@ def refusals(registry: BaselineRegistry, verdict: Verdict, unfounded: Sequence[s
         found.append("the verdict was forced past " + "; ".join(past) if past else
                      "the verdict says it was forced, past nothing it names")
     current = registry.current(verdict.baseline.target)
-    if current is not None and current.drafter != verdict.baseline.drafter:
+    if current is not None and drafter_identity(current.drafter) != drafter_identity(verdict.baseline.drafter):
         found.append(f"the verdict's baseline {verdict.baseline.drafter!r} is not the current baseline "
                      f"{current.drafter!r}")
     return found

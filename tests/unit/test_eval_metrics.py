@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity
+from dfserve.baselines import BaselineRegistry, OfflineScore, drafter_identity, one_drafter
 from dfserve.errors import FieldError, UserError
 from dfserve.eval.features import FeatureBuild, FeatureKey, health, open_features
 from dfserve.eval.metrics import anchor_records, summarize_drafter
@@ -171,6 +171,12 @@ def offline(drafter: str, tau: float) -> OfflineScore:
     return OfflineScore(target="Qwen/Qwen3.6-27B", drafter=drafter_identity(drafter), label="x", run_id="eval-1",
                         run_dir="/runs/eval-1", features="f" * 16, tasks=10, rounds=300, tau=tau, tau_low=tau - 0.3,
                         tau_high=tau + 0.3, tau_as_sglang=tau + 0.02, recorded_at="now")
+
+
+@pytest.mark.parametrize("spelling", ["/models/dflash/", "/models//dflash", "//models/./dflash", "/models/x/../dflash"])
+def test_one_folder_in_another_spelling_is_one_drafter(spelling: str) -> None:
+    assert drafter_identity(spelling) == "/models/dflash"
+    assert one_drafter("/models/dflash", spelling) and not one_drafter("/models/dflash", "/models/dflash-2")
 
 
 def test_registry_keeps_offline_tau_and_compare_shows_it_beside_online(tmp_path: Path) -> None:

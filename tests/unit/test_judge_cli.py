@@ -178,6 +178,18 @@ def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_pat
     assert current is not None and current.drafter == "inhouse-step-9000"
 
 
+def test_promote_takes_the_current_baseline_in_another_spelling_of_its_folder(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "z-lab//Qwen3.6-27B-DFlash/", "run-0", "zlab"))
+    same = synthetic("zlab", 120, 9.0, seed=1)
+    aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
+    assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
+    promoted = CliRunner().invoke(promote, [str(next(runs.glob("verdict-*")))])
+    assert promoted.exit_code == 0, promoted.output
+    current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
+    assert current is not None and current.drafter == "/models/dflash-inhouse"
+
+
 def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
     same = synthetic("zlab", n, 9.0, seed=1)
     return make_run(runs, name, {"zlab": same, "inhouse": twin(same, "inhouse")},
