@@ -2,9 +2,9 @@
 
 The gate, the metrics and the decision are the load test's (`loadtest.judge.METRICS`, `verdict.fixed.FixedN`):
 only the pairing differs. Each pair is one live request answered by the primary (the baseline: what clients got)
-and mirrored to the candidate; identical requests are one cluster. Losslessness applies where every paired request
-was greedy (temperature 0) and both answers' outputs were held by the gateway; otherwise it is reported as not
-applicable, with the reason said. With a secondary arm (the baseline's drafter again, on another engine) the same
+and mirrored to the candidate; identical requests are one cluster. Losslessness is judged on the pairs whose request
+was greedy (temperature 0) and whose answers' outputs the gateway held, however many others were sampled; without
+one it is reported as not applicable, with the reason said. With a secondary arm (the baseline's drafter again, on another engine) the same
 judgement of primary against secondary is the noise floor, written beside the verdict (`noise-floor.json`) and
 printed beside it: a difference no larger than the floor is the host's or the engine's, not the drafter's.
 
