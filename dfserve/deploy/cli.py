@@ -26,7 +26,7 @@ from dfserve.deploy.profiles import load_profile
 from dfserve.deploy.spec import build_spec, check_name
 from dfserve.deploy.supervise import running, start, status, stop
 from dfserve.errors import FieldError, UserError, command_flags, flags_for
-from dfserve.flags import FINITE
+from dfserve.flags import FINITE, FiniteFloat
 from dfserve.listen import ensure_free
 from dfserve.runs import link_input
 
@@ -230,7 +230,7 @@ def status_command(name: str, root: Path) -> None:
 @deploy.command("stop")
 @click.argument("name")
 @_root_option
-@click.option("--grace", type=FINITE, default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--grace", type=FiniteFloat(min=0), default=30.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 def stop_command(name: str, root: Path, grace: float) -> None:
     """Stop a deployment's engine: gracefully, then forced after --grace seconds."""
     result, now = stop(root / check_name(name), grace_s=grace)

@@ -10,6 +10,7 @@ are added as data, not code::
 from __future__ import annotations
 
 import re
+import string
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,8 @@ from dfserve.errors import FieldError, UserError, describe_invalid
 from dfserve.yamlfile import parse_yaml
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+INT32_MAX = 2**31 - 1
+"""The most requests or tokens a setting may size: SGLang allocates its request and token pools by them."""
 
 
 class _Strict(BaseModel):
@@ -38,8 +41,8 @@ class SGLangSettings(_Strict):
 
     tp_size: int = Field(ge=1, le=8, description="GPUs of one host: SGLang and the Kubernetes pod take them on one node.")
     mem_fraction_static: float = Field(gt=0, lt=1)
-    context_length: int = Field(ge=1)
-    max_running_requests: int = Field(ge=1)
+    context_length: int = Field(ge=1, le=INT32_MAX)
+    max_running_requests: int = Field(ge=1, le=INT32_MAX)
     attention_backend: str
     draft_attention_backend: Literal["flashinfer", "fa3", "fa4", "triton", "torch_native"] = Field(
         description="torch_native only where the host's SGLang platform accepts it for DFLASH (the cpu profile).")
@@ -52,14 +55,19 @@ class SGLangSettings(_Strict):
     @classmethod
     def _template(cls, template: str) -> str:
         try:
-            template.format(drafter="x")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"{template!r}: only {{drafter}} may stand in braces ({type(exc).__name__}: {exc})") \
-                from None
+            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                      if name is not None]
+        except ValueError as exc:  # a brace left open or alone
+            raise ValueError(f"{template!r}: only {{drafter}} may stand in braces ({exc})") from None
+        for name, spec, conversion in fields:
+            if (name, spec, conversion) != ("drafter", "", None):
+                shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+                raise ValueError(f"{template!r}: only {{drafter}} may stand in braces, not {shown}")
         return template
     device: str | None = Field(default=None, description="--device; SGLang detects the GPU when unset.")
     dtype: str | None = Field(default=None, description="--dtype; the checkpoint's when unset.")
-    max_total_tokens: int | None = Field(default=None, ge=1, description="--max-total-tokens, a fixed KV pool.")
+    max_total_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX,
+                                         description="--max-total-tokens, a fixed KV pool.")
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
     grammar_backend: str | None = Field(default=None, description="--grammar-backend; SGLang's default when unset.")

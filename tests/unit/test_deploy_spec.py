@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.deploy.assets import _tensor_info, expected_tensors, read_json, verify_drafter_config
@@ -281,6 +282,30 @@ def test_sim_argv_carries_the_same_deployment() -> None:
     assert flag(argv, "--served-model-name") == spec.served_model_name
     assert flag(argv, "--block-size") == "16" and flag(argv, "--time-scale") == "0.05"
     assert flag(argv, "--context-length") == "65536"  # the profile's, as SGLang with it would serve
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--served-model-name", "{drafter.x}"], "--served-model-name: '{drafter.x}': only {drafter} may stand in "
+                                             "braces, not {drafter.x}"),
+    (["--served-model-name", "{drafter!r}"], "not {drafter!r}"),
+    (["--served-model-name", "{drafter:>9}"], "not {drafter:>9}"),
+    (["--served-model-name", "{drafter"], "only {drafter} may stand in braces (expected '}' before end of string)"),
+    (["--max-running-requests", "99999999999999999999"], "--max-running-requests: Input should be less than or "
+                                                         "equal to 2147483647"),
+])
+def test_a_setting_no_engine_could_take_is_one_line_naming_its_flag(flags: list[str], error: str) -> None:
+    refused = CliRunner().invoke(deploy, ["--drafter", "zlab", "--dry-run", *flags], standalone_mode=False)
+    assert isinstance(refused.exception, UserError) and error in str(refused.exception)
+
+
+def test_a_negative_grace_is_refused_before_any_stop(tmp_path: Path) -> None:
+    refused = CliRunner().invoke(deploy, ["stop", "pro6000-zlab", "--root", str(tmp_path), "--grace", "-1"])
+    assert refused.exit_code == 2 and "'--grace': -1.0 is not in the range x>=0" in refused.output
+
+
+def test_a_served_model_name_template_keeps_literal_braces() -> None:
+    shown = CliRunner().invoke(deploy, ["--drafter", "zlab", "--dry-run", "--served-model-name", "{{x}}-{drafter}"])
+    assert shown.exit_code == 0 and "--served-model-name '{x}-" in shown.output
 
 
 def test_zlab_dry_run_never_imports_torch() -> None:

@@ -350,6 +350,8 @@ def test_sim_config_rejects_bad_values() -> None:
         SimConfig(time_scale=1e308)  # accepted, every request then seemed to hang
     with pytest.raises(ValueError):
         SimConfig(lossy_fraction=2)
+    with pytest.raises(ValueError, match="at least 1 character"):
+        SimConfig(served_model_name="")  # served as the model path's name instead
     assert SimConfig(profile="none").resolved_draft_model_path() is None
     assert SimConfig().resolved_draft_model_path() == "z-lab/Qwen3.6-27B-DFlash"
 

@@ -40,7 +40,7 @@ class SimConfig(BaseModel):
     max_running_requests: int = Field(48, ge=1)
     max_prefill_tokens: int = Field(16384, ge=1)
     context_length: int = Field(262144, ge=1)
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, min_length=1)
     model_path: str = DEFAULT_MODEL
     draft_model_path: str | None = None
     block_size: int | None = Field(None, ge=2)
