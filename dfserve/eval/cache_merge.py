@@ -61,6 +61,9 @@ def read_part(cache: Path) -> Part:
         raise FieldError("shards", describe_invalid(exc, str(path))) from None
     if references.key.digest() != build.key.references_key or references.digest() != build.key.references_sha256:
         raise FieldError("shards", f"{features} was not built from {path}")
+    if not references.of_its_tasks():
+        raise FieldError("shards", f"{path}: its references are not labelled with its key's tasks in order (task "
+                         "edited)")
     return Part(cache, references, features, build)
 
 

@@ -32,7 +32,7 @@ from dfserve.deploy.drafters import (
 from dfserve.deploy.hashes import file_sha256
 from dfserve.deploy.profiles import HostProfile
 from dfserve.errors import FieldError
-from dfserve.eval.records import DrafterInfo
+from dfserve.eval.records import SAME_WEIGHTS_ATOL, SAME_WEIGHTS_RTOL, DrafterInfo
 
 MASK_EMBEDDING = "mask_embedding.pt"
 
@@ -136,18 +136,32 @@ def tensors_sha256(model: Any, mask_embedding: Tensor | None) -> str:
     return digest.hexdigest()
 
 
-SAME_WEIGHTS_RTOL = 2.0**-7
-"""Twice bfloat16's rounding error: one checkpoint in float32, float16 and bfloat16 agrees within it everywhere, and
-two checkpoints a training step apart do not (an optimizer step moves weights near zero by far more)."""
-SAME_WEIGHTS_ATOL = 2.0**-24
-"""float16's smallest step: below 2^-14 it keeps less than its 11 bits (a 1024x1024 tensor of std 0.02 holds about
-150 values that small)."""
+WEIGHTS_SAMPLE_PER_TENSOR = 32
+"""Values kept of each tensor in `weights_sample`: a training step moves most of a tensor's values past bfloat16's
+rounding, so a few dozen places tell two checkpoints apart, in a few kilobytes of the run's config."""
+
+
+def weights_sample(model: Any, mask_embedding: Tensor | None) -> tuple[float, ...]:
+    """The weights as loaded at `WEIGHTS_SAMPLE_PER_TENSOR` evenly spaced places of each tensor (by name, and the mask
+    embedding), as float32: what `DrafterInfo.checkpoint_shared_with` compares within bfloat16's rounding across
+    runs, where only the run's config is at hand."""
+    state = dict(model.state_dict())
+    if mask_embedding is not None:
+        state["\0mask_embedding"] = mask_embedding
+    sample: list[float] = []
+    for name in sorted(state):
+        flat = state[name].detach().reshape(-1)
+        if flat.numel():
+            places = torch.linspace(0, flat.numel() - 1, min(WEIGHTS_SAMPLE_PER_TENSOR, flat.numel())).long()
+            sample += flat[places].float().cpu().tolist()
+    return tuple(sample)
 
 
 def same_weights(one: tuple[Any, Tensor | None], other: tuple[Any, Tensor | None]) -> bool:
     """Whether two loaded drafters (model, mask embedding) are one checkpoint in other precisions: every tensor of
-    one name and shape, and equal within `SAME_WEIGHTS_RTOL`. Their `tensors_sha256` differ wherever a value sits
-    on a bfloat16 rounding boundary (6% of them after a float16 round trip)."""
+    one name and shape, and every value equal within `SAME_WEIGHTS_RTOL` (`weights_sample` compares a few places of
+    each, where the models are not at hand). Their `tensors_sha256` differ wherever a value sits on a bfloat16
+    rounding boundary (6% of them after a float16 round trip)."""
     first, second = dict(one[0].state_dict()), dict(other[0].state_dict())
     for state, mask in ((first, one[1]), (second, other[1])):
         if mask is not None:

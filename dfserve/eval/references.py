@@ -72,6 +72,11 @@ class ReferenceSet(_Model):
         """Hash of the reference tokens themselves: the feature cache is keyed by what the target read."""
         return hashlib.sha256(json.dumps([[r.prompt_ids, r.output_ids] for r in self.references]).encode()).hexdigest()
 
+    def of_its_tasks(self) -> bool:
+        """Each reference labelled with its key's task, in order: the seal (`digest`) covers the tokens, not the
+        labels by which a run pairs its records."""
+        return tuple(r.task for r in self.references) == self.key.task_ids
+
 
 def prompts_sha256(prompts: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()
@@ -100,6 +105,9 @@ def cached_references(cache: Path, key: ReferenceKey) -> ReferenceSet | None:
     if found.tokens_sha256 != found.digest():
         raise UserError(f"reference cache {path}: its tokens no longer match their hash (tokens_sha256): edited or "
                         "damaged since they were stored; remove the file and a run makes the references again")
+    if not found.of_its_tasks():
+        raise UserError(f"reference cache {path}: its references are not labelled with its key's tasks in order "
+                        "(task edited); remove the file and a run makes the references again")
     return found
 
 

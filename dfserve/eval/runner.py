@@ -38,6 +38,7 @@ from dfserve.eval.drafters import (
     resolve_eval_drafter,
     same_weights,
     tensors_sha256,
+    weights_sample,
 )
 from dfserve.eval.metrics import anchor_records, summarize_drafter
 from dfserve.eval.progress import EvalProgress
@@ -216,7 +217,9 @@ def _prepare(plan: EvalPlan, run_id: str, progress: EvalProgress, console: Conso
     models = {d.info.label: load_drafter(d, DTYPES[plan.dtype]) for d in drafters}  # one that does not load: refused
     drafters = [replace(d, info=d.info.model_copy(update={"tensors_sha256": tensors_sha256(*models[d.info.label])}))
                 for d in drafters]
-    _refuse_self_judged(drafters, models)  # and by the tensors loaded
+    _refuse_self_judged(drafters, models)  # and by the tensors loaded, every value of them
+    drafters = [replace(d, info=d.info.model_copy(update={"weights_sample": weights_sample(*models[d.info.label])}))
+                for d in drafters]  # for runs judged against this one
     for drafter in drafters:
         if plan.block_size is not None and plan.block_size != drafter.info.block_size:
             console.print(f"[yellow]note:[/] {drafter.info.label} was trained with blocks of {drafter.info.block_size}; "

@@ -26,7 +26,6 @@ from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.report import write_verdict_report
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
-from dfserve.verdict.wording import shown
 
 DEFAULT_EVAL_GATE = Gate(rules=(Rule(metric=metric_of(VANILLA), max_worse=0.02),))
 
@@ -72,7 +71,7 @@ def judged_against_itself(baseline: str, base: DrafterInfo, candidate: str, cand
     exactly 0%; None when nothing proves them one (`DrafterInfo.checkpoint_shared_with`)."""
     if (shared := base.checkpoint_shared_with(cand)) is None:
         return None
-    return (f"drafters {baseline} and {candidate} are one checkpoint (sha256 {shown(shared)}): a drafter is never "
+    return (f"drafters {baseline} and {candidate} are one checkpoint ({shared}): a drafter is never "
             "judged against itself")
 
 

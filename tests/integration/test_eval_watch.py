@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -390,6 +391,11 @@ def test_a_feature_cache_built_in_parts_merges_into_the_one_a_whole_run_reuses(
         assert status == 2 and err.count("\n") == 1 and "PARTS: 2 of 4 tasks are in no part" in err
         status, out, err = run_cli(capsys, *merge, tmp_path / "part-0", tmp_path / "part-0")
         assert status == 2 and "each task belongs to one part" in err
+        shutil.copytree(tmp_path / "part-1", tmp_path / "relabelled")  # its tokens' seal holds
+        [file] = (tmp_path / "relabelled" / "references").glob("references-*.json")
+        file.write_text(file.read_text().replace('"task": "he-1"', '"task": "he-3"'))
+        status, out, err = run_cli(capsys, *merge, tmp_path / "part-0", tmp_path / "relabelled")
+        assert status == 2 and "are not labelled with its key's tasks in order (task edited)" in err
         assert not (tmp_path / "cache").exists()
         status, out, err = run_cli(capsys, *merge, tmp_path / "part-1", tmp_path / "part-0")
         assert status == 0 and f"merged {TASKS} tasks from 2 parts" in out, err

@@ -274,6 +274,12 @@ def test_a_reference_cache_whose_tokens_were_edited_is_refused_in_one_line(tmp_p
     with pytest.raises(UserError, match=r"references-[0-9a-f]{16}\.json: its tokens no longer match their hash "
                                         r"\(tokens_sha256\): edited or damaged"):
         refs.cached_references(tmp_path, key)
+    stored["references"][0]["output_ids"] = [5, 6]
+    stored["references"][0]["task"] = "b"  # the tokens' seal holds: a run would pair a's records as b's
+    path.write_text(json.dumps(stored))
+    with pytest.raises(UserError, match=r"references-[0-9a-f]{16}\.json: its references are not labelled with its "
+                                        r"key's tasks in order \(task edited\)"):
+        refs.cached_references(tmp_path, key)
     del stored["tokens_sha256"]
     path.write_text(json.dumps(stored))
     with pytest.raises(UserError, match=r"holds no hash of its tokens \(stored by an earlier dfserve\); remove"):

@@ -225,3 +225,31 @@ def test_one_checkpoint_in_other_precisions_is_the_same_weights_and_a_training_s
     smaller = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
     smaller.load_state_dict({k: v for k, v in half.state_dict().items() if k.startswith("0.")})
     assert not same_weights((model, mask), (smaller, mask)) and not same_weights((smaller, mask), (model, mask))
+
+
+def test_one_checkpoint_in_other_precisions_is_never_judged_across_runs(tmp_path: Path) -> None:
+    """Across runs only the configs are at hand: a float16 copy of the baseline, its hashes all other, PASSed at
+    +0% in `eval compare` and `eval watch`; each run keeps its weights at a few places, compared within bfloat16's
+    rounding."""
+    import torch
+
+    from dfserve.eval.drafters import weights_sample
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))
+    with torch.no_grad():
+        model[0].weight.normal_(0.0, 0.02)
+    half = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))
+    half.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+    stepped = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))
+    stepped.load_state_dict({k: v - 1e-4 * torch.sign(torch.randn_like(v)) for k, v in model.state_dict().items()})
+    base = eval_run(tmp_path / "runs", "eval-1", {drafter("base", SHA, weights_sample=weights_sample(model, None)): 3})
+    for name, other, verdict in (("half", half, None), ("stepped", stepped, "PASS")):
+        cand = eval_run(tmp_path / "runs", name, {drafter("cand", "d" * 64, weights_sample=weights_sample(other, None)): 3})
+        if verdict is None:
+            with pytest.raises(UserError, match=r"^drafters base \(run eval-1\) and cand \(run half\) are one "
+                                                r"checkpoint \(its weights in other precisions\)"):
+                compare_eval_runs(base, cand, "base", None, None, tmp_path / "out", force=True)
+        else:
+            assert compare_eval_runs(base, cand, "base", None, None, tmp_path / name)[0].verdict == verdict
+    assert len(weights_sample(model, torch.zeros(256))) == 4 * 32 + 32  # each tensor's places, and the mask's
