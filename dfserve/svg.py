@@ -9,6 +9,7 @@ above the plot area (where no line can run under it), and a viewBox, so a figure
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,21 @@ Series = tuple[str, Sequence[tuple[float, float]], str]
 """A line over numeric x: its name, its (x, y) points and its dash pattern ('' for solid)."""
 
 
-def _tick(value: float) -> str:
-    return f"{value:.2f}".rstrip("0").rstrip(".") if abs(value) < 20 else f"{value:.0f}"
+def nice_ticks(low: float, high: float, most: int = 6) -> list[tuple[float, str]]:
+    """Ticks at round values (1, 2, 2.5 or 5 times a power of ten apart) inside [low, high], at most `most` + 1 of
+    them, each labelled with the decimals its step needs: a label reads as the value its line is drawn at."""
+    span = high - low
+    if not (math.isfinite(span) and span > 0):
+        return [(low, f"{low:g}")]
+    power = 10.0 ** math.floor(math.log10(span / most))
+    step, mantissa = next((m * power, m) for m in (1.0, 2.0, 2.5, 5.0, 10.0) if span / (m * power) <= most)
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9) + (1 if mantissa == 2.5 else 0))
+    first = math.ceil(low / step - 1e-9)
+    ticks = []
+    for value in ((first + i) * step for i in range(math.floor(high / step + 1e-9) - first + 1)):
+        label = f"{value:.{decimals}f}"
+        ticks.append((value, label.lstrip("-") if float(label) == 0 else label))
+    return ticks
 
 
 @dataclass(frozen=True)
@@ -71,13 +85,11 @@ def _open(title: str, xlabel: str, ylabel: str, legend: Sequence[tuple[str, str,
               f'{html.escape(xlabel)}</text>',
               f'<text x="14" y="{middle:.1f}" font-size="12" text-anchor="middle" '
               f'transform="rotate(-90 14 {middle:.1f})">{html.escape(ylabel)}</text>']
-    for i in range(5):
-        value = plot.y_low + (plot.y_high - plot.y_low) * i / 4
+    for value, label in nice_ticks(plot.y_low, plot.y_high):
         y_px = plot.py(value)
         parts.append(f'<line x1="{_LEFT}" y1="{y_px:.1f}" x2="{width - _RIGHT}" y2="{y_px:.1f}" stroke="#eee"/>'
-                     f'<text x="{_LEFT - 5}" y="{y_px + 3:.1f}" font-size="10" text-anchor="end">{_tick(value)}</text>')
-    ticks = x_ticks if x_ticks is not None else [
-        (v, _tick(v)) for v in (plot.x_low + (plot.x_high - plot.x_low) * i / 4 for i in range(5))]
+                     f'<text x="{_LEFT - 5}" y="{y_px + 3:.1f}" font-size="10" text-anchor="end">{label}</text>')
+    ticks = x_ticks if x_ticks is not None else nice_ticks(plot.x_low, plot.x_high)
     for value, label in ticks:
         parts.append(f'<text x="{plot.px(value):.1f}" y="{bottom + 15}" font-size="10" text-anchor="middle">'
                      f'{html.escape(label)}</text>')
@@ -89,6 +101,9 @@ def _legend(names: Sequence[str]) -> list[tuple[str, str, str]]:
 
 
 def _polyline(points: Sequence[tuple[float, float]], colour: str, dash: str = "") -> str:
+    """A line through `points`; a single point, which a line would not show, as a dot."""
+    if len(points) == 1:
+        return f'<circle cx="{points[0][0]:.1f}" cy="{points[0][1]:.1f}" r="2.5" fill="{colour}"/>'
     path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
     return (f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" stroke-dasharray="{dash}" '
             f'points="{path}"/>')
@@ -161,8 +176,7 @@ def svg_xy(title: str, xlabel: str, ylabel: str, series: Sequence[Series], hline
     x_high = max(xs) if max(xs) > x_low else x_low + 1
     legend = [(name, COLOURS[i % len(COLOURS)], dash) for i, (name, _, dash) in enumerate(series)]
     legend += [(name, COLOURS[i % len(COLOURS)], "2 3") for i, (name, _) in enumerate(hlines)]
-    ticks = [(v, f"{v:.0f}") for v in (x_low + (x_high - x_low) * i / 4 for i in range(5))]
-    parts, plot = _open(title, xlabel, ylabel, legend, (x_low, x_high), (y_low - pad, y_high + pad), ticks, (640, 320))
+    parts, plot = _open(title, xlabel, ylabel, legend, (x_low, x_high), (y_low - pad, y_high + pad), None, (640, 320))
     for i, (name, y) in enumerate(hlines):
         parts.append(f'<line x1="{_LEFT}" y1="{plot.py(y):.1f}" x2="{plot.width - _RIGHT}" y2="{plot.py(y):.1f}" '
                      f'stroke="{COLOURS[i % len(COLOURS)]}" stroke-width="1.5" stroke-dasharray="2 3">'
@@ -219,9 +233,7 @@ def svg_forest(title: str, rows: Sequence[tuple[str, float, float, float]], xlab
              f'<line x1="{px(0):.1f}" y1="{top}" x2="{px(0):.1f}" y2="{bottom}" stroke="#333" stroke-dasharray="3 2"/>',
              f'<text x="{(label_w + width - _RIGHT) / 2}" y="{height - 6}" font-size="12" text-anchor="middle">'
              f'{html.escape(xlabel)}</text>']
-    for i in range(5):
-        value = low + (high - low) * i / 4
-        label = f"{value:.0f}" if high - low > 8 else _tick(value)
+    for value, label in nice_ticks(low, high):
         parts.append(f'<text x="{px(value):.1f}" y="{bottom + 15}" font-size="10" text-anchor="middle">{label}</text>')
     for i, (name, estimate, lo, hi) in enumerate(rows):
         y = top + row_h * i + row_h / 2

@@ -7,6 +7,7 @@ import html
 
 from dfserve.eval.records import EvalConfig, EvalSummary
 from dfserve.svg import page, svg_histogram, svg_lines, table
+from dfserve.verdict.report import VERDICT_STYLE, status_html, verdict_html
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.wording import change_header, metric_change, metric_value, pairs_in_words, rule_needs
 
@@ -15,14 +16,19 @@ def _row(label: str, values: list[str]) -> str:
     return f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in values) + "</tr>"
 
 
-def _judgement(j: Judgement) -> str:
+def _verdict(j: Judgement) -> str:
+    """A paired judgement as the page opens with it: the verdict, then each rule's status and why."""
+    rules = "".join(f"<li>{status_html(r.status)} {html.escape(r.metric)}: {html.escape(r.detail + rule_needs(r))}"
+                    "</li>" for r in j.rules)
+    return (f"<h2>{html.escape(j.candidate)} against {html.escape(j.baseline)}</h2>{verdict_html(j.verdict)}"
+            f"<p>{html.escape(pairs_in_words(j))}.</p><ul>{rules}</ul>")
+
+
+def _changes(j: Judgement) -> str:
     rows = "".join(_row(m.label, [metric_value(m, m.baseline), metric_value(m, m.candidate), metric_change(m)])
                    for m in j.metrics)
-    rules = "".join(f"<li>{html.escape(r.status)} {html.escape(r.metric)}: {html.escape(r.detail + rule_needs(r))}</li>"
-                    for r in j.rules)
-    return (f"<h3>{html.escape(j.candidate)} vs {html.escape(j.baseline)}: {html.escape(j.verdict)} "
-            f"({pairs_in_words(j)})</h3>{table([_row('', ['baseline', 'candidate', change_header(False)]), rows])}"
-            f"<ul>{rules}</ul>")
+    return (f"<h3>{html.escape(j.candidate)} against {html.escape(j.baseline)}</h3>"
+            + table([_row('', ['baseline', 'candidate', change_header(False)]), rows]))
 
 
 def render_html(config: EvalConfig, summary: EvalSummary) -> str:
@@ -54,9 +60,10 @@ def render_html(config: EvalConfig, summary: EvalSummary) -> str:
     body = (
         f"<h1>Offline evaluation {html.escape(config.run_id)}</h1>"
         + ("<p><strong>Interrupted: partial run.</strong></p>" if summary.interrupted else "")
-        + f"<p>{html.escape(settings)}</p>{warning}<p>Health: the target's own greedy choice matches the reference at "
-        f"{health.agree}/{health.positions} positions ({health.fraction:.4f}).</p>"
-        + table(rows) + "".join(_judgement(j) for j in summary.judgements)
+        + "".join(_verdict(j) for j in summary.judgements)
+        + f"<h2>Settings and scores</h2><p>{html.escape(settings)}</p>{warning}<p>Health: the target's own greedy "
+        f"choice matches the reference at {health.agree}/{health.positions} positions ({health.fraction:.4f}).</p>"
+        + table(rows) + "".join(_changes(j) for j in summary.judgements)
         + "<div class='plots'>" + curves + "".join(histograms) + "</div>"
     )
-    return page(config.run_id, body)
+    return page(config.run_id, body, VERDICT_STYLE)

@@ -46,7 +46,9 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
     if lossless.high < limit:
         return RuleResult(metric=rule.metric, limit=limit, status="FAIL", detail=detail)
     if lossless.fraction >= limit:
-        return RuleResult(metric=rule.metric, limit=limit, status="PASS", detail=detail)
+        return RuleResult(metric=rule.metric, limit=limit, status="PASS", detail=detail + (
+            f"; passes on the observed fraction, {lossless.fraction:.4f} ≥ {limit:.4g} (at temperature 0 a differing "
+            "output is a defect, not noise: only an interval wholly below the limit fails)"))
     return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE", detail=detail,
                       tasks_needed=tasks_needed(tasks, (lossless.high - lossless.low) / 2, lossless.high - limit))
 
@@ -60,7 +62,7 @@ def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleRe
     sign = -1.0 if result.higher_is_better else 1.0
     worse_low, worse_high = sorted((sign * result.change_low, sign * result.change_high))
     worse = sign * result.change
-    unit = "" if not result.relative else " (relative)"
+    unit = " (relative)" if result.relative else " (absolute)"
     detail = f"worse by {worse:+.4f}{unit}, interval [{worse_low:+.4f}, {worse_high:+.4f}], limit {max_worse:.4f}"
     if worse_high <= max_worse:
         return RuleResult(metric=result.metric, limit=max_worse, status="PASS", detail=detail)

@@ -20,7 +20,7 @@ from dfserve.verdict.results import NOT_JUDGED, Judgement, Lossless, MetricResul
 from dfserve.verdict.verdict import Side, Verdict
 
 _COLOUR = {"PASS": "#1e7b34", "FAIL": "#b3261e", "INCONCLUSIVE": "#8a5a00", "NOT_APPLICABLE": "#666"}
-_STYLE = (".verdict{font-size:clamp(1.5em,8vw,3em);font-weight:700;margin:0.2em 0;overflow-wrap:normal}"
+VERDICT_STYLE = (".verdict{font-size:clamp(1.5em,8vw,3em);font-weight:700;margin:0.2em 0;overflow-wrap:normal}"
           ".stamp{display:inline-block;border:3px solid #b3261e;color:#b3261e;font-weight:700;padding:0 0.4em;"
           "margin-right:0.5em;font-size:1.2em}"
           ".status{font-weight:700}.why{color:#b3261e}.note{color:#5f6368}")
@@ -37,8 +37,14 @@ def _row(cells: list[str], head: bool = False) -> str:
     return "<tr>" + "".join(f"<{tag}>{c}</{tag}>" for c in cells) + "</tr>"
 
 
-def _status(status: str) -> str:
+def status_html(status: str) -> str:
+    """A verdict's or a rule's status, in its colour (with `VERDICT_STYLE`)."""
     return f"<span class='status' style='color:{_COLOUR[status]}'>{_e(status)}</span>"
+
+
+def verdict_html(verdict: str) -> str:
+    """The verdict as a page opens with it: large, in its colour (with `VERDICT_STYLE`)."""
+    return f"<p class='verdict' style='color:{_COLOUR[verdict]}'>{_e(verdict)}</p>"
 
 
 def _change(m: MetricResult) -> str:
@@ -65,8 +71,22 @@ def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement
     return low, high
 
 
-def _interval(interval: tuple[float, float], fraction: bool) -> str:
-    return f"[{interval[0]:.4f}, {interval[1]:.4f}]" if fraction else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+def _scale(relative: bool) -> tuple[float, str, str]:
+    """How a `max_worse` rule's limit and interval read: in % of the baseline for ratios and quantiles, in points
+    for rates."""
+    return (100.0, "%", "relative") if relative else (100.0, " pts", "absolute")
+
+
+def _limit_and_interval(rule: RuleResult, at_least: bool, relative: bool,
+                        interval: tuple[float, float] | None) -> tuple[str, str, str]:
+    """The limit as the table says it, as its bar marks it, and the interval on the limit's scale."""
+    if at_least:
+        return (f"identical fraction ≥ {rule.limit:.4g}", f"{rule.limit:.4g}",
+                f"[{interval[0]:.4f}, {interval[1]:.4f}]" if interval is not None else "-")
+    times, unit, kind = _scale(relative)
+    mark = f"{rule.limit * times:.4g}{unit}"
+    shown = f"[{interval[0] * times:+.2f}, {interval[1] * times:+.2f}]{unit}" if interval is not None else "-"
+    return f"worse by ≤ {mark} ({kind})", mark, shown
 
 
 def _rules(verdict: Verdict) -> str:
@@ -77,14 +97,13 @@ def _rules(verdict: Verdict) -> str:
     for rule in j.rules:
         gate_rule = gate.get(rule.metric)
         at_least = gate_rule is not None and gate_rule.at_least is not None
-        limit = f"identical fraction ≥ {rule.limit:.4g}" if at_least else f"worse by ≤ {rule.limit:.4g}"
+        relative = any(m.relative for m in j.metrics if m.metric == rule.metric)
         interval = rule_interval(rule, gate_rule, j)
+        limit, mark, shown = _limit_and_interval(rule, at_least, relative, interval)
         bar = (svg_interval(interval[0], interval[1], rule.limit, _COLOUR[rule.status],
-                            f"{rule.metric}: interval [{interval[0]:.4g}, {interval[1]:.4g}], limit {rule.limit:.4g}",
-                            f"{rule.limit:.4g}") if interval is not None else "")
-        rows.append(_row([_status(rule.status), _e(rule.metric), _e(limit),
-                          _e(_interval(interval, at_least)) if interval is not None else "-", bar]))
-        details.append(f"<li>{_status(rule.status)} {_e(rule.metric)}: "
+                            f"{rule.metric}: interval {shown}, limit {limit}", mark) if interval is not None else "")
+        rows.append(_row([status_html(rule.status), _e(rule.metric), _e(limit), _e(shown), bar]))
+        details.append(f"<li>{status_html(rule.status)} {_e(rule.metric)}: "
                        f"{_e(rule.detail + wording.rule_needs(rule))}</li>")
     return ("<h2>Rules</h2><p>Each rule's 95% interval against its limit (the dashed line), coloured by the rule's "
             "status: how much worse the candidate may be, or the fraction of identical outputs it must reach. How each "
@@ -164,14 +183,14 @@ def render_verdict_html(verdict: Verdict, notes: Sequence[str] = (), judged: str
     body = (
         f"<p>Verdict of {kind}</p>"
         + "".join(f"<span class='stamp'>{_e(s)}</span>" for s in stamps)
-        + f"<p class='verdict' style='color:{_COLOUR[verdict.verdict]}'>{_e(verdict.verdict)}</p>"
+        + verdict_html(verdict.verdict)
         + f"<p>Candidate <strong>{_e(j.candidate)}</strong> against baseline <strong>{_e(j.baseline)}</strong>, "
         f"{_e(wording.pairs_in_words(j))}.{_e(needed)}</p>"
         + "".join(f"<p class='why'><strong>{_e(w)}</strong></p>" for w in why)
         + "".join(f"<p class='note'>{_e(n)}</p>" for n in notes)
         + _rules(verdict) + _metrics(verdict) + _lossless(j.lossless) + _plot(j) + _provenance(verdict)
     )
-    return page(f"{verdict.verdict}: {j.candidate} vs {j.baseline}", body, _STYLE)
+    return page(f"{verdict.verdict}: {j.candidate} vs {j.baseline}", body, VERDICT_STYLE)
 
 
 def write_verdict_report(verdict: Verdict, folder: Path, notes: Sequence[str] = (), judged: str | None = None) -> Path:

@@ -155,7 +155,9 @@ def test_a_run_writes_config_records_summary_report_and_progress(first_run: Firs
         assert max(i for i, n in enumerate(drafter["methods"][1]["histogram"]) if n) <= 3
         assert len(drafter["positions"]["accuracy"]) == models.BLOCK - 1
     report = (run_dir / "report.html").read_text()
-    assert "accuracy per block position" in report and report.count("<polyline") == 4
+    assert "accuracy per block position" in report and report.count("<polyline") + report.count('r="2.5"') == 4  # a line each, a dot if one point
+    verdict = report.index("<h2>long against short</h2><p class='verdict' style='color:#1e7b34'>PASS</p>")
+    assert verdict < report.index("<h2>Settings and scores</h2>")  # the page opens with its verdict
     assert "tokens accepted per verify round, vanilla" in report and "per verify round, ddtree4" in report
     assert "left" in first_run.err and "scoring long (anchors)" in first_run.err  # progress with the time left
     assert "long vs short: PASS" in first_run.out

@@ -744,6 +744,7 @@ def test_a_candidate_that_changes_greedy_outputs_fails_in_mixed_traffic(tmp_path
     judged = compare_shadow(_record(tmp_path / "same", same), None, None, False, tmp_path / "v")
     lossless = next(r for r in judged.verdict.judgement.rules if r.metric == "lossless_fraction")
     assert lossless.status == "PASS" and lossless.detail.startswith("20/20 identical (the greedy pairs of 40)")
+    assert "passes on the observed fraction, 1.0000 ≥ 0.99" in lossless.detail  # its interval reaches below 0.99
 
 
 def test_greedy_openai_streams_make_losslessness_not_applicable_and_say_why(tmp_path: Path) -> None:

@@ -71,15 +71,19 @@ def test_each_rule_shows_its_status_interval_and_limit_with_a_bar() -> None:
         assert f">{rule.status}</span>" in row and f"<td>{rule.metric}</td>" in row
         interval = rule_interval(rule, gate[rule.metric], verdict.judgement)
         assert interval is not None
-        shown = (f"[{interval[0]:.4f}, {interval[1]:.4f}]" if gate[rule.metric].at_least is not None
-                 else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
-        assert shown in row and f"limit {rule.limit:.4g}</text>" in row
+        relative = any(m.relative for m in verdict.judgement.metrics if m.metric == rule.metric)
+        unit = "%" if relative else " pts"
+        shown, mark = ((f"[{interval[0]:.4f}, {interval[1]:.4f}]", f"{rule.limit:.4g}")
+                       if gate[rule.metric].at_least is not None else
+                       (f"[{interval[0] * 100:+.2f}, {interval[1] * 100:+.2f}]{unit}", f"{rule.limit * 100:.4g}{unit}"))
+        assert shown in row and f"limit {mark}</text>" in row
         colour = {"PASS": "#1e7b34", "FAIL": "#b3261e"}[rule.status]  # the bar says what the rule decided
         assert f'height="12" fill="{colour}"/>' in row
     accept = next(r for r in verdict.judgement.rules if r.metric == "accept_length")
     low, _ = rule_interval(accept, gate["accept_length"], verdict.judgement) or (0.0, 0.0)
     assert accept.status == "FAIL" and low > accept.limit  # a third fewer tokens per round: surely worse
-    assert "identical fraction ≥ 0.99" in rules_part and "worse by ≤ 0.02" in rules_part
+    assert "identical fraction ≥ 0.99" in rules_part and "worse by ≤ 2% (relative)" in rules_part
+    assert "worse by ≤ 1 pts (absolute)" in rules_part  # error_rate: a rate, its limit in points
 
 
 def test_the_metrics_table_has_baseline_candidate_and_the_change_with_its_interval_and_n() -> None:
