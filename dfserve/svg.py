@@ -250,10 +250,11 @@ PAGE_STYLE = (
     "table{border-collapse:collapse;margin:0.5em 0}tr:nth-child(even) td{background:#f7f7f7}"
     ".scroll{overflow-x:auto;max-width:100%}.scroll td,.scroll th{white-space:nowrap}"
     "h1,h2,h3,p,li{overflow-wrap:anywhere}svg{max-width:100%;height:auto}td svg{max-width:none}"
-    ".plots svg{margin:0 0.5em 1em 0}"
+    ".plots svg{margin:0 0.5em 1em 0}.plots{overflow-x:auto}@media (max-width:600px){.plots svg{min-width:520px}}"
 )
 """The style every report.html shares: readable on a phone (tables scroll sideways in their `.scroll` wrapper,
-figures shrink to the page's width) and on a laptop."""
+figures shrink to the page's width, but on a phone no narrower than 520 px, where their words are still read, and
+scroll sideways past it) and on a laptop."""
 
 
 def page(title: str, body: str, style: str = "") -> str:

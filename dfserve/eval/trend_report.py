@@ -1,6 +1,6 @@
 """report.html of a watch: τ by step per method with the baseline's τ as a line, each block position's accuracy by
-step, the projection's sentence and interval, and every checkpoint with its verdict; self-contained (inline SVG
-drawn to the page's width)."""
+step, the projection's sentence and interval, and every checkpoint with its verdict; self-contained (inline SVG),
+in the style every report shares."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from dfserve.eval.trend import Trend
-from dfserve.svg import Series, svg_lines, svg_xy
+from dfserve.svg import Series, page, svg_lines, svg_xy, table
 
 _POSITIONS = 4
 """Block positions plotted by step (position 1 first); later ones are in the run's own report."""
@@ -45,28 +45,21 @@ def render_trend_html(trend: Trend, title: str) -> str:
         + (f" (crossing step {_bound(p.crossing_step, 'none')}, 95% interval [{_bound(p.crossing_low)}, "
            f"{_bound(p.crossing_high)}])" if p.outcome in ("will_reach", "undetermined") else "") + "</li>"
         for m, p in trend.projections.items())
-    table = [_row(["step", "checkpoint", *(f"τ {m} [95% CI]" for m in trend.methods), "verdict vs baseline"], True)]
+    rows = [_row(["step", "checkpoint", *(f"τ {m} [95% CI]" for m in trend.methods), "verdict vs baseline"], True)]
     for p in points:
-        table.append(_row([str(p.step), p.checkpoint,
+        rows.append(_row([str(p.step), p.checkpoint,
                            *(f"{p.tau[m].estimate:.3f} [{p.tau[m].low:.3f}, {p.tau[m].high:.3f}]" for m in trend.methods),
                            p.judgement.verdict]))
     passed = "".join(f"<li>{html.escape(kind)} {html.escape(c.checkpoint)}: {html.escape(c.detail)}</li>"
                      for kind, group in (("skipped", trend.skipped), ("corrupt", trend.corrupt)) for c in group)
     baseline = trend.baseline
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><meta name='viewport' content='width=device-width, "
-        f"initial-scale=1'><title>{html.escape(title)}</title>"
-        "<style>body{font-family:sans-serif;margin:1em auto;max-width:980px;padding:0 1em}"
-        "td,th{padding:2px 8px;text-align:left;white-space:nowrap}table{border-collapse:collapse}"
-        "tr:nth-child(even){background:#f4f4f4}.scroll{overflow-x:auto}svg{width:100%;height:auto;max-width:980px}"
-        ".fixed svg{width:auto}</style></head><body>"
+    return page(f"Checkpoint trend {title}", (
         f"<h1>Checkpoint trend {html.escape(title)}</h1>"
         f"<p>{len(points)} checkpoints scored against the baseline {html.escape(baseline.drafter)} "
         f"({html.escape(baseline.identity)}, run {html.escape(baseline.run_id)}): "
         + ", ".join(f"τ {m} {baseline.tau[m].estimate:.3f}" for m in trend.methods)
         + f". Updated {html.escape(trend.updated_at)}.</p>"
         f"<h2>Projection</h2><ul>{projections}</ul>"
-        f"{tau_chart}{accuracy_chart}<div class='scroll fixed'>{curves}</div>"
-        f"<h2>Checkpoints</h2><div class='scroll'><table>{''.join(table)}</table></div>"
-        + (f"<ul>{passed}</ul>" if passed else "") + "</body></html>"
-    )
+        f"<div class='plots'>{tau_chart}{accuracy_chart}{curves}</div>"
+        f"<h2>Checkpoints</h2>{table(rows)}"
+        + (f"<ul>{passed}</ul>" if passed else "")))

@@ -257,6 +257,7 @@ def test_a_watch_beside_a_trainer_scores_each_checkpoint_once_in_order_through_a
     report = (out / "report.html").read_text()
     assert "τ by training step" in report and "draft accuracy by training step" in report
     assert report.count("<polyline") == 3 + 4 + 3  # τ per method (baselines are <line>s), 4 positions, 3 curves
+    assert "<div class='plots'><svg" in report and ".plots svg{min-width:520px}" in report  # read on a phone too
 
     # what the trainer wrote is as it wrote it, and nothing else is in its folder
     found = {str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
