@@ -71,21 +71,15 @@ def rule_interval(rule: RuleResult, gate_rule: Rule | None, judgement: Judgement
     return low, high
 
 
-def _scale(relative: bool) -> tuple[float, str, str]:
-    """How a `max_worse` rule's limit and interval read: in % of the baseline for ratios and quantiles, in points
-    for rates."""
-    return (100.0, "%", "relative") if relative else (100.0, " pts", "absolute")
-
-
 def _limit_and_interval(rule: RuleResult, at_least: bool, relative: bool,
                         interval: tuple[float, float] | None) -> tuple[str, str, str]:
     """The limit as the table says it, as its bar marks it, and the interval on the limit's scale."""
     if at_least:
         return (f"identical fraction ≥ {rule.limit:.4g}", f"{rule.limit:.4g}",
                 f"[{interval[0]:.4f}, {interval[1]:.4f}]" if interval is not None else "-")
-    times, unit, kind = _scale(relative)
-    mark = f"{rule.limit * times:.4g}{unit}"
-    shown = f"[{interval[0] * times:+.2f}, {interval[1] * times:+.2f}]{unit}" if interval is not None else "-"
+    unit, kind = ("%", "relative") if relative else (" pts", "absolute")  # of the baseline's value; for rates
+    mark = f"{rule.limit * 100:.4g}{unit}"
+    shown = f"[{interval[0] * 100:+.2f}, {interval[1] * 100:+.2f}]{unit}" if interval is not None else "-"
     return f"worse by ≤ {mark} ({kind})", mark, shown
 
 
