@@ -245,7 +245,7 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
             _refuse_lost(outcome)
         summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
         if monitor:
-            _print_sequential(monitor)
+            _print_sequential(monitor, outcome.interrupted)
         if pushgateway:
             with flags_for(flags):
                 exporter.push(pushgateway, outcome.config.run_id)
@@ -288,12 +288,15 @@ def _design(until_decided: bool, gate: Path | None, look_every: int | None) -> S
         raise UserError(f"--look-every: {exc.errors()[0]['msg']}") from None
 
 
-def _print_sequential(monitor: SequentialMonitor) -> None:
+def _print_sequential(monitor: SequentialMonitor, interrupted: bool = False) -> None:
+    """The live decision's last word; `interrupted`: the run was stopped before its end (an undecided look is then
+    the stop's, not the run's end)."""
     look = monitor.decision or monitor.latest
     if look is None:
         click.echo(f"until decided: no look yet ({monitor.pairs} pairs, a look every {monitor.design.look_every})")
         return
-    why = {"decided": "decided", "task_set": "undecided, limited by the task set", None: "undecided at the end"}
+    why = {"decided": "decided", "task_set": "undecided, limited by the task set",
+           None: "undecided when the run was stopped" if interrupted else "undecided at the end"}
     width = terminal_width()
     click.echo(wrapped(f"until decided: {look.verdict} at look {look.number}, after {look.pairs} paired requests "
                        f"({why[look.stop]}); {monitor.pairs} pairs finished in all. `dfserve compare` writes the "

@@ -161,6 +161,8 @@ def test_the_sequential_closing_lines_break_between_words_on_a_terminal(capsys: 
     assert m.latest is not None
     words = " ".join(text.split())
     assert f"after {m.latest.pairs} paired requests (undecided at the end)" in words
+    cli._print_sequential(m, interrupted=True)
+    assert "(undecided when the run was stopped)" in " ".join(capsys.readouterr().out.split())
     for rule in m.latest.rules:
         assert f"{rule.status:<14} {rule.metric}: {rule.detail}".split() == next(
             " ".join([line, *_continued(lines, i)]).split() for i, line in enumerate(lines)
