@@ -9,6 +9,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, entry
@@ -164,30 +165,24 @@ def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     assert "Qwen/Qwen3.6-27B" in CliRunner().invoke(baseline, ["show", "--registry", str(runs)]).output
 
 
-def test_promote_refuses_a_verdict_whose_baseline_is_not_the_current_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("current", "promoted"), [
+    ("inhouse-step-9000", False),
+    ("z-lab//Qwen3.6-27B-DFlash/", True),  # the verdict's baseline, its path spelled otherwise
+])
+def test_promote_takes_only_a_verdict_whose_baseline_is_the_current_one(tmp_path: Path, current: str,
+                                                                         promoted: bool) -> None:
     runs = tmp_path / "runs"
-    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "inhouse-step-9000", "run-0", "inhouse"))
+    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", current, "run-0", "zlab"))
     same = synthetic("zlab", 120, 9.0, seed=1)
     aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
-    passed = next(runs.glob("verdict-*"))
-    refused = CliRunner().invoke(promote, [str(passed)], standalone_mode=False)
-    assert refused.exception is not None
-    assert "is not the current baseline 'inhouse-step-9000'" in str(refused.exception)
-    current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
-    assert current is not None and current.drafter == "inhouse-step-9000"
-
-
-def test_promote_takes_the_current_baseline_in_another_spelling_of_its_folder(tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-    BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", "z-lab//Qwen3.6-27B-DFlash/", "run-0", "zlab"))
-    same = synthetic("zlab", 120, 9.0, seed=1)
-    aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
-    assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
-    promoted = CliRunner().invoke(promote, [str(next(runs.glob("verdict-*")))])
-    assert promoted.exit_code == 0, promoted.output
-    current = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
-    assert current is not None and current.drafter == "/models/dflash-inhouse"
+    result = CliRunner().invoke(promote, [str(next(runs.glob("verdict-*")))], standalone_mode=False)
+    now = BaselineRegistry(runs).current("Qwen/Qwen3.6-27B")
+    if promoted:
+        assert result.exception is None and now is not None and now.drafter == "/models/dflash-inhouse"
+    else:
+        assert "is not the current baseline 'inhouse-step-9000'" in str(result.exception)
+        assert now is not None and now.drafter == current
 
 
 def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
