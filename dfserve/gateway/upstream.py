@@ -133,13 +133,18 @@ class Upstream:
         self.set_arms(arms)
 
     def set_arms(self, arms: Mapping[str, ArmConfig]) -> None:
-        """Adopt a new set of arms in one assignment; replicas whose URL is unchanged keep their state."""
+        """Adopt a new set of arms in one assignment; an arm that stays is the same `Arm` (the requests under way
+        hold it, and give their slots back to it), and replicas whose URL is unchanged keep their state."""
         known = {(arm.name, r.url): r for arm in self.arms.values() for r in arm.replicas}
         new = {}
         for name, config in arms.items():
             replicas = [known.get((name, url)) or self._replica(url) for url in config.replicas]
-            old = self.arms.get(name)
-            new[name] = Arm(name, replicas, in_flight=old.in_flight if old else 0)
+            arm = self.arms.get(name)
+            if arm is None:
+                arm = Arm(name, replicas)
+            else:
+                arm.replicas = replicas
+            new[name] = arm
             for replica in replicas:
                 self.metrics.replica_healthy.labels(name, replica.url).set(1 if replica.healthy else 0)
         for (name, url) in known.keys() - {(n, r.url) for n, arm in new.items() for r in arm.replicas}:
@@ -198,14 +203,15 @@ class Upstream:
         if arm.in_flight >= self.limits.max_concurrent_per_arm:
             raise UpstreamFailure(429, GATEWAY_OVERLOADED, f"arm {arm_name!r} has {arm.in_flight} requests in flight")
         tried: set[int] = set()
+        replicas = arm.replicas  # as they were when it came: a routing change meanwhile is the next request's
         failure = UpstreamFailure(503, "no_replica", f"arm {arm_name!r} has no healthy replica")
         while len(tried) <= self.limits.max_retries:
-            index = pick_replica([r.in_flight for r in arm.replicas], [r.healthy for r in arm.replicas],
+            index = pick_replica([r.in_flight for r in replicas], [r.healthy for r in replicas],
                                  frozenset(tried), arm.turn)
             if index is None:
                 break
             arm.turn = index + 1
-            replica = arm.replicas[index]
+            replica = replicas[index]
             if tried:
                 self.metrics.retries.labels(arm.name, replica.url).inc()
             tried.add(index)
@@ -231,7 +237,7 @@ class Upstream:
                 raise
             if response.status >= 500:
                 self._failed(arm, replica, f"http_{response.status}")
-                more = any(r.healthy and i not in tried for i, r in enumerate(arm.replicas))
+                more = any(r.healthy and i not in tried for i, r in enumerate(replicas))
                 if more and len(tried) <= self.limits.max_retries:
                     call.connection.abort()
                     self._finish(arm, replica)
