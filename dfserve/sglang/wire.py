@@ -19,8 +19,13 @@ from dfserve.errors import ProtocolError
 
 
 def json_bytes(obj: Any) -> bytes:
-    """Compact UTF-8 JSON, as SGLang sends it."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON, as SGLang sends it; a lone surrogate (which JSON may escape but UTF-8 cannot carry,
+    read from an answer that escaped one) keeps its escape."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -127,9 +127,11 @@ class Stub:
                        "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
             if body.get("return_spec_tokens_details"):
                 payload["sglext"] = SGLEXT
-            if request.headers.get("x-stub") == "odd-usage":  # a count the gateway's measuring refuses
+            odd = request.headers.get("x-stub") == "odd-usage"  # a count the gateway's measuring refuses
+            if odd:  # and a lone surrogate, escaped: JSON, but no UTF-8 of it
                 payload["usage"]["completion_tokens"] = 12.5
-            return web.Response(body=json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode(),
+                choice["message"]["content"] = "\ud800 ü"
+            return web.Response(body=json.dumps(payload, ensure_ascii=odd, separators=(",", ":")).encode(),
                                 content_type="application/json")
         mode = request.headers.get("x-stub", "")
         if mode == "stall":
@@ -305,6 +307,7 @@ def test_spec_details_stay_hidden_from_an_answer_the_gateway_cannot_measure(one_
     via = httpx.post(gw + "/v1/chat/completions", json=CHAT_WHOLE, headers={"x-stub": "odd-usage"})
     assert stub.seen[-1]["return_spec_tokens_details"] is True
     assert via.status_code == 200 and via.json()["usage"]["completion_tokens"] == 12.5 and "sglext" not in via.json()
+    assert via.json()["choices"][0]["message"]["content"] == "\ud800 ü"
 
 
 def test_a_bodiless_answer_says_no_length_and_hop_by_hop_headers_it_names_stay_behind(
