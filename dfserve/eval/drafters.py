@@ -185,7 +185,14 @@ def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor 
     if loading.get("missing_keys") or loading.get("mismatched_keys"):
         raise FieldError("drafter", f"{drafter.folder}: weights missing or mis-shaped when loaded "
                          f"({sorted(loading.get('missing_keys') or [])[:3]})")
-    return model.eval(), _mask_embedding(drafter, dtype)
+    mask = _mask_embedding(drafter, dtype)
+    tensors = {**dict(model.state_dict()), **({MASK_EMBEDDING: mask} if mask is not None else {})}
+    if overflowed := next((name for name, tensor in tensors.items()
+                           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())), None):
+        # the files were scanned, but not a mask embedding sidecar, nor values past float16's range
+        raise FieldError("drafter", f"{drafter.folder}: {overflowed} holds NaN or Inf values as loaded in {dtype} "
+                         "(a diverged save, or values past its range); nothing is scored on them")
+    return model.eval(), mask
 
 
 def _mask_embedding(drafter: EvalDrafter, dtype: torch.dtype) -> Tensor | None:

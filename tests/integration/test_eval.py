@@ -344,8 +344,14 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(world: World, first_run: 
     bogus = shutil.copytree(world.short, world.root / "bogus-activation", dirs_exist_ok=True)
     (bogus / "config.json").write_text(json.dumps({**json.loads((bogus / "config.json").read_text()),
                                                    "hidden_act": "bogus"}))
+    nan_mask = shutil.copytree(world.short, world.root / "nan-mask", dirs_exist_ok=True)
+    config = json.loads((nan_mask / "config.json").read_text())
+    torch.save({"embedding": torch.full((config["hidden_size"],), float("nan")),
+                "mask_token_id": config["dflash_config"]["mask_token_id"]}, nan_mask / "mask_embedding.pt")
     cases = [
         ([str(bogus)], {}, "--drafter: ", "bogus-activation: does not load (KeyError: "),
+        ([str(nan_mask)], {}, "--drafter: ", "nan-mask: mask_embedding.pt holds NaN or Inf values as loaded in "
+         "torch.float32"),
         ([f"x={broken}"], {}, "--drafter: ", "is not a torch checkpoint that loads with weights_only"),
         ([f"x={nan}"], {}, "--drafter: ", "fc.weight has 1 NaN and 0 Inf values"),
         ([str(last_tap)], {}, "--drafter: drafter config ", "include the target's last layer (3)"),
