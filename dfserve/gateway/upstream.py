@@ -178,14 +178,20 @@ class Upstream:
         replica.healthy = False
         replica.passively_ejected = passive
         self.metrics.ejections.labels(arm.name, replica.url).inc()
-        self.metrics.replica_healthy.labels(arm.name, replica.url).set(0)
+        self._show_health(arm, replica)
 
     def _succeeded(self, arm: Arm, replica: Replica) -> None:
         replica.failures = 0
         if not replica.healthy:
             replica.healthy = True
             replica.passively_ejected = False
-            self.metrics.replica_healthy.labels(arm.name, replica.url).set(1)
+            self._show_health(arm, replica)
+
+    def _show_health(self, arm: Arm, replica: Replica) -> None:
+        """`dfserve_replica_healthy` of a replica still routed to: a request or check that ends after a routing
+        change removed it would bring its series back, down for good."""
+        if self.arms.get(arm.name) is arm and any(r is replica for r in arm.replicas):
+            self.metrics.replica_healthy.labels(arm.name, replica.url).set(1 if replica.healthy else 0)
 
     async def open(
         self, arm_name: str, method: bytes, path: str, body: bytes, headers: bytes,

@@ -45,6 +45,23 @@ def test_only_a_health_check_ejects_an_arms_last_replica() -> None:
     assert first.healthy and not first.passively_ejected
 
 
+def test_a_replica_a_routing_change_removed_leaves_no_health_series_behind() -> None:
+    """A request or health check that ends on a replica after it was removed would bring its
+    `dfserve_replica_healthy` back, down for good (an alert that never clears)."""
+    registry = CollectorRegistry()
+    kept, dropped = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    upstream = Upstream(httpx.AsyncClient(), {"a": ArmConfig(weight=1, replicas=(kept, dropped))}, Limits(),
+                        HealthConfig(eject_after_failures=1), DfserveMetrics.build(registry))
+    arm = upstream.arms["a"]
+    removed = arm.replicas[1]
+    upstream.set_arms({"a": ArmConfig(weight=1, replicas=(kept,))})
+    upstream._failed(arm, removed, "health")
+    upstream._failed(arm, arm.replicas[0], "health")
+    healthy = {s.labels["replica"]: s.value for m in registry.collect() if m.name == "dfserve_replica_healthy"
+               for s in m.samples}
+    assert healthy == {kept: 0.0}
+
+
 def test_a_routing_change_under_way_leaves_the_arms_slots_to_the_requests_that_hold_them() -> None:
     """Requests in flight across a routing change give their slots back to the arm they hold: the arm was rebuilt
     and kept their count for good, and once `max_concurrent_per_arm` requests had spanned changes it refused all
