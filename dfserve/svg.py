@@ -25,7 +25,7 @@ def nice_ticks(low: float, high: float, most: int = 6) -> list[tuple[float, str]
     """Ticks at round values (1, 2, 2.5 or 5 times a power of ten apart) inside [low, high], at most `most` + 1 of
     them, each labelled with the decimals its step needs: a label reads as the value its line is drawn at."""
     span = high - low
-    if not (math.isfinite(span) and span > 0):
+    if not (math.isfinite(span) and span > 1e-12 * max(1.0, abs(low), abs(high))):  # flat, or past a float's digits
         return [(low, f"{low:g}")]
     power = 10.0 ** math.floor(math.log10(span / most))
     step, mantissa = next((m * power, m) for m in (1.0, 2.0, 2.5, 5.0, 10.0) if span / (m * power) <= most)

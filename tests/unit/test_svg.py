@@ -27,6 +27,8 @@ def test_ticks_sit_at_round_values_labelled_as_drawn(low: float, high: float, la
 
 def test_a_flat_range_has_one_tick() -> None:
     assert nice_ticks(3.0, 3.0) == [(3.0, "3")]
+    assert nice_ticks(0.0, 5e-324) == [(0.0, "0")]  # a span below any step: log10 of 0 raised
+    assert nice_ticks(1e9, 1e9 + 1e-4) == [(1e9, "1e+09")]
 
 
 def test_a_series_of_one_point_is_drawn_as_a_dot() -> None:
