@@ -96,6 +96,7 @@ def test_request_bodies_round_trip_into_engine_requests() -> None:
     ("parse", "body", "message", "stage"),
     [
         (engine.parse_generate_request, b'{"text": ["a", "b"]}', "Batched", "body"),
+        (engine.parse_generate_request, b'{"text": "a", "sampling_params": {"n": 2}}', "n > 1", "body"),  # one came
         (engine.parse_generate_request, b"not json", "json_invalid", "body"),
         (engine.parse_generate_request, b'{"text": "a", "x": ' + b"9" * 5000 + b"}", "json_invalid", "body"),
         (engine.parse_generate_request, b"[" * 990 + b"]" * 990, "json_invalid", "body"),

@@ -257,6 +257,8 @@ def parse_generate_request(body: bytes) -> EngineRequest:
     if not isinstance(params, dict):
         raise RequestError(f"invalid type: {_unexpected(params)}, expected struct SamplingParams", "contract")
     _contract(params)
+    if params.get("n") not in (None, 1):  # SGLang makes it a batch of outputs, which this server does not model
+        raise RequestError("n > 1 is not supported by this server")
     rid = data.get("rid")
     max_new = params.get("max_new_tokens")
     return EngineRequest(
