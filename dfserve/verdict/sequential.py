@@ -47,7 +47,7 @@ from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules
 from dfserve.verdict.kinds import kind_of
 from dfserve.verdict.pairs import MetricSpec, Pairs, U, check_same_task
-from dfserve.verdict.results import NOT_JUDGED, RuleResult, RuleStatus, Status, fold
+from dfserve.verdict.results import NOT_JUDGED, RuleResult, RuleStatus, Status, fold, overall
 from dfserve.verdict.tracks import Track
 
 StopReason = Literal["decided", "task_set"]
@@ -334,9 +334,8 @@ class Sequential:
         at_stop = stop or end
         fixed = FixedN().judge(pairs, metrics, gate).judgement
         rules = tuple(rule_result(state, self.task_count) for state in final.rules)
-        needed = [r.tasks_needed for r in rules if r.status == "INCONCLUSIVE" and r.tasks_needed is not None]
         judgement = fixed.model_copy(update={"verdict": final.verdict, "rules": rules,
-                                             "tasks_needed": max(needed) if needed else None})
+                                             "tasks_needed": overall(rules)[1]})  # none for a decided verdict
         report = SequentialReport(design=self.design, looks=at_stop.number,
                                   stopped=stop.stop if stop and stop.stop else "end",
                                   stopped_after_pairs=at_stop.pairs, verdict_when_stopped=at_stop.verdict,

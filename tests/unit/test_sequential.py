@@ -250,6 +250,7 @@ def test_the_verdict_of_a_sequential_run_replays_its_looks_and_judges_every_pair
     outcome = judge_sequential(records, "zlab", "inhouse", DEFAULT_GATE, config)
     judgement, report = outcome.judgement, outcome.sequential
     assert report is not None and judgement.verdict == "FAIL" and report.stopped == "decided" and report.verdict_when_stopped == "FAIL"
+    assert judgement.tasks_needed is None  # decided: no count of tasks that would decide it
     assert report.stopped_after_pairs <= 48 and report.pairs == 70 and report.design.look_every == 16
     accept = next(r for r in judgement.rules if r.metric == "accept_length")
     assert accept.low is not None and accept.low > 0.2 and "always-valid" in accept.detail
