@@ -501,7 +501,8 @@ def _recorded(store: BaselineRegistry, target: str | None) -> list[BaselineEntry
     --registry or --target would list nothing and succeed."""
     entries = store.history(target)
     if not entries:
-        raise UserError(f"--registry: no baseline recorded in {store.path}" + (f" for {target}" if target else ""))
+        raise UserError(f"--registry: no baseline recorded in {store.path}" + (f" for {target}" if target else "")
+                        + " (`dfserve promote` records one; --registry names another folder than runs/)")
     return entries
 
 

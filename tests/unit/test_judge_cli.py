@@ -134,7 +134,9 @@ def test_a_registry_with_no_baseline_is_refused_by_show_and_history_alike(tmp_pa
     for command in ("show", "history"):
         refused = CliRunner().invoke(baseline, [command, "--registry", str(tmp_path / "nowhere")])
         assert isinstance(refused.exception, UserError), refused.output
-        assert str(refused.exception) == f"--registry: no baseline recorded in {tmp_path / 'nowhere' / 'baselines.json'}"
+        assert str(refused.exception) == (f"--registry: no baseline recorded in {tmp_path / 'nowhere' / 'baselines.json'}"
+                                          " (`dfserve promote` records one; --registry names another folder than "
+                                          "runs/)")  # said also where the default was taken
 
 
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
