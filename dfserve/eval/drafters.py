@@ -119,14 +119,24 @@ def weights_sha256(folder: Path, checkpoint: Path | None, hashes: Path) -> str:
     return digest.hexdigest()
 
 
+_MASK_KEY = "\0mask_embedding"
+"""The mask embedding's name among a drafter's weights: no module's (a NUL starts no parameter name), and first."""
+
+
+def weights_of(model: Any, mask_embedding: Tensor | None) -> dict[str, Tensor]:
+    """A loaded drafter's weights by name, the mask embedding sidecar's among them (`_MASK_KEY`)."""
+    state = dict(model.state_dict())
+    if mask_embedding is not None:
+        state[_MASK_KEY] = mask_embedding
+    return state
+
+
 def tensors_sha256(model: Any, mask_embedding: Tensor | None) -> str:
     """The weights as loaded for scoring: each tensor's name, dtype, shape and values, and the mask embedding, the
     floating ones rounded to bfloat16, the dtype a drafter is deployed in. One model hashes the same however its files
     were laid out (a folder, a trainer's checkpoint, a `module.` prefix) and whatever `--dtype` it was scored in: a
     float32 folder and the same weights as a checkpoint, converted to bfloat16, are one drafter deployed."""
-    state = dict(model.state_dict())
-    if mask_embedding is not None:
-        state["\0mask_embedding"] = mask_embedding
+    state = weights_of(model, mask_embedding)
     digest = hashlib.sha256()
     for name in sorted(state):
         tensor = state[name].detach().cpu()
@@ -146,9 +156,7 @@ def weights_sample(model: Any, mask_embedding: Tensor | None) -> tuple[float, ..
     """The weights as loaded at `WEIGHTS_SAMPLE_PER_TENSOR` evenly spaced places of each tensor (by name, and the mask
     embedding), as float32: what `DrafterInfo.checkpoint_shared_with` compares within bfloat16's rounding across
     runs, where only the run's config is at hand."""
-    state = dict(model.state_dict())
-    if mask_embedding is not None:
-        state["\0mask_embedding"] = mask_embedding
+    state = weights_of(model, mask_embedding)
     sample: list[float] = []
     for name in sorted(state):
         flat = state[name].detach().reshape(-1)
@@ -163,10 +171,7 @@ def same_weights(one: tuple[Any, Tensor | None], other: tuple[Any, Tensor | None
     one name and shape, and every value equal within `SAME_WEIGHTS_RTOL` (`weights_sample` compares a few places of
     each, where the models are not at hand). Their `tensors_sha256` differ wherever a value sits on a bfloat16
     rounding boundary (6% of them after a float16 round trip)."""
-    first, second = dict(one[0].state_dict()), dict(other[0].state_dict())
-    for state, mask in ((first, one[1]), (second, other[1])):
-        if mask is not None:
-            state["\0mask_embedding"] = mask
+    first, second = weights_of(*one), weights_of(*other)
     return first.keys() == second.keys() and all(
         a.shape == b.shape and (torch.allclose(a.float(), b.float(), rtol=SAME_WEIGHTS_RTOL, atol=SAME_WEIGHTS_ATOL)
                                 if a.is_floating_point() else torch.equal(a, b))
@@ -187,11 +192,12 @@ def load_drafter(drafter: EvalDrafter, dtype: torch.dtype) -> tuple[Any, Tensor 
         raise FieldError("drafter", f"{drafter.folder}: weights missing or mis-shaped when loaded "
                          f"({sorted(loading.get('missing_keys') or [])[:3]})")
     mask = _mask_embedding(drafter, dtype)
-    tensors = {**dict(model.state_dict()), **({MASK_EMBEDDING: mask} if mask is not None else {})}
-    if overflowed := next((name for name, tensor in tensors.items()
-                           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())), None):
+    bad = (name for name, tensor in weights_of(model, mask).items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()))
+    if overflowed := next(bad, None):
         # the files were scanned, but not a mask embedding sidecar, nor values past float16's range
-        raise FieldError("drafter", f"{drafter.folder}: {overflowed} holds NaN or Inf values as loaded in {dtype} "
+        named = MASK_EMBEDDING if overflowed == _MASK_KEY else overflowed
+        raise FieldError("drafter", f"{drafter.folder}: {named} holds NaN or Inf values as loaded in {dtype} "
                          "(a diverged save, or values past its range); nothing is scored on them")
     return model.eval(), mask
 
