@@ -145,12 +145,13 @@ class Upstream:
             else:
                 arm.replicas = replicas
             new[name] = arm
-            for replica in replicas:
-                self.metrics.replica_healthy.labels(name, replica.url).set(1 if replica.healthy else 0)
         for (name, url) in known.keys() - {(n, r.url) for n, arm in new.items() for r in arm.replicas}:
             self.metrics.replica_healthy.remove(name, url)
             known[(name, url)].pool.close()
         self.arms = new
+        for arm in new.values():
+            for replica in arm.replicas:
+                self._show_health(arm, replica)
 
     def _replica(self, url: str) -> Replica:
         return Replica(url, Pool(url, time.perf_counter, connect_timeout_s=self.limits.connect_timeout_s,
