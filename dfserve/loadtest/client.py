@@ -185,6 +185,12 @@ tokens of any context. Each line is an object of its own once the answer is read
 ones: a server sending tiny events without end would fill the memory long before `MAX_ANSWER_BYTES`."""
 
 _EVENT_ENDS = (b"\n\n", b"\n\r\n")
+_DONE_ENDS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n", b"data: [DONE]\r\n\r\n")
+
+DONE_GRACE_S = 1.0
+"""How long the tester waits for a stream's end after a read that ended in `[DONE]`: a server that holds the
+connection open past it has answered (`derive` counts the answer whole, ended at `[DONE]`), and would otherwise hold
+the request's slot to its timeout. A `[DONE]` split over reads is not seen: that answer waits for its end or timeout."""
 
 
 class BoundedAnswer(Response):
@@ -201,6 +207,8 @@ class BoundedAnswer(Response):
         """Bytes since the last event's end."""
         self.answer_bytes = 0
         self.answer_lines = 0
+        self.done_read: Callable[[], None] | None = None
+        """Called when a read ends in `[DONE]`."""
 
     def received(self, now: float, data: bytes) -> None:
         self.answer_bytes += len(data)
@@ -211,6 +219,8 @@ class BoundedAnswer(Response):
                                 "SGLang's --incremental-streaming-output sends only what is new)")
         if data.endswith(_EVENT_ENDS):  # a read of whole events: the common case, at the cost of one test
             self.open_bytes = 0
+            if self.done_read is not None and data.endswith(_DONE_ENDS):
+                self.done_read()
         else:
             lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
             self.open_bytes = (len(data) - max(lf + 2, crlf + 3) if lf >= 0 or crlf >= 0
@@ -373,8 +383,18 @@ class ArmClient:
                         route.api, task.temperature(), route.output_budget(request))
             self._sink(Finished(sent, response.status, list(response.pieces), error))
 
+        held_after_done = False
+
+        def end_soon() -> None:
+            nonlocal held_after_done
+            held_after_done = True
+            later = asyncio.get_running_loop().time() + DONE_GRACE_S
+            if (when := deadline.when()) is None or later < when:
+                deadline.reschedule(later)
+
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s) as deadline:
+                response.done_read = end_soon
                 await self.pool.fetch(route.path, body, self.headers, response)
         except asyncio.CancelledError:
             finish(("cancelled", "stopped"))
@@ -383,7 +403,8 @@ class ArmClient:
             error = ("connect", str(exc))
         except TimeoutError:
             if not answered_in_time(response, self.timeout_s):  # else its end came in time, read by a loop late
-                error = ("timeout", f"no complete answer within {self.timeout_s:g} s")
+                error = ("timeout", f"the stream was held open {DONE_GRACE_S:g} s after [DONE]" if held_after_done
+                         else f"no complete answer within {self.timeout_s:g} s")
         except (Disconnected, OSError) as exc:
             error = ("disconnect", str(exc) or type(exc).__name__)
         except (BadResponse, EventTooLarge) as exc:

@@ -150,12 +150,19 @@ def test_a_stream_cut_after_done_is_answered_when_done_came_and_cut_short_otherw
     assert derive(0.0, run([*whole, b": keep-alive\n\n"], ended=False)[0]).ok
 
 
-def test_a_server_holding_the_connection_after_done_has_answered_by_done() -> None:
-    """The tester waits for the body's end to its timeout; the answer was whole at `[DONE]`, as the gateway has it."""
-    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], ended=False, then=lambda: None, timeout_s=0.5)
-    assert finished.error is not None and finished.error[0] == "timeout"
+def test_a_server_holding_the_connection_after_done_has_answered_by_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tester leaves `DONE_GRACE_S` after a read that ended in `[DONE]`, not at its timeout: the request's slot
+    is free for the next; the answer was whole at `[DONE]`, as the gateway has it."""
+    monkeypatch.setattr(tester_client, "DONE_GRACE_S", 0.3)
+    started = time.perf_counter()
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], ended=False, then=lambda: None, timeout_s=30)
+    assert time.perf_counter() - started < 10
+    assert finished.error == ("timeout", "the stream was held open 0.3 s after [DONE]")
     record = derive(0.0, finished)
     assert record.ok and record.end_s == finished.pieces[-1][0]
+    split = [chat_event("a", "stop"), b"data: [DO", b"NE]\n\n"]  # not seen: the timeout, and still whole
+    finished, _ = run(split, ended=False, then=lambda: None, timeout_s=0.5)
+    assert finished.error == ("timeout", "no complete answer within 0.5 s") and derive(0.0, finished).ok
 
 
 def test_an_error_document_in_a_200_event_stream_is_a_protocol_error_in_the_servers_words() -> None:
