@@ -69,6 +69,12 @@ deployment; SGLang's own labels cannot tell two deployments of the same model ap
 
 # --- dfserve's names -------------------------------------------------------------------------------------------
 REQUESTS = "dfserve_requests"  # counter; exposed with _total
+REQUESTS_FAILED = "dfserve_requests_failed"
+"""Of `dfserve_requests_total`, those that did not succeed (`status` not 2xx), by arm, route and replica only: its
+series start at 0 with the arm's success series (`DfserveMetrics.start`), so an error ratio read from it and the
+2xx series sees every failure. The failure series of `dfserve_requests_total` (by status and kind, open-ended)
+appear at their first failure, which no `rate()` or `increase()` counts (Prometheus takes a series' first sample
+for its start): they say why, this says how many."""
 REQUESTS_IN_FLIGHT = "dfserve_requests_in_flight"
 TTFT = "dfserve_time_to_first_token_seconds"
 ITL_PER_TOKEN = "dfserve_inter_token_latency_per_token_seconds"
@@ -238,6 +244,7 @@ def observe(metrics: DfserveMetrics, outcome: Outcome) -> None:
     o = outcome
     metrics.finished(o.arm, o.route, o.replica, o.status, o.error).inc()
     if not succeeded(o.status, o.error):
+        metrics.failed.labels(o.arm, o.route, o.replica).inc()
         return
     arm, route = o.arm, o.route
     if o.ttft_s is not None:
@@ -321,6 +328,7 @@ class DfserveMetrics:
     `labels()` is one dictionary lookup); the rest are prometheus_client's, looked up through `child`."""
 
     requests: families.Counter
+    failed: families.Counter
     in_flight: families.Gauge
     ttft: families.Histogram
     itl_per_token: families.Histogram
@@ -353,12 +361,13 @@ class DfserveMetrics:
     def start(self, arm: str, routes: Iterable[str], replicas: Iterable[str]) -> None:
         """An arm's success series at 0 before its first request: Prometheus takes a series' first sample for its
         start, so what it counted before its first scrape would be in no `rate()` or `increase()` (a dashboard's
-        first minute of an arm, a rule's error ratio). Failed requests' series are not started: their error kinds
-        are open-ended."""
+        first minute of an arm, a rule's error ratio). Failed requests are counted from 0 by arm, route and replica
+        (`REQUESTS_FAILED`); their series by status and kind are not started: those are open-ended."""
         replicas = tuple(replicas)
         for route in routes:
             for replica in replicas:
                 self.requests.labels(arm, route, replica, STATUS_OK, "")
+                self.failed.labels(arm, route, replica)
             for family in (self.ttft, self.itl_per_token, self.itl_per_chunk, self.e2e, self.output_tokens,
                            self.spec_output_tokens, self.spec_verify_rounds):
                 family.labels(arm, route)
@@ -377,6 +386,9 @@ class DfserveMetrics:
             requests=families.Counter(REQUESTS, "Requests finished; status: 2xx, 4xx, 5xx, 499 (client gave up) or "
                                       "error (no complete answer); error: the failure kind, empty on success.",
                                       REQUEST_LABELS, registry),
+            failed=families.Counter(REQUESTS_FAILED, "Of dfserve_requests_total, those without status 2xx; from 0 "
+                                    "for each arm, route and replica, for error ratios.", (*ARM_LABELS, "replica"),
+                                    registry),
             in_flight=families.Gauge(REQUESTS_IN_FLIGHT, "Requests in flight.", arm, registry),
             ttft=families.Histogram(TTFT, "Time to first token seen by the client side, seconds.", arm, TTFT_BUCKETS_S,
                                     registry),

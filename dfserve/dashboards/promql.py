@@ -51,10 +51,12 @@ def ratio(numerator: str, denominator: str) -> str:
     return f"{_operand(numerator)}\n/\n{_operand(denominator)}"
 
 
-def or_zero(expr: str, like: str) -> str:
-    """`expr`, with 0 for each series of `like` (same labels) that `expr` lacks: a counter of events that have not
-    happened has no series, so a share of them would show no line rather than 0."""
-    return f"(\n{expr}\nor\n0 * {_operand(like)}\n)"
+def error_ratio(window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
+    """Failed requests over finished ones, from the two series that start at 0 (`dfserve.metrics.REQUESTS_FAILED`
+    and the 2xx series of `dfserve_requests_total`): the first failure of a kind not seen before is in it."""
+    failed = rate_sum(counter(m.REQUESTS_FAILED), window, labels, matchers)
+    succeeded = rate_sum(counter(m.REQUESTS), window, labels, (*matchers, f'status="{m.STATUS_OK}"'))
+    return ratio(failed, f"{failed}\n+\n{succeeded}")
 
 
 def _operand(expr: str) -> str:

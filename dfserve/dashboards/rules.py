@@ -15,14 +15,12 @@ from dfserve import metrics as m
 
 from .engine import NameStyle, sglang_name
 from .promql import (
-    ERROR_STATUS,
     GENERATION,
     arm_acceptance,
     counter,
+    error_ratio,
     increase_sum,
     quantile,
-    rate_sum,
-    ratio,
     selector,
     tokens_per_round,
 )
@@ -77,11 +75,9 @@ class Alert:
 
 def recording_rules(names: NameStyle = "colon") -> tuple[Recording, ...]:
     """The recording rules for a Prometheus that stores SGLang's names in `names` style."""
-    requests = counter(m.REQUESTS)
     return (
         Recording(ACCEPT_LENGTH_5M, arm_acceptance("5m", ARM, (GENERATION,))),
-        *(Recording(record, ratio(rate_sum(requests, window, ARM, (ERROR_STATUS, GENERATION)),
-                                  rate_sum(requests, window, ARM, (GENERATION,))))
+        *(Recording(record, error_ratio(window, ARM, (GENERATION,)))
           for record, window in ((ERROR_RATIO_5M, "5m"), (ERROR_RATIO_1H, "1h"))),
         Recording(TTFT_P99_5M, quantile(0.99, m.TTFT, "5m", ARM, (GENERATION,))),
         Recording(ENGINE_ACCEPT_LENGTH_5M, tokens_per_round(

@@ -56,6 +56,10 @@ def _requests(http_status: int | None, error: str | None) -> dict[str, str]:
     return {"arm": "candidate", "route": "native", "replica": "r1", "status": status, "error": kind}
 
 
+FAILED = {"arm": "candidate", "route": "native", "replica": "r1"}
+"""Labels of `dfserve_requests_failed_total`: started at 0 with the arm's 2xx series."""
+
+
 def _alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
     """`labels` None: the alert must not fire at `at`."""
     expected = [] if labels is None else [{"exp_labels": labels}]
@@ -86,9 +90,22 @@ CASES: list[dict[str, Any]] = [
         _series("dfserve_requests_total", _requests(502, "connect"), "0x59 0+10x60"),
         _series("dfserve_requests_total", _requests(200, "stream_cut"), "0x59 0+5x60"),
         _series("dfserve_requests_total", _requests(None, "cancelled"), "0x59 0+5x60"),
+        _series(f"{m.REQUESTS_FAILED}_total", FAILED, "0x59 0+20x60"),
     ], "alert_rule_test": [
         _alert("DfserveErrorRateJump", "50m", None),
         _alert("DfserveErrorRateJump", "70m", {**JOB, "arm": "candidate", "severity": "critical"}),
+    ]},
+    {"interval": "1m", "input_series": [
+        # One failure of a kind not seen before: its series appears at 1, which no rate() counts; the failed
+        # count, started at 0, does.
+        _series("dfserve_requests_total", _requests(200, None), "0+100x20"),
+        _series("dfserve_requests_total", _requests(502, "connect"), "_x9 1x10"),
+        _series(f"{m.REQUESTS_FAILED}_total", FAILED, "0x9 1x10"),
+    ], "alert_rule_test": [], "promql_expr_test": [
+        {"expr": f"{rules.ERROR_RATIO_5M} > bool 0", "eval_time": "12m",
+         "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 1}]},
+        {"expr": f"{rules.ERROR_RATIO_5M} > bool 0", "eval_time": "18m",
+         "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 0}]},
     ]},
     {"interval": "1m", "input_series": [
         _series("dfserve_replica_healthy", {"arm": "baseline", "replica": "http://r1"}, "1x5 0x10"),

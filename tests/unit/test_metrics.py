@@ -65,6 +65,20 @@ def test_series_and_finished_record_under_the_right_labels_and_are_looked_up_onc
                  error="connect") == 1
 
 
+def test_every_failure_counts_toward_the_failed_series_whatever_its_kind() -> None:
+    """Error ratios read `dfserve_requests_failed_total`, started at 0: each failure, of any status and kind (a
+    client's give-up included), counts there once, and a success does not."""
+    registry = CollectorRegistry()
+    metrics = m.DfserveMetrics.build(registry)
+    metrics.start("a", ("native",), ("r",))
+    for status, error in ((200, None), (502, "connect"), (200, "stream_cut"), (None, "client_disconnect"),
+                          (200, m.STREAM_ERROR), (200, None)):
+        m.observe(metrics, m.Outcome(arm="a", route="native", replica="r", status=status, error=error))
+    labels = {"arm": "a", "route": "native", "replica": "r"}
+    assert registry.get_sample_value(f"{m.REQUESTS_FAILED}_total", labels) == 4
+    assert registry.get_sample_value(f"{m.REQUESTS}_total", {**labels, "status": "2xx", "error": ""}) == 2
+
+
 @pytest.mark.parametrize(("bounds", "up_to_s"), [(m.TTFT_BUCKETS_S, 2), (m.ITL_BUCKETS_S, 0.2), (m.E2E_BUCKETS_S, 120)],
                          ids=["ttft", "itl", "e2e"])
 def test_latency_buckets_are_fine_enough_for_a_tail_quantile(bounds: tuple[float, ...], up_to_s: float) -> None:
@@ -87,6 +101,7 @@ def test_an_arms_success_series_start_at_zero_before_its_first_request() -> None
         for route in m.GENERATION_ROUTES:
             assert sample(f"{m.REQUESTS}_total", {"arm": arm, "route": route, "replica": replica, "status": "2xx",
                                                    "error": ""}) == 0
+            assert sample(f"{m.REQUESTS_FAILED}_total", {"arm": arm, "route": route, "replica": replica}) == 0
             assert sample(f"{m.TTFT}_count", {"arm": arm, "route": route}) == 0
             assert sample(f"{m.SPEC_VERIFY_ROUNDS}_total", {"arm": arm, "route": route}) == 0
             assert sample(f"{m.ACCEPT_LENGTH}_count", {"arm": arm, "route": route, "measure": "exact"}) == 0
