@@ -135,7 +135,7 @@ ARM_LABELS = ("arm", "route")
 GENERATION_ROUTES = ("native", "chat", "completions")
 """`route` values of generation requests (`/generate`, `/v1/chat/completions`, `/v1/completions`): an arm's traffic.
 The gateway also relays metadata GETs to an arm under routes of their own (`models`, `server_info`,
-`model_info`), which the dashboards and rules leave out of request rates, error ratios and latencies."""
+`model_info`, `health_generate`), which the dashboards and rules leave out of request rates, error ratios and latencies."""
 REQUEST_LABELS = (*ARM_LABELS, "replica", "status", "error")
 """Labels of `dfserve_requests_total`, the same from the gateway and the load tester (see `request_labels`):
 

@@ -53,12 +53,16 @@ from dfserve.metrics import (
 )
 
 PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "native"}
-FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info"}
-"""Read-only engine documents, answered by one replica of the pinned arm (else of the arm the split picks)."""
+FORWARDED_GETS = {"/v1/models": "models", "/server_info": "server_info", "/model_info": "model_info",
+                  "/get_server_info": "server_info", "/get_model_info": "model_info",
+                  "/health_generate": "health_generate"}
+"""Read-only engine documents, and SGLang's generation health check, answered by one replica of the pinned arm (else
+of the arm the split picks). SGLang 0.5.23 still serves the `get_` names (deprecated), and its own clients ask for
+them (`sglang.RuntimeEndpoint` reads /get_model_info when it starts)."""
 ALLOWED = {**dict.fromkeys(PROXIED, "POST"), **dict.fromkeys(FORWARDED_GETS, "GET"), "/health": "GET, HEAD",
            "/ready": "GET", "/metrics": "GET, HEAD"}
 """Each route's methods, as a 405 answer's `Allow` header lists them (RFC 9110 §15.5.6)."""
-PER_ENGINE = frozenset({"/server_info"})
+PER_ENGINE = frozenset({"/server_info", "/get_server_info"})
 """Documents of one engine's own state (its drafter, its running acceptance): without an arm header they come from
 the arm that answers all unpinned traffic, and are refused (409) while traffic is split, rather than show one arm's
 figures for the split's. SGLang's own benchmark then prints no acceptance instead of the baseline's."""

@@ -184,9 +184,13 @@ def test_server_info_answers_for_the_arm_that_serves_unpinned_traffic_and_refuse
     split = write_config(tmp_path, {"baseline": [baseline], "candidate": [candidate]}, {"baseline": 50, "candidate": 50})
     with gateway_server(split) as gw:
         refused = httpx.get(gw + "/server_info")
+        refused_by_its_old_name = httpx.get(gw + "/get_server_info")
         pinned = httpx.get(gw + "/server_info", headers={"x-dfserve-arm": "candidate"})
         models = httpx.get(gw + "/v1/models")
+        health = httpx.get(gw + "/health_generate")
     assert refused.status_code == 409 and "x-dfserve-arm" in refused.json()["error"]["message"]
+    assert refused_by_its_old_name.status_code == 409
+    assert health.status_code == 200 and health.headers["x-dfserve-arm"] in ("baseline", "candidate")
     assert pinned.status_code == 200 and pinned.json()[drafter] == "inhouse/Qwen3.6-27B-DFlash"
     assert models.status_code == 200  # the same model behind every arm: any arm's list answers
     test_only = write_config(tmp_path, {"baseline": [baseline], "candidate": [candidate]},

@@ -23,6 +23,7 @@ from tests.integration.servers import dfserve_argv, gateway_server, sim_server
 
 SGLANG_PYTHON = Path(os.environ.get("DFSERVE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
 BENCH = Path(__file__).with_name("sglang_bench.py")
+FRONTEND = Path(__file__).with_name("sglang_frontend.py")
 MODEL = "Qwen/Qwen3.6-27B"
 EVERY_ROUND_EIGHT = {"schema_version": 1, "name": "eight", "block_size": 16,
                      "conditional_accept": [1.0] * 7 + [0.0] * 8}
@@ -109,6 +110,17 @@ def test_sglang_benchmarks_acceptance_is_the_testers_less_the_prefill_token(toke
     assert len(records) == 40 and tokens / rounds == pytest.approx(33 / 4, abs=0.02)
     assert result["accept_length"] == pytest.approx((tokens - len(records)) / rounds, abs=0.05)
     assert result["accept_length"] == pytest.approx(8.0, abs=0.05)
+
+
+def test_sglangs_frontend_language_runs_through_the_gateway_as_against_the_engine(
+        sim_and_gateway: tuple[str, str]) -> None:
+    """`sglang.RuntimeEndpoint` reads SGLang's deprecated /get_model_info when it starts: the gateway relays it."""
+    sim, gw = sim_and_gateway
+    done = subprocess.run([str(SGLANG_PYTHON), str(FRONTEND), sim, gw], capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    direct, through = (json.loads(line) for line in done.stdout.splitlines())
+    assert direct == through and direct["model"] == MODEL and direct["text"]
 
 
 def test_the_openai_sdk_reads_the_simulator_and_the_gateway_alike(sim_and_gateway: tuple[str, str]) -> None:
