@@ -362,11 +362,13 @@ class DfserveMetrics:
         """An arm's success series at 0 before its first request: Prometheus takes a series' first sample for its
         start, so what it counted before its first scrape would be in no `rate()` or `increase()` (a dashboard's
         first minute of an arm, a rule's error ratio). Failed requests are counted from 0 by arm, route and replica
-        (`REQUESTS_FAILED`); their series by status and kind are not started: those are open-ended."""
+        (`REQUESTS_FAILED`), also under no replica (`""`: the gateway's own refusals, before a replica had the
+        request); their series by status and kind are not started: those are open-ended."""
         replicas = tuple(replicas)
         for route in routes:
             for replica in replicas:
                 self.requests.labels(arm, route, replica, STATUS_OK, "")
+            for replica in dict.fromkeys((*replicas, "")):
                 self.failed.labels(arm, route, replica)
             for family in (self.ttft, self.itl_per_token, self.itl_per_chunk, self.e2e, self.output_tokens,
                            self.spec_output_tokens, self.spec_verify_rounds):

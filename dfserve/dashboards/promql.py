@@ -53,9 +53,14 @@ def ratio(numerator: str, denominator: str) -> str:
 
 def error_ratio(window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
     """Failed requests over finished ones, from the two series that start at 0 (`dfserve.metrics.REQUESTS_FAILED`
-    and the 2xx series of `dfserve_requests_total`): the first failure of a kind not seen before is in it."""
-    failed = rate_sum(counter(m.REQUESTS_FAILED), window, labels, matchers)
-    succeeded = rate_sum(counter(m.REQUESTS), window, labels, (*matchers, f'status="{m.STATUS_OK}"'))
+    and the 2xx series of `dfserve_requests_total`): the first failure of a kind not seen before is in it. A
+    producer that exports no `REQUESTS_FAILED` (one of an earlier version: a gateway pod not yet rolled, a range
+    before the upgrade) has its failures read from `dfserve_requests_total{status!="2xx"}` instead, series by
+    series (`or` matches every label but the status and kind)."""
+    requests = counter(m.REQUESTS)
+    failed = (f"sum {by(labels)}(\nrate({selector(counter(m.REQUESTS_FAILED), matchers)}[{window}])\nor\n"
+              f"sum without (status, error) (rate({selector(requests, (*matchers, ERROR_STATUS))}[{window}]))\n)")
+    succeeded = rate_sum(requests, window, labels, (*matchers, f'status="{m.STATUS_OK}"'))
     return ratio(failed, f"{failed}\n+\n{succeeded}")
 
 

@@ -387,10 +387,10 @@ class ArmClient:
 
         def end_soon() -> None:
             nonlocal held_after_done
-            held_after_done = True
             later = asyncio.get_running_loop().time() + DONE_GRACE_S
             if (when := deadline.when()) is None or later < when:
                 deadline.reschedule(later)
+                held_after_done = True
 
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:

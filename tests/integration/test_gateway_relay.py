@@ -739,6 +739,12 @@ def test_arm_concurrency_limit_and_read_timeout(tmp_path: Path) -> None:
         config = write_config(tmp_path, {"a": {"weight": 1, "replicas": [stub.url]}},
                               limits={"max_concurrent_per_arm": 1, "read_timeout_s": 0.5})
         with gateway_server(config) as gw:
+            # the gateway's own refusal, before any replica had the request, is counted on a failure series
+            # exported at 0 from the start: Prometheus' rate() never counts a series' first sample
+            started = [line for line in httpx.get(gw + "/metrics").text.splitlines()
+                       if line.startswith("dfserve_requests_failed_total{")
+                       and all(label in line for label in ('arm="a"', 'route="chat"', 'replica=""'))]
+            assert len(started) == 1 and started[0].endswith(" 0.0"), started
             with httpx.stream("POST", gw + "/v1/chat/completions", json=CHAT_STREAM, headers={"x-stub": "slow"}) as busy:
                 still_reading = busy.iter_raw()  # held: dropping the iterator would close the stream
                 next(still_reading)
@@ -746,6 +752,7 @@ def test_arm_concurrency_limit_and_read_timeout(tmp_path: Path) -> None:
             assert refused.status_code == 429 and refused.json()["error"]["message"]
             text = httpx.get(gw + "/metrics").text
             assert metric(text, "dfserve_requests_total", arm="a", status="4xx", error="overloaded") == 1
+            assert metric(text, "dfserve_requests_failed_total", arm="a", route="chat", replica="") == 1
             deadline = time.monotonic() + 5
             while httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code != 200:
                 assert time.monotonic() < deadline, "the slot was never returned"

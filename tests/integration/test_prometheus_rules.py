@@ -108,6 +108,17 @@ CASES: list[dict[str, Any]] = [
          "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 0}]},
     ]},
     {"interval": "1m", "input_series": [
+        # Two gateway pods mid-rollout: "old" exports no failed counter (50 ok and 50 failed a minute), "new" does
+        # (100 ok a minute): the old pod's failures are read from their kinds, 50 of 200.
+        _series("dfserve_requests_total", {**_requests(200, None), "instance": "old"}, "0+50x20"),
+        _series("dfserve_requests_total", {**_requests(502, "connect"), "instance": "old"}, "0+50x20"),
+        _series("dfserve_requests_total", {**_requests(200, None), "instance": "new"}, "0+100x20"),
+        _series(f"{m.REQUESTS_FAILED}_total", {**FAILED, "instance": "new"}, "0x20"),
+    ], "alert_rule_test": [], "promql_expr_test": [
+        {"expr": f"round({rules.ERROR_RATIO_5M}, 0.01)", "eval_time": "15m",
+         "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 0.25}]},
+    ]},
+    {"interval": "1m", "input_series": [
         _series("dfserve_replica_healthy", {"arm": "baseline", "replica": "http://r1"}, "1x5 0x10"),
         {"series": 'up{job="engines", deployment="zlab", instance="10.0.0.1:30000"}', "values": "1x5 0x10"},
     ], "alert_rule_test": [

@@ -160,6 +160,9 @@ def test_a_server_holding_the_connection_after_done_has_answered_by_done(monkeyp
     assert finished.error == ("timeout", "the stream was held open 0.3 s after [DONE]")
     record = derive(0.0, finished)
     assert record.ok and record.end_s == finished.pieces[-1][0]
+    monkeypatch.setattr(tester_client, "DONE_GRACE_S", 5.0)  # past the request's own timeout: that one ran out
+    finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], ended=False, then=lambda: None, timeout_s=0.5)
+    assert finished.error == ("timeout", "no complete answer within 0.5 s") and derive(0.0, finished).ok
     split = [chat_event("a", "stop"), b"data: [DO", b"NE]\n\n"]  # not seen: the timeout, and still whole
     finished, _ = run(split, ended=False, then=lambda: None, timeout_s=0.5)
     assert finished.error == ("timeout", "no complete answer within 0.5 s") and derive(0.0, finished).ok
