@@ -72,6 +72,13 @@ def create_run_dir(out: Path, name: str | None = None, prefix: str = "run") -> P
     return path
 
 
+SHARED_FILE_MODE = 0o644
+SHARED_FOLDER_MODE = 0o755
+"""What run files and staged folders (a converted drafter, a feature cache) are created with: read by other users
+than their writer (an engine pod's uid, a colleague comparing runs), as files written plainly are under the usual
+umask. Captures of live requests are not: they hold users' text (`capture.writer`)."""
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write a whole file or nothing: temp file in the same folder, fsync, rename. Refuses to replace a file."""
     if path.exists():
@@ -79,6 +86,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     payload = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, SHARED_FILE_MODE)  # mkstemp's 0600 would keep a run or a drafter from the pods that read it
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()
@@ -99,6 +107,7 @@ def staged_folder(final: Path) -> Iterator[Path]:
     on an error nothing is left behind."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    tmp.chmod(SHARED_FOLDER_MODE)
     try:
         yield tmp
         try:

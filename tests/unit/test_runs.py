@@ -21,6 +21,7 @@ from dfserve.runs import (
     read_model,
     redacted,
     run_name,
+    staged_folder,
     write_atomic,
     write_model,
 )
@@ -53,6 +54,17 @@ def test_write_atomic_refuses_to_replace_and_leaves_no_temp_files(tmp_path: Path
         write_atomic(target, "other")
     assert target.read_text() == "{}\n"
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_run_files_and_staged_folders_are_readable_by_other_users(tmp_path: Path) -> None:
+    """A converted drafter copied onto a volume is read by the engine pod's uid, not its writer's: not mkstemp's
+    0600 and mkdtemp's 0700."""
+    write_atomic(tmp_path / "config.json", "{}\n")
+    with staged_folder(tmp_path / "drafter") as folder:
+        write_atomic(folder / "model.safetensors", b"weights")
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_jsonl_appender_flushes_each_record_and_refuses_existing_file(tmp_path: Path) -> None:
