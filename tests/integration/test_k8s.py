@@ -23,7 +23,7 @@ from cloudcoil.models.prometheus_operator import v1 as operator
 from dfserve import metrics as m
 from dfserve.dashboards.render import Settings, render
 from dfserve.deploy.k8s import FLEET_HEADER, PRO6000_NODES, fleet, to_yaml
-from dfserve.eval.cli import run_command, watch_command
+from dfserve.eval.cli import cache_merge_command, run_command, watch_command
 from dfserve.gateway.config import load_config
 from dfserve.loadtest.cli import loadtest
 from tests import ROOT
@@ -106,7 +106,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 def test_every_overlay_is_found() -> None:
     assert {Path(o).name for o in OVERLAYS} == {"zlab", "inhouse", "gateway", "loadtest", "monitoring", "fleet",
                                                   "gateway-replicated", "loadtest-sharded", "eval-watch",
-                                                  "eval-features-sharded"}
+                                                  "eval-features-sharded", "eval-features-merge", "eval-volume"}
 
 
 @pytest.mark.parametrize("where", KUSTOMIZATIONS)
@@ -126,7 +126,7 @@ def test_renders_and_validates_strictly(where: str, tmp_path: Path) -> None:
                 f"{doc['kind']}/{doc['metadata']['name']} has fields the operator's schema does not know")
 
 
-@pytest.mark.parametrize("where", [o for o in OVERLAYS if not o.endswith("monitoring")])
+@pytest.mark.parametrize("where", [o for o in OVERLAYS if not o.endswith(("monitoring", "eval-volume"))])
 def test_pods_pass_restricted_pod_security_with_resources(where: str) -> None:
     pods = list(pod_specs(rendered(where)))
     assert pods
@@ -231,6 +231,36 @@ def test_loadtest_job_flags_are_the_load_testers() -> None:
     assert context.params["pushgateway"].startswith("http://") and context.params["out"] == Path("/runs")
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
     one(docs, "PersistentVolumeClaim", volumes["runs"]["persistentVolumeClaim"]["claimName"])
+    for overlay, suffix in (("overlays/loadtest", ""), ("overlays/loadtest-sharded", "-sharded")):
+        # where compare and merge run once the Job is done: its volume, mounted where the Job writes its runs,
+        # and no pod until it is scaled up (a ReadWriteOnce volume held on another node would stall the Job)
+        docs = rendered(overlay)
+        shell = one(docs, "Deployment", f"dfserve-runs{suffix}")
+        job = one(docs, "Job", f"dfserve-loadtest{suffix}")
+        claims = [{v["name"]: v["persistentVolumeClaim"]["claimName"]
+                   for v in pod["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+                  for pod in (shell, job)]
+        assert claims[0] == claims[1] == {"runs": f"loadtest-runs{suffix}"} and shell["spec"]["replicas"] == 0
+        (mount,) = [m for m in shell["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == "runs"]
+        assert mount["mountPath"] == "/runs"
+
+
+def test_base_has_a_pod_for_staging_drafters_on_the_engines_model_cache() -> None:
+    """Staging comes before the fleet (its in-house engine reads the drafter): base alone holds the volume and a pod
+    that writes it where the engines read it, run only when scaled up."""
+    base = rendered("base")
+    shell = one(base, "Deployment", "dfserve-models")
+    pod = shell["spec"]["template"]["spec"]
+    assert shell["spec"]["replicas"] == 0
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    one(base, "PersistentVolumeClaim", claim)
+    assert mount["mountPath"] == "/models" and not mount.get("readOnly")
+    engine = one(rendered("overlays/fleet"), "Deployment", "pro6000-inhouse")["spec"]["template"]["spec"]
+    (engine_volume,) = [v for v in engine["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == claim]
+    (engine_mount,) = [m for c in engine["containers"] for m in c["volumeMounts"] if m["name"] == engine_volume["name"]]
+    assert engine_mount["mountPath"] == mount["mountPath"]
 
 
 def test_monitoring_selects_the_engines_and_gateway_and_ships_the_generated_files() -> None:
@@ -310,3 +340,17 @@ def test_sharded_feature_build_makes_the_parts_of_the_watchs_cache() -> None:
     assert claims["watch"] == watch_claims["watch"] and params["cache"] == Path("/watch/cache")
     claim = one(rendered("overlays/eval-watch"), "PersistentVolumeClaim", claims["watch"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # the parts are written from several nodes
+    # the Job applied first creates the watch's volume too, as the merge does: none waits for a claim never made
+    for overlay in ("overlays/eval-features-sharded", "overlays/eval-features-merge"):
+        assert one(rendered(overlay), "PersistentVolumeClaim", claims["watch"]) == claim
+    merge = one(rendered("overlays/eval-features-merge"), "Job", "dfserve-eval-features-merge")
+    (merger,) = merge["spec"]["template"]["spec"]["containers"]
+    assert merger["command"] == ["dfserve", "eval", "cache", "merge"]
+    # the parts exist only on the volume: parsed leniently (they are left out), every flag must be the command's own
+    merged = cache_merge_command.make_context("merge", expanded_args(merger), resilient_parsing=True).params
+    assert expanded_args(merger)[:count + 1] == [*(f"/watch/cache-parts/part-{i}" for i in range(count)), "--cache"]
+    assert merged["cache"] == params["cache"] and merged["num_tasks"] == params["num_tasks"]
+    assert merged["tasks"] == params["tasks"]
+    merge_claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                    for v in merge["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert merge_claims == {"watch": claims["watch"]}
