@@ -6,7 +6,7 @@ eval (before the first forward) run the same checks::
 
     target = target_from_config("Qwen/Qwen3.6-27B", config, "config.json", ["qwen3_5"])
     arch = verify_drafter_config(drafter_config, target)
-    problems = tensor_table_problems(read_safetensors_header(path), expected_tensors(arch))
+    problems = tensor_table_problems(read_safetensors_header(path), arch)
 """
 
 from __future__ import annotations
@@ -116,12 +116,26 @@ class DrafterArch:
     vocab_size: int
     block_size: int
     num_context_layers: int
+    head_dim_given: bool = True
+    """config.json names its `head_dim` (else transformers' default was taken: tensors that do not fit say so)."""
 
 
 MAX_BLOCK_SIZE = 1024
 """Past any DFlash block (z-lab's are 16): a larger one is a broken config, whose masks would not fit in memory."""
 MAX_LAYERS = 1024
 """Past any drafter's depth (z-lab's have a few layers): a larger count is a broken config."""
+
+
+QWEN3_HEAD_DIM = 128
+QWEN3_SLIDING_WINDOW = 4096
+"""What transformers' `Qwen3Config` (which z-lab's code and SGLang both load a drafter's config.json into) gives a
+`model_type: qwen3` config without `head_dim`, and a sliding window without `sliding_window`."""
+
+
+def sliding_window(config: Mapping[str, Any]) -> object:
+    """The window of a drafter's `sliding_attention` layers as `Qwen3Config` resolves it: None unless
+    `use_sliding_window` is set, whatever `sliding_window` says."""
+    return config.get("sliding_window", QWEN3_SLIDING_WINDOW) if config.get("use_sliding_window") else None
 
 
 def _count(value: object) -> bool:
@@ -133,6 +147,7 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
     """Check a DFlash config.json (read from `source`) against its target; every problem is named in one
     `UserError`, a `FieldError` on `field` when an input given is to blame."""
     problems: list[str] = []
+    defaulted: list[str] = []
     if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
         problems.append(f"architectures must include {DRAFTER_ARCHITECTURE!r}, got {config.get('architectures')!r}")
     ints = {
@@ -140,9 +155,13 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "vocab_size", "num_target_layers")
     }
-    head_dim = config.get("head_dim")
-    if head_dim is None and ints["num_attention_heads"]:
-        head_dim = ints["hidden_size"] // ints["num_attention_heads"]
+    if "head_dim" in config:
+        head_dim = config["head_dim"]
+    elif config.get("model_type") == "qwen3":
+        head_dim = QWEN3_HEAD_DIM
+        defaulted.append("head_dim")
+    else:
+        head_dim = ints["hidden_size"] // ints["num_attention_heads"] if ints["num_attention_heads"] else None
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         problems.append(f"head_dim must be a positive integer, got {head_dim!r}")
         head_dim = 0
@@ -182,14 +201,18 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
             problems.append(f"layer_types must list one type per layer ({ints['num_hidden_layers']}), got {layer_types!r}")
         elif unknown := sorted({t for t in layer_types if t not in LAYER_TYPES}):
             problems.append(f"layer_types {unknown} not in {list(LAYER_TYPES)}")
-        elif "sliding_attention" in layer_types and not _count(config.get("sliding_window")):
-            problems.append(f"sliding_attention layers need a sliding_window of 1 token at least, got "
-                            f"{config.get('sliding_window')!r}")
+        elif "sliding_attention" in layer_types and not config.get("use_sliding_window"):
+            problems.append("sliding_attention layers without use_sliding_window: true get no window (transformers' "
+                            "config, which z-lab's code and SGLang read, drops sliding_window then, and SGLang refuses "
+                            "to start)")
+        elif "sliding_attention" in layer_types and not _count(window := sliding_window(config)):
+            problems.append(f"sliding_attention layers need a sliding_window of 1 token at least, got {window!r}")
     if problems:
         raise problems_error(source, problems, field)
     return DrafterArch(
         ints["hidden_size"], ints["intermediate_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
         ints["num_key_value_heads"], head_dim, ints["vocab_size"], block_size, len(layer_ids),
+        head_dim_given=not defaulted,
     )
 
 
@@ -228,8 +251,9 @@ class TensorInfo:
     """Byte range in a safetensors file's data section, when read from one."""
 
 
-def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """Missing, unexpected, mis-shaped and non-float tensors, each named."""
+def tensor_table_problems(found: Mapping[str, TensorInfo], arch: DrafterArch) -> list[str]:
+    """Missing, unexpected, mis-shaped and non-float tensors against `arch`'s, each named."""
+    expected = expected_tensors(arch)
     problems = [f"missing tensor {name}" for name in expected if name not in found]
     problems += [f"unexpected tensor {name}" for name in found if name not in expected]
     for name, info in found.items():
@@ -237,6 +261,9 @@ def tensor_table_problems(found: Mapping[str, TensorInfo], expected: Mapping[str
             problems.append(f"{name} has shape {list(info.shape)}, expected {list(expected[name])}")
         if info.dtype not in FLOAT_DTYPES:
             problems.append(f"{name} has dtype {info.dtype}, expected a floating-point type")
+    if not arch.head_dim_given and any(name in found and found[name].shape != shape for name, shape in expected.items()):
+        problems.insert(0, f"config.json has no head_dim, which transformers (and so z-lab's code and SGLang) then "
+                        f"take as {arch.head_dim}: set it")
     return problems
 
 

@@ -30,7 +30,6 @@ from dfserve.deploy.assets import (
     DrafterArch,
     Target,
     TensorInfo,
-    expected_tensors,
     problems_error,
     read_json,
     read_safetensors_header,
@@ -133,7 +132,7 @@ def verify_checkpoint(tensors: Mapping[str, torch.Tensor], arch: DrafterArch) ->
         name: TensorInfo(DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), tuple(t.shape))
         for name, t in tensors.items()
     }
-    return tensor_table_problems(table, expected_tensors(arch)) + nonfinite_problems(tensors)
+    return tensor_table_problems(table, arch) + nonfinite_problems(tensors)
 
 
 def _canonical(config: Mapping[str, Any]) -> str:

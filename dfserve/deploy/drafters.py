@@ -13,6 +13,7 @@ field it came from (`drafter`, `target`, `target_config`, `drafter_config`); eac
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,7 +24,6 @@ from dfserve.deploy.assets import (
     DrafterArch,
     Target,
     TensorInfo,
-    expected_tensors,
     problems_error,
     read_json,
     read_safetensors_header,
@@ -178,10 +178,27 @@ def verify_folder(folder: Path, target: Target) -> DrafterArch:
         found = table | found
         file_of = dict.fromkeys(table, path.name) | file_of
         nonfinite += safetensors_nonfinite(path, table)
-    problems = duplicates + tensor_table_problems(found, expected_tensors(arch)) + nonfinite
+    index = folder / INDEX_NAME
+    problems = duplicates + (_index_problems(read_json(index, "drafter"), [p.name for p in weights], index)
+                             if index.exists() else [])
+    problems += tensor_table_problems(found, arch) + nonfinite
     if problems:
         raise problems_error(f"drafter folder {folder}", problems, field="drafter")
     return arch
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _index_problems(index: object, files: Sequence[str], path: Path) -> list[str]:
+    """Where a sharded folder's index and its files disagree: transformers opens every file the index names
+    (`weight_map`), and SGLang loads only those; which tensor it says is where, neither reads."""
+    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    if not isinstance(weight_map, Mapping) or not all(isinstance(f, str) for f in weight_map.values()):
+        return [f"{path.name} has no weight_map of tensor names to file names"]
+    named = set(weight_map.values())
+    return ([f"{path.name} names {file}, which is not in the folder" for file in sorted(named - set(files))]
+            + [f"{file} is not in {path.name}: loaders skip it" for file in files if file not in named])
 
 
 def baseline_drafter(registry: Path, target: Target, profile: HostProfile) -> str:

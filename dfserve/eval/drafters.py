@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dfserve.baselines import drafter_identity
-from dfserve.deploy.assets import Target, read_json
+from dfserve.deploy.assets import Target, read_json, sliding_window
 from dfserve.deploy.drafters import (
     baseline_drafter,
     hf_cache_dir,
@@ -64,7 +64,7 @@ def _layers(config: dict[str, Any]) -> tuple[str, ...]:
     described = []
     for kind in kinds:
         causal = kind == "sliding_attention" if override is None else bool(override)
-        window = f", window {config.get('sliding_window')}" if kind == "sliding_attention" else ""
+        window = f", window {sliding_window(config)}" if kind == "sliding_attention" else ""
         described.append(("causal" if causal else "bidirectional") + window)
     return tuple(described)
 

@@ -12,7 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 from dfserve.baselines import BaselineRegistry, entry
-from dfserve.deploy.assets import _tensor_info, expected_tensors, read_json, verify_drafter_config
+from dfserve.deploy.assets import (
+    _tensor_info,
+    expected_tensors,
+    read_json,
+    sliding_window,
+    verify_drafter_config,
+)
 from dfserve.deploy.cli import deploy
 from dfserve.deploy.drafters import hf_cached_file, resolve_drafter, resolve_target
 from dfserve.deploy.engines.sglang import server_args
@@ -167,6 +173,10 @@ def test_drafter_config_mismatches_are_all_named() -> None:
 @pytest.mark.parametrize(("change", "said"), [
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0}, "sliding_window of 1 token"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": True}, "sliding_window of 1 token"),
+    # transformers' Qwen3Config, read by z-lab's code and SGLang, drops the window without use_sliding_window:
+    # z-lab's code then runs those layers unwindowed, and SGLang refuses to start
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": False},
+     "sliding_attention layers without use_sliding_window: true get no window"),
     ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
     ({"num_hidden_layers": 10**7}, "num_hidden_layers must be at most 1024"),
     ({"dflash_config": {"block_size": 100000, "mask_token_id": 1, "target_layer_ids": [1]}},
@@ -178,6 +188,16 @@ def test_a_drafter_config_no_model_can_be_built_from_is_refused_before_anything_
     target = resolve_target(str(TINY_TARGET), PROFILE, None)
     with pytest.raises(UserError, match=said):
         verify_drafter_config({**tiny_config(), **change}, target)
+
+
+def test_a_drafter_config_is_read_as_transformers_reads_it() -> None:
+    """Without `head_dim` a qwen3 config has transformers' 128 (not hidden_size / heads), as z-lab's code and SGLang
+    build it: the tensors then do not fit, and say so; without `sliding_window` the window is transformers' 4096."""
+    target = resolve_target(str(TINY_TARGET), PROFILE, None)
+    config = {k: v for k, v in tiny_config().items() if k not in ("head_dim", "sliding_window")}
+    assert verify_drafter_config(config, target).head_dim == 128
+    assert sliding_window(config) == 4096 and sliding_window({**config, "use_sliding_window": False}) is None
+    assert verify_drafter_config({**config, "model_type": "llama"}, target).head_dim == 64 // 4
 
 
 def test_a_safetensors_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
