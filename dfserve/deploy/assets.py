@@ -147,7 +147,6 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
     """Check a DFlash config.json (read from `source`) against its target; every problem is named in one
     `UserError`, a `FieldError` on `field` when an input given is to blame."""
     problems: list[str] = []
-    defaulted: list[str] = []
     if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
         problems.append(f"architectures must include {DRAFTER_ARCHITECTURE!r}, got {config.get('architectures')!r}")
     ints = {
@@ -155,11 +154,11 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "vocab_size", "num_target_layers")
     }
-    if "head_dim" in config:
+    head_dim_given = "head_dim" in config
+    if head_dim_given:
         head_dim = config["head_dim"]
     elif config.get("model_type") == "qwen3":
         head_dim = QWEN3_HEAD_DIM
-        defaulted.append("head_dim")
     else:
         head_dim = ints["hidden_size"] // ints["num_attention_heads"] if ints["num_attention_heads"] else None
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
@@ -212,7 +211,7 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
     return DrafterArch(
         ints["hidden_size"], ints["intermediate_size"], ints["num_hidden_layers"], ints["num_attention_heads"],
         ints["num_key_value_heads"], head_dim, ints["vocab_size"], block_size, len(layer_ids),
-        head_dim_given=not defaulted,
+        head_dim_given=head_dim_given,
     )
 
 
