@@ -5,7 +5,7 @@ is gone; such a record says it cannot be replayed. User text is what a user sent
 `text`, `input_ids` and images, audio, video; chat messages' `content`, reasoning, `name` and tool-call arguments,
 legacy `function_call`s' too; completions `prompt` and `suffix`), OpenAI's end-user `user` and the request's
 `metadata`. What the deployment sends with every request (tools, response formats, stop strings, constraints) is
-kept. `drop` removes named fields (dotted paths), and a record that lost its prompt that way
+kept. `drop` removes named fields (dotted paths), and a record that lost its prompt or a sampling setting that way
 cannot be replayed either.
 """
 
@@ -112,4 +112,11 @@ def redact(route: Api, body: dict[str, Any], policy: CapturePolicy) -> tuple[dic
         return kept, tuple(_hash_text(route, kept)), False
     dropped = tuple(path for path in policy.drop_fields if _drop(kept, path))
     prompt_gone = PROMPT_FIELDS[route] not in kept and not (route == "native" and "input_ids" in kept)
-    return kept, dropped, not prompt_gone
+    return kept, dropped, not prompt_gone and not any(sets_generation(route, path) for path in dropped)
+
+
+def sets_generation(route: Api, path: str) -> bool:
+    """Whether a field is one of the request's sampling settings: dropped, its request would be replayed at the
+    run's settings (or the server's defaults), another request than the one captured."""
+    top = path.split(".")[0]
+    return top == "sampling_params" if route == "native" else top in OPENAI_SAMPLING

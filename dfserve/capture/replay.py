@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from dfserve import sglang
 from dfserve.capture.format import CaptureManifest, CaptureRecord
 from dfserve.capture.read import read_capture
-from dfserve.capture.redact import PROMPT_FIELDS
+from dfserve.capture.redact import PROMPT_FIELDS, sets_generation
 from dfserve.errors import FieldError
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.routes import ROUTE_FOR, first_set
@@ -144,8 +144,10 @@ def _where(manifest: CaptureManifest, seq: int) -> str:
 
 def _refusal(record: CaptureRecord) -> str | None:
     if not record.replayable:
+        settings = [path for path in record.redacted if sets_generation(record.route, path)]
         how = ("its user text was hashed (redact: hash)" if record.redaction == "hash"
-               else f"its prompt was dropped (redact: drop {', '.join(record.redacted)})")
+               else f"its sampling settings were dropped (redact: drop {', '.join(settings)}): replayed, it would run "
+               "at the run's" if settings else f"its prompt was dropped (redact: drop {', '.join(record.redacted)})")
         return f"cannot be replayed: {how}"
     return ROUTE_FOR[record.route].refusal(record.body)
 

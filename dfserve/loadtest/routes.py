@@ -156,10 +156,11 @@ class OpenAI(Route):
 
     def streamed(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Streamed to the arm's model with usage and spec details, less `return_meta_info` (SGLang refuses it on
-        a stream)."""
+        a stream) and the client's `rid` (SGLang's OpenAI routes take one too: sent to every arm, it collides)."""
         sent = {**copy.deepcopy(body), "model": model, "stream": True, sglang.RETURN_SPEC_DETAILS: True,
                 "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         sent.pop(sglang.RETURN_META_INFO, None)
+        sent.pop("rid", None)
         return sent
 
     def sequences(self, body: dict[str, Any]) -> object:

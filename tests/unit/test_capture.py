@@ -105,13 +105,19 @@ def test_hash_replaces_every_message_text_and_says_it_cannot_replay(tmp_path: Pa
     assert lone["text"].startswith("sha256:") and lone["text"] != text_hash("a")
 
 
-def test_drop_removes_named_fields_and_a_dropped_prompt_cannot_replay(tmp_path: Path) -> None:
+def test_drop_removes_named_fields_and_a_dropped_prompt_or_setting_cannot_replay(tmp_path: Path) -> None:
+    """A request without its prompt, or without one of its sampling settings (replayed, it would run at the run's
+    flags), is not the request captured."""
     body, fields, replayable = redact("native", NATIVE, policy(tmp_path, redact="drop",
                                                                drop_fields=("sampling_params.seed", "absent")))
     assert body["sampling_params"] == {"temperature": 0, "max_new_tokens": 32}
-    assert (fields, replayable) == (("sampling_params.seed",), True)
+    assert (fields, replayable) == (("sampling_params.seed",), False)
     _, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="drop", drop_fields=("user", "messages")))
     assert (fields, replayable) == (("user", "messages"), False)
+    _, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="drop", drop_fields=("user", "temperature")))
+    assert (fields, replayable) == (("user", "temperature"), False)
+    _, fields, replayable = redact("chat", CHAT, policy(tmp_path, redact="drop", drop_fields=("user",)))
+    assert (fields, replayable) == (("user",), True)
 
 
 @pytest.mark.parametrize(("fields", "message"), [({"redact": "drop"}, "needs drop_fields"),

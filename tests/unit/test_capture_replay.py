@@ -120,7 +120,11 @@ def test_a_chat_request_streams_to_the_arms_model_with_its_own_settings(tmp_path
 
 
 def test_the_client_sends_a_replayed_task_as_captured() -> None:
+    """Less the client's `rid` on every route: SGLang takes one on its OpenAI routes too, and the same id sent to two
+    arms on one server is refused as a duplicate."""
     task = ReplayTask(id="c0", prompt="p", route="native", body={"text": "p", "sampling_params": {"top_k": 5}, "rid": "x"})
+    chat = ReplayTask(id="c1", prompt="p", route="chat", body={"messages": [{"role": "user", "content": "p"}],
+                                                               "rid": "x", "temperature": 0.5})
     client = ArmClient("a", "http://127.0.0.1:9", "native", SamplingParams(), lambda _: None, t0=0.0,
                        request_timeout_s=1.0)
     try:
@@ -128,6 +132,9 @@ def test_the_client_sends_a_replayed_task_as_captured() -> None:
         assert sent.route.path == "/generate" and sent.request == {"text": "p", "sampling_params": {"top_k": 5},
                                                                    "stream": True}
         assert json.loads(sent.body) == sent.request
+        sent = client.request(chat)
+        assert sent.route.path == "/v1/chat/completions" and "rid" not in sent.request
+        assert sent.request["temperature"] == 0.5 and json.loads(sent.body) == sent.request
     finally:
         client.close()
 
@@ -157,9 +164,14 @@ def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) 
     assert "\n" not in str(caught.value)
 
 
-def test_a_dropped_prompt_refuses(tmp_path: Path) -> None:
+def test_a_dropped_prompt_or_sampling_setting_refuses(tmp_path: Path) -> None:
     spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
     with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
+        load_capture_tasks(spec)
+    spec = capture(tmp_path / "t", [("/v1/chat/completions", chat("a", temperature=0.3), 0.0)], redact="drop",
+                   drop_fields=("user", "temperature"))
+    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\): replayed, "
+                       r"it would run at the run's"):
         load_capture_tasks(spec)
 
 
