@@ -17,6 +17,10 @@ from dfserve.loadtest.report import summarize
 from dfserve.loadtest.schedule import LoadShape
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 
+PASSING = 400
+"""Requests per arm for the default gates to PASS an arm like its baseline: without an error on either side the
+error rule's interval is about ±3.8 / n (Newcombe's), inside its 1 point from here on."""
+
 
 def synthetic(arm: str, n: int, tau: float, *, seed: int, tasks: int = 40, tokens: int = 256, tpot: float = 0.01,
               lossy: float = 0.0, errors: float = 0.0, noise: float = 0.15) -> list[RequestRecord]:

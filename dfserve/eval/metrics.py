@@ -86,7 +86,7 @@ def tau_figure(tokens: NDArray[np.float64], rounds: NDArray[np.float64], seed: i
         return Figure(estimate=float("nan"), low=float("nan"), high=float("nan"), n=0)
     estimate = float(tokens.sum() / rounds.sum())
     weights = stats.cluster_weights(len(tokens), BOOTSTRAP_DRAWS, np.random.default_rng(seed))
-    interval = stats.percentile_interval(estimate, stats.weighted_ratio(weights, tokens, rounds))
+    interval = stats.percentile_interval(estimate, stats.weighted_ratio(weights, tokens, rounds), len(tokens))
     return Figure(estimate=estimate, low=interval.low, high=interval.high, n=int(rounds.sum()))
 
 

@@ -143,7 +143,7 @@ def accept_length_figure(records: Sequence[RequestRecord], seed: int = 0, draws:
         rounds[position[task]] += verify
     estimate = float(tokens.sum() / rounds.sum())
     weights = stats.cluster_weights(len(tasks), draws, np.random.default_rng(seed))
-    interval = stats.percentile_interval(estimate, stats.weighted_ratio(weights, tokens, rounds))
+    interval = stats.percentile_interval(estimate, stats.weighted_ratio(weights, tokens, rounds), len(tasks))
     return _figure(interval, len(rows))
 
 

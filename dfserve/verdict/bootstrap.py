@@ -7,6 +7,7 @@ outputs are a fraction of finished pairs with a Wilson interval, not a change. `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,18 +36,20 @@ def _finished(pairs: Pairs[Any]) -> tuple[list[int], NDArray[np.int64]]:
 
 
 def _relative(name: str, spec: MetricSpec[Any], values: tuple[float, float], draws: NDArray[np.float64],
-              counts: tuple[int, int]) -> MetricResult:
+              counts: tuple[int, int], clusters: int) -> MetricResult:
     (value_b, value_c), (n_b, n_c) = values, counts
     if not value_b:
         return _empty(name, spec, n_b, n_c).model_copy(update={"baseline": float(value_b), "candidate": float(value_c)})
-    interval = stats.percentile_interval(value_c / value_b - 1, draws)
+    interval = stats.percentile_interval(value_c / value_b - 1, draws, clusters)
     return MetricResult(metric=name, label=spec.label, baseline=float(value_b), candidate=float(value_c),
                         change=interval.estimate, change_low=interval.low, change_high=interval.high, relative=True,
                         n_baseline=n_b, n_candidate=n_c, higher_is_better=spec.higher_is_better, unit=spec.unit)
 
 
 def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[np.float64]) -> MetricResult:
-    """The absolute change in the share of units that did not finish."""
+    """The absolute change in the share of units that did not finish, with the wider of two intervals: the task
+    bootstrap, which holds errors that come by task, and Newcombe's from the counts, which holds rare ones (a
+    bootstrap of no error seen is [0, 0], a PASS of an error rate it cannot have measured)."""
     n = len(pairs)
     if n == 0:
         return _empty(name, spec)
@@ -55,10 +58,18 @@ def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDA
     err_c = _per_task([0.0 if u.ok else 1.0 for u in pairs.cand], pairs.cluster, pairs.tasks)
     rate_b, rate_c = err_b.sum() / n, err_c.sum() / n
     draws = stats.weighted_ratio(weights, err_c, totals) - stats.weighted_ratio(weights, err_b, totals)
-    interval = stats.percentile_interval(rate_c - rate_b, draws)
+    interval = stats.percentile_interval(rate_c - rate_b, draws, _clusters(pairs.cluster))
+    counted = stats.newcombe(round(err_b.sum()), n, round(err_c.sum()), n)
+    assert counted is not None
     return MetricResult(metric=name, label=spec.label, baseline=rate_b, candidate=rate_c, change=interval.estimate,
-                        change_low=interval.low, change_high=interval.high, relative=False, n_baseline=n,
-                        n_candidate=n, higher_is_better=False, unit=spec.unit)
+                        change_low=min(interval.low, counted.low) if math.isfinite(interval.low) else counted.low,
+                        change_high=max(interval.high, counted.high) if math.isfinite(interval.high) else counted.high,
+                        relative=False, n_baseline=n, n_candidate=n, higher_is_better=False, unit=spec.unit)
+
+
+def _clusters(owners: NDArray[np.int64]) -> int:
+    """How many tasks hold the values resampled: the intervals' degrees of freedom."""
+    return int(np.unique(owners).size)
 
 
 def ratio(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[np.float64]) -> MetricResult:
@@ -77,7 +88,7 @@ def ratio(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[
     (nb, db, n_b), (nc, dc, n_c) = sums
     with np.errstate(divide="ignore", invalid="ignore"):
         draws = stats.weighted_ratio(weights, nc, dc) / stats.weighted_ratio(weights, nb, db) - 1
-    return _relative(name, spec, (nb.sum() / db.sum(), nc.sum() / dc.sum()), draws, (n_b, n_c))
+    return _relative(name, spec, (nb.sum() / db.sum(), nc.sum() / dc.sum()), draws, (n_b, n_c), _clusters(cluster))
 
 
 def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[np.float64]) -> MetricResult:
@@ -105,7 +116,7 @@ def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArr
     with np.errstate(divide="ignore", invalid="ignore"):  # a draw whose baseline quantile is 0 has no ratio
         draws = (stats.clustered_quantiles(weights, vc, oc, spec.q)
                  / stats.clustered_quantiles(weights, vb, ob, spec.q) - 1)
-    return _relative(name, spec, (value_b, value_c), draws, (len(vb), len(vc)))
+    return _relative(name, spec, (value_b, value_c), draws, (len(vb), len(vc)), _clusters(cluster))
 
 
 def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:

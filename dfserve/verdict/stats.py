@@ -121,10 +121,44 @@ def clustered_quantiles(
     return np.where(totals > 0, points[index], np.nan)
 
 
-def percentile_interval(estimate: float, draws: NDArray[np.float64]) -> Interval:
-    """The 2.5th and 97.5th percentiles of bootstrap draws around a point estimate (NaN draws dropped)."""
+def t95(df: int) -> float:
+    """Student's t 97.5th percentile with `df` degrees of freedom (df 1 and 2 exact; after them Hill's expansion,
+    0.004 under at df 3, 3e-4 at df 5, exact to 4 digits from df 10)."""
+    if df == 1:
+        return math.tan(math.pi * 0.475)
+    if df == 2:
+        return 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    z = Z95
+    terms = ((z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160)
+    return z + sum(term / df ** (k + 1) for k, term in enumerate(terms))
+
+
+def expanded_tail(clusters: int) -> float:
+    """The tail each side of a 95% percentile interval over `clusters` resampled clusters, expanded for few of
+    them (Hesterberg's expanded percentile interval: z of the tail = sqrt(n / (n - 1)) * t(n - 1)): the plain
+    2.5% percentiles of a bootstrap over 20 tasks cover a ratio about 90% of the time, not 95%."""
+    return 0.5 * math.erfc(math.sqrt(clusters / (clusters - 1)) * t95(clusters - 1) / math.sqrt(2))
+
+
+def percentile_interval(estimate: float, draws: NDArray[np.float64], clusters: int) -> Interval:
+    """The 95% percentile interval of bootstrap draws over `clusters` clusters around a point estimate (NaN draws
+    dropped), expanded for few clusters (`expanded_tail`; the draws of one cluster all agree)."""
     finite = draws[np.isfinite(draws)]
     if finite.size == 0:
         return Interval(estimate, math.nan, math.nan)
-    low, high = np.quantile(finite, [0.025, 0.975])
+    tail = expanded_tail(clusters) if clusters >= 2 else 0.025
+    low, high = np.quantile(finite, [tail, 1 - tail])
     return Interval(estimate, float(low), float(high))
+
+
+def newcombe(events_a: int, n_a: int, events_b: int, n_b: int) -> Interval | None:
+    """95% interval of the difference of two proportions, b minus a, from their Wilson intervals (Newcombe's method
+    10): it never claims more than the counts allow, where a bootstrap of rare events collapses (no event seen in
+    any draw: [0, 0])."""
+    a, b = wilson(events_a, n_a), wilson(events_b, n_b)
+    if a is None or b is None:
+        return None
+    change = b.estimate - a.estimate
+    return Interval(change, change - math.hypot(b.estimate - b.low, a.high - a.estimate),
+                    change + math.hypot(b.high - b.estimate, a.estimate - a.low))

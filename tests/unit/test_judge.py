@@ -13,7 +13,7 @@ from dfserve.loadtest.judge import DEFAULT_GATE, comparability, judge, load_gate
 from dfserve.loadtest.records import RequestRecord
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.results import RuleResult, overall, tasks_needed
-from tests.synthetic import run_config, synthetic
+from tests.synthetic import PASSING, run_config, synthetic
 
 
 def statuses(j: object) -> dict[str, str]:
@@ -21,14 +21,14 @@ def statuses(j: object) -> dict[str, str]:
 
 
 def test_identical_arms_pass_every_rule() -> None:
-    base = synthetic("a", 200, 9.0, seed=1)
+    base = synthetic("a", PASSING, 9.0, seed=1)
     cand = [r.model_copy(update={"arm": "b"}) for r in base]
     j = judge(base, cand, DEFAULT_GATE, temperature=0.0)
     assert j.verdict == "PASS"
     assert set(statuses(j).values()) == {"PASS"}
     accept = next(m for m in j.metrics if m.metric == "accept_length")
-    assert accept.change == pytest.approx(0.0) and accept.n_baseline == 200
-    assert j.lossless.identical == 200 and j.lossless.differing_tasks == []
+    assert accept.change == pytest.approx(0.0) and accept.n_baseline == PASSING
+    assert j.lossless.identical == PASSING and j.lossless.differing_tasks == []
 
 
 def test_a_clearly_worse_drafter_fails_on_acceptance() -> None:
@@ -128,12 +128,12 @@ def test_warmup_records_are_left_out() -> None:
 
 def test_requests_cancelled_at_the_stop_are_no_errors_of_the_arm() -> None:
     """Ctrl-C cancels what is in flight; the slower arm has more in flight, and that is not its failure."""
-    base = synthetic("a", 90, 9.0, seed=1)
+    base = synthetic("a", PASSING * 3 // 2, 9.0, seed=1)
     cand = [r.model_copy(update={"arm": "b"}) if r.index % 3 else
             r.model_copy(update={"arm": "b", "error_kind": "cancelled", "error_message": "stopped"}) for r in base]
     j = judge(base, cand, DEFAULT_GATE, 0.0)
     errors = next(m for m in j.metrics if m.metric == "error_rate")
-    assert (errors.baseline, errors.candidate) == (0.0, 0.0) and j.pairs == 60
+    assert (errors.baseline, errors.candidate) == (0.0, 0.0) and j.pairs == PASSING
     assert statuses(j)["error_rate"] == "PASS"
 
 

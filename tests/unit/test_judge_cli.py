@@ -21,7 +21,7 @@ from dfserve.shard import Shard
 from dfserve.verdict.design import SequentialDesign
 from dfserve.verdict.gate import Gate, Rule
 from tests.integration.servers import dfserve_argv
-from tests.synthetic import run_config, synthetic, twin, write_run
+from tests.synthetic import PASSING, run_config, synthetic, twin, write_run
 
 
 def make_run(out: Path, name: str, arms: dict[str, list[RequestRecord]], *, interrupted: bool = False,
@@ -39,8 +39,8 @@ def snapshot(path: Path) -> dict[str, bytes]:
 
 def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    fail = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
-                                 "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    fail = make_run(runs, "ab", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1),
+                                 "inhouse": synthetic("inhouse", PASSING, 6.0, seed=2)})
     before = snapshot(fail)
     result = CliRunner().invoke(compare, [str(fail)])
     assert result.exit_code == 1, result.output
@@ -52,7 +52,7 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
     assert document["verdict"] == "FAIL" and document["baseline"]["name"] == "zlab"
     assert document["candidate"]["drafter"] == "/models/dflash-inhouse"
 
-    same = synthetic("zlab", 150, 9.0, seed=1)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
     aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
 
@@ -65,8 +65,8 @@ def test_compare_exit_codes_and_verdict_written_outside_the_run(tmp_path: Path) 
 
 def test_two_runs_must_be_comparable_unless_forced(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
-    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", 80, 9.0, seed=2)}, num_requests=50)
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)})
+    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", PASSING, 9.0, seed=2)}, num_requests=50)
     refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
     assert refused.exception is not None and "not comparable" in str(refused.exception)
     assert "num_requests" in str(refused.exception)
@@ -81,18 +81,18 @@ def test_runs_whose_servers_cannot_be_told_apart_are_not_comparable(tmp_path: Pa
     """Behind a gateway that answers /server_info for no arm, a run records none: its target and drafter are
     unknown, and a run of another model would pass for the baseline's."""
     runs = tmp_path / "runs"
-    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)})
     blind = run_config("two", 80)
     blind = blind.model_copy(update={"arms": (blind.arms[1].model_copy(update={
         "server_info": None, "model_info": {"model_path": "meta-llama/Llama-3.1-8B"}}),)})
-    two = write_run(runs, blind, synthetic("inhouse", 80, 9.0, seed=2))
+    two = write_run(runs, blind, synthetic("inhouse", PASSING, 9.0, seed=2))
     refused = CliRunner().invoke(compare, [str(one), str(two)], standalone_mode=False)
     assert refused.exception is not None and "arm inhouse: its /server_info was not recorded, so its target and " \
         "drafter are unknown" in str(refused.exception)
     seen = run_config("seen", 80)
     seen = seen.model_copy(update={"arms": (seen.arms[0].model_copy(update={
         "model_info": {"model_path": "Qwen/Qwen3.6-27B"}}),)})
-    three = write_run(runs, seen, synthetic("zlab", 80, 9.0, seed=1))
+    three = write_run(runs, seen, synthetic("zlab", PASSING, 9.0, seed=1))
     refused = CliRunner().invoke(compare, [str(three), str(two)], standalone_mode=False)
     assert "model_info model_path: Qwen/Qwen3.6-27B vs meta-llama/Llama-3.1-8B" in str(refused.exception)
 
@@ -100,8 +100,8 @@ def test_runs_whose_servers_cannot_be_told_apart_are_not_comparable(tmp_path: Pa
 def test_a_config_edited_after_its_run_is_not_judged_unless_forced(tmp_path: Path) -> None:
     """config.json holds what two runs are compared on: one edited to look like the other's settings shows."""
     runs = tmp_path / "runs"
-    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
-    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", 80, 9.0, seed=2)},
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)})
+    two = make_run(runs, "two", {"inhouse": synthetic("inhouse", PASSING, 9.0, seed=2)},
                    sampling=run_config("x", 80).sampling.model_copy(update={"max_new_tokens": 32}))
     config = two / "config.json"
     config.chmod(0o644)
@@ -141,7 +141,7 @@ def test_a_registry_with_no_baseline_is_refused_by_show_and_history_alike(tmp_pa
 
 def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    same = synthetic("zlab", 120, 9.0, seed=1)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
     aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa), "--out", str(runs / "v")]).exit_code == 0
     passed = next((runs / "v").glob("verdict-*"))
@@ -150,8 +150,8 @@ def test_promote_only_a_pass_whose_baseline_is_current(tmp_path: Path) -> None:
     shown = CliRunner().invoke(baseline, ["history", "--registry", str(runs)])
     assert shown.output.count("Qwen/Qwen3.6-27B") == 2  # the first promotion records its baseline, then the candidate
 
-    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
-                               "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", PASSING, 6.0, seed=2)})
     assert CliRunner().invoke(compare, [str(ab), "--out", str(runs / "w")]).exit_code == 1
     failed = next((runs / "w").glob("verdict-*"))
     refused = CliRunner().invoke(promote, [str(failed), "--registry", str(runs)], standalone_mode=False)
@@ -175,7 +175,7 @@ def test_promote_takes_only_a_verdict_whose_baseline_is_the_current_one(tmp_path
                                                                          promoted: bool) -> None:
     runs = tmp_path / "runs"
     BaselineRegistry(runs).append(entry("Qwen/Qwen3.6-27B", current, "run-0", "zlab"))
-    same = synthetic("zlab", 120, 9.0, seed=1)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
     aa = make_run(runs, "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     assert CliRunner().invoke(compare, [str(aa)]).exit_code == 0
     result = CliRunner().invoke(promote, [str(next(runs.glob("verdict-*")))], standalone_mode=False)
@@ -187,7 +187,7 @@ def test_promote_takes_only_a_verdict_whose_baseline_is_the_current_one(tmp_path
         assert now is not None and now.drafter == current
 
 
-def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
+def aa_run(runs: Path, name: str, n: int = PASSING, **how: object) -> Path:
     same = synthetic("zlab", n, 9.0, seed=1)
     return make_run(runs, name, {"zlab": same, "inhouse": twin(same, "inhouse")},
                     **how)
@@ -196,7 +196,7 @@ def aa_run(runs: Path, name: str, n: int = 120, **how: object) -> Path:
 def test_a_run_is_never_judged_against_itself(tmp_path: Path) -> None:
     """One folder twice, or a copy of it (the same run id): refused, even with --force."""
     runs = tmp_path / "runs"
-    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)})
     copy = tmp_path / "elsewhere" / "one"
     shutil.copytree(one, copy)
     for second in (one, copy):
@@ -219,7 +219,7 @@ def shifted(records: list[RequestRecord], by_s: float, arm: str | None = None) -
 
 def test_a_copy_of_a_run_is_one_run_however_renamed_and_its_clock_moved(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    one = make_run(runs, "one", {"zlab": synthetic("zlab", 80, 9.0, seed=1)})
+    one = make_run(runs, "one", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)})
     renamed = tmp_path / "renamed"
     shutil.copytree(one, renamed)
     for name in ("config.json", "summary.json"):
@@ -229,13 +229,13 @@ def test_a_copy_of_a_run_is_one_run_however_renamed_and_its_clock_moved(tmp_path
     config = json.loads((one / "config.json").read_text())
     config["arms"][0]["server_info"]["speculative_draft_model_path"] = "/models/another"  # all but the records
     later = RunConfig.model_validate({**config, "run_id": "three", "t0_unix_s": config["t0_unix_s"] + 0.5})
-    copy = write_run(tmp_path / "copies", later, shifted(synthetic("zlab", 80, 9.0, seed=1), 0.5))
+    copy = write_run(tmp_path / "copies", later, shifted(synthetic("zlab", PASSING, 9.0, seed=1), 0.5))
     assert "the records of zlab (three) are those of zlab (one), to the microsecond" in refusal([str(one), str(copy)])
 
 
 def test_a_run_that_stopped_on_its_gate_is_judged_with_another_only_forced(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    base = synthetic("zlab", 60, 9.0, seed=1)
+    base = synthetic("zlab", PASSING, 9.0, seed=1)
     design = SequentialDesign(gate=Gate(rules=(Rule(metric="accept_length", max_worse=0.02),)))
     stopped = make_run(runs, "stopped", {"zlab": base, "inhouse": twin(base, "inhouse")}, sequential=design)
     loose = tmp_path / "loose.yaml"
@@ -255,8 +255,8 @@ def test_two_runs_that_stopped_on_their_gates_are_judged_against_each_other_only
     looks is what the one-run path refuses (it was a PASS, unforced, that promoted)."""
     runs = tmp_path / "runs"
     design = SequentialDesign(gate=Gate(rules=(Rule(metric="accept_length", max_worse=0.5),)))
-    first = make_run(runs, "first", {"zlab": synthetic("zlab", 60, 9.0, seed=1)}, sequential=design)
-    second = make_run(runs, "second", {"inhouse": synthetic("inhouse", 60, 9.0, seed=2)}, sequential=design)
+    first = make_run(runs, "first", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1)}, sequential=design)
+    second = make_run(runs, "second", {"inhouse": synthetic("inhouse", PASSING, 9.0, seed=2)}, sequential=design)
     assert "run first stopped once its own gate was decided (--until-decided)" in refusal([str(first), str(second)])
 
 
@@ -304,7 +304,7 @@ def test_records_that_cannot_be_the_runs_own_are_refused(tmp_path: Path) -> None
 
 def test_a_shard_is_judged_only_merged_and_never_against_its_merged_run(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    base, cand = synthetic("zlab", 60, 9.0, seed=1), synthetic("inhouse", 60, 6.0, seed=2)
+    base, cand = synthetic("zlab", PASSING, 9.0, seed=1), synthetic("inhouse", PASSING, 6.0, seed=2)
     halves = [make_run(runs, f"half{i}", {"zlab": base[i::2], "inhouse": cand[i::2]}, num_requests=60,
                        shard=Shard(index=i, count=2)) for i in range(2)]
     assert "run half0 is shard 0/2 of a schedule: merge its shards to judge the whole" in refusal([str(halves[0])])
@@ -319,8 +319,8 @@ def test_a_verdict_promotes_only_as_its_runs_give_it_and_once_however_laid_out(t
     """Promote judges the runs again: a FAIL edited into a PASS, or a verdict whose runs are gone, is refused unless
     forced; a copy of a promoted verdict laid out otherwise is the same verdict."""
     runs = tmp_path / "runs"
-    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 150, 9.0, seed=1),
-                               "inhouse": synthetic("inhouse", 150, 6.0, seed=2)})
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", PASSING, 6.0, seed=2)})
     assert CliRunner().invoke(compare, [str(ab), "--out", str(runs / "w")]).exit_code == 1
     failed = next((runs / "w").glob("verdict-*")) / "verdict.json"
     edited = runs / "edited" / "verdict.json"
@@ -369,7 +369,8 @@ def test_an_interrupted_or_killed_run_is_judged_only_when_forced_and_then_never_
     runs = tmp_path / "runs"
     cases = {"interrupted": (aa_run(runs, "stopped", interrupted=True), "was interrupted before its end"),
              "killed": (aa_run(runs, "killed", summary=False), "has no summary.json: it was killed"),
-             "short": (aa_run(runs, "short", n=90, num_requests=120), "90 of the 120 scheduled requests recorded")}
+             "short": (aa_run(runs, "short", n=90, num_requests=PASSING),
+                       f"90 of the {PASSING} scheduled requests recorded")}
     for run, why in cases.values():
         refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
         assert refused.exception is not None and why in str(refused.exception)
@@ -395,14 +396,15 @@ def test_records_missing_against_the_summary_are_refused(tmp_path: Path) -> None
     (run / "requests.jsonl").write_text("".join(lines[:-2]) + lines[-1])
     refused = CliRunner().invoke(compare, [str(run)], standalone_mode=False)
     assert refused.exception is not None
-    assert "not the whole run: run cut arm inhouse: requests.jsonl holds 119 measured records, summary.json counts 120" in str(refused.exception)
+    assert (f"not the whole run: run cut arm inhouse: requests.jsonl holds {PASSING - 1} measured records, summary.json "
+            f"counts {PASSING}") in str(refused.exception)
 
 
 def test_records_no_recorder_writes_are_judged_only_forced(tmp_path: Path) -> None:
     """Sealed with the run, yet impossible: a count below 0, more verify rounds than tokens in an exact
     acceptance."""
     runs = tmp_path / "runs"
-    same = synthetic("zlab", 120, 9.0, seed=1)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
     for name, change, why in (
             ("negative", {"completion_tokens": -5}, "index 3: a count below 0"),
             ("rounds", {"spec_verify_ct": 10**6}, "index 3: spec_verify_ct 1000000 is more than completion_tokens")):
@@ -459,8 +461,8 @@ def test_two_arms_serving_one_drafter_are_judged_only_forced_and_never_promote(t
     """Two servers of the baseline's drafter, one named the candidate: a PASS would promote the baseline over
     itself."""
     runs = tmp_path / "runs"
-    same = synthetic("zlab", 120, 9.0, seed=1)
-    config = run_config("aa", 120)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
+    config = run_config("aa", PASSING)
     arms = tuple(a.model_copy(update={"server_info": config.arms[0].server_info}) for a in config.arms)
     run = write_run(runs, config.model_copy(update={"arms": arms}), [*same, *twin(same, "inhouse")])
     assert refusal([str(run)]) == ("runs are not comparable (both sides serve drafter 'z-lab/Qwen3.6-27B-DFlash': "
@@ -569,8 +571,8 @@ def test_a_promotion_waits_for_one_under_way_and_is_then_checked_against_it(tmp_
 def test_records_edited_whatever_figures_are_kept_are_judged_only_forced(tmp_path: Path) -> None:
     """The candidate's output hashes made the baseline's: the summary's figures do not cover them, its seal does."""
     runs = tmp_path / "runs"
-    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", 60, 9.0, seed=1),
-                               "inhouse": synthetic("inhouse", 60, 9.0, seed=1, lossy=0.5)})
+    ab = make_run(runs, "ab", {"zlab": synthetic("zlab", PASSING, 9.0, seed=1),
+                               "inhouse": synthetic("inhouse", PASSING, 9.0, seed=1, lossy=0.5)})
     requests = ab / "requests.jsonl"
     records = [json.loads(line) for line in requests.read_text().splitlines()]
     base = {r["index"]: r["output_sha256"] for r in records if r["arm"] == "zlab"}
@@ -589,8 +591,8 @@ def test_a_summary_whose_flags_or_seals_were_edited_is_refused(tmp_path: Path) -
              "interrupted-turned-off": lambda s: {**s, "interrupted": False},
              "own-seal-dropped": lambda s: {k: v for k, v in s.items() if k != "summary_sha256"}}
     for name, edit in edits.items():
-        ab = make_run(tmp_path / name, name, {"zlab": synthetic("zlab", 60, 9.0, seed=1),
-                                              "inhouse": synthetic("inhouse", 60, 9.0, seed=2)},
+        ab = make_run(tmp_path / name, name, {"zlab": synthetic("zlab", PASSING, 9.0, seed=1),
+                                              "inhouse": synthetic("inhouse", PASSING, 9.0, seed=2)},
                       interrupted=name == "interrupted-turned-off")
         path = ab / "summary.json"
         summary = json.loads(path.read_text())
@@ -607,7 +609,7 @@ def test_a_summary_whose_flags_or_seals_were_edited_is_refused(tmp_path: Path) -
 def test_a_reader_that_stops_early_does_not_turn_a_verdict_into_a_fail(tmp_path: Path) -> None:
     """`dfserve compare RUN | head -1`: the pipe closes before the verdict's lines are written. The exit status is
     still the verdict's (here PASS), never 1, which is FAIL's."""
-    same = synthetic("zlab", 150, 9.0, seed=1)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
     aa = make_run(tmp_path / "runs", "aa", {"zlab": same, "inhouse": twin(same, "inhouse")})
     reading, writing = os.pipe()
     os.close(reading)  # the reader is gone before anything is written
@@ -621,8 +623,8 @@ def test_a_reader_that_stops_early_does_not_turn_a_verdict_into_a_fail(tmp_path:
 def test_a_pass_of_simulated_engines_promotes_only_forced(tmp_path: Path) -> None:
     """A rehearsal on dfserve's simulator judges no drafter: its PASS moves no baseline unless forced (and said)."""
     runs = tmp_path / "runs"
-    same = synthetic("zlab", 120, 9.0, seed=1)
-    base = run_config("sim", 120)
+    same = synthetic("zlab", PASSING, 9.0, seed=1)
+    base = run_config("sim", PASSING)
     sim = write_run(runs, base.model_copy(update={"arms": tuple(a.model_copy(update={"simulated": True})
                                                                  for a in base.arms)}),
                     [*same, *twin(same, "inhouse")])

@@ -42,6 +42,7 @@ from dfserve.shadow.records import (
 )
 from dfserve.shadow.verdict import NO_HASH, compare_shadow
 from dfserve.verdict.results import NOT_JUDGED
+from tests.synthetic import PASSING
 
 
 def _native(text: str, tokens: int, verify: int) -> bytes:
@@ -720,8 +721,8 @@ def test_losslessness_on_live_traffic(tmp_path: Path) -> None:
                                tmp_path / "v")
     lossless = next(r for r in differing.verdict.judgement.rules if r.metric == "lossless_fraction")
     assert lossless.status == "FAIL"
-    sampled = compare_shadow(_record(tmp_path / "b", _traffic(30, 4, temperature=0.7, cand_text="other")), None,
-                             None, False, tmp_path / "v")
+    sampled = compare_shadow(_record(tmp_path / "b", _traffic(PASSING, 4, temperature=0.7, cand_text="other")),
+                             None, None, False, tmp_path / "v")
     lossless = next(r for r in sampled.verdict.judgement.rules if r.metric == "lossless_fraction")
     assert lossless.status == "NOT_APPLICABLE" and sampled.verdict.verdict == "PASS"
 

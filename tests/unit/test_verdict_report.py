@@ -16,12 +16,12 @@ from dfserve.verdict.printer import print_verdict
 from dfserve.verdict.report import render_verdict_html, rule_interval
 from dfserve.verdict.results import Judgement
 from dfserve.verdict.verdict import Side, Verdict
-from tests.synthetic import synthetic
+from tests.synthetic import PASSING, synthetic
 
 
 @cache
 def _judgement(candidate_tau: float, lossy: float) -> Judgement:
-    return judge(synthetic("zlab", 200, 9.0, seed=1), synthetic("inhouse", 200, candidate_tau, seed=2, lossy=lossy),
+    return judge(synthetic("zlab", PASSING, 9.0, seed=1), synthetic("inhouse", PASSING, candidate_tau, seed=2, lossy=lossy),
                  DEFAULT_GATE, 0.0)
 
 
