@@ -152,6 +152,17 @@ def _refusal(record: CaptureRecord) -> str | None:
     return ROUTE_FOR[record.route].refusal(record.body)
 
 
+def _left_out(manifest: CaptureManifest, held: int, refused: Sequence[tuple[CaptureRecord, str]]) -> str | None:
+    """The requests a capture holds that cannot be replayed as one, in words, the first named (None: none): a
+    replay without them is not the traffic captured, as one of a capture that lost requests is not."""
+    if not refused:
+        return None
+    record, why = refused[0]
+    more = f"; and {len(refused) - 1} more" if len(refused) > 1 else ""
+    return (f"{len(refused)} of the {held} requests it holds cannot be replayed as one and are left out (record "
+            f"{record.seq} ({_where(manifest, record.seq)}) {why}{more})")
+
+
 def capture_holes(manifest: CaptureManifest) -> str | None:
     """What a capture lost between the requests it holds, in words (None: nothing): a full queue, a failed write, a
     request larger than a segment or one it could not record. Requests sampled out, those that arrived after it
@@ -173,12 +184,13 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
     name = f"{PREFIX}{directory.name}"
     if not records:
         raise FieldError("tasks", f"capture {directory} holds no requests")
-    for record in records:
-        refusal = _refusal(record)
-        if refusal is not None:
-            raise FieldError("tasks", f"capture {directory}: record {record.seq} ({_where(manifest, record.seq)}) "
-                             f"{refusal}")
-    arrived = sorted(records, key=lambda r: r.offset_s)  # an observer sees exchanges as they end, not begin
+    refused = [(record, why) for record in records if (why := _refusal(record)) is not None]
+    left_out = _left_out(manifest, len(records), refused)
+    if len(refused) == len(records):
+        raise FieldError("tasks", f"capture {directory}: nothing in it can be replayed: {left_out}")
+    gone = {record.seq for record, _ in refused}
+    # in arrival order: an observer sees exchanges as they end, not begin
+    arrived = sorted((r for r in records if r.seq not in gone), key=lambda r: r.offset_s)
     until = manifest.lost_from_offset_s
     window = [r for r in arrived if until is None or r.offset_s < until]
     if not window:
@@ -188,4 +200,5 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
     ends = (f"replays its first {len(window)} of {len(arrived)} requests, those that arrived before {until:g} s: a "
             "request that arrived then was still running when it stopped, and was lost" if until is not None else None)
     return CaptureTaskSet(name=name, tasks=tuple(tasks), arrivals_s=tuple(t.arrival_s for t in tasks),
-                          holes=capture_holes(manifest), shortened=ends)
+                          holes="; ".join(lost for lost in (capture_holes(manifest), left_out) if lost) or None,
+                          shortened=ends)

@@ -177,8 +177,9 @@ def loadtest() -> None:
               help="With --until-decided: the gate file to decide, as for compare, e.g. "
                    "`rules: [{metric: accept_length, max_worse: 0.02}]` (default: the default gate).")
 @click.option("--look-every", type=int, default=None, help="With --until-decided: pairs between looks (default 16).")
-@click.option("--force", is_flag=True, help="Replay a capture that lost requests between those it holds (recorded "
-              "in the run's config.json; a verdict on the run says so).")
+@click.option("--force", is_flag=True, help="Replay a capture that lost requests between those it holds, or holds "
+              "some that cannot be replayed as one (left out): recorded in the run's config.json, and a verdict on "
+              "the run says so.")
 def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, warmup: int, max_new_tokens: int,
                 temperature: float, top_p: float, concurrency: int | None, rate: float | None, arrival: str,
                 speed: float | None, seed: int, duration: float | None, request_timeout: float, model: str | None, out: Path,
