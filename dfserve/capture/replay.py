@@ -82,6 +82,13 @@ class CaptureTaskSet(TaskSet):
         """How many of the capture's requests came on each route."""
         return Counter(task.route for task in self.tasks if isinstance(task, ReplayTask))
 
+    def unset(self) -> Counter[str]:
+        """How many of its requests leave each sampling setting (`max_new_tokens`, `temperature`, `top_p`) to the
+        run's flags, which `for_run` fills: the server would have used its own defaults (an OpenAI request without
+        a temperature samples at 1.0 there)."""
+        return Counter(key for task in self.tasks if isinstance(task, ReplayTask)
+                       for key, value in ROUTE_FOR[task.route].settings(task.body).items() if value is None)
+
     def for_run(self, sampling: Sampling) -> tuple[CaptureTaskSet, Sampling]:
         """Tasks whose unset sampling settings are the run's, and the loosest settings among them, with the lowest
         temperature (what the run records)."""

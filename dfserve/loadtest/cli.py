@@ -216,6 +216,11 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             if task_set.shortened is not None:
                 click.echo(f"note: --tasks {tasks}: {task_set.shortened}", err=True)
+            if unset := task_set.unset():
+                filled = ", ".join(f"{n} no {key} (sent with --{key.replace('_', '-')} {getattr(sampling, key):g})"
+                                   for key, n in sorted(unset.items()))
+                click.echo(f"note: --tasks {tasks}: of its {len(task_set.tasks)} requests, {filled}: the run's "
+                           "flags, not the server's defaults", err=True)
             task_set, sampling = task_set.for_run(sampling)
         plan = RunPlan(arms=tuple(_arm(a) for a in arms), api=cast("Api | None", api),
                        task_set=task_set, num_requests=num_requests, warmup=warmup, sampling=sampling,

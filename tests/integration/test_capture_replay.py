@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import threading
 import time
@@ -167,6 +168,10 @@ def test_the_replayed_bodies_are_the_captured_ones(captures: Path, tmp_path: Pat
                           "trace", "--speed", "8", "--num-requests", "12", "--warmup", "0", "--max-error-rate", "1",
                           *FLAGS)
     assert result.returncode == 0, result.stderr
+    # what the flags filled is said: SGLang would have sampled a request without a temperature at its own default
+    assert re.search(r"of its (\d+) requests, \d+ no max_new_tokens \(sent with --max-new-tokens 24\), \d+ no "
+                     r"temperature \(sent with --temperature 0\), \d+ no top_p \(sent with --top-p 1\): the run's flags, "
+                     r"not the server's defaults", result.stderr), result.stderr
     expected = {}
     for i in range(12):
         body = {**native(i), "stream": True}
