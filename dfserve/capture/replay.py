@@ -150,12 +150,16 @@ def _where(manifest: CaptureManifest, seq: int) -> str:
 
 
 def _refusal(record: CaptureRecord) -> str | None:
+    """Why a record cannot be replayed as the request it was, or None. Its sampling settings are looked at here, not
+    only at its `replayable`: a capture written before a dropped setting made a record unreplayable says True."""
+    settings = [path for path in record.redacted if record.redaction == "drop" and sets_generation(record.route, path)]
+    if record.redaction == "hash":
+        return "cannot be replayed: its user text was hashed (redact: hash)"
+    if settings:
+        return (f"cannot be replayed: its sampling settings were dropped (redact: drop {', '.join(settings)}): "
+                "without them it is another request than the one captured")
     if not record.replayable:
-        settings = [path for path in record.redacted if sets_generation(record.route, path)]
-        how = ("its user text was hashed (redact: hash)" if record.redaction == "hash"
-               else f"its sampling settings were dropped (redact: drop {', '.join(settings)}): replayed, it would run "
-               "at the run's" if settings else f"its prompt was dropped (redact: drop {', '.join(record.redacted)})")
-        return f"cannot be replayed: {how}"
+        return f"cannot be replayed: its prompt was dropped (redact: drop {', '.join(record.redacted)})"
     return ROUTE_FOR[record.route].refusal(record.body)
 
 

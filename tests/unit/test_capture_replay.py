@@ -11,7 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from dfserve import sglang
+from dfserve.capture import redact as redact_module
 from dfserve.capture.format import CapturePolicy
+from dfserve.capture.read import read_capture
 from dfserve.capture.replay import CaptureTaskSet, ReplayTask, load_capture_tasks
 from dfserve.capture.writer import Captured, CaptureWriter
 from dfserve.errors import FieldError, UserError, invalid_field
@@ -164,14 +166,21 @@ def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) 
     assert "\n" not in str(caught.value)
 
 
-def test_a_dropped_prompt_or_sampling_setting_refuses(tmp_path: Path) -> None:
+def test_a_dropped_prompt_or_sampling_setting_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
     with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
         load_capture_tasks(spec)
     spec = capture(tmp_path / "t", [("/v1/chat/completions", chat("a", temperature=0.3), 0.0)], redact="drop",
                    drop_fields=("user", "temperature"))
-    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\): replayed, "
-                       r"it would run at the run's"):
+    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\): without "
+                       r"them it is another request than the one captured"):
+        load_capture_tasks(spec)
+    with monkeypatch.context() as written_before:  # a capture written before this rule: its record says replayable
+        written_before.setattr(redact_module, "sets_generation", lambda route, path: False)
+        spec = capture(tmp_path / "old", [("/v1/chat/completions", chat("a", temperature=0.3), 0.0)], redact="drop",
+                       drop_fields=("temperature",))
+    assert read_capture(tmp_path / "old" / "capture")[1][0].replayable
+    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\)"):
         load_capture_tasks(spec)
 
 
