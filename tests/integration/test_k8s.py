@@ -245,6 +245,22 @@ def test_loadtest_job_flags_are_the_load_testers() -> None:
         assert mount["mountPath"] == "/runs"
 
 
+def test_no_deployment_of_any_overlay_selects_another_ones_pods() -> None:
+    """Applied together (the fleet, a load test and its sharded twin, the watch), a Deployment whose selector takes
+    another's pods would count them as its own, and `kubectl exec deploy/NAME` could run in a pod of the other."""
+    templates: dict[str, dict[str, str]] = {}
+    selectors: dict[str, dict[str, str]] = {}
+    for where in OVERLAYS:
+        for doc in rendered(where):
+            if doc["kind"] == "Deployment":
+                name = doc["metadata"]["name"]
+                templates[name] = doc["spec"]["template"]["metadata"]["labels"]
+                selectors[name] = doc["spec"]["selector"]["matchLabels"]
+    assert {"dfserve-runs", "dfserve-runs-sharded", "dfserve-models", "pro6000-zlab"} <= set(templates)
+    for name, selector in selectors.items():
+        assert [other for other, labels in templates.items() if selector.items() <= labels.items()] == [name], name
+
+
 def test_base_has_a_pod_for_staging_drafters_on_the_engines_model_cache() -> None:
     """Staging comes before the fleet (its in-house engine reads the drafter): base alone holds the volume and a pod
     that writes it where the engines read it, run only when scaled up."""
@@ -340,9 +356,11 @@ def test_sharded_feature_build_makes_the_parts_of_the_watchs_cache() -> None:
     assert claims["watch"] == watch_claims["watch"] and params["cache"] == Path("/watch/cache")
     claim = one(rendered("overlays/eval-watch"), "PersistentVolumeClaim", claims["watch"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # the parts are written from several nodes
-    # the Job applied first creates the watch's volume too, as the merge does: none waits for a claim never made
+    # the volume is eval-volume's (the watch's too); neither Job's overlay holds it: `kubectl delete -k` of a failed
+    # Job, to apply it again, would delete the watch's state, runs and cache with it
+    assert one(rendered("overlays/eval-volume"), "PersistentVolumeClaim", claims["watch"]) == claim
     for overlay in ("overlays/eval-features-sharded", "overlays/eval-features-merge"):
-        assert one(rendered(overlay), "PersistentVolumeClaim", claims["watch"]) == claim
+        assert not [d for d in rendered(overlay) if d["kind"] == "PersistentVolumeClaim"]
     merge = one(rendered("overlays/eval-features-merge"), "Job", "dfserve-eval-features-merge")
     (merger,) = merge["spec"]["template"]["spec"]["containers"]
     assert merger["command"] == ["dfserve", "eval", "cache", "merge"]
