@@ -174,7 +174,7 @@ def compare_eval_runs(run: Path, run2: Path | None, baseline: str | None, candid
     if why := judged_against_itself(names[0], base.drafter(base_label), names[1], cand.drafter(cand_label)):
         raise UserError(why)
     methods = [m for m in base.config.methods() if m in cand.config.methods()]
-    check_rules(rules, metrics_of(methods))
+    check_rules(rules, metrics_of(methods), gate)
     base_records, cand_records = base.drafter_records(base_label), cand.drafter_records(cand_label)
     incomplete = base.incomplete(base_label, base_records)
     incomplete += [why for why in cand.incomplete(cand_label, cand_records) if why not in incomplete]

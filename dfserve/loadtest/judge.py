@@ -62,7 +62,7 @@ def load_gate(path: Path | None) -> Gate:
     """The gate in a YAML file (`rules: [{metric, max_worse | at_least}]`) on the load test's metrics, or the
     defaults."""
     gate = read_gate(path, DEFAULT_GATE)
-    check_rules(gate, METRICS)
+    check_rules(gate, METRICS, path)
     return gate
 
 

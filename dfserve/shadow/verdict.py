@@ -273,7 +273,7 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
     verdict into a new folder under `out` (default: beside the folder)."""
     config = read_model(path / "config.json", ShadowRunConfig, f"{path}: not a shadow record folder")
     rules = read_gate(gate, config.sequential.gate if config.sequential is not None else DEFAULT_GATE)
-    check_rules(rules, METRICS)
+    check_rules(rules, METRICS, gate)
     records = list(read_records(path / "requests.jsonl"))
     missing = incomplete(path, config, records)
     if missing and not force:

@@ -99,16 +99,18 @@ def read_gate(path: Path | None, default: G) -> G:
         raise FieldError("gate", describe_invalid(exc, str(path))) from None
 
 
-def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]]) -> None:
-    """Every rule names one of `metrics` with the limit its kind takes; checked before anything is computed."""
+def check_rules(gate: Gate, metrics: Mapping[str, MetricSpec[Any]], source: Path | None = None) -> None:
+    """Every rule names one of `metrics` with the limit its kind takes; checked before anything is computed. A gate
+    read from a file (`source`) is named in what is refused."""
+    where = f"{source}: " if source is not None else ""
     for number, rule in enumerate(gate.rules):
         spec = metrics.get(rule.metric)
         if spec is None:
-            raise FieldError("gate", f"rules.{number}.metric: unknown metric {rule.metric!r} "
+            raise FieldError("gate", f"{where}rules.{number}.metric: unknown metric {rule.metric!r} "
                              f"(known: {', '.join(metrics)})")
         kind = kind_of(spec)
         if getattr(rule, kind.limit) is None:
-            raise FieldError("gate", f"rules.{number}: {rule.metric} takes '{kind.limit}' only")
+            raise FieldError("gate", f"{where}rules.{number}: {rule.metric} takes '{kind.limit}' only")
         if kind.vacuous(spec, rule.limit):
-            raise FieldError("gate", f"rules.{number}.{kind.limit}: {rule.limit:g} passes any candidate on "
+            raise FieldError("gate", f"{where}rules.{number}.{kind.limit}: {rule.limit:g} passes any candidate on "
                              f"{rule.metric}; a rule that judges nothing would stand for one that does")

@@ -51,8 +51,9 @@ def test_a_rule_no_candidate_can_miss_is_refused(tmp_path: Path, rule: str, mess
     """Higher is better on throughput: a candidate falls by all of it at most. Latency may rise without bound."""
     path = tmp_path / "gate.yaml"
     path.write_text(f"rules:\n  - {{metric: ttft_p99, max_worse: 5}}\n  - {rule}\n")
-    with pytest.raises(FieldError, match=message):
+    with pytest.raises(FieldError) as caught:
         load_gate(path)
+    assert str(caught.value).startswith(f"gate: {path}: {message}")  # the file named, as for any other refusal
     path.write_text(f"rules:\n  - {rule.replace(': 1}', ': 0.05}').replace(': 0}', ': 0.9}')}\n")
     assert load_gate(path).rules[0].limit in (0.05, 0.9)
 
