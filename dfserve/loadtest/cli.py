@@ -213,14 +213,15 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         if task_set.incomplete is not None and not force:
             raise UserError(f"--tasks {tasks}: {task_set.incomplete}: a replay of it is not the traffic captured; "
                             "--force replays what it holds, recorded in the run's config.json")
+        notes = []  # said once the run is known to go ahead: a refusal is one line
         if isinstance(task_set, CaptureTaskSet):  # its own settings; the flags fill what a request did not set
             if task_set.shortened is not None:
-                click.echo(f"note: --tasks {tasks}: {task_set.shortened}", err=True)
+                notes.append(f"note: --tasks {tasks}: {task_set.shortened}")
             if unset := task_set.unset():
                 filled = ", ".join(f"{n} no {key} (sent with --{key.replace('_', '-')} {getattr(sampling, key):g})"
                                    for key, n in sorted(unset.items()))
-                click.echo(f"note: --tasks {tasks}: of its {len(task_set.tasks)} requests, {filled}: the run's "
-                           "flags, not the server's defaults", err=True)
+                notes.append(f"note: --tasks {tasks}: of its {len(task_set.tasks)} requests, {filled}: the run's "
+                             "flags, not the server's defaults")
             task_set, sampling = task_set.for_run(sampling)
         plan = RunPlan(arms=tuple(_arm(a) for a in arms), api=cast("Api | None", api),
                        task_set=task_set, num_requests=num_requests, warmup=warmup, sampling=sampling,
@@ -230,6 +231,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], plan.sampling.temperature,
                                      len(plan.task_set.tasks), warmup, plan.sampling.mixes_greedy)
                    if plan.sequential else None)
+    for note in notes:
+        click.echo(note, err=True)
     if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=plan.default_api)
