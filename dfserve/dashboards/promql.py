@@ -53,13 +53,15 @@ def ratio(numerator: str, denominator: str) -> str:
 
 def error_ratio(window: str, labels: Sequence[str], matchers: Sequence[str] = ()) -> str:
     """Failed requests over finished ones, from the two series that start at 0 (`dfserve.metrics.REQUESTS_FAILED`
-    and the 2xx series of `dfserve_requests_total`): the first failure of a kind not seen before is in it. A
-    producer that exports no `REQUESTS_FAILED` (one of an earlier version: a gateway pod not yet rolled, a range
-    before the upgrade) has its failures read from `dfserve_requests_total{status!="2xx"}` instead, series by
-    series (`or` matches every label but the status and kind)."""
+    and the 2xx series of `dfserve_requests_total`): the first failure of a kind not seen before is in it. Series by
+    series (`>=` and `or` match every label but the status and kind), the larger of that count and the failures read
+    from `dfserve_requests_total{status!="2xx"}`: a producer of an earlier version exports no `REQUESTS_FAILED` (a
+    gateway pod not yet rolled), and a window across an upgrade in place holds the earlier failures only in the
+    kinds' series."""
     requests = counter(m.REQUESTS)
-    failed = (f"sum {by(labels)}(\nrate({selector(counter(m.REQUESTS_FAILED), matchers)}[{window}])\nor\n"
-              f"sum without (status, error) (rate({selector(requests, (*matchers, ERROR_STATUS))}[{window}]))\n)")
+    counted = f"rate({selector(counter(m.REQUESTS_FAILED), matchers)}[{window}])"
+    kinds = f"sum without (status, error) (rate({selector(requests, (*matchers, ERROR_STATUS))}[{window}]))"
+    failed = f"sum {by(labels)}(\n({counted} >= {kinds})\nor\n{kinds}\nor\n{counted}\n)"
     succeeded = rate_sum(requests, window, labels, (*matchers, f'status="{m.STATUS_OK}"'))
     return ratio(failed, f"{failed}\n+\n{succeeded}")
 

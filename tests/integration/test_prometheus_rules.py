@@ -119,6 +119,19 @@ CASES: list[dict[str, Any]] = [
          "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 0.25}]},
     ]},
     {"interval": "1m", "input_series": [
+        # One gateway at one address restarted into this version at 30m (its counters start again): steady 6%
+        # failures throughout. A window across the restart holds the earlier failures only in their kinds' series:
+        # the ratio stays 6%, and the 1 h figure drops no failures for the jump alert to fire on.
+        _series("dfserve_requests_total", _requests(200, None), "0+94x29 0+94x40"),
+        _series("dfserve_requests_total", _requests(502, "connect"), "0+6x29 _ 6+6x39"),
+        _series(f"{m.REQUESTS_FAILED}_total", FAILED, "_x30 0+6x40"),
+    ], "alert_rule_test": [
+        _alert("DfserveErrorRateJump", "45m", None),
+    ], "promql_expr_test": [
+        {"expr": f"round({rules.ERROR_RATIO_1H}, 0.01)", "eval_time": "45m",
+         "exp_samples": [{"labels": '{job="gateway", arm="candidate"}', "value": 0.06}]},
+    ]},
+    {"interval": "1m", "input_series": [
         _series("dfserve_replica_healthy", {"arm": "baseline", "replica": "http://r1"}, "1x5 0x10"),
         {"series": 'up{job="engines", deployment="zlab", instance="10.0.0.1:30000"}', "values": "1x5 0x10"},
     ], "alert_rule_test": [
