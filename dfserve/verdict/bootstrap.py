@@ -40,7 +40,7 @@ def _relative(name: str, spec: MetricSpec[Any], values: tuple[float, float], dra
     (value_b, value_c), (n_b, n_c) = values, counts
     if not value_b:
         return _empty(name, spec, n_b, n_c).model_copy(update={"baseline": float(value_b), "candidate": float(value_c)})
-    interval = stats.percentile_interval(value_c / value_b - 1, draws, clusters)
+    interval = stats.decisive_interval(value_c / value_b - 1, draws, clusters)
     return MetricResult(metric=name, label=spec.label, baseline=float(value_b), candidate=float(value_c),
                         change=interval.estimate, change_low=interval.low, change_high=interval.high, relative=True,
                         n_baseline=n_b, n_candidate=n_c, higher_is_better=spec.higher_is_better, unit=spec.unit)
@@ -49,7 +49,8 @@ def _relative(name: str, spec: MetricSpec[Any], values: tuple[float, float], dra
 def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[np.float64]) -> MetricResult:
     """The absolute change in the share of units that did not finish, with the wider of two intervals: the task
     bootstrap, which holds errors that come by task, and Newcombe's from the counts, which holds rare ones (a
-    bootstrap of no error seen is [0, 0], a PASS of an error rate it cannot have measured)."""
+    bootstrap of no error seen is [0, 0], a PASS of an error rate it cannot have measured); no interval over fewer
+    tasks than the bootstrap's minimum (`stats.MIN_CLUSTERS`), whatever the counts: errors come by task."""
     n = len(pairs)
     if n == 0:
         return _empty(name, spec)
@@ -58,13 +59,16 @@ def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDA
     err_c = _per_task([0.0 if u.ok else 1.0 for u in pairs.cand], pairs.cluster, pairs.tasks)
     rate_b, rate_c = err_b.sum() / n, err_c.sum() / n
     draws = stats.weighted_ratio(weights, err_c, totals) - stats.weighted_ratio(weights, err_b, totals)
-    interval = stats.percentile_interval(rate_c - rate_b, draws, _clusters(pairs.cluster))
+    interval = stats.decisive_interval(rate_c - rate_b, draws, _clusters(pairs.cluster))
     counted = stats.newcombe(round(err_b.sum()), n, round(err_c.sum()), n)
     assert counted is not None
+    if not math.isfinite(interval.low):
+        counted = interval
+    by_counts = counted.low < interval.low or counted.high > interval.high
     return MetricResult(metric=name, label=spec.label, baseline=rate_b, candidate=rate_c, change=interval.estimate,
-                        change_low=min(interval.low, counted.low) if math.isfinite(interval.low) else counted.low,
-                        change_high=max(interval.high, counted.high) if math.isfinite(interval.high) else counted.high,
-                        relative=False, n_baseline=n, n_candidate=n, higher_is_better=False, unit=spec.unit)
+                        change_low=min(interval.low, counted.low), change_high=max(interval.high, counted.high),
+                        relative=False, n_baseline=n, n_candidate=n, higher_is_better=False, unit=spec.unit,
+                        interval_of_counts=by_counts)
 
 
 def _clusters(owners: NDArray[np.int64]) -> int:

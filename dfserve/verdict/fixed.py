@@ -56,8 +56,12 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
 def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleResult:
     """PASS when the candidate's whole 95% interval is at most `max_worse` worse than the baseline, FAIL when all
     of it is worse than that, INCONCLUSIVE otherwise."""
-    if result.change is None or result.change_low is None or result.change_high is None or math.isnan(result.change_low):
+    if result.change is None or result.change_low is None or result.change_high is None:
         return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail="no paired data")
+    if math.isnan(result.change_low):
+        return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE",
+                          detail=f"no interval: its paired data come from fewer than {stats.MIN_CLUSTERS} distinct "
+                                 "tasks", tasks_needed=max(stats.MIN_CLUSTERS, tasks + 1))
     # Express "worse" as a positive number on both sides so one comparison serves every direction.
     sign = -1.0 if result.higher_is_better else 1.0
     worse_low, worse_high = sorted((sign * result.change_low, sign * result.change_high))
@@ -68,6 +72,10 @@ def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleRe
         return RuleResult(metric=result.metric, limit=max_worse, status="PASS", detail=detail)
     if worse_low > max_worse:
         return RuleResult(metric=result.metric, limit=max_worse, status="FAIL", detail=detail)
+    if result.interval_of_counts and result.baseline is not None and result.candidate is not None:
+        return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail=detail,
+                          requests_needed=stats.newcombe_requests_needed(result.baseline, result.candidate,
+                                                                         result.n_baseline, max_worse))
     return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail=detail,
                       tasks_needed=tasks_needed(tasks, (worse_high - worse_low) / 2, abs(worse - max_worse)))
 

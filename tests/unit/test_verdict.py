@@ -115,9 +115,26 @@ def test_an_error_rule_without_errors_passes_only_on_enough_requests() -> None:
     few = judge(synthetic("zlab", 80, 9.0, seed=1), synthetic("inhouse", 80, 9.0, seed=2), DEFAULT_GATE, 0.0)
     errors = next(m for m in few.metrics if m.metric == "error_rate")
     assert (errors.baseline, errors.candidate) == (0.0, 0.0) and errors.change_high == pytest.approx(0.0458, abs=1e-3)
-    assert {r.metric: r.status for r in few.rules}["error_rate"] == "INCONCLUSIVE"
+    undecided = {r.metric: r for r in few.rules}["error_rate"]
+    assert undecided.status == "INCONCLUSIVE" and undecided.tasks_needed is None
+    assert undecided.requests_needed == 381  # from the counts: repeats of the 40 tasks narrow it too
+    assert stats.newcombe(0, 381, 0, 381).high <= 0.01 < stats.newcombe(0, 380, 0, 380).high  # type: ignore[union-attr]
     enough = judge(synthetic("zlab", 400, 9.0, seed=1), synthetic("inhouse", 400, 9.0, seed=2), DEFAULT_GATE, 0.0)
     assert {r.metric: r.status for r in enough.rules}["error_rate"] == "PASS"
+
+
+@pytest.mark.parametrize("tasks", [1, 2, 4])
+def test_fewer_than_five_tasks_decide_no_rule_however_many_requests(tasks: int) -> None:
+    """One task's bootstrap draws all agree, an interval of no width; two to four reach no further than their range:
+    400 requests of one prompt each PASSed every rule."""
+    judged = judge(synthetic("zlab", 400, 9.0, seed=1, tasks=tasks), synthetic("inhouse", 400, 9.0, seed=2,
+                                                                                tasks=tasks), DEFAULT_GATE, 0.0)
+    rules = {r.metric: r for r in judged.rules if r.metric != "lossless_fraction"}
+    assert judged.verdict == "INCONCLUSIVE" and {r.status for r in rules.values()} == {"INCONCLUSIVE"}
+    assert all(r.tasks_needed == 5 and "fewer than 5 distinct tasks" in r.detail for r in rules.values())
+    five = judge(synthetic("zlab", 400, 9.0, seed=1, tasks=5), synthetic("inhouse", 400, 9.0, seed=2, tasks=5),
+                 DEFAULT_GATE, 0.0)
+    assert all(m.change_low is not None and math.isfinite(m.change_low) for m in five.metrics)
 
 
 def test_quantile_interval_covers_the_true_quantile_about_95_percent() -> None:
