@@ -32,6 +32,9 @@ from tests.integration.servers import dfserve_argv
 K8S = ROOT / "k8s"
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = sorted(f"overlays/{p.name}" for p in (K8S / "overlays").iterdir() if p.is_dir())
+VOLUME_OVERLAYS = [o for o in OVERLAYS if o.endswith("-volume")]
+TRAINER_CLAIM = "trainer-checkpoints"
+"""The trainer's own claim, which the watch mounts read-only: the training run's, never rendered here."""
 ENGINES = ("zlab", "inhouse")
 OPERATOR_GROUP = "monitoring.coreos.com/"
 RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
@@ -106,7 +109,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 def test_every_overlay_is_found() -> None:
     assert {Path(o).name for o in OVERLAYS} == {"zlab", "inhouse", "gateway", "loadtest", "monitoring", "fleet",
                                                   "gateway-replicated", "loadtest-sharded", "eval-watch",
-                                                  "eval-features-sharded", "eval-features-merge", "eval-volume"}
+                                                  "eval-features-sharded", "eval-features-merge", "eval-volume",
+                                                  "loadtest-volume", "loadtest-sharded-volume"}
 
 
 @pytest.mark.parametrize("where", KUSTOMIZATIONS)
@@ -126,7 +130,7 @@ def test_renders_and_validates_strictly(where: str, tmp_path: Path) -> None:
                 f"{doc['kind']}/{doc['metadata']['name']} has fields the operator's schema does not know")
 
 
-@pytest.mark.parametrize("where", [o for o in OVERLAYS if not o.endswith(("monitoring", "eval-volume"))])
+@pytest.mark.parametrize("where", [o for o in OVERLAYS if o != "overlays/monitoring" and o not in VOLUME_OVERLAYS])
 def test_pods_pass_restricted_pod_security_with_resources(where: str) -> None:
     pods = list(pod_specs(rendered(where)))
     assert pods
@@ -229,8 +233,6 @@ def test_loadtest_job_flags_are_the_load_testers() -> None:
     run = loadtest.commands["run"]
     context = run.make_context("run", expanded_args(container))
     assert context.params["pushgateway"].startswith("http://") and context.params["out"] == Path("/runs")
-    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
-    one(docs, "PersistentVolumeClaim", volumes["runs"]["persistentVolumeClaim"]["claimName"])
     for overlay, suffix in (("overlays/loadtest", ""), ("overlays/loadtest-sharded", "-sharded")):
         # where compare and merge run once the Job is done: its volume, mounted where the Job writes its runs,
         # and no pod until it is scaled up (a ReadWriteOnce volume held on another node would stall the Job)
@@ -241,6 +243,8 @@ def test_loadtest_job_flags_are_the_load_testers() -> None:
                    for v in pod["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
                   for pod in (shell, job)]
         assert claims[0] == claims[1] == {"runs": f"loadtest-runs{suffix}"} and shell["spec"]["replicas"] == 0
+        claim = one(rendered(f"{overlay}-volume"), "PersistentVolumeClaim", f"loadtest-runs{suffix}")
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany" if suffix else "ReadWriteOnce"]
         (mount,) = [m for m in shell["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == "runs"]
         assert mount["mountPath"] == "/runs"
 
@@ -250,7 +254,7 @@ def test_no_deployment_of_any_overlay_selects_another_ones_pods() -> None:
     another's pods would count them as its own, and `kubectl exec deploy/NAME` could run in a pod of the other."""
     templates: dict[str, dict[str, str]] = {}
     selectors: dict[str, dict[str, str]] = {}
-    for where in OVERLAYS:
+    for where in ["base", *OVERLAYS]:
         for doc in rendered(where):
             if doc["kind"] == "Deployment":
                 name = doc["metadata"]["name"]
@@ -324,8 +328,33 @@ def test_eval_watch_reads_the_trainers_volume_only_and_runs_alone() -> None:
     assert volumes["checkpoints"]["persistentVolumeClaim"]["readOnly"] is True
     written = [params["out"], params["cache"], params["store"], params["registry"]]
     assert all(str(path).startswith(mounts["watch"]["mountPath"] + "/") for path in written), written
-    one(docs, "PersistentVolumeClaim", volumes["watch"]["persistentVolumeClaim"]["claimName"])
+    one(rendered("overlays/eval-volume"), "PersistentVolumeClaim", volumes["watch"]["persistentVolumeClaim"]["claimName"])
     assert mounts["models"]["readOnly"] is True
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == TRAINER_CLAIM
+
+
+def test_deleting_a_workloads_overlay_keeps_its_volumes() -> None:
+    """A Job cannot be changed, so it runs again through `kubectl delete -k` and `apply -k` of its overlay, and a
+    Deployment is taken down the same way: an overlay holding a workload and a claim would delete the volume (the
+    recorded runs, the feature cache) with it. Claims live in the volume overlays, applied once, and in base (the
+    namespace's own: deleting it deletes everything), and those hold every claim a workload mounts."""
+    claims: dict[str, str] = {}
+    for where in VOLUME_OVERLAYS:
+        docs = rendered(where)
+        assert docs and {d["kind"] for d in docs} == {"PersistentVolumeClaim"}, where
+        claims |= {d["metadata"]["name"]: where for d in docs}
+    claims |= {d["metadata"]["name"]: "base" for d in rendered("base") if d["kind"] == "PersistentVolumeClaim"}
+    mounted: dict[str, str] = {}
+    for where in OVERLAYS:
+        docs = rendered(where)
+        pods = dict(pod_specs(docs))
+        held = [d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"]
+        assert not (pods and held), f"`kubectl delete -k {where}` deletes {held} with {sorted(pods)}"
+        mounted |= {v["persistentVolumeClaim"]["claimName"]: f"{where}: {name}" for name, pod in pods.items()
+                    for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
+    unrendered = {claim: where for claim, where in mounted.items() if claim not in claims}
+    assert unrendered == {TRAINER_CLAIM: "overlays/eval-watch: Deployment/dfserve-eval-watch"}
+    assert {"loadtest-runs", "loadtest-runs-sharded", "eval-watch", "model-cache"} <= mounted.keys()
 
 
 KEYING = ("target", "tasks", "num_tasks", "max_new_tokens", "dtype", "prompt_format", "thinking", "reference",
@@ -354,13 +383,8 @@ def test_sharded_feature_build_makes_the_parts_of_the_watchs_cache() -> None:
     watch_claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
                     for v in watch["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
     assert claims["watch"] == watch_claims["watch"] and params["cache"] == Path("/watch/cache")
-    claim = one(rendered("overlays/eval-watch"), "PersistentVolumeClaim", claims["watch"])
+    claim = one(rendered("overlays/eval-volume"), "PersistentVolumeClaim", claims["watch"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # the parts are written from several nodes
-    # the volume is eval-volume's (the watch's too); neither Job's overlay holds it: `kubectl delete -k` of a failed
-    # Job, to apply it again, would delete the watch's state, runs and cache with it
-    assert one(rendered("overlays/eval-volume"), "PersistentVolumeClaim", claims["watch"]) == claim
-    for overlay in ("overlays/eval-features-sharded", "overlays/eval-features-merge"):
-        assert not [d for d in rendered(overlay) if d["kind"] == "PersistentVolumeClaim"]
     merge = one(rendered("overlays/eval-features-merge"), "Job", "dfserve-eval-features-merge")
     (merger,) = merge["spec"]["template"]["spec"]["containers"]
     assert merger["command"] == ["dfserve", "eval", "cache", "merge"]

@@ -94,6 +94,6 @@ def test_the_indexed_job_runs_every_shard_of_one_schedule_on_a_shared_volume() -
         assert params["out"] == Path("/runs/job-u1") and params["name"] == f"shard-{index}"
     assert seen == set(range(spec["completions"]))
     (runs,) = [v for v in pod["volumes"] if v["name"] == "runs"]
-    claim = one(docs, "PersistentVolumeClaim", runs["persistentVolumeClaim"]["claimName"])
+    claim = one(rendered(f"{SHARDED}-volume"), "PersistentVolumeClaim", runs["persistentVolumeClaim"]["claimName"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert one(docs, "Job", "dfserve-loadtest-sharded")["spec"]["backoffLimit"] == 0
