@@ -268,9 +268,11 @@ def derive(t0: float, done: Finished, *, decode_all: bool = False) -> RequestRec
         return build_record(done.sent, done.http_status, StreamRead(), ("http_status", message))
     stream = read_stream(api, done.pieces, t0, decode_all=decode_all)
     sent = done.sent
-    if error is not None and error[0] in ("disconnect", "timeout") and stream.failure is None and _whole(done.pieces):
+    if (error is not None and error[0] in ("disconnect", "timeout")
+            and (_whole(done.pieces) or (stream.done and stream.failure is not None))):
         # Cut, or held open, after `[DONE]`: the answer is whole, as a client that leaves there has it and as the
-        # gateway counts it; it ended with the read that completed it.
+        # gateway counts it, and ended with the read that completed it; what was wrong with it before (no
+        # finish_reason) or after (an event) is the server's fault, not the cut's.
         error, sent = None, replace(sent, end_s=done.pieces[-1][0] - t0)
     budget = sent.output_budget
     if stream.failure is None and stream.counted and budget is not None and stream.completion_tokens > budget:

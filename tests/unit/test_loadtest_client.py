@@ -163,6 +163,12 @@ def test_a_server_holding_the_connection_after_done_has_answered_by_done(monkeyp
     monkeypatch.setattr(tester_client, "DONE_GRACE_S", 5.0)  # past the request's own timeout: that one ran out
     finished, _ = run([chat_event("a", "stop"), b"data: [DONE]\n\n"], ended=False, then=lambda: None, timeout_s=0.5)
     assert finished.error == ("timeout", "no complete answer within 0.5 s") and derive(0.0, finished).ok
+    for answer, fault in (([chat_event("a"), b"data: [DONE]\n\n"], "stream finished without a finish_reason"),
+                          ([chat_event("a", "stop"), b"data: [DONE]\n\n", chat_event("b")], "an event after [DONE]")):
+        finished, _ = run(answer, ended=False, then=lambda: None, timeout_s=0.5)
+        assert finished.error is not None and finished.error[0] == "timeout"
+        record = derive(0.0, finished)  # the server's fault in the answer, not the hold after it
+        assert (record.error_kind, record.error_message) == ("protocol", fault)
     split = [chat_event("a", "stop"), b"data: [DO", b"NE]\n\n"]  # not seen: the timeout, and still whole
     finished, _ = run(split, ended=False, then=lambda: None, timeout_s=0.5)
     assert finished.error == ("timeout", "no complete answer within 0.5 s") and derive(0.0, finished).ok
