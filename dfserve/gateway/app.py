@@ -205,7 +205,7 @@ class GatewayApp:
                                 f"is not the split's; name an arm with the {ARM} header")
                     return
             try:
-                arm = router.decide(self.gateway.rng, pinned=pinned).arm
+                arm = router.decide(self.gateway.rng, None, self.gateway.upstream.down(), pinned).arm
             except UnknownArm as exc:
                 self.refuse(reply, 400, str(exc))
                 return

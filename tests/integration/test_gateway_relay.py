@@ -772,4 +772,5 @@ def test_down_arm_sheds_only_when_configured(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline, "dead replica never ejected"
                     time.sleep(0.1)
                 statuses = {httpx.post(gw + "/v1/chat/completions", json=CHAT_STREAM).status_code for _ in range(30)}
-            assert statuses == expected, (shed, statuses)
+                documents = {httpx.get(gw + "/v1/models").status_code for _ in range(30)}  # a client's probe too
+            assert statuses == expected and documents == expected, (shed, statuses, documents)
