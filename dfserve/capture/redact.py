@@ -5,8 +5,8 @@ is gone; such a record says it cannot be replayed. User text is what a user sent
 `text`, `input_ids` and images, audio, video; chat messages' `content`, reasoning, `name` and tool-call arguments,
 legacy `function_call`s' too; completions `prompt` and `suffix`), OpenAI's end-user `user` and the request's
 `metadata`. What the deployment sends with every request (tools, response formats, stop strings, constraints) is
-kept. `drop` removes named fields (dotted paths), and a record that lost its prompt or a sampling setting that way
-cannot be replayed either.
+kept. `drop` removes named fields (dotted paths), and a record that lost that way anything the replay does not set
+itself (`REPLAY_NEUTRAL`) cannot be replayed either.
 """
 
 from __future__ import annotations
@@ -112,11 +112,17 @@ def redact(route: Api, body: dict[str, Any], policy: CapturePolicy) -> tuple[dic
         return kept, tuple(_hash_text(route, kept)), False
     dropped = tuple(path for path in policy.drop_fields if _drop(kept, path))
     prompt_gone = PROMPT_FIELDS[route] not in kept and not (route == "native" and "input_ids" in kept)
-    return kept, dropped, not prompt_gone and not any(sets_generation(route, path) for path in dropped)
+    return kept, dropped, not prompt_gone and not any(changes_request(path) for path in dropped)
 
 
-def sets_generation(route: Api, path: str) -> bool:
-    """Whether a field is one of the request's sampling settings: dropped, its request would be replayed at the
-    run's settings (or the server's defaults), another request than the one captured."""
-    top = path.split(".")[0]
-    return top == "sampling_params" if route == "native" else top in OPENAI_SAMPLING
+REPLAY_NEUTRAL = frozenset({"rid", "stream", "stream_options", "model", "return_meta_info",
+                            "return_spec_tokens_details", "user", "metadata"})
+"""Top-level fields a dropped copy of which still replays as the request captured: the replay sets each itself (an
+id, streaming, the arm's model, what the tester reads) or SGLang does not generate from it (OpenAI's end-user id and
+metadata). Any other field dropped (a sampling setting, tools, a chat template's arguments, a LoRA, an image) makes
+another request than the one captured."""
+
+
+def changes_request(path: str) -> bool:
+    """Whether dropping a field (a dotted path) makes its record another request than the one captured."""
+    return path.split(".")[0] not in REPLAY_NEUTRAL

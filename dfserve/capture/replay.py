@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from dfserve import sglang
 from dfserve.capture.format import CaptureManifest, CaptureRecord
 from dfserve.capture.read import read_capture
-from dfserve.capture.redact import PROMPT_FIELDS, sets_generation
+from dfserve.capture.redact import PROMPT_FIELDS, changes_request
 from dfserve.errors import FieldError
 from dfserve.loadtest.config import Sampling
 from dfserve.loadtest.routes import ROUTE_FOR, first_set
@@ -150,16 +150,19 @@ def _where(manifest: CaptureManifest, seq: int) -> str:
 
 
 def _refusal(record: CaptureRecord) -> str | None:
-    """Why a record cannot be replayed as the request it was, or None. Its sampling settings are looked at here, not
+    """Why a record cannot be replayed as the request it was, or None. Its dropped fields are looked at here, not
     only at its `replayable`: a capture written before a dropped setting made a record unreplayable says True."""
-    settings = [path for path in record.redacted if record.redaction == "drop" and sets_generation(record.route, path)]
     if record.redaction == "hash":
         return "cannot be replayed: its user text was hashed (redact: hash)"
-    if settings:
-        return (f"cannot be replayed: its sampling settings were dropped (redact: drop {', '.join(settings)}): "
+    dropped = [path for path in record.redacted if record.redaction == "drop" and changes_request(path)]
+    prompt = {PROMPT_FIELDS[record.route], "input_ids"}
+    if not record.replayable and any(path.split(".")[0] in prompt for path in dropped):
+        return f"cannot be replayed: its prompt was dropped (redact: drop {', '.join(record.redacted)})"
+    if dropped:
+        return (f"cannot be replayed: fields it was sent with were dropped (redact: drop {', '.join(dropped)}): "
                 "without them it is another request than the one captured")
     if not record.replayable:
-        return f"cannot be replayed: its prompt was dropped (redact: drop {', '.join(record.redacted)})"
+        return "cannot be replayed: its record says so"
     return ROUTE_FOR[record.route].refusal(record.body)
 
 

@@ -9,11 +9,12 @@ an arm failed more requests than `--max-error-rate` allows (its run is kept), 13
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import math
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
@@ -231,8 +232,6 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
         monitor = (SequentialMonitor(plan.sequential, plan.arms[0][0], plan.arms[1][0], plan.sampling.temperature,
                                      len(plan.task_set.tasks), warmup, plan.sampling.mixes_greedy)
                    if plan.sequential else None)
-    for note in notes:
-        click.echo(note, err=True)
     if (warning := same_server_warning(plan.arms, pin_arms)) is not None:
         click.echo(wrapped(warning, terminal_width(stderr=True)), err=True)
     exporter = Exporter(route=plan.default_api)
@@ -249,7 +248,8 @@ def run_command(arms: tuple[str, ...], api: str, tasks: str, num_requests: int, 
     try:
         with progress, flags_for(flags):
             observers = [exporter.observe, progress.observe, *([monitor.observe] if monitor else [])]
-            outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None))
+            outcome = uvloop.run(_until_signal(plan, observers, (lambda: monitor.stopped) if monitor else None,
+                                               functools.partial(_say, notes)))
         if outcome.records_lost:
             _refuse_lost(outcome)
         summary = _finish_run(outcome.run_dir, outcome.config, outcome.records, outcome.interrupted, outcome.read_lag)
@@ -363,7 +363,13 @@ def _finish_run(run_dir: Path, config: RunConfig, records: list[RequestRecord], 
     return summary
 
 
-async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | None = None) -> RunOutcome:
+def _say(notes: Sequence[str]) -> None:
+    for note in notes:
+        click.echo(note, err=True)
+
+
+async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | None = None,
+                        going_ahead: Callable[[], None] | None = None) -> RunOutcome:
     """Run the plan; the first SIGINT/SIGTERM stops it cleanly, a second one is not caught."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -377,7 +383,7 @@ async def _until_signal(plan: RunPlan, observers: list[Observer], halt: Halt | N
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     try:
-        return await execute(plan, observers, stop, halt)
+        return await execute(plan, observers, stop, halt, going_ahead)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -265,9 +265,11 @@ async def _probe_arms(plan: RunPlan, asks_model: bool, stop: asyncio.Event) -> l
     raise probing.exception() or UserError("probing the arms was cancelled")
 
 
-async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None) -> RunOutcome:
+async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Event, halt: Halt | None = None,
+                  going_ahead: Callable[[], None] | None = None) -> RunOutcome:
     """Probe the arms, create the run directory, drive the load until done, `stop`, `halt`, the duration bound or
-    the record writer's stopping (its file could not be written: the run is then interrupted)."""
+    the record writer's stopping (its file could not be written: the run is then interrupted). `going_ahead` is
+    called once the run directory exists: what it says comes after every refusal the run could still meet."""
     load = plan.recorded_load
     total = plan.warmup + plan.num_requests
     order, offsets = plan.order()
@@ -276,6 +278,8 @@ async def execute(plan: RunPlan, observers: Sequence[Observer], stop: asyncio.Ev
     arms = await _probe_arms(plan, asks_model, stop)
     stamped_socket.available()  # turns the kernel's stamps on (tens of ms the first time) before the clock starts
     run_dir = create_run_dir(plan.out, plan.name)
+    if going_ahead is not None:
+        going_ahead()
     writer = await RecordWriter.start(run_dir / "requests.jsonl", observers)
 
     def halted() -> bool:

@@ -198,6 +198,7 @@ def test_a_chat_capture_replays_with_its_own_settings(captures: Path, tmp_path: 
     ("hashed", (), "record 0 (segment-000001.jsonl:1) cannot be replayed: its user text was hashed (redact: hash)"),
     ("chat", ("--api", "native"), "--api: capture:chat holds requests of other routes than native (6 to "
                                   "/v1/chat/completions); bodies are not converted between APIs"),
+    ("native", (), "--arm: a=http://127.0.0.1:9: server does not answer"),  # after its notes were known, before said
 ])
 def test_a_capture_that_cannot_be_replayed_refuses_in_one_line(captures: Path, tmp_path: Path, capture: str,
                                                                extra: tuple[str, ...], message: str) -> None:

@@ -166,21 +166,33 @@ def test_a_hashed_capture_refuses_in_one_line_naming_the_record(tmp_path: Path) 
     assert "\n" not in str(caught.value)
 
 
-def test_a_dropped_prompt_or_sampling_setting_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dropped_prompt_or_field_that_shapes_the_output_refuses(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     spec = capture(tmp_path, [("/v1/chat/completions", chat("a"), 0.0)], redact="drop", drop_fields=("messages",))
     with pytest.raises(FieldError, match=r"its prompt was dropped \(redact: drop messages\)"):
         load_capture_tasks(spec)
     spec = capture(tmp_path / "t", [("/v1/chat/completions", chat("a", temperature=0.3), 0.0)], redact="drop",
                    drop_fields=("user", "temperature"))
-    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\): without "
+    with pytest.raises(FieldError, match=r"fields it was sent with were dropped \(redact: drop temperature\): without "
                        r"them it is another request than the one captured"):
         load_capture_tasks(spec)
+    tools = {**chat("a"), "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    for route, body, field in (("/v1/chat/completions", tools, "tools"),
+                               ("/generate", {**native("a"), "lora_path": "adapter"}, "lora_path"),
+                               ("/v1/chat/completions", {**chat("a"), "chat_template_kwargs": {"enable_thinking": False}},
+                                "chat_template_kwargs.enable_thinking")):
+        spec = capture(tmp_path / field, [(route, body, 0.0)], redact="drop", drop_fields=(field,))
+        with pytest.raises(FieldError, match=rf"fields it was sent with were dropped \(redact: drop {field}\)"):
+            load_capture_tasks(spec)
+    neutral = capture(tmp_path / "user", [("/v1/chat/completions", {**chat("a"), "user": "u1", "metadata": {"k": 1}},
+                                           0.0)], redact="drop", drop_fields=("user", "metadata", "rid"))
+    assert "user" not in load_capture_tasks(neutral).tasks[0].body  # what SGLang does not generate from
     with monkeypatch.context() as written_before:  # a capture written before this rule: its record says replayable
-        written_before.setattr(redact_module, "sets_generation", lambda route, path: False)
+        written_before.setattr(redact_module, "changes_request", lambda path: False)
         spec = capture(tmp_path / "old", [("/v1/chat/completions", chat("a", temperature=0.3), 0.0)], redact="drop",
                        drop_fields=("temperature",))
     assert read_capture(tmp_path / "old" / "capture")[1][0].replayable
-    with pytest.raises(FieldError, match=r"its sampling settings were dropped \(redact: drop temperature\)"):
+    with pytest.raises(FieldError, match=r"fields it was sent with were dropped \(redact: drop temperature\)"):
         load_capture_tasks(spec)
 
 
