@@ -128,14 +128,29 @@ MAX_LAYERS = 1024
 
 QWEN3_HEAD_DIM = 128
 QWEN3_SLIDING_WINDOW = 4096
+QWEN3_MAX_WINDOW_LAYERS = 28
 """What transformers' `Qwen3Config` (which z-lab's code and SGLang both load a drafter's config.json into) gives a
-`model_type: qwen3` config without `head_dim`, and a sliding window without `sliding_window`."""
+`model_type: qwen3` config without `head_dim`, a sliding window without `sliding_window`, and the first layer it
+makes sliding without `max_window_layers`."""
 
 
 def sliding_window(config: Mapping[str, Any]) -> object:
     """The window of a drafter's `sliding_attention` layers as `Qwen3Config` resolves it: None unless
-    `use_sliding_window` is set, whatever `sliding_window` says."""
-    return config.get("sliding_window", QWEN3_SLIDING_WINDOW) if config.get("use_sliding_window") else None
+    `use_sliding_window` is true (transformers refuses anything but a bool there), whatever `sliding_window` says."""
+    return config.get("sliding_window", QWEN3_SLIDING_WINDOW) if config.get("use_sliding_window") is True else None
+
+
+def drafter_layer_types(config: Mapping[str, Any], num_hidden_layers: int) -> list[str]:
+    """Each layer's attention type as `Qwen3Config` resolves it, so that deploy checks and eval describes the layers
+    z-lab's code and SGLang build: `layer_types` as given, else sliding from `max_window_layers` on when there is a
+    window. For a config `verify_drafter_config` passed."""
+    given = config.get("layer_types")
+    if given is not None:
+        return list(given)
+    first_sliding = config.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+    windowed = sliding_window(config) is not None
+    return ["sliding_attention" if windowed and layer >= first_sliding else "full_attention"
+            for layer in range(num_hidden_layers)]
 
 
 def _count(value: object) -> bool:
@@ -194,17 +209,24 @@ def verify_drafter_config(config: Mapping[str, Any], target: Target, source: str
                       ("num_target_layers", target.num_hidden_layers)):
         if ints[key] and ints[key] != want:
             problems.append(f"{key} {ints[key]} does not match the target's {want}")
+    use_window = config.get("use_sliding_window", False)
+    if not isinstance(use_window, bool):
+        problems.append(f"use_sliding_window must be true or false, got {use_window!r}")
+    first_sliding = config.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+    if type(first_sliding) is not int:
+        problems.append(f"max_window_layers must be an integer, got {first_sliding!r}")
     layer_types = config.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != ints["num_hidden_layers"]:
-            problems.append(f"layer_types must list one type per layer ({ints['num_hidden_layers']}), got {layer_types!r}")
-        elif unknown := sorted({t for t in layer_types if t not in LAYER_TYPES}):
-            problems.append(f"layer_types {unknown} not in {list(LAYER_TYPES)}")
-        elif "sliding_attention" in layer_types and not config.get("use_sliding_window"):
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != ints["num_hidden_layers"]):
+        problems.append(f"layer_types must list one type per layer ({ints['num_hidden_layers']}), got {layer_types!r}")
+    elif layer_types is not None and (unknown := sorted({t for t in layer_types if t not in LAYER_TYPES})):
+        problems.append(f"layer_types {unknown} not in {list(LAYER_TYPES)}")
+    elif (isinstance(use_window, bool) and type(first_sliding) is int
+          and "sliding_attention" in drafter_layer_types(config, ints["num_hidden_layers"])):
+        if not use_window:
             problems.append("sliding_attention layers without use_sliding_window: true get no window (transformers' "
-                            "config, which z-lab's code and SGLang read, drops sliding_window then, and SGLang refuses "
-                            "to start)")
-        elif "sliding_attention" in layer_types and not _count(window := sliding_window(config)):
+                            "config, which z-lab's code and SGLang read, drops sliding_window then, and SGLang "
+                            "refuses to start)")
+        elif not _count(window := sliding_window(config)):
             problems.append(f"sliding_attention layers need a sliding_window of 1 token at least, got {window!r}")
     if problems:
         raise problems_error(source, problems, field)

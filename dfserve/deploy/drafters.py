@@ -192,12 +192,16 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def _index_problems(index: object, files: Sequence[str], path: Path) -> list[str]:
     """Where a sharded folder's index and its files disagree: transformers opens every file the index names
-    (`weight_map`), and SGLang loads only those; which tensor it says is where, neither reads."""
-    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    (`weight_map`), and SGLang loads only those; which tensor it says is where, neither reads. transformers also
+    adds to the index's `metadata` object (whatever it holds) and fails on an index without one."""
+    fields: Mapping[str, object] = index if isinstance(index, Mapping) else {}
+    problems = ([] if isinstance(fields.get("metadata"), Mapping)
+                else [f"{path.name} has no metadata object, which transformers needs to load the shards"])
+    weight_map = fields.get("weight_map")
     if not isinstance(weight_map, Mapping) or not all(isinstance(f, str) for f in weight_map.values()):
-        return [f"{path.name} has no weight_map of tensor names to file names"]
+        return [*problems, f"{path.name} has no weight_map of tensor names to file names"]
     named = set(weight_map.values())
-    return ([f"{path.name} names {file}, which is not in the folder" for file in sorted(named - set(files))]
+    return (problems + [f"{path.name} names {file}, which is not in the folder" for file in sorted(named - set(files))]
             + [f"{file} is not in {path.name}: loaders skip it" for file in files if file not in named])
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dfserve.baselines import drafter_identity
-from dfserve.deploy.assets import Target, read_json, sliding_window
+from dfserve.deploy.assets import Target, drafter_layer_types, read_json, sliding_window
 from dfserve.deploy.drafters import (
     baseline_drafter,
     hf_cache_dir,
@@ -59,7 +59,7 @@ class EvalDrafter:
 
 def _layers(config: dict[str, Any]) -> tuple[str, ...]:
     """Each layer's attention as z-lab's `Qwen3DFlashAttention` decides it (config `is_causal` overrides)."""
-    kinds = config.get("layer_types") or ["full_attention"] * int(config.get("num_hidden_layers", 0))
+    kinds = drafter_layer_types(config, int(config.get("num_hidden_layers", 0)))
     override = config.get("is_causal")
     described = []
     for kind in kinds:

@@ -340,7 +340,7 @@ def test_a_tensor_in_two_weight_files_is_refused(tmp_path: Path) -> None:
 def test_a_sharded_folder_is_checked_against_its_index(tmp_path: Path) -> None:
     """transformers opens every file the index names and SGLang loads only those: a file it names that is not there
     (eval fails), or a shard it leaves out (SGLang loads without its tensors), is refused; where it says a tensor
-    is, neither reads."""
+    is, neither reads. transformers also reads the index's `metadata` object: an index without one fails in eval."""
     folder = tmp_path / "drafter"
     folder.mkdir()
     state = tiny_state_dict()
@@ -351,15 +351,20 @@ def test_a_sharded_folder_is_checked_against_its_index(tmp_path: Path) -> None:
     (folder / "config.json").write_text(TINY_DRAFTER_CONFIG.read_text())
     index = folder / "model.safetensors.index.json"
     swapped = {name: file for file, held in reversed(shards.items()) for name in held[:1]}
-    index.write_text(json.dumps({"weight_map": {**{n: f for f, held in shards.items() for n in held}, **swapped}}))
+    whole = {**{n: f for f, held in shards.items() for n in held}, **swapped}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": whole}))
     resolve_drafter(str(folder), PROFILE, TARGET, tmp_path / "store")
-    for weight_map, said in (
-            ({names[0]: "model-00003-of-00003.safetensors", names[1]: "model-00002-of-00002.safetensors"},
+    for written, said in (
+            ({"metadata": {}, "weight_map": {names[0]: "model-00003-of-00003.safetensors",
+                                             names[1]: "model-00002-of-00002.safetensors"}},
              "model.safetensors.index.json names model-00003-of-00003.safetensors, which is not in the folder"),
-            ({names[0]: "model-00001-of-00002.safetensors"},
+            ({"metadata": {}, "weight_map": {names[0]: "model-00001-of-00002.safetensors"}},
              "model-00002-of-00002.safetensors is not in model.safetensors.index.json: loaders skip it"),
-            ({names[0]: 7}, "model.safetensors.index.json has no weight_map of tensor names to file names")):
-        index.write_text(json.dumps({"weight_map": weight_map}))
+            ({"metadata": {}, "weight_map": {names[0]: 7}},
+             "model.safetensors.index.json has no weight_map of tensor names to file names"),
+            ({"weight_map": whole}, "model.safetensors.index.json has no metadata object"),
+            ({"metadata": None, "weight_map": whole}, "model.safetensors.index.json has no metadata object")):
+        index.write_text(json.dumps(written))
         with pytest.raises(FieldError) as caught:
             resolve_drafter(str(folder), PROFILE, TARGET, tmp_path / "store")
         assert caught.value.field == "drafter" and said in str(caught.value) and "\n" not in str(caught.value)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from dfserve.baselines import BaselineRegistry, entry
 from dfserve.deploy.assets import (
     _tensor_info,
+    drafter_layer_types,
     expected_tensors,
     read_json,
     sliding_window,
@@ -177,6 +178,11 @@ def test_drafter_config_mismatches_are_all_named() -> None:
     # z-lab's code then runs those layers unwindowed, and SGLang refuses to start
     ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": False},
      "sliding_attention layers without use_sliding_window: true get no window"),
+    # transformers 5 refuses anything but a bool here; the string "false" was read as a window
+    ({"use_sliding_window": "false"}, "use_sliding_window must be true or false, got 'false'"),
+    ({"max_window_layers": "1"}, "max_window_layers must be an integer, got '1'"),
+    # without layer_types transformers makes layers from max_window_layers on sliding, windowed or not
+    ({"layer_types": None, "max_window_layers": 1, "sliding_window": 0}, "sliding_window of 1 token"),
     ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
     ({"num_hidden_layers": 10**7}, "num_hidden_layers must be at most 1024"),
     ({"dflash_config": {"block_size": 100000, "mask_token_id": 1, "target_layer_ids": [1]}},
@@ -197,7 +203,27 @@ def test_a_drafter_config_is_read_as_transformers_reads_it() -> None:
     config = {k: v for k, v in tiny_config().items() if k not in ("head_dim", "sliding_window")}
     assert verify_drafter_config(config, target).head_dim == 128
     assert sliding_window(config) == 4096 and sliding_window({**config, "use_sliding_window": False}) is None
+    assert sliding_window({**config, "use_sliding_window": 1}) is None
     assert verify_drafter_config({**config, "model_type": "llama"}, target).head_dim == 64 // 4
+
+
+@pytest.mark.parametrize("use_sliding_window", [True, False])
+@pytest.mark.parametrize("max_window_layers", [0, 1, 3, -1, None])
+@pytest.mark.parametrize("window", [16, None, "unset"])
+def test_layer_types_are_those_transformers_builds(use_sliding_window: bool, max_window_layers: int | None,
+                                                   window: int | str | None) -> None:
+    """Without `layer_types`, `Qwen3Config` derives them; deploy checks and eval describes the layers it builds."""
+    from transformers import Qwen3Config
+
+    config: dict[str, object] = {"num_hidden_layers": 3, "use_sliding_window": use_sliding_window}
+    if max_window_layers is not None:
+        config["max_window_layers"] = max_window_layers
+    if window != "unset":
+        config["sliding_window"] = window
+    assert drafter_layer_types(config, 3) == Qwen3Config(**config).layer_types
+    given = ["full_attention", "sliding_attention", "full_attention"]
+    built = Qwen3Config(**config, layer_types=given).layer_types
+    assert drafter_layer_types({**config, "layer_types": given}, 3) == built == given
 
 
 def test_a_safetensors_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:

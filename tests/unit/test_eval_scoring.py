@@ -10,6 +10,7 @@ import torch
 from dflash.model import DFlashDraftModel
 from transformers import Qwen3Config
 
+from dfserve.eval.drafters import _layers
 from dfserve.eval.scoring import TargetHead, block_mask, layer_kinds, score_anchors
 from tests.fixtures.eval.models import one_thread
 
@@ -79,6 +80,17 @@ def test_layer_kinds_follow_zlab_and_sglang_for_the_qwen36_layout() -> None:
     this test says so before any figure does."""
     assert layer_kinds(drafter()) == [(True, 6), (True, 6), (False, None)]
     assert layer_kinds(drafter(is_causal=False)) == [(False, 6), (False, 6), (False, None)]
+
+
+def test_a_run_describes_the_layers_zlab_builds_when_the_config_lists_none() -> None:
+    """Without `layer_types`, transformers' `Qwen3Config` makes layers from `max_window_layers` on sliding: the
+    layers a run's record names are those z-lab's model then has."""
+    config = {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1,
+              "layer_types": None}
+    built = tuple(("causal" if causal else "bidirectional") + ("" if window is None else f", window {window}")
+                  for causal, window in layer_kinds(drafter(**config)))
+    assert _layers(config) == built
+    assert _layers(config) == ("bidirectional", "causal, window 6", "causal, window 6")
 
 
 def test_a_trained_mask_embedding_replaces_the_mask_rows() -> None:
