@@ -31,7 +31,7 @@ from tests.integration.test_eval import run_cli
 
 pytestmark = pytest.mark.heavy
 
-TASKS = 4
+TASKS = 6
 MAX_NEW = 32
 STEPS = (2, 15, 50, 120)
 POLL_S = 0.2
@@ -386,10 +386,10 @@ def test_a_feature_cache_built_in_parts_merges_into_the_one_a_whole_run_reuses(
         registry = tmp_path / "registry" / "baselines.json"
         assert not registry.exists() or "part-" not in registry.read_text()  # a part's τ is not the drafter's
         part0 = json.loads((tmp_path / "runs" / "part-0" / "config.json").read_text())
-        assert [t["id"] for t in part0["tasks"]["tasks"]] == ["he-0", "he-2"]  # tasks 0, 2 of 4
+        assert [t["id"] for t in part0["tasks"]["tasks"]] == ["he-0", "he-2", "he-4"]  # tasks 0, 2, 4 of 6
         merge = ["eval", "cache", "merge", "--cache", tmp_path / "cache", "--tasks", trained.tasks, "--num-tasks", TASKS]
         status, out, err = run_cli(capsys, *merge, tmp_path / "part-0")
-        assert status == 2 and err.count("\n") == 1 and "PARTS: 2 of 4 tasks are in no part" in err
+        assert status == 2 and err.count("\n") == 1 and "PARTS: 3 of 6 tasks are in no part" in err
         status, out, err = run_cli(capsys, *merge, tmp_path / "part-0", tmp_path / "part-0")
         assert status == 2 and "each task belongs to one part" in err
         shutil.copytree(tmp_path / "part-1", tmp_path / "relabelled")  # its tokens' seal holds
