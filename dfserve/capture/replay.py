@@ -173,7 +173,7 @@ def _left_out(manifest: CaptureManifest, held: int, refused: Sequence[tuple[Capt
         return None
     record, why = refused[0]
     more = f"; and {len(refused) - 1} more" if len(refused) > 1 else ""
-    return (f"{len(refused)} of the {held} requests it holds cannot be replayed as one and are left out (record "
+    return (f"{len(refused)} of the {held} requests it would replay cannot be replayed as one and are left out (record "
             f"{record.seq} ({_where(manifest, record.seq)}) {why}{more})")
 
 
@@ -198,21 +198,22 @@ def load_capture_tasks(spec: str) -> CaptureTaskSet:
     name = f"{PREFIX}{directory.name}"
     if not records:
         raise FieldError("tasks", f"capture {directory} holds no requests")
-    refused = [(record, why) for record in records if (why := _refusal(record)) is not None]
-    left_out = _left_out(manifest, len(records), refused)
-    if len(refused) == len(records):
-        raise FieldError("tasks", f"capture {directory}: nothing in it can be replayed: {left_out}")
-    gone = {record.seq for record, _ in refused}
     # in arrival order: an observer sees exchanges as they end, not begin
-    arrived = sorted((r for r in records if r.seq not in gone), key=lambda r: r.offset_s)
+    arrived = sorted(records, key=lambda r: r.offset_s)
     until = manifest.lost_from_offset_s
     window = [r for r in arrived if until is None or r.offset_s < until]
     if not window:
         raise FieldError("tasks", f"capture {directory}: its first request, at {until:g} s, was still running when "
                          "it stopped, and was lost: it holds no whole window to replay")
-    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s, _where(manifest, r.seq)) for r in window]
+    refused = [(record, why) for record in window if (why := _refusal(record)) is not None]
+    left_out = _left_out(manifest, len(window), refused)
+    if len(refused) == len(window):
+        raise FieldError("tasks", f"capture {directory}: nothing in it can be replayed: {left_out}")
     ends = (f"replays its first {len(window)} of {len(arrived)} requests, those that arrived before {until:g} s: a "
             "request that arrived then was still running when it stopped, and was lost" if until is not None else None)
+    gone = {record.seq for record, _ in refused}
+    window = [r for r in window if r.seq not in gone]
+    tasks: Sequence[ReplayTask] = [_task(r.seq, r.route, r.body, r.offset_s, _where(manifest, r.seq)) for r in window]
     return CaptureTaskSet(name=name, tasks=tuple(tasks), arrivals_s=tuple(t.arrival_s for t in tasks),
                           holes="; ".join(lost for lost in (capture_holes(manifest), left_out) if lost) or None,
                           shortened=ends)

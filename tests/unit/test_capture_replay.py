@@ -349,10 +349,11 @@ def test_a_request_that_cannot_be_replayed_as_one_is_left_out_as_a_hole_naming_t
     spec = capture(tmp_path, [("/generate", native("a"), 0.0), (path, body, 1.0)])
     task_set = load_capture_tasks(spec)
     assert [task.id[:7] for task in task_set.tasks] == ["c000000"] and task_set.incomplete is not None
-    assert task_set.incomplete.startswith("1 of the 2 requests it holds cannot be replayed as one and are left out "
+    assert task_set.incomplete.startswith("1 of the 2 requests it would replay cannot be replayed as one and are left "
+                                          "out "
                                           "(record 1 (segment-000001.jsonl:2) ") and refusal in task_set.incomplete
     with pytest.raises(FieldError, match=r"^tasks: capture .*: nothing in it can be replayed: 1 of the 1 requests it "
-                       r"holds cannot be replayed as one and are left out \(record 0 \(segment-000001.jsonl:1\) ") as caught:
+                       r"would replay cannot be replayed as one and are left out \(record 0 \(segment-000001.jsonl:1\) ") as caught:
         load_capture_tasks(capture(tmp_path / "alone", [(path, body, 0.0)]))
     assert refusal in str(caught.value) and "\n" not in str(caught.value)
 
