@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dfserve.verdict.gate import Gate
 from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.results import Judgement, Status
+from dfserve.verdict.stats import MIN_CLUSTERS
 
 METHOD = ("always-valid confidence sequences: normal mixture (mSPRT) on the log change of ratio metrics, scale = "
           "the rule's max_worse (at least 0.01), delta-method standard error over tasks; beta-binomial mixture "
@@ -34,8 +35,9 @@ class SequentialDesign(_Model):
     alpha: float = Field(0.05, gt=0, lt=1, description="each rule's interval holds at every look at once with "
                          "probability 1 - alpha (two-sided; the fixed-n judge's intervals are 95% too)")
     look_every: int = Field(16, ge=1, description="paired requests of the schedule between looks")
-    min_tasks: int = Field(16, ge=2, description="distinct tasks before any rule is decided: the normal "
-                           "approximation of a ratio's change needs a few")
+    min_tasks: int = Field(16, ge=MIN_CLUSTERS, description="distinct tasks before any rule is decided: the normal "
+                           "approximation of a ratio's change needs a few, and a bootstrap over fewer than "
+                           f"{MIN_CLUSTERS} decides nothing")
     gate: Gate = Field(description="the rules the run stops on")
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from rich.console import Console
 
 from dfserve.errors import FieldError, UserError
@@ -311,3 +312,10 @@ def test_pairs_whose_outputs_are_not_known_are_never_counted_identical() -> None
     for i, (b, c) in enumerate(rows):
         track.add(i, b, c)
     assert (track.tasks, track.same) == (2, 1)
+
+
+def test_a_design_that_would_decide_on_fewer_than_five_tasks_is_refused() -> None:
+    """A fixed-n verdict over fewer than 5 tasks decides nothing: a sequential one may not either."""
+    with pytest.raises(ValidationError, match="min_tasks"):
+        SequentialDesign(gate=DEFAULT_GATE, min_tasks=4)
+    assert SequentialDesign(gate=DEFAULT_GATE, min_tasks=5).min_tasks == 5
