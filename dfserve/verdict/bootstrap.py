@@ -72,7 +72,8 @@ def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDA
 
 
 def _clusters(owners: NDArray[np.int64]) -> int:
-    """How many tasks hold the values resampled: the intervals' degrees of freedom."""
+    """How many tasks hold the values resampled (those that gave the metric a value, not every task with a pair):
+    the intervals' degrees of freedom."""
     return int(np.unique(owners).size)
 
 
@@ -88,11 +89,12 @@ def ratio(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[
             return _empty(name, spec)
         kept_owners = np.array([c for _, _, c in kept], dtype=np.int64)
         sums.append((_per_task([num for num, _, _ in kept], kept_owners, pairs.tasks),
-                     _per_task([den for _, den, _ in kept], kept_owners, pairs.tasks), len(kept)))
-    (nb, db, n_b), (nc, dc, n_c) = sums
+                     _per_task([den for _, den, _ in kept], kept_owners, pairs.tasks), len(kept), kept_owners))
+    (nb, db, n_b, ob), (nc, dc, n_c, oc) = sums
     with np.errstate(divide="ignore", invalid="ignore"):
         draws = stats.weighted_ratio(weights, nc, dc) / stats.weighted_ratio(weights, nb, db) - 1
-    return _relative(name, spec, (nb.sum() / db.sum(), nc.sum() / dc.sum()), draws, (n_b, n_c), _clusters(cluster))
+    return _relative(name, spec, (nb.sum() / db.sum(), nc.sum() / dc.sum()), draws, (n_b, n_c),
+                     min(_clusters(ob), _clusters(oc)))
 
 
 def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArray[np.float64]) -> MetricResult:
@@ -120,7 +122,7 @@ def quantile(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDArr
     with np.errstate(divide="ignore", invalid="ignore"):  # a draw whose baseline quantile is 0 has no ratio
         draws = (stats.clustered_quantiles(weights, vc, oc, spec.q)
                  / stats.clustered_quantiles(weights, vb, ob, spec.q) - 1)
-    return _relative(name, spec, (value_b, value_c), draws, (len(vb), len(vc)), _clusters(cluster))
+    return _relative(name, spec, (value_b, value_c), draws, (len(vb), len(vc)), min(_clusters(ob), _clusters(oc)))
 
 
 def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
@@ -137,4 +139,4 @@ def identical(spec: MetricSpec[Any], pairs: Pairs[Any]) -> Lossless:
     return Lossless(applicable=any(agree), pairs=len(both), identical=same,
                     fraction=interval.estimate if interval else None, low=interval.low if interval else None,
                     high=interval.high if interval else None, differing_tasks=differing,
-                    greedy_of=len(pairs) if any(agree) and not all(agree) else None)
+                    greedy_of=len(pairs) if any(agree) and not all(agree) else None, tasks=len({t for t, _ in both}))

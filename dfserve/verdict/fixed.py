@@ -45,6 +45,10 @@ def lossless_rule(rule: Rule, lossless: Lossless, tasks: int) -> RuleResult:
               f"interval [{lossless.low:.4f}, {lossless.high:.4f}]")
     if lossless.high < limit:
         return RuleResult(metric=rule.metric, limit=limit, status="FAIL", detail=detail)
+    if lossless.fraction >= limit and lossless.tasks is not None and lossless.tasks < stats.MIN_CLUSTERS:
+        return RuleResult(metric=rule.metric, limit=limit, status="INCONCLUSIVE",
+                          detail=f"{detail}; from fewer than {stats.MIN_CLUSTERS} distinct tasks ({lossless.tasks}): "
+                                 "a repeat of a task repeats its output", tasks_needed=stats.MIN_CLUSTERS)
     if lossless.fraction >= limit:
         return RuleResult(metric=rule.metric, limit=limit, status="PASS", detail=detail + (
             f"; passes on the observed fraction, {lossless.fraction:.4f} ≥ {limit:.4g} (at temperature 0 a differing "

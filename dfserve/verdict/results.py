@@ -75,6 +75,8 @@ class Lossless(_Model):
     differing_tasks: list[str]
     greedy_of: int | None = Field(None, description="where only some pairs were greedy (live traffic): how many "
                                   "pairs there were in all; `pairs` counts the greedy ones compared")
+    tasks: int | None = Field(None, description="distinct tasks among the pairs compared: at temperature 0 a repeat "
+                              "of a task repeats its output, and adds no evidence")
 
 
 class Judgement(_Model):

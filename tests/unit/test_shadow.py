@@ -55,7 +55,7 @@ def exchanged(rid: int, arm: str, mirror: bool, *, text: str = "out", verify: in
               mirrors: tuple[str, ...] = ("inhouse",)) -> Exchanged:
     """A client's exchange (mirrored to `mirrors`) or a mirror's; another arm's answer takes a few microseconds
     more (two servers' never take the same times)."""
-    body = json.dumps({"text": f"prompt {rid % 6}", "sampling_params": {"temperature": temperature}}).encode()
+    body = json.dumps({"text": f"prompt {rid % 10}", "sampling_params": {"temperature": temperature}}).encode()
     later_s = 0.0 if arm == "zlab" else 3e-6 * (1 + len(arm))
     outcome = Outcome(arm=arm, route="native", replica="r", status=200, error=error, ttft_s=0.01 + later_s,
                       e2e_s=0.1 + later_s,
@@ -83,7 +83,7 @@ def test_an_exchange_becomes_the_load_testers_record() -> None:
                                                                                            7.01, 7.1)
     assert (record.acceptance, record.spec_verify_ct, record.temperature) == ("exact", 4, 0.0)
     assert record.output_sha256 == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-    assert record.task_id == shadow_record(exchanged(13, "x", True), 0).task_id  # the same body: one cluster
+    assert record.task_id == shadow_record(exchanged(17, "x", True), 0).task_id  # the same body: one cluster
     failed = shadow_record(exchanged(1, "zlab", False, error="stream_cut"), 100.0)
     assert failed.error_kind == "disconnect" and failed.output_sha256 is None
     impossible = shadow_record(exchanged(2, "zlab", False, verify=17), 100.0)  # 17 rounds for 16 tokens

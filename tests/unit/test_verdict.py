@@ -13,6 +13,7 @@ from rich.console import Console
 
 from dfserve.errors import FieldError
 from dfserve.loadtest.judge import DEFAULT_GATE, judge, load_gate
+from dfserve.loadtest.records import RequestRecord
 from dfserve.verdict import stats
 from dfserve.verdict.printer import print_judgement
 from dfserve.verdict.results import fold
@@ -123,13 +124,27 @@ def test_an_error_rule_without_errors_passes_only_on_enough_requests() -> None:
     assert {r.metric: r.status for r in enough.rules}["error_rate"] == "PASS"
 
 
+def test_a_metric_measured_on_fewer_than_five_of_its_tasks_decides_nothing() -> None:
+    """Five tasks with pairs, one of which gives acceptance (the others' answers report none): the interval is one
+    task's, of no width."""
+    def one_measured(records: list[RequestRecord]) -> list[RequestRecord]:
+        return [r if r.task_id == "T0" else r.model_copy(update={"spec_verify_ct": None, "acceptance": "unknown"})
+                for r in records]
+
+    judged = judge(one_measured(synthetic("zlab", 400, 9.0, seed=1, tasks=5)),
+                   one_measured(synthetic("inhouse", 400, 9.0, seed=2, tasks=5)), DEFAULT_GATE, 0.0)
+    accept = {r.metric: r for r in judged.rules}["accept_length"]
+    assert accept.status == "INCONCLUSIVE" and "fewer than 5 distinct tasks" in accept.detail
+
+
 @pytest.mark.parametrize("tasks", [1, 2, 4])
 def test_fewer_than_five_tasks_decide_no_rule_however_many_requests(tasks: int) -> None:
     """One task's bootstrap draws all agree, an interval of no width; two to four reach no further than their range:
     400 requests of one prompt each PASSed every rule."""
     judged = judge(synthetic("zlab", 400, 9.0, seed=1, tasks=tasks), synthetic("inhouse", 400, 9.0, seed=2,
                                                                                 tasks=tasks), DEFAULT_GATE, 0.0)
-    rules = {r.metric: r for r in judged.rules if r.metric != "lossless_fraction"}
+    rules = {r.metric: r for r in judged.rules}
+    assert "lossless_fraction" in rules  # 400 identical outputs of one prompt are one observation
     assert judged.verdict == "INCONCLUSIVE" and {r.status for r in rules.values()} == {"INCONCLUSIVE"}
     assert all(r.tasks_needed == 5 and "fewer than 5 distinct tasks" in r.detail for r in rules.values())
     five = judge(synthetic("zlab", 400, 9.0, seed=1, tasks=5), synthetic("inhouse", 400, 9.0, seed=2, tasks=5),
