@@ -127,7 +127,8 @@ class EventRelay:
             if self._alarm is not None and any(key in events for key in self._alarm):
                 first, _ = self._alarmed
                 self._alarmed = (first, events) if first else (events, b"")
-            self._tail = (self._tail[1], events)
+            if not only_comments(events):
+                self._tail = (self._tail[1], events)
         if self._pieces is not None and events:
             if self._cumulative:
                 self._keep_counts(self._pieces, now, events)
@@ -188,7 +189,7 @@ class EventRelay:
 
     @property
     def tail(self) -> bytes:
-        """The last two pieces of whole events relayed."""
+        """The last two pieces of whole events relayed, pieces of comments alone (keep-alives) left out."""
         return self._tail[0] + self._tail[1]
 
     @property
@@ -234,3 +235,9 @@ class EventRelay:
         """The same gaps per token, counted once per token; None unless `cumulative` (counts of text are not
         tokens)."""
         return self._token_gaps.result() if self._cumulative else None
+
+
+def only_comments(events: bytes) -> bool:
+    """Whether a piece of whole events holds nothing but comments and blank lines (a keep-alive): it is no end of the
+    stream to read, and stays out of `tail`, so that the last events are still there after it."""
+    return all(not line or line == b"\r" or line.startswith(b":") for line in events.split(b"\n"))

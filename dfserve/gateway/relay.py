@@ -140,12 +140,13 @@ class NativeStream:
     `spec_verify_ct`, both read from the bytes (no JSON decoding unless the stream ended with an error)."""
 
     marks = sglang.NATIVE_TOKENS
-    alarm = None  # SGLang ends a stream that failed with its error, or its abort, then `[DONE]`
+    alarm = sglang.NATIVE_ALARM  # SGLang ends a stream with its error; a server that goes on after one still failed
 
     def read_end(self, count: int | None, tail: bytes) -> tuple[Acceptance, sglang.StreamError | None]:
         """`ProtocolError` for a stream that neither counted its output nor ended with an error: every event SGLang
-        sends carries its running total."""
-        error = sglang.native_stream_error(tail)
+        sends carries its running total. The first error in band is the stream's, where it came (the load tester
+        reads it so)."""
+        error = sglang.native_outputs_error(tail)
         if count is None and error is None:
             raise ProtocolError("a native stream whose events carry no meta_info.completion_tokens")
         if count is None:
@@ -292,7 +293,7 @@ def measure_whole(api: str, body: bytes) -> tuple[Acceptance, sglang.StreamError
             return Acceptance(total, verify, sglang.accept_length(total, verify), "exact"), error
         return Acceptance(output_tokens=total), error
     result = sglang.parse_openai_response(body)
-    error = result.finish_reason.error if result.finish_reason is not None else None
+    error = result.error
     exact = result.acceptance
     if exact is not None:
         tokens, spec = exact

@@ -16,7 +16,7 @@ typedef struct {
     char *held;         /* bytes after the last whole event, kept until their event is complete */
     Py_ssize_t held_length, held_capacity;
     Py_ssize_t max_event_bytes; /* the most it holds: an event still incomplete past it ends the relay */
-    PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first */
+    PyObject *tail[2];  /* the last two pieces of whole events relayed, oldest first, keep-alives left out */
     int64_t tokens;     /* cumulative: the running total seen so far (-1: none); else: marks counted */
     double first;       /* arrival time of the first piece that carried tokens (-1: none yet) */
     double previous;    /* and of the latest */
@@ -136,6 +136,22 @@ check_held(EventRelay *self)
     return -1;
 }
 
+/* Whether a piece of whole events holds nothing but comments and blank lines (a keep-alive): it is no end of the
+ * stream to read, and stays out of `tail`, so that the last events are still there after it. */
+static int
+only_comments(const char *data, Py_ssize_t length)
+{
+    Py_ssize_t at = 0;
+    while (at < length) {
+        const char *newline = memchr(data + at, '\n', length - at);
+        Py_ssize_t end = newline != NULL ? newline - data : length;
+        if (end > at && data[at] != ':' && !(end - at == 1 && data[at] == '\r'))
+            return 0;
+        at = end + 1;
+    }
+    return 1;
+}
+
 /* The relay's whole job for one piece of body: whole events go to the client, then are metered. `last`: the
  * upstream body ends with this piece; when it leaves nothing held, the client's body is ended in the same write
  * (one system call fewer per request). */
@@ -199,12 +215,15 @@ relay_receive(PyObject *relay, PyObject *now, PyObject *payload, int last)
     int failed = relay_meter(self, now, found);
     if (self->alarm != Py_None && contains_key(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events), self->alarm))
         Py_SETREF(self->alarmed[PyBytes_GET_SIZE(self->alarmed[0]) > 0], Py_NewRef(events));
-    Py_SETREF(self->tail[0], self->tail[1]);
-    self->tail[1] = events;
-    if (failed)
-        return -1;
-    if (self->pieces != Py_None && PyBytes_GET_SIZE(events) > 0
-        && (self->cumulative ? keep_counts(self, now, events, found) : keep(self->pieces, now, events)) < 0)
+    int quiet = only_comments(PyBytes_AS_STRING(events), PyBytes_GET_SIZE(events));
+    if (!quiet) {
+        Py_SETREF(self->tail[0], self->tail[1]);
+        self->tail[1] = Py_NewRef(events);
+    }
+    int kept = failed || self->pieces == Py_None || PyBytes_GET_SIZE(events) == 0 ? 0
+               : self->cumulative ? keep_counts(self, now, events, found) : keep(self->pieces, now, events);
+    Py_DECREF(events);
+    if (failed || kept < 0)
         return -1;
     return check_held(self);
 }

@@ -51,7 +51,8 @@ def native(tokens: int, final: bool = False) -> bytes:
 def relayed(kind: StreamKind, pieces: list[bytes]) -> tuple[EventRelay, list[bytes]]:
     """An EventRelay fed `pieces` at times 1, 2, ...; and what it wrote."""
     written: list[bytes] = []
-    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, BOUNDS)
+    relay = EventRelay(written.append, False, kind.marks.keys, kind.marks.cumulative, BOUNDS, None, None, False,
+                       kind.alarm)
     for at, piece in enumerate(pieces, start=1):
         relay.received(float(at), piece)
     return relay, written
@@ -83,6 +84,18 @@ def test_a_native_stream_that_never_counted_its_output_is_not_sglangs_unless_it_
     assert acceptance == Acceptance() and in_band is not None and in_band.message == "bad"
 
 
+def test_a_native_stream_that_goes_on_after_an_error_in_band_failed() -> None:
+    """As the load tester reads it: a server that is not SGLang may go on streaming after an error, or an abort, and
+    end well; the stream failed where the error came."""
+    error = b'data: {"error":{"message":"bad","code":503}}\n\n'
+    abort = native(5).replace(b'"finish_reason": null', b'"finish_reason": {"type": "abort", "status_code": 503}')
+    for failure in (error, abort):
+        relay, _ = relayed(NativeStream(), [native(1), failure, native(6), native(8), native(10, final=True),
+                                            b"data: [DONE]\n\n"])
+        _, in_band = NativeStream().read_end(relay.tokens, relay.alarmed + relay.tail)
+        assert in_band is not None and in_band.code == 503
+
+
 def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'
@@ -95,7 +108,7 @@ def test_openai_stream_estimates_only_with_usage() -> None:
     assert relay.first == 1.0 and relay.chunk_gaps == ((1, 0, 0), 1.0) and relay.token_gaps is None
     acceptance, error = OpenAIStream().read_end(relay.tokens, relay.alarmed + relay.tail)
     assert acceptance.accept_length == 3.0 and acceptance.measure == "estimated" and error is None
-    without_usage = relay.alarmed + last + b"data: [DONE]\n\n"
+    without_usage = last + b"data: [DONE]\n\n"
     assert OpenAIStream().read_end(relay.tokens, without_usage)[0].accept_length is None
 
 
@@ -126,6 +139,9 @@ def test_measure_whole() -> None:
     assert measure_whole("native", json.dumps(aborted).encode())[1] == sglang.StreamError("Aborted")
     chat["choices"][0]["finish_reason"] = "abort"  # what /abort_request leaves of a whole answer: 200, cut short
     assert measure_whole("chat", json.dumps(chat).encode())[1] == sglang.StreamError("Aborted")
+    two = {"choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"},
+                       {"index": 1, "message": {"content": "y"}, "finish_reason": "abort"}]}  # n=2, the second cut
+    assert measure_whole("chat", json.dumps(two).encode())[1] == sglang.StreamError("Aborted")
     with pytest.raises(ProtocolError):
         measure_whole("chat", b"{}")
 

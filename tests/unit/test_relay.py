@@ -586,3 +586,14 @@ def test_a_recorded_native_stream_keeps_each_events_running_total_not_its_bytes(
     body = native(1) + native(2) + DONE
     dechunker.feed(8.0, b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
     assert dechunked.pieces == [(8.0, 1), (8.0, 2)]
+
+
+def test_keep_alives_after_the_last_event_leave_it_in_the_tail(impl: Relay) -> None:
+    """A stream's end is read from its last pieces: comments between the last event and `[DONE]` pushed it out,
+    and a whole answer read as one without a finish reason."""
+    marks = sglang.NATIVE_TOKENS
+    relay = impl.EventRelay(None, False, marks.keys, marks.cumulative, ())
+    last = native(7).replace(b'"completion_tokens"', b'"finish_reason":{"type":"stop"},"completion_tokens"')
+    for at, piece in enumerate((native(3), last, b": ping\n\n", b":\r\n\r\n", b"", DONE), start=1):
+        relay.received(float(at), piece)
+    assert relay.tail == last + DONE

@@ -12,6 +12,7 @@ from dfserve.sglang.client.meta import (
     FinishReason,
     MetaInfo,
     SpecStats,
+    StreamError,
     parse_finish_reason,
     parse_meta_info,
     parse_spec,
@@ -79,6 +80,15 @@ class OpenAIResult:
     spec: SpecStats | None = None
     choice_metas: tuple[MetaInfo | None, ...] = ()
     """Every choice's `meta_info` (n > 1), in the order they came."""
+    finish_reasons: tuple[FinishReason | None, ...] = ()
+    """Every choice's finish reason, in the order they came."""
+
+    @property
+    def error(self) -> StreamError | None:
+        """The first error or abort among the choices' finish reasons: one choice of several that failed fails the
+        answer."""
+        reasons = self.finish_reasons or (self.finish_reason,)
+        return next((reason.error for reason in reasons if reason is not None and reason.error is not None), None)
 
     @property
     def acceptance(self) -> tuple[int, SpecStats] | None:
@@ -144,14 +154,15 @@ def parse_openai_response(body: bytes | str | Any) -> OpenAIResult:
         raise ProtocolError("OpenAI response: expected a non-empty 'choices' list of objects")
     texts = {choice_index(choice, "OpenAI response"): _choice_text(choice) for choice in choices}
     metas = tuple(parse_meta_info(c["meta_info"]) if c.get("meta_info") is not None else None for c in choices)
-    choice = choices[0]
+    reasons = tuple(parse_finish_reason(choice.get("finish_reason")) for choice in choices)
     return OpenAIResult(
         text=joined_choices(texts),
-        finish_reason=parse_finish_reason(choice.get("finish_reason")),
+        finish_reason=reasons[0],
         usage=parse_usage(data.get("usage")),
         meta=metas[0],
         spec=parse_sglext_spec(data.get("sglext")),
         choice_metas=metas,
+        finish_reasons=reasons,
     )
 
 
