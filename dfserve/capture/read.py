@@ -12,6 +12,7 @@ replayable).
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -67,9 +68,11 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
             raise UserError(f"{where}: {segment.name}: sha256 differs from {MANIFEST}'s (edited)")
         for number, line in enumerate(lines[:-1], start=1):
             try:
-                record = CaptureRecord.model_validate_json(line)
+                record = CaptureRecord.model_validate(json.loads(line, parse_constant=_not_a_number))
             except ValidationError as exc:
                 raise UserError(describe_invalid(exc, f"{directory / segment.name}:{number}")) from None
+            except (ValueError, RecursionError) as exc:
+                raise UserError(f"{directory / segment.name}:{number}: not a JSON record ({exc})") from None
             contradiction = _contradiction(record, manifest)
             if contradiction is not None:
                 raise UserError(f"{where}: {segment.name}:{number}: {contradiction} (edited)")
@@ -82,6 +85,11 @@ def read_capture(directory: Path) -> tuple[CaptureManifest, list[CaptureRecord]]
     if (why := manifest.unsealed()) is not None:
         raise UserError(f"{where}: {MANIFEST} {why}")
     return manifest, records
+
+
+def _not_a_number(constant: str) -> object:
+    """The writer never writes NaN or Infinity: a line that holds one was edited."""
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 def _plain_name(name: str) -> bool:

@@ -54,6 +54,19 @@ def write(tmp_path: Path, bodies: list[dict[str, object]], **fields: object) -> 
     return writer
 
 
+def test_a_deeply_nested_body_the_writer_wrote_is_read_back(tmp_path: Path) -> None:
+    """A response_format schema 210 levels deep was written, then made the whole capture unreadable (pydantic's
+    JSON reader stops at 200 levels, its writer does not)."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(105):  # two levels each
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": schema}
+    writer = CaptureWriter.open(policy(tmp_path), clock=lambda: 0.0)
+    writer.observe(Captured("/v1/chat/completions", json.dumps(body).encode(), [], 1.7e9, 0.0, request=body))
+    assert writer.close().counts.written == 1
+    assert [record.body for record in read_capture(tmp_path / "capture")[1]] == [body]
+
+
 # --- redaction policy ---------------------------------------------------------------------------------------------
 
 def test_credentials_never_kept_and_configured_headers_dropped() -> None:
