@@ -21,9 +21,17 @@ from dfserve.sglang import Api
 
 MANIFEST = "manifest.json"
 SEGMENT_PREFIX = "segment-"
-CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key",
-                                "proxy-authorization"})
-"""Never written, whatever the policy says."""
+CREDENTIAL_WORDS = ("auth", "token", "key", "secret", "cookie", "session", "jwt", "oidc", "password", "credential",
+                    "signature")
+"""A header whose name holds one of these is never written, whatever the policy says: `Authorization`, `Cookie`,
+`X-Api-Key` and the tokens proxies add (oauth2-proxy's `X-Forwarded-Access-Token`, an AWS load balancer's
+`X-Amzn-Oidc-Accesstoken`, LiteLLM's and Portkey's keys). A header name that only looks like one is lost too:
+captured headers are provenance, never replayed."""
+
+
+def is_credential(name: str) -> bool:
+    """Whether a header (its name lower-cased) may carry a credential (`CREDENTIAL_WORDS`)."""
+    return any(word in name for word in CREDENTIAL_WORDS)
 
 Redact = Literal["keep", "drop", "hash"]
 

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from dfserve.capture.format import CREDENTIAL_HEADERS, CapturePolicy
+from dfserve.capture.format import CapturePolicy, is_credential
 from dfserve.sglang import Api
 
 PROMPT_FIELDS: dict[str, str] = {"native": "text", "chat": "messages", "completions": "prompt"}
@@ -36,12 +36,13 @@ def text_hash(value: Any) -> str:
 
 def kept_headers(headers: Iterable[tuple[bytes | str, bytes | str]], drop: Iterable[str] = ()) -> \
         tuple[tuple[str, str], ...]:
-    """Headers as sent (names lower-cased), less credentials, `drop` and Content-Length (the body may change)."""
-    refused = CREDENTIAL_HEADERS | {name.lower() for name in drop} | {"content-length"}
+    """Headers as sent (names lower-cased), less credentials (`is_credential`), `drop` and Content-Length (the body
+    may change)."""
+    refused = {name.lower() for name in drop} | {"content-length"}
     kept = []
     for name, value in headers:
         key = (name.decode("latin-1") if isinstance(name, bytes) else name).lower()
-        if key not in refused:
+        if key not in refused and not is_credential(key):
             kept.append((key, value.decode("latin-1") if isinstance(value, bytes) else value))
     return tuple(kept)
 

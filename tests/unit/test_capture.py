@@ -73,6 +73,10 @@ def test_credentials_never_kept_and_configured_headers_dropped() -> None:
     headers = captured(NATIVE).headers
     assert kept_headers(headers) == (("x-team", "infra"), ("user-agent", "t"))
     assert kept_headers(headers, ["X-Team"]) == (("user-agent", "t"),)
+    proxies = [(b"X-Forwarded-Access-Token", b"t"), (b"x-amzn-oidc-accesstoken", b"t"), (b"x-amzn-oidc-data", b"j"),
+               (b"x-auth-token", b"t"), (b"x-litellm-api-key", b"k"), (b"x-portkey-api-key", b"k"), (b"api_key", b"k"),
+               (b"x-session-secret", b"s"), (b"accept", b"text/event-stream")]
+    assert kept_headers(proxies) == (("accept", "text/event-stream"),)  # what proxies in front add
 
 
 def test_sampling_is_read_where_each_route_sets_it() -> None:
