@@ -298,10 +298,10 @@ class GatewayApp:
                                                    body=body, request=inspected.body, start=start,
                                                    keep_pieces=recorded), path, mirrored,
                                           headers, request.query), mirror=True)
-        if mirrors and down:
-            mirrors = tuple(mirror for mirror in mirrors if mirror not in down)
+        skipped = tuple(mirror for mirror in mirrors if mirror in down)
         exchange = Exchange(arm=decision.arm, route=api, request_id=request_id, body=body, request=inspected.body,
-                            start=start, mirrors=mirrors, keep_pieces=recorded)
+                            start=start, mirrors=tuple(mirror for mirror in mirrors if mirror not in skipped),
+                            skipped=skipped, keep_pieces=recorded)
         await self.forward(exchange, b"POST", path, with_spec, headers, reply, strip_spec=with_spec is not request.body,
                            query=request.query)
 
@@ -361,7 +361,7 @@ class GatewayApp:
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
                 outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors,
-                exchange.pieces, exchange.request, exchange.sent))
+                exchange.pieces, exchange.request, exchange.sent, exchange.skipped))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

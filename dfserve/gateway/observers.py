@@ -68,7 +68,7 @@ class Exchanged:
     that held an error or an abort)."""
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
-    """On a client's exchange: the arms its shadow copies were sent to (none skipped for a down arm)."""
+    """On a client's exchange: the arms its shadow copies were sent to (not those skipped, `skipped`)."""
     pieces: Sequence[tuple[float, bytes]] | Sequence[tuple[float, int]] | None = None
     """A recorded stream as its client read it: each piece of whole events, with the `perf_counter` reading of its
     arrival (`EventRelay.pieces`, by reference, decoded by the observer's thread), or, for a native stream (whose
@@ -80,6 +80,8 @@ class Exchanged:
     decoding `body` again: a coding prompt's body is tens of kilobytes. None where the gateway did not decode it."""
     sent_s: float | None = None
     """When the request was written to the replica that answered (`perf_counter`), None where none did."""
+    skipped: tuple[str, ...] = ()
+    """On a client's exchange: the arms its shadow copies were not sent to, their arm down (no healthy replica)."""
 
     @property
     def timed_from_s(self) -> float:

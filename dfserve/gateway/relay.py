@@ -113,6 +113,8 @@ class Exchange:
     streamed: bool = False
     mirrors: tuple[str, ...] = ()
     """`Exchanged.mirrors`."""
+    skipped: tuple[str, ...] = ()
+    """`Exchanged.skipped`."""
     keep_pieces: bool = False
     """Recorded: a stream's relay keeps every piece it relays, with its arrival time (decided at dispatch)."""
     pieces: list[tuple[float, bytes]] | list[tuple[float, int]] | None = None

@@ -44,7 +44,7 @@ from dfserve.metrics import GATEWAY_OVERLOADED, GATEWAY_STOPPED
 from dfserve.runs import JsonlAppender, Provenance, create_run_dir, write_model
 from dfserve.sglang import parse_server_info
 from dfserve.shadow.policy import ShadowPolicy
-from dfserve.shadow.records import RequestTask, rebased, shadow_record
+from dfserve.shadow.records import RequestTask, rebased, shadow_record, skipped_record
 from dfserve.verdict.design import SequentialDesign
 
 log = logging.getLogger("dfserve.gateway")
@@ -215,8 +215,8 @@ class ShadowRecorder:
 
     def observe(self, exchanged: Exchanged) -> None:
         rid, arm = exchanged.request_id, exchanged.outcome.arm
-        if not exchanged.mirror and not exchanged.mirrors:
-            return  # not mirrored (pinned to an arm, mirroring stopped, or its mirrors' arms down): no pair
+        if not exchanged.mirror and not exchanged.mirrors and not exchanged.skipped:
+            return  # not mirrored (pinned to an arm, mirroring stopped): no pair
         if not exchanged.mirror and self._folder is not None and arm != self._folder.config.primary:
             self._rotate(arm)  # the routing changed: a folder has one baseline
         folder = self._folder
@@ -225,14 +225,17 @@ class ShadowRecorder:
         request = self._waiting.get(rid)
         if request is None:
             request = self._waiting[rid] = _Request()
+        task = request.task = request.task or RequestTask.of(exchanged)
         if arm not in request.records:  # an arm's second exchange for one request is not a record
             # the record, not the exchange, waits: a native stream's answer is its whole output
-            request.task = request.task or RequestTask.of(exchanged)
-            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, request.task,
+            request.records[arm] = (exchanged.mirror, shadow_record(exchanged, folder.t0_perf_s, task,
                                                                     folder.simulated.get(arm, False)),
                                     folder.t0_perf_s)
         if not exchanged.mirror and request.primary is None:
-            request.arms, request.primary = frozenset((arm, *exchanged.mirrors)), arm
+            request.arms, request.primary = frozenset((arm, *exchanged.mirrors, *exchanged.skipped)), arm
+            for down in exchanged.skipped:  # its failure, not a hole: a down arm's hours are part of its record
+                request.records[down] = (True, skipped_record(exchanged, down, folder.t0_perf_s, task,
+                                                              folder.simulated.get(down, False)), folder.t0_perf_s)
         if request.complete:
             del self._waiting[rid]
             self._write_request(request)

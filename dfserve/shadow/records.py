@@ -213,6 +213,17 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
     )
 
 
+def skipped_record(exchanged: Exchanged, arm: str, t0_perf_s: float, task: RequestTask,
+                   simulated: bool = False) -> RequestRecord:
+    """The record of a mirror the gateway did not send, its arm down (`Exchanged.skipped`): the arm's failure, as a
+    request sent to it then would have failed; left out, its worst hours would leave its record clean."""
+    start = exchanged.start_s - t0_perf_s
+    return RequestRecord(arm=arm, route=exchanged.outcome.route, index=exchanged.request_id, task_id=task.task_id,
+                         dispatched_s=start, sent_s=None, end_s=start, error_kind="connect",
+                         error_message=f"not sent: arm {arm} had no healthy replica (the gateway skipped its mirror)",
+                         temperature=task.temperature, simulated=simulated)
+
+
 def rebased(record: RequestRecord, later_s: float) -> RequestRecord:
     """`record` with its times from a time zero `later_s` later (a folder opened while it waited for its pair)."""
     def moved(at_s: float | None) -> float | None:

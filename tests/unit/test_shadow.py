@@ -672,6 +672,20 @@ def _traffic(n: int, cand_verify: int, temperature: float = 0, cand_text: str = 
                                                       temperature=temperature))]
 
 
+def test_mirrors_skipped_while_their_arm_was_down_are_its_failures(tmp_path: Path) -> None:
+    """The gateway sends no mirror to an arm with no healthy replica: its requests then are its failures, not left
+    out, or a candidate's worst hours would leave a clean record (and a PASS on errors)."""
+    down = [replace(exchanged(rid, "zlab", False, mirrors=()), skipped=("inhouse",)) for rid in range(10)]
+    traffic = down + _traffic(PASSING, 4)[20:]
+    folder = _record(tmp_path, traffic)
+    records = [r for r in read_records(folder / "requests.jsonl") if r.arm == "inhouse"]
+    assert len(records) == PASSING and sum(r.error_kind == "connect" for r in records) == 10
+    assert "no healthy replica" in next(r.error_message or "" for r in records if r.error_kind)
+    judged = compare_shadow(folder, None, None, False, tmp_path / "v")
+    errors = {r.metric: r for r in judged.verdict.judgement.rules}["error_rate"]
+    assert errors.status == "FAIL" and judged.verdict.verdict == "FAIL"
+
+
 def test_compare_fails_a_worse_candidate_and_reports_the_noise_floor(tmp_path: Path) -> None:
     traffic = _traffic(30, cand_verify=8, mirrors=("inhouse", "zlab2")) + [exchanged(rid, "zlab2", True)
                                                                           for rid in range(30)]
