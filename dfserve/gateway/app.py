@@ -361,7 +361,7 @@ class GatewayApp:
             gateway.observers.finished(Exchanged(
                 exchange.request_id, exchange.mirror, method.decode(), path, headers, exchange.body, exchange.start,
                 outcome(exchange), exchange.unparsed, exchange.answer, exchange.streamed, exchange.mirrors,
-                exchange.pieces, exchange.request, exchange.sent, exchange.skipped))
+                exchange.pieces, exchange.request, exchange.sent, exchange.skipped, exchange.paused_s))
 
     async def _relay(self, opened: Opened, exchange: Exchange, reply: Responder, strip_spec: bool) -> None:
         response = opened.response

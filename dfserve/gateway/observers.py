@@ -82,6 +82,9 @@ class Exchanged:
     """When the request was written to the replica that answered (`perf_counter`), None where none did."""
     skipped: tuple[str, ...] = ()
     """On a client's exchange: the arms its shadow copies were not sent to, their arm down (no healthy replica)."""
+    paused_s: float = 0.0
+    """How long the relay stopped reading the replica's stream because its client's socket was full (back-pressure):
+    that long, its chunks came as fast as the client took them, not as the engine made them."""
 
     @property
     def timed_from_s(self) -> float:

@@ -115,6 +115,8 @@ class Exchange:
     """`Exchanged.mirrors`."""
     skipped: tuple[str, ...] = ()
     """`Exchanged.skipped`."""
+    paused_s: float = 0.0
+    """`Exchanged.paused_s`."""
     keep_pieces: bool = False
     """Recorded: a stream's relay keeps every piece it relays, with its arrival time (decided at dispatch)."""
     pieces: list[tuple[float, bytes]] | list[tuple[float, int]] | None = None
@@ -230,7 +232,18 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
     write, chunked = reply.body_writer()
     relay = EventRelay(write, chunked, kind.marks.keys, kind.marks.cumulative, ITL_BUCKETS_S, max_event_bytes,
                        strip, exchange.keep_pieces, kind.alarm)
-    reply.hook(opened.call.pause_reading, opened.call.resume_reading, relay.detach)
+    paused_at: list[float] = []
+
+    def pause() -> None:
+        paused_at.append(time.perf_counter())
+        opened.call.pause_reading()
+
+    def resume() -> None:
+        if paused_at:
+            exchange.paused_s += time.perf_counter() - paused_at.pop()
+        opened.call.resume_reading()
+
+    reply.hook(pause, resume, relay.detach)
     opened.call.attach(relay)
     failure: Exception | None = None
     try:
@@ -244,7 +257,7 @@ async def relay_stream(opened: Opened, reply: Responder, kind: StreamKind, excha
         # `[DONE]`): an answered request. The upstream connection, its body unfinished, is closed, not reused.
     finally:
         relay.ended()  # pieces that still arrive before the upstream is released are not the client's
-        reply.unhook()
+        reply.unhook()  # resumes what is paused
         meter(relay, exchange)
     # A failure after a whole stream (the replica gone, or its body short of its Content-Length, after `[DONE]`) is
     # none: the client has its answer, as one that leaves at `[DONE]` has.

@@ -65,6 +65,9 @@ class RequestRecord(BaseModel):
     error_message: str | None = None
     error_code: int | None = Field(None, description="status an in-band error carried (http_status stays 200)")
     simulated: bool = False
+    client_bound: bool = Field(False, description="a shadow pair whose primary the gateway could read only as fast "
+                               "as its client took it (back-pressure): its chunk times and end are the client's, not "
+                               "the engine's, so neither record of the pair is timed")
     server_e2e_latency_s: float | None = Field(None, description="meta_info e2e_latency: the server's own view")
     sim_chunk_sent_unix_s: list[float] | None = Field(
         None, description="simulator only: wall-clock send time of each chunk, to measure this client's error")
@@ -101,7 +104,7 @@ def ttft_s(r: RequestRecord) -> float | None:
 
 
 def e2e_s(r: RequestRecord) -> float | None:
-    if not r.ok or r.sent_s is None or r.end_s is None:
+    if not r.ok or r.sent_s is None or r.end_s is None or r.client_bound:
         return None
     return r.end_s - r.sent_s
 
@@ -112,12 +115,15 @@ def wait_s(r: RequestRecord) -> float:
 
 
 def tpot_s(r: RequestRecord) -> float | None:
-    if not r.ok or r.completion_tokens is None or r.completion_tokens < 2 or len(r.chunk_times_s) < 2:
+    if (not r.ok or r.completion_tokens is None or r.completion_tokens < 2 or len(r.chunk_times_s) < 2
+            or r.client_bound):
         return None
     return (r.chunk_times_s[-1] - r.chunk_times_s[0]) / (r.completion_tokens - 1)
 
 
 def itl_per_chunk_s(r: RequestRecord) -> list[float]:
+    if r.client_bound:
+        return []
     times = r.chunk_times_s
     return [later - earlier for earlier, later in pairwise(times)]
 
@@ -130,7 +136,7 @@ def read_with_next(r: RequestRecord) -> list[bool]:
 
 def itl_per_token_s(r: RequestRecord) -> list[float]:
     """Each gap split evenly over the tokens of the chunk that ended it; empty when per-chunk tokens are unknown."""
-    if r.chunk_tokens is None or len(r.chunk_tokens) != len(r.chunk_times_s):
+    if r.chunk_tokens is None or len(r.chunk_tokens) != len(r.chunk_times_s) or r.client_bound:
         return []
     samples: list[float] = []
     for gap, tokens in zip(itl_per_chunk_s(r), r.chunk_tokens[1:], strict=True):

@@ -268,8 +268,10 @@ class ShadowRecorder:
         folder = self._folder
         if folder is None or request.primary not in (None, folder.config.primary):
             return
+        bound = any(record.client_bound for _, record, _ in request.records.values())
         for _, record, t0_perf_s in sorted(request.records.values(), key=lambda made: made[0]):
-            self._write(record, t0_perf_s)
+            # a pair is timed on both sides or neither: the mirror's times beside the slow client's would flatter it
+            self._write(record.model_copy(update={"client_bound": True}) if bound else record, t0_perf_s)
         if len(folder.records) >= self.policy.records_per_folder or folder.bytes >= self.policy.folder_bytes:
             self._rotate(folder.config.primary)
 

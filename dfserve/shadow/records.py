@@ -159,6 +159,12 @@ def recorded_native_stream(totals: Sequence[tuple[float, int]], answer: bytes, t
     return stream
 
 
+CLIENT_BOUND_SHARE = 0.01
+"""A share of a stream's E2E beyond which the time its relay waited on a slow client (`Exchanged.paused_s`) makes its
+pair untimed (`RequestRecord.client_bound`): a brief wait, a large event filling the socket once, moves its times by
+less than any latency rule can tell."""
+
+
 def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | None = None,
                   simulated: bool = False) -> RequestRecord:
     """The record of one arm's answer to one request; `task`, when its request's other records have read it;
@@ -210,6 +216,7 @@ def shadow_record(exchanged: Exchanged, t0_perf_s: float, task: RequestTask | No
         http_status=200 if in_band else o.status or None, error_kind=kind, error_message=message,
         error_code=o.status if in_band and o.status != 200 else None,
         temperature=task.temperature, simulated=simulated,
+        client_bound=o.e2e_s is not None and exchanged.paused_s > CLIENT_BOUND_SHARE * o.e2e_s,
     )
 
 

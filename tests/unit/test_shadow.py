@@ -23,7 +23,7 @@ from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.cli import compare, promote
 from dfserve.loadtest.client import Finished, Sent, derive, read_events
-from dfserve.loadtest.records import read_records, tpot_s
+from dfserve.loadtest.records import e2e_s, read_records, tpot_s
 from dfserve.loadtest.report import summarize_arm
 from dfserve.metrics import ObserverMetrics, Outcome
 from dfserve.relay_core import EventRelay
@@ -670,6 +670,22 @@ def _traffic(n: int, cand_verify: int, temperature: float = 0, cand_text: str = 
     return [e for rid in range(n) for e in (exchanged(rid, "zlab", False, temperature=temperature, mirrors=mirrors),
                                             exchanged(rid, "inhouse", True, verify=cand_verify, text=cand_text,
                                                       temperature=temperature))]
+
+
+def test_a_pair_whose_client_read_slowly_is_not_timed_on_either_side(tmp_path: Path) -> None:
+    """The relay reads the primary's stream only as fast as its client takes it, the mirror's at full speed: timed,
+    a slow client's pairs made the candidate look twice as fast. A brief wait (a large event filling the socket
+    once) leaves the pair timed."""
+    def slow(e: Exchanged, paused_s: float) -> Exchanged:
+        outcome = replace(e.outcome, e2e_s=0.1 + paused_s) if not e.mirror else e.outcome
+        return replace(e, outcome=outcome, paused_s=paused_s if not e.mirror else 0.0)
+
+    traffic = [slow(e, 0.5 if e.request_id % 2 else 0.0005) for e in _traffic(40, 4)]
+    records = read_records(_record(tmp_path, traffic) / "requests.jsonl")
+    bound = {(r.index, r.arm) for r in records if r.client_bound}
+    assert bound == {(rid, arm) for rid in range(1, 40, 2) for arm in ("zlab", "inhouse")}
+    assert all(e2e_s(r) is None and tpot_s(r) is None for r in records if r.client_bound)
+    assert all(e2e_s(r) is not None for r in records if not r.client_bound)
 
 
 def test_mirrors_skipped_while_their_arm_was_down_are_its_failures(tmp_path: Path) -> None:
