@@ -19,7 +19,8 @@ seeded random order, one pass over the set before any repeats):
 - quantiles of one value per request (TTFT, TPOT, E2E): each arm's quantile sequence at alpha/2, combined; exact for
   independent requests (a load that drifts during the run breaks that, for this design as for the fixed one).
 - `error_rate`: each arm's beta-binomial sequence at alpha/2, combined; exact for independent requests, and valid
-  with no error at all (where a normal approximation would claim certainty).
+  with no error at all (where a normal approximation would claim certainty); widened, where errors come by task, to
+  the normal mixture over tasks (as the ratios', scale the rule's `max_worse`).
 - `lossless_fraction`: beta-binomial over distinct tasks; at temperature 0 a task's output is fixed, so the observed
   fraction also decides PASS once every task of the set has been seen, as the fixed-n rule does.
 - quantiles of per-token or per-chunk samples (ITL) are refused: their samples are many per request and dependent.

@@ -137,31 +137,44 @@ class QuantileTrack(_SeenTasks, Generic[U]):
 
 
 class ErrorTrack(_SeenTasks, Generic[U]):
-    """Failed requests per arm; the change in rate (absolute) bounded by both arms' beta-binomial sequences."""
+    """Failed requests per arm; the change in rate (absolute) bounded by both arms' beta-binomial sequences over
+    requests and, as the fixed-n design has it, by a normal mixture over tasks, whichever is wider: errors that come
+    by task (one prompt the candidate always fails) are fewer independent events than their count says."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: float) -> None:
         self.pairs = self.errors_b = self.errors_c = 0
+        self.scale = max(limit, SCALE_FLOOR)
+        self.per_task: dict[int, list[int]] = {}
+        """Each task's pairs, and its candidate's errors less its baseline's."""
         super().__init__()
 
     def add(self, task: int, base: U, cand: U) -> None:
         self.pairs += 1
         self.errors_b += not base.ok
         self.errors_c += not cand.ok
+        counts = self.per_task.setdefault(task, [0, 0])
+        counts[0] += 1
+        counts[1] += int(not cand.ok) - int(not base.ok)
         self.seen.add(task)
 
     def read(self, alpha: float) -> Reading | None:
         if not self.pairs:
             return None
         n, errors_b, errors_c = self.pairs, self.errors_b, self.errors_c
+        change = (errors_c - errors_b) / n
+        counts = np.array(list(self.per_task.values()), dtype=float)
+        influence = (counts[:, 1] - change * counts[:, 0]) / n
+        se = math.sqrt(float(influence @ influence))
 
         def interval_at(growth: float) -> tuple[float, float]:
             scaled = max(1, round(n * growth))
             low_b, high_b = confseq.proportion_sequence(round(errors_b * scaled / n), scaled, alpha / 2)
             low_c, high_c = confseq.proportion_sequence(round(errors_c * scaled / n), scaled, alpha / 2)
-            return low_c - high_b, high_c - low_b
+            radius = confseq.mixture_radius(se / math.sqrt(growth), self.scale, alpha)
+            return min(low_c - high_b, change - radius), max(high_c - low_b, change + radius)
 
         low, high = interval_at(1.0)
-        return Reading((errors_c - errors_b) / n, low, high, interval_at)
+        return Reading(change, low, high, interval_at)
 
 
 class LosslessTrack(Generic[U]):

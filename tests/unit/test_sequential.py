@@ -7,6 +7,7 @@ import io
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -24,7 +25,7 @@ from dfserve.verdict import bootstrap
 from dfserve.verdict.gate import Gate, Rule
 from dfserve.verdict.pairs import MetricSpec, Pairs
 from dfserve.verdict.sequential import rule_result, units_to_decide
-from dfserve.verdict.tracks import LosslessTrack
+from dfserve.verdict.tracks import ErrorTrack, LosslessTrack
 from tests.synthetic import run_config, synthetic
 
 ACCEPT = Gate(rules=(Rule(metric="accept_length", max_worse=0.02),))
@@ -319,3 +320,16 @@ def test_a_design_that_would_decide_on_fewer_than_five_tasks_is_refused() -> Non
     with pytest.raises(ValidationError, match="min_tasks"):
         SequentialDesign(gate=DEFAULT_GATE, min_tasks=4)
     assert SequentialDesign(gate=DEFAULT_GATE, min_tasks=5).min_tasks == 5
+
+
+def test_errors_that_come_by_task_are_fewer_events_than_their_count() -> None:
+    """Six candidate failures in 2,144 pairs of 16 tasks: spread over six tasks they bound the rise within the
+    1-point rule; all in one task (a prompt it always fails), they do not, as the fixed-n design has it."""
+    ok, failed = SimpleNamespace(ok=True), SimpleNamespace(ok=False)
+    clustered, spread = ErrorTrack[SimpleNamespace](0.01), ErrorTrack[SimpleNamespace](0.01)
+    for i in range(2144):
+        clustered.add(i % 16, ok, failed if i % 16 == 0 and i // 16 < 6 else ok)
+        spread.add(i % 16, ok, failed if i in (0, 357, 714, 1071, 1428, 1785) else ok)
+    by_task, apart = clustered.read(0.05), spread.read(0.05)
+    assert by_task is not None and apart is not None and by_task.change == apart.change
+    assert apart.high <= 0.01 < by_task.high
