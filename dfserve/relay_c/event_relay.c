@@ -143,9 +143,12 @@ only_comments(const char *data, Py_ssize_t length)
 {
     Py_ssize_t at = 0;
     while (at < length) {
+        char first = data[at];
+        if (first != ':' && first != '\n' && first != '\r') /* an event's line: settled by its first byte */
+            return 0;
         const char *newline = memchr(data + at, '\n', length - at);
         Py_ssize_t end = newline != NULL ? newline - data : length;
-        if (end > at && data[at] != ':' && !(end - at == 1 && data[at] == '\r'))
+        if (first == '\r' && end - at != 1)
             return 0;
         at = end + 1;
     }

@@ -84,18 +84,6 @@ def test_a_native_stream_that_never_counted_its_output_is_not_sglangs_unless_it_
     assert acceptance == Acceptance() and in_band is not None and in_band.message == "bad"
 
 
-def test_a_native_stream_that_goes_on_after_an_error_in_band_failed() -> None:
-    """As the load tester reads it: a server that is not SGLang may go on streaming after an error, or an abort, and
-    end well; the stream failed where the error came."""
-    error = b'data: {"error":{"message":"bad","code":503}}\n\n'
-    abort = native(5).replace(b'"finish_reason": null', b'"finish_reason": {"type": "abort", "status_code": 503}')
-    for failure in (error, abort):
-        relay, _ = relayed(NativeStream(), [native(1), failure, native(6), native(8), native(10, final=True),
-                                            b"data: [DONE]\n\n"])
-        _, in_band = NativeStream().read_end(relay.tokens, relay.alarmed + relay.tail)
-        assert in_band is not None and in_band.code == 503
-
-
 def test_openai_stream_estimates_only_with_usage() -> None:
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":9}}\n\n'

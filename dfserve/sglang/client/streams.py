@@ -205,14 +205,13 @@ def native_stream_error(events: bytes) -> StreamError | None:
 
 
 NATIVE_ALARM = _IN_BAND_ERROR
-"""What marks a native event as one its stream is read with wherever it came (`EventRelay.alarmed`): an output's
-error or abort, after which SGLang goes on streaming the other outputs of several (and a server that is not SGLang
-may go on streaming one)."""
+"""What marks a native event as one a stream of several outputs is read with wherever it came (`EventRelay.alarmed`):
+an output's error or abort, after which SGLang goes on streaming the other outputs."""
 
 
 def native_outputs_error(events: bytes) -> StreamError | None:
-    """The first in-band error among a native stream's events (of several outputs, each ends with its own finish
-    reason); None when every output ended well."""
+    """The first in-band error among the events of a native stream of several outputs (each ends with its own
+    finish reason); None when every output ended well."""
     if not any(key in events for key in _IN_BAND_ERROR):
         return None
     for data in SSEDecoder().feed(events):
