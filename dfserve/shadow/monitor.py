@@ -9,9 +9,9 @@ pairs of every request up to the last one whose fate is known in full, taken in 
 is known once its client's exchange has come (it names the arms it was mirrored to, `Exchanged.mirrors`) and, if it
 was mirrored to the candidate, once the recorder has written its records (together, when every arm's exchange has
 come). It is then a pair (both records in the folder being decided, neither cancelled by the client or the
-gateway's stop) or it is not (never mirrored, its mirror skipped for a down arm, its records not written), and
-which it is never depends on what the answers were. A
-mirror that failed is a pair whose candidate failed: it counts towards `error_rate`, it is not left out.
+gateway's stop) or it is not (never mirrored, its records not written), and which it is never depends on what the
+answers were. A mirror that failed is a pair whose candidate failed: it counts towards `error_rate`, it is not left
+out, and so is one the gateway skipped because the candidate's arm was down (`Exchanged.skipped`).
 
 Why not pairs in the order they finish: at any moment the requests still in flight are the slow ones, so every
 look would favour short answers, and a rule on E2E or acceptance would be decided on a biased sample (the load
@@ -174,7 +174,8 @@ class LiveDecision:
             return None
         if not exchanged.mirror:
             request = self._requests.setdefault(exchanged.request_id, _Request())
-            request.primary, request.mirrored = exchanged.outcome.arm, self.candidate in exchanged.mirrors
+            request.primary = exchanged.outcome.arm
+            request.mirrored = self.candidate in exchanged.mirrors or self.candidate in exchanged.skipped
         while (first := self._requests.get(self._next)) is not None and first.known:
             del self._requests[self._next]
             look = self._take(self._next, first)

@@ -103,6 +103,20 @@ def test_a_pair_waits_for_its_requests_secondary_and_is_taken_once_its_records_a
     decider.close()
 
 
+def test_a_mirror_skipped_for_its_down_arm_is_a_pair_whose_candidate_failed_with_a_secondary_too(
+        tmp_path: Path) -> None:
+    """Its failure record is written once the secondary's exchange comes: the request waits for it, as any, rather
+    than being known at once as no pair (the live decision then PASSed on errors its folder FAILs)."""
+    decider, _, _ = deciding(tmp_path, look_every=1)
+    for rid in range(3):
+        decider.observe(replace(request(rid)[0], mirrors=("zlab2",), skipped=("inhouse",)))
+    assert decider.decision.pairs == 0
+    for rid in range(3):
+        decider.observe(exchanged(rid, "zlab2", True))
+    assert decider.decision.pairs == 3 and decider.decision.monitor is not None
+    decider.close()
+
+
 def test_requests_never_mirrored_or_left_by_their_client_are_no_pairs_and_a_failed_mirror_is_one(
         tmp_path: Path) -> None:
     decider, _, _ = deciding(tmp_path, look_every=1)
