@@ -50,6 +50,11 @@ METRICS: dict[str, Metric] = {
                          fixed_by_task=True),
 }
 
+TIMED = frozenset(name for name in METRICS
+                  if name.startswith(("tpot_", "itl_", "e2e_")) or name == "output_tokens_per_s")
+"""The metrics read from a request's chunk times or end, which a slow client holds up (`RequestRecord.client_bound`);
+TTFT is not: its first chunk comes before any wait."""
+
 DEFAULT_GATE = Gate(rules=(
     Rule(metric="accept_length", max_worse=0.02),
     Rule(metric="tpot_p95", max_worse=0.05),

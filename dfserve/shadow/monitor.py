@@ -53,7 +53,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dfserve.gateway.observers import Exchanged
-from dfserve.loadtest.judge import METRICS
+from dfserve.loadtest.judge import METRICS, TIMED
 from dfserve.loadtest.records import RequestRecord
 from dfserve.metrics import ShadowDecisionMetrics
 from dfserve.runs import write_model
@@ -161,6 +161,10 @@ class LiveDecision:
                 return  # the decision's folder was closed undecided: the deciding recorder gives it up
             self.folder, self._primary = folder, primary
             self.monitor = live_monitor(self.design) if primary != self.candidate else None
+        if record.client_bound and any(rule.metric in TIMED for rule in self.design.gate.rules):
+            self.abandon(f"request {record.index} was read at a slow client's pace (client_bound): which pairs a "
+                         "slow client holds up depends on the baseline's speed, so latency rules are not decided live")
+            return
         if record.index >= self._next:
             request = self._requests.setdefault(record.index, _Request())
             request.recorded = True

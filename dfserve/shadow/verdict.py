@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from dfserve.errors import FieldError, Untrusted, UserError
-from dfserve.loadtest.judge import LOSSLESS, METRICS
+from dfserve.loadtest.judge import LOSSLESS, METRICS, TIMED
 from dfserve.loadtest.records import (
     RequestRecord,
     check_same_request,
@@ -54,7 +54,7 @@ from dfserve.verdict.fixed import FixedN
 from dfserve.verdict.gate import Gate, Rule, check_rules, read_gate
 from dfserve.verdict.pairs import Pairs
 from dfserve.verdict.report import write_verdict_report
-from dfserve.verdict.results import Judgement
+from dfserve.verdict.results import Judgement, overall
 from dfserve.verdict.sequential import check_sequential_gate
 from dfserve.verdict.verdict import Side, Verdict, write_verdict
 
@@ -268,6 +268,17 @@ def read_together(records: Sequence[RequestRecord], arms: Iterable[str]) -> list
     return notes
 
 
+def untimed(judgement: Judgement, bound: int) -> Judgement:
+    """`judgement` with no PASS on a timed rule (`TIMED`): `bound` pairs were left untimed, chosen by how fast the
+    baseline streamed, which leaves its faster answers out and flatters the candidate. A FAIL stands: it held
+    despite that."""
+    rules = tuple(rule.model_copy(update={"status": "INCONCLUSIVE", "detail": f"{rule.detail}; not a PASS: {bound} "
+                                          "pairs untimed, held up by a slow client (client_bound)"})
+                  if rule.metric in TIMED and rule.status == "PASS" else rule for rule in judgement.rules)
+    verdict, needed = overall(rules)
+    return judgement.model_copy(update={"rules": rules, "verdict": verdict, "tasks_needed": needed})
+
+
 def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: bool, out: Path | None) -> ShadowJudged:
     """Judge a shadow folder's candidate arm against its primary (and its secondary, as the noise floor); write the
     verdict into a new folder under `out` (default: beside the folder)."""
@@ -312,6 +323,12 @@ def compare_shadow(path: Path, candidate: str | None, gate: Path | None, force: 
             if not force:
                 raise Untrusted(why)
     judgement = outcome.judgement
+    bound = sum(1 for b, c in zip(pairs.base, pairs.cand, strict=True) if b.client_bound or c.client_bound)
+    if bound:
+        judgement = untimed(judgement, bound)
+        notes.append(f"{bound} of {len(pairs)} pairs were read at a slow client's pace (client_bound) and are not "
+                     "timed; which pairs a slow client holds up depends on the baseline's own speed, so no latency "
+                     "rule passes on the rest (judge latency on a replay of a capture)")
     floor = None
     if config.secondary is not None:
         floor_pairs, floor_notes = request_pairs(records, config.primary, config.secondary)

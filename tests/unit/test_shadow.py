@@ -23,6 +23,7 @@ from dfserve.gateway.config import load_config
 from dfserve.gateway.observers import Exchanged, Observers
 from dfserve.loadtest.cli import compare, promote
 from dfserve.loadtest.client import Finished, Sent, derive, read_events
+from dfserve.loadtest.judge import TIMED
 from dfserve.loadtest.records import e2e_s, read_records, tpot_s
 from dfserve.loadtest.report import summarize_arm
 from dfserve.metrics import ObserverMetrics, Outcome
@@ -686,6 +687,13 @@ def test_a_pair_whose_client_read_slowly_is_not_timed_on_either_side(tmp_path: P
     assert bound == {(rid, arm) for rid in range(1, 40, 2) for arm in ("zlab", "inhouse")}
     assert all(e2e_s(r) is None and tpot_s(r) is None for r in records if r.client_bound)
     assert all(e2e_s(r) is not None for r in records if not r.client_bound)
+    even = [slow(e, 0.5 if e.request_id % 2 else 0.0005) for e in _traffic(PASSING, 4, cand_text="out")]
+    judged = compare_shadow(_record(tmp_path / "judged", even), None, None, False, tmp_path / "v")
+    rules = {r.metric: r for r in judged.verdict.judgement.rules}
+    timed = [r for r in rules.values() if r.metric in TIMED]
+    assert timed and all(r.status != "PASS" and "client_bound" in r.detail for r in timed)
+    assert rules["accept_length"].status != "INCONCLUSIVE" and judged.verdict.verdict != "PASS"
+    assert any(f"{PASSING // 2} of {PASSING} pairs were read at a slow client's pace" in n for n in judged.notes)
 
 
 def test_mirrors_skipped_while_their_arm_was_down_are_its_failures(tmp_path: Path) -> None:

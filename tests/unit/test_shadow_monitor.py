@@ -117,6 +117,22 @@ def test_a_mirror_skipped_for_its_down_arm_is_a_pair_whose_candidate_failed_with
     decider.close()
 
 
+def test_a_pair_held_up_by_a_slow_client_gives_a_gate_of_latency_up_live(tmp_path: Path) -> None:
+    """Which pairs a slow client holds up depends on the baseline's speed: a latency rule cannot be decided on the
+    rest, live or after."""
+    decider, metrics, _ = deciding(tmp_path, look_every=1)
+    primary, mirror = request(0)
+    decider.observe(replace(primary, paused_s=0.05))
+    decider.observe(mirror)
+    assert state(metrics) == "abandoned" and "slow client" in (decider.decision.gave_up or "")
+    decider.close()
+    acceptance, metrics, _ = deciding(tmp_path / "acceptance", look_every=1, gate=ACCEPTANCE)
+    for e in (replace(primary, paused_s=0.05), mirror):
+        acceptance.observe(e)
+    assert state(metrics) == "deciding"
+    acceptance.close()
+
+
 def test_requests_never_mirrored_or_left_by_their_client_are_no_pairs_and_a_failed_mirror_is_one(
         tmp_path: Path) -> None:
     decider, _, _ = deciding(tmp_path, look_every=1)
