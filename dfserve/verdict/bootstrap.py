@@ -64,7 +64,7 @@ def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDA
     assert counted is not None
     if not math.isfinite(interval.low):
         counted = interval
-    by_counts = counted.low < interval.low or counted.high > interval.high
+    by_counts = counted.high > interval.high  # the side a PASS must clear
     return MetricResult(metric=name, label=spec.label, baseline=rate_b, candidate=rate_c, change=interval.estimate,
                         change_low=min(interval.low, counted.low), change_high=max(interval.high, counted.high),
                         relative=False, n_baseline=n, n_candidate=n, higher_is_better=False, unit=spec.unit,

@@ -76,7 +76,7 @@ def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleRe
         return RuleResult(metric=result.metric, limit=max_worse, status="PASS", detail=detail)
     if worse_low > max_worse:
         return RuleResult(metric=result.metric, limit=max_worse, status="FAIL", detail=detail)
-    if result.interval_of_counts and result.baseline is not None and result.candidate is not None:
+    if result.interval_of_counts and worse < max_worse and result.baseline is not None and result.candidate is not None:
         return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE", detail=detail,
                           requests_needed=stats.newcombe_requests_needed(result.baseline, result.candidate,
                                                                          result.n_baseline, max_worse))

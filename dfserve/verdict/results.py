@@ -38,9 +38,9 @@ class MetricResult(_Model):
     n_candidate: int
     higher_is_better: bool
     unit: Literal["", "s"] = Field("", description="of baseline and candidate: s for latencies, '' for none")
-    interval_of_counts: bool = Field(False, description="the interval is the counts' (error_rate: Newcombe's over "
-                                     "requests), wider than the bootstrap's over tasks: more requests narrow it, "
-                                     "repeats of a task included")
+    interval_of_counts: bool = Field(False, description="the interval's worse end is the counts' (error_rate: "
+                                     "Newcombe's over requests), beyond the bootstrap's over tasks: more requests "
+                                     "bring it in, repeats of a task included")
 
 
 class RuleResult(_Model):
