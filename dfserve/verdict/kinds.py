@@ -46,7 +46,7 @@ def _fall_whole(spec: MetricSpec[Any], limit: float) -> bool:
 KINDS: Mapping[str, Kind] = {
     "ratio": Kind(bootstrap.ratio, RatioTrack, vacuous=_fall_whole),
     "quantile": Kind(bootstrap.quantile, lambda spec, limit, tasks: QuantileTrack(spec), vacuous=_fall_whole),
-    "error_rate": Kind(bootstrap.error_rate, lambda spec, limit, tasks: ErrorTrack(limit), relative=False,
+    "error_rate": Kind(bootstrap.error_rate, lambda spec, limit, tasks: ErrorTrack(limit, tasks), relative=False,
                        vacuous=lambda spec, limit: limit >= 1),  # a rate rises by 1 at most
     "identical": Kind(lambda name, spec, pairs, weights: bootstrap.identical(spec, pairs),
                       lambda spec, limit, tasks: LosslessTrack(spec), limit="at_least", relative=False,

@@ -141,20 +141,20 @@ class ErrorTrack(_SeenTasks, Generic[U]):
     requests and, as the fixed-n design has it, by a normal mixture over tasks, whichever is wider: errors that come
     by task (one prompt the candidate always fails) are fewer independent events than their count says."""
 
-    def __init__(self, limit: float) -> None:
+    def __init__(self, limit: float, task_count: int) -> None:
         self.pairs = self.errors_b = self.errors_c = 0
         self.scale = max(limit, SCALE_FLOOR)
-        self.per_task: dict[int, list[int]] = {}
-        """Each task's pairs, and its candidate's errors less its baseline's."""
+        # Per task: pairs, and the candidate's errors less the baseline's. Grown as tasks come, as RatioTrack's.
+        self.per_task = np.zeros((2, max(1, min(task_count, 1024))))
         super().__init__()
 
     def add(self, task: int, base: U, cand: U) -> None:
         self.pairs += 1
         self.errors_b += not base.ok
         self.errors_c += not cand.ok
-        counts = self.per_task.setdefault(task, [0, 0])
-        counts[0] += 1
-        counts[1] += int(not cand.ok) - int(not base.ok)
+        while task >= self.per_task.shape[1]:
+            self.per_task = np.concatenate([self.per_task, np.zeros_like(self.per_task)], axis=1)
+        self.per_task[:, task] += (1, int(not cand.ok) - int(not base.ok))
         self.seen.add(task)
 
     def read(self, alpha: float) -> Reading | None:
@@ -162,8 +162,7 @@ class ErrorTrack(_SeenTasks, Generic[U]):
             return None
         n, errors_b, errors_c = self.pairs, self.errors_b, self.errors_c
         change = (errors_c - errors_b) / n
-        counts = np.array(list(self.per_task.values()), dtype=float)
-        influence = (counts[:, 1] - change * counts[:, 0]) / n
+        influence = (self.per_task[1] - change * self.per_task[0]) / n  # a task not seen adds nothing
         se = math.sqrt(float(influence @ influence))
 
         def interval_at(growth: float) -> tuple[float, float]:

@@ -326,7 +326,7 @@ def test_errors_that_come_by_task_are_fewer_events_than_their_count() -> None:
     """Six candidate failures in 2,144 pairs of 16 tasks: spread over six tasks they bound the rise within the
     1-point rule; all in one task (a prompt it always fails), they do not, as the fixed-n design has it."""
     ok, failed = SimpleNamespace(ok=True), SimpleNamespace(ok=False)
-    clustered, spread = ErrorTrack[SimpleNamespace](0.01), ErrorTrack[SimpleNamespace](0.01)
+    clustered, spread = ErrorTrack[SimpleNamespace](0.01, 16), ErrorTrack[SimpleNamespace](0.01, 16)
     for i in range(2144):
         clustered.add(i % 16, ok, failed if i % 16 == 0 and i // 16 < 6 else ok)
         spread.add(i % 16, ok, failed if i in (0, 357, 714, 1071, 1428, 1785) else ok)
