@@ -77,6 +77,18 @@ def run_dfserve(*args: str, timeout: float = 900) -> subprocess.CompletedProcess
 # deploy
 
 
+def test_check_runs_sglangs_parser_on_the_cpu_profile_and_starts_nothing(world: World, tmp_path: Path) -> None:
+    """Before the module's servers start: their schedulers poll without pause, and starved the parser's import past
+    its limit on two cores."""
+    done = run_dfserve("deploy", "--engine", "sglang", "--profile", "cpu", "--target", str(world.target),
+                       "--drafter", str(world.short), "--sglang-python", str(SGLANG_CPU_PYTHON), "--port", "1",
+                       "--root", str(tmp_path), "--check", "--dry-run", timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "SGLang 0.5.23 accepts it: DFLASH, block 8, draft attention torch_native" in done.stderr
+    assert "--device cpu" in done.stdout and "SGLANG_USE_CPU_ENGINE=1" in done.stdout
+    assert not (tmp_path / "cpu-short").exists()
+
+
 def test_deploy_started_real_sglang_with_dflash_from_a_converted_checkpoint(servers: Servers) -> None:
     record = deployment_record(servers.root, "cpu-long")
     assert record["simulated"] is False and record["engine_version"] == "0.5.23"
@@ -93,16 +105,6 @@ def test_deploy_started_real_sglang_with_dflash_from_a_converted_checkpoint(serv
             break
     assert status.returncode == 0 and status.stdout.startswith("cpu-long: healthy"), status.stdout + status.stderr
     assert "version 0.5.23" in status.stdout
-
-
-def test_check_runs_sglangs_parser_on_the_cpu_profile_and_starts_nothing(world: World, tmp_path: Path) -> None:
-    done = run_dfserve("deploy", "--engine", "sglang", "--profile", "cpu", "--target", str(world.target),
-                       "--drafter", str(world.short), "--sglang-python", str(SGLANG_CPU_PYTHON), "--port", "1",
-                       "--root", str(tmp_path), "--check", "--dry-run", timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "SGLang 0.5.23 accepts it: DFLASH, block 8, draft attention torch_native" in done.stderr
-    assert "--device cpu" in done.stdout and "SGLANG_USE_CPU_ENGINE=1" in done.stdout
-    assert not (tmp_path / "cpu-short").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

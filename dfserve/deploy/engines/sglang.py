@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 CHECK_SCRIPT = Path(__file__).parents[1] / "sglang_check.py"
 """Run by path under SGLang's interpreter, which need not have dfserve installed."""
-CHECK_TIMEOUT_S = 120.0
+CHECK_TIMEOUT_S = 300.0
+"""Importing SGLang takes seconds on an idle host, minutes beside engines whose schedulers poll without pause."""
 
 
 class CheckResult(BaseModel):
