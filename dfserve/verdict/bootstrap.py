@@ -60,10 +60,8 @@ def error_rate(name: str, spec: MetricSpec[Any], pairs: Pairs[Any], weights: NDA
     rate_b, rate_c = err_b.sum() / n, err_c.sum() / n
     draws = stats.weighted_ratio(weights, err_c, totals) - stats.weighted_ratio(weights, err_b, totals)
     interval = stats.decisive_interval(rate_c - rate_b, draws, _clusters(pairs.cluster))
-    counted = stats.newcombe(round(err_b.sum()), n, round(err_c.sum()), n)
+    counted = stats.newcombe(round(err_b.sum()), n, round(err_c.sum()), n) if math.isfinite(interval.low) else interval
     assert counted is not None
-    if not math.isfinite(interval.low):
-        counted = interval
     by_counts = counted.high > interval.high  # the side a PASS must clear
     return MetricResult(metric=name, label=spec.label, baseline=rate_b, candidate=rate_c, change=interval.estimate,
                         change_low=min(interval.low, counted.low), change_high=max(interval.high, counted.high),

@@ -65,7 +65,7 @@ def max_worse_rule(max_worse: float, result: MetricResult, tasks: int) -> RuleRe
     if math.isnan(result.change_low):
         return RuleResult(metric=result.metric, limit=max_worse, status="INCONCLUSIVE",
                           detail=f"no interval: its paired data come from fewer than {stats.MIN_CLUSTERS} distinct "
-                                 "tasks", tasks_needed=max(stats.MIN_CLUSTERS, tasks + 1))
+                                 "tasks", tasks_needed=stats.MIN_CLUSTERS if tasks < stats.MIN_CLUSTERS else None)
     # Express "worse" as a positive number on both sides so one comparison serves every direction.
     sign = -1.0 if result.higher_is_better else 1.0
     worse_low, worse_high = sorted((sign * result.change_low, sign * result.change_high))

@@ -135,6 +135,7 @@ def test_a_metric_measured_on_fewer_than_five_of_its_tasks_decides_nothing() -> 
                    one_measured(synthetic("inhouse", 400, 9.0, seed=2, tasks=5)), DEFAULT_GATE, 0.0)
     accept = {r.metric: r for r in judged.rules}["accept_length"]
     assert accept.status == "INCONCLUSIVE" and "fewer than 5 distinct tasks" in accept.detail
+    assert accept.tasks_needed is None  # the set has 5: more of them, not more tasks, would give it values
 
 
 @pytest.mark.parametrize("tasks", [1, 2, 4])
